@@ -1,0 +1,359 @@
+//! The wire format of a counter event: one event per Kafka message, in one of two forms.
+//!
+//! - **Binary** (what the producer crate writes): one envelope byte, `0xB1` (high nibble `0xB` =
+//!   tally binary, low nibble = version 1), then the event encoded with bincode 2 (standard
+//!   configuration: little-endian, variable-length integers) as the struct
+//!   `(counter: str, delta: i64, actor: Option<str>, ts_ms: i64, event_id: Option<str>)`.
+//! - **JSON** (for services in other languages, kcat, Kafka Connect): one object,
+//!   `{"counter":"likes:post:42","delta":1,"actor":"u7","ts_ms":1764460800000,"event_id":"e1"}`,
+//!   where only `counter` is required, `delta` defaults to 1 and unknown fields are rejected (a
+//!   misspelt `"detla": 5` must not silently count as 1).
+//!
+//! [`decode`] tells the two apart by the first byte and returns a borrowed, validated
+//! [`EventRef`]; bincode is used only inside this module, so it can be swapped for another
+//! encoding behind a new envelope version. The format is documented in `docs/wire-format.md`.
+
+use std::borrow::Cow;
+
+use serde::{Deserialize, Serialize};
+
+use crate::event::{self, CounterEvent, EventError};
+
+/// The envelope byte of binary version 1.
+pub const BINARY_V1: u8 = 0xB1;
+/// Default largest message accepted by [`decode`], in bytes.
+pub const DEFAULT_MAX_MESSAGE_BYTES: usize = 16 * 1024;
+
+/// Why a message could not be turned into an event.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum DecodeError {
+    /// The message had no payload at all.
+    #[error("empty message")]
+    Empty,
+    /// The message was larger than the configured limit.
+    #[error("message is {len} bytes, the limit is {max}")]
+    Oversized {
+        /// Its size.
+        len: usize,
+        /// The limit.
+        max: usize,
+    },
+    /// The first byte is neither a tally envelope nor the start of a JSON object.
+    #[error("unknown format: first byte is {first:#04x} (expected {BINARY_V1:#04x} or a JSON object)")]
+    UnknownFormat {
+        /// The first byte.
+        first: u8,
+    },
+    /// A tally binary envelope of a version this build does not know.
+    #[error("unsupported binary envelope version {version}")]
+    UnsupportedVersion {
+        /// The version nibble.
+        version: u8,
+    },
+    /// The binary body did not decode.
+    #[error("malformed binary event: {message}")]
+    Binary {
+        /// What bincode said.
+        message: String,
+    },
+    /// The JSON body did not parse into an event.
+    #[error("malformed JSON event: {message}")]
+    Json {
+        /// What serde_json said, with line and column.
+        message: String,
+    },
+    /// The event decoded but broke a rule.
+    #[error("invalid event: {0}")]
+    Invalid(#[from] EventError),
+}
+
+impl DecodeError {
+    /// A short, fixed label for metrics and dead-letter headers: one of `oversized`,
+    /// `undecodable`, `invalid_counter`, `invalid_delta`, `invalid_field`.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            DecodeError::Oversized { .. } => "oversized",
+            DecodeError::Empty
+            | DecodeError::UnknownFormat { .. }
+            | DecodeError::UnsupportedVersion { .. }
+            | DecodeError::Binary { .. }
+            | DecodeError::Json { .. } => "undecodable",
+            DecodeError::Invalid(e) => match e {
+                EventError::EmptyCounter
+                | EventError::CounterTooLong { .. }
+                | EventError::CounterCharacter { .. } => "invalid_counter",
+                EventError::ZeroDelta | EventError::DeltaOutOfRange { .. } => "invalid_delta",
+                _ => "invalid_field",
+            },
+        }
+    }
+}
+
+/// A decoded, validated event that borrows from the message where it can.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EventRef<'a> {
+    /// The counter id.
+    #[serde(borrow)]
+    pub counter: Cow<'a, str>,
+    /// The delta.
+    #[serde(default = "default_delta")]
+    pub delta: i64,
+    /// The actor, if any.
+    #[serde(borrow, default)]
+    pub actor: Option<Cow<'a, str>>,
+    /// Event time in milliseconds since the Unix epoch (0 when absent).
+    #[serde(default)]
+    pub ts_ms: i64,
+    /// The event id, if any.
+    #[serde(borrow, default)]
+    pub event_id: Option<Cow<'a, str>>,
+}
+
+fn default_delta() -> i64 {
+    1
+}
+
+impl EventRef<'_> {
+    /// Copies the event into an owned [`CounterEvent`].
+    pub fn to_owned_event(&self) -> Result<CounterEvent, EventError> {
+        let mut e = CounterEvent::new(self.counter.as_ref(), self.delta)?.with_ts_ms(self.ts_ms);
+        if let Some(actor) = &self.actor {
+            e = e.with_actor(actor.as_ref())?;
+        }
+        if let Some(id) = &self.event_id {
+            e = e.with_event_id(id.as_ref())?;
+        }
+        Ok(e)
+    }
+}
+
+/// The binary body, borrowed for encoding.
+#[derive(Serialize)]
+struct BinaryOut<'a> {
+    counter: &'a str,
+    delta: i64,
+    actor: Option<&'a str>,
+    ts_ms: i64,
+    event_id: Option<&'a str>,
+}
+
+/// The binary body, borrowed for decoding (bincode strings are never escaped, so `&str` always works).
+#[derive(Deserialize)]
+struct BinaryIn<'a> {
+    counter: &'a str,
+    delta: i64,
+    actor: Option<&'a str>,
+    ts_ms: i64,
+    event_id: Option<&'a str>,
+}
+
+fn bincode_config() -> impl bincode::config::Config {
+    bincode::config::standard()
+}
+
+/// Appends the binary form of `event` to `out`.
+pub fn encode_into(event: &CounterEvent, out: &mut Vec<u8>) {
+    out.push(BINARY_V1);
+    let body = BinaryOut {
+        counter: event.counter(),
+        delta: event.delta(),
+        actor: event.actor(),
+        ts_ms: event.ts_ms(),
+        event_id: event.event_id(),
+    };
+    bincode::serde::encode_into_std_write(&body, out, bincode_config())
+        .expect("bincode writes strings and integers into a Vec without failing");
+}
+
+/// The binary form of `event`.
+pub fn encode(event: &CounterEvent) -> Vec<u8> {
+    let mut out = Vec::with_capacity(32 + event.counter().len());
+    encode_into(event, &mut out);
+    out
+}
+
+/// The JSON form of `event`.
+pub fn encode_json(event: &CounterEvent) -> String {
+    let view = EventRef {
+        counter: Cow::Borrowed(event.counter()),
+        delta: event.delta(),
+        actor: event.actor().map(Cow::Borrowed),
+        ts_ms: event.ts_ms(),
+        event_id: event.event_id().map(Cow::Borrowed),
+    };
+    serde_json::to_string(&view).expect("an event always serializes to JSON")
+}
+
+/// Decodes and validates one message, binary or JSON, of at most `max_bytes` bytes.
+pub fn decode(payload: &[u8], max_bytes: usize) -> Result<EventRef<'_>, DecodeError> {
+    if payload.len() > max_bytes {
+        return Err(DecodeError::Oversized {
+            len: payload.len(),
+            max: max_bytes,
+        });
+    }
+    let Some(&first) = payload.first() else {
+        return Err(DecodeError::Empty);
+    };
+    let event = match first {
+        BINARY_V1 => decode_binary_v1(&payload[1..])?,
+        0xB0..=0xBF => {
+            return Err(DecodeError::UnsupportedVersion {
+                version: first & 0x0F,
+            });
+        }
+        b'{' | b' ' | b'\t' | b'\r' | b'\n' => serde_json::from_slice::<EventRef<'_>>(payload)
+            .map_err(|e| DecodeError::Json {
+                message: e.to_string(),
+            })?,
+        _ => return Err(DecodeError::UnknownFormat { first }),
+    };
+    event::validate(
+        &event.counter,
+        event.delta,
+        event.actor.as_deref(),
+        event.event_id.as_deref(),
+    )?;
+    Ok(event)
+}
+
+fn decode_binary_v1(body: &[u8]) -> Result<EventRef<'_>, DecodeError> {
+    let (wire, read): (BinaryIn<'_>, usize) =
+        bincode::serde::borrow_decode_from_slice(body, bincode_config()).map_err(|e| {
+            DecodeError::Binary {
+                message: e.to_string(),
+            }
+        })?;
+    if read != body.len() {
+        return Err(DecodeError::Binary {
+            message: format!("{} trailing bytes after the event", body.len() - read),
+        });
+    }
+    Ok(EventRef {
+        counter: Cow::Borrowed(wire.counter),
+        delta: wire.delta,
+        actor: wire.actor.map(Cow::Borrowed),
+        ts_ms: wire.ts_ms,
+        event_id: wire.event_id.map(Cow::Borrowed),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MAX: usize = DEFAULT_MAX_MESSAGE_BYTES;
+
+    fn full_event() -> CounterEvent {
+        CounterEvent::new("likes:post:42", -3)
+            .and_then(|e| e.with_actor("u7"))
+            .and_then(|e| e.with_event_id("evt-1"))
+            .map(|e| e.with_ts_ms(1_764_460_800_000))
+            .expect("valid event")
+    }
+
+    #[test]
+    fn binary_round_trip_keeps_every_field_and_borrows() {
+        let event = full_event();
+        let bytes = encode(&event);
+        assert_eq!(bytes[0], BINARY_V1);
+        let decoded = decode(&bytes, MAX).expect("decodes");
+        assert!(matches!(decoded.counter, Cow::Borrowed(_)));
+        assert_eq!(decoded.to_owned_event(), Ok(event));
+    }
+
+    #[test]
+    fn binary_round_trip_without_optional_fields() {
+        let event = CounterEvent::new("views:video:9", 1)
+            .expect("valid")
+            .with_ts_ms(0);
+        assert_eq!(
+            decode(&encode(&event), MAX).and_then(|e| Ok(e.to_owned_event()?)),
+            Ok(event)
+        );
+    }
+
+    #[test]
+    fn json_round_trip_keeps_every_field() {
+        let event = full_event();
+        let json = encode_json(&event);
+        assert_eq!(
+            json,
+            r#"{"counter":"likes:post:42","delta":-3,"actor":"u7","ts_ms":1764460800000,"event_id":"evt-1"}"#
+        );
+        assert_eq!(
+            decode(json.as_bytes(), MAX).map(|e| e.to_owned_event()),
+            Ok(Ok(event))
+        );
+    }
+
+    #[test]
+    fn json_needs_only_the_counter_and_delta_defaults_to_one() {
+        let e = decode(br#" {"counter":"likes:post:42"}"#, MAX).expect("decodes");
+        assert_eq!((e.counter.as_ref(), e.delta, e.ts_ms), ("likes:post:42", 1, 0));
+        assert_eq!(e.actor, None);
+    }
+
+    #[test]
+    fn json_with_escapes_decodes() {
+        let e = decode(br#"{"counter":"likes:caf\u00e9","delta":2}"#, MAX).expect("decodes");
+        assert_eq!(e.counter, "likes:café");
+    }
+
+    #[test]
+    fn rejects_every_kind_of_malformed_message() {
+        let cases: Vec<(Vec<u8>, &str)> = vec![
+            (vec![], "undecodable"),
+            (b"hello".to_vec(), "undecodable"),
+            (vec![0xB2, 1, 2], "undecodable"),
+            (vec![BINARY_V1, 0xFF, 0xFF], "undecodable"),
+            (b"{\"counter\":".to_vec(), "undecodable"),
+            (br#"{"counter":"a","detla":5}"#.to_vec(), "undecodable"),
+            (br#"{"delta":5}"#.to_vec(), "undecodable"),
+            (br#"{"counter":"a","delta":"5"}"#.to_vec(), "undecodable"),
+            (br#"{"counter":""}"#.to_vec(), "invalid_counter"),
+            (br#"{"counter":"a{b}"}"#.to_vec(), "invalid_counter"),
+            (br#"{"counter":"a","delta":0}"#.to_vec(), "invalid_delta"),
+            (
+                br#"{"counter":"a","delta":1000000000001}"#.to_vec(),
+                "invalid_delta",
+            ),
+            (br#"{"counter":"a","actor":""}"#.to_vec(), "invalid_field"),
+            (vec![b' '; MAX + 1], "oversized"),
+        ];
+        for (payload, reason) in cases {
+            let err = decode(&payload, MAX).expect_err("must be rejected");
+            assert_eq!(err.reason(), reason, "{err}");
+        }
+    }
+
+    #[test]
+    fn rejects_trailing_bytes_after_a_binary_event() {
+        let mut bytes = encode(&full_event());
+        bytes.push(0);
+        assert!(matches!(
+            decode(&bytes, MAX),
+            Err(DecodeError::Binary { message }) if message.contains("trailing")
+        ));
+    }
+
+    #[test]
+    fn binary_event_that_breaks_a_rule_is_rejected_after_decoding() {
+        // Hand-build a binary body whose delta is zero: decoding works, validation must not.
+        let mut bytes = vec![BINARY_V1];
+        let body = BinaryOut {
+            counter: "c",
+            delta: 0,
+            actor: None,
+            ts_ms: 0,
+            event_id: None,
+        };
+        bincode::serde::encode_into_std_write(&body, &mut bytes, bincode_config()).expect("encodes");
+        assert_eq!(
+            decode(&bytes, MAX),
+            Err(DecodeError::Invalid(EventError::ZeroDelta))
+        );
+    }
+}

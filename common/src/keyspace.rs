@@ -1,0 +1,217 @@
+//! The Redis keyspace: every key tally reads or writes is built here and nowhere else.
+//!
+//! A counter's value is spread over a fixed number of **shard groups** `N` (default 16). In group
+//! `g` it lives at
+//!
+//! ```text
+//! <prefix>:{g<g>}:c:<counter>        e.g. tally:{g7}:c:likes:post:42
+//! ```
+//!
+//! and its value is the sum of its keys over the `N` groups (a missing key counts as 0). The part
+//! in braces is a Redis Cluster *hash tag*: every key of one group hashes to the same slot, so
+//! everything one flush writes for a group can later become one atomic single-slot script, while
+//! the `N` groups still spread over the cluster's nodes. Counter ids never contain braces (see
+//! [`crate::event::validate_counter`]), so a counter id cannot move its key to another slot.
+//!
+//! A Kafka partition maps to group `partition mod N`, so an ordinary flush of one partition's
+//! buffer touches a single group. The layout is documented in `docs/keyspace.md`.
+
+/// Default key prefix.
+pub const DEFAULT_PREFIX: &str = "tally";
+/// Default number of shard groups.
+pub const DEFAULT_GROUPS: u32 = 16;
+/// Most shard groups allowed: a read sums one key per group.
+pub const MAX_GROUPS: u32 = 1024;
+
+/// Why a keyspace could not be built.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum KeyspaceError {
+    /// The prefix was empty, too long, or held braces, whitespace or control characters.
+    #[error("key prefix {prefix:?} is invalid: it must be 1 to 64 printable characters without braces or whitespace")]
+    Prefix {
+        /// The rejected prefix.
+        prefix: String,
+    },
+    /// The number of groups was 0 or above [`MAX_GROUPS`].
+    #[error("shard group count {groups} is invalid: it must be 1 to {MAX_GROUPS}")]
+    Groups {
+        /// The rejected count.
+        groups: u32,
+    },
+}
+
+/// The key layout: a prefix and a number of shard groups. Cheap to clone.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Keyspace {
+    /// Prepended to every key, so that several deployments (or tests) can share one Redis.
+    prefix: String,
+    /// How many shard groups a counter is spread over. Fixed for the life of a deployment:
+    /// changing it would hide the values written under the old groups.
+    groups: u32,
+}
+
+impl Default for Keyspace {
+    fn default() -> Self {
+        Self {
+            prefix: DEFAULT_PREFIX.to_owned(),
+            groups: DEFAULT_GROUPS,
+        }
+    }
+}
+
+impl Keyspace {
+    /// A keyspace with the given prefix and number of shard groups.
+    pub fn new(prefix: impl Into<String>, groups: u32) -> Result<Self, KeyspaceError> {
+        let prefix = prefix.into();
+        let prefix_ok = !prefix.is_empty()
+            && prefix.len() <= 64
+            && prefix
+                .chars()
+                .all(|c| !c.is_control() && !c.is_whitespace() && c != '{' && c != '}');
+        if !prefix_ok {
+            return Err(KeyspaceError::Prefix { prefix });
+        }
+        if groups == 0 || groups > MAX_GROUPS {
+            return Err(KeyspaceError::Groups { groups });
+        }
+        Ok(Self { prefix, groups })
+    }
+
+    /// The key prefix.
+    pub fn prefix(&self) -> &str {
+        &self.prefix
+    }
+
+    /// The number of shard groups.
+    pub fn groups(&self) -> u32 {
+        self.groups
+    }
+
+    /// The shard group that a Kafka partition's flushes write to.
+    pub fn group_for_partition(&self, partition: i32) -> u32 {
+        partition.unsigned_abs() % self.groups
+    }
+
+    /// The key holding `counter`'s share in `group`.
+    pub fn counter_key(&self, group: u32, counter: &str) -> String {
+        let mut key = String::with_capacity(self.prefix.len() + counter.len() + 12);
+        self.write_counter_key(&mut key, group, counter);
+        key
+    }
+
+    /// Writes the key holding `counter`'s share in `group` into `out` (cleared first), so that a
+    /// flush can reuse one buffer for all its keys.
+    pub fn write_counter_key(&self, out: &mut String, group: u32, counter: &str) {
+        use std::fmt::Write;
+        out.clear();
+        // Writing to a String cannot fail.
+        let _ = write!(out, "{}:{{g{group}}}:c:{counter}", self.prefix);
+    }
+
+    /// All keys of `counter`, one per group, in group order.
+    pub fn counter_keys(&self, counter: &str) -> Vec<String> {
+        (0..self.groups)
+            .map(|g| self.counter_key(g, counter))
+            .collect()
+    }
+
+    /// A pattern matching every counter key of this keyspace, for `SCAN ... MATCH`.
+    pub fn counter_key_pattern(&self) -> String {
+        format!("{}:{{g*}}:c:*", self.prefix)
+    }
+
+    /// The counter id inside a counter key of this keyspace, or `None` for any other key.
+    pub fn counter_of_key<'k>(&self, key: &'k str) -> Option<&'k str> {
+        let rest = key.strip_prefix(&self.prefix)?.strip_prefix(":{g")?;
+        let close = rest.find('}')?;
+        rest[..close].parse::<u32>().ok()?;
+        rest[close..].strip_prefix("}:c:")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Redis Cluster's key slot (CRC16/XMODEM of the hash tag, mod 16384), for checking the layout.
+    fn slot(key: &str) -> u16 {
+        let bytes = key.as_bytes();
+        let hashed = match bytes.iter().position(|&b| b == b'{') {
+            Some(open) => match bytes[open + 1..].iter().position(|&b| b == b'}') {
+                Some(len) if len > 0 => &bytes[open + 1..open + 1 + len],
+                _ => bytes,
+            },
+            None => bytes,
+        };
+        let mut crc: u16 = 0;
+        for &b in hashed {
+            crc ^= u16::from(b) << 8;
+            for _ in 0..8 {
+                crc = if crc & 0x8000 != 0 {
+                    (crc << 1) ^ 0x1021
+                } else {
+                    crc << 1
+                };
+            }
+        }
+        crc % 16384
+    }
+
+    #[test]
+    fn key_layout_is_prefix_group_tag_and_counter() {
+        let ks = Keyspace::default();
+        assert_eq!(ks.counter_key(7, "likes:post:42"), "tally:{g7}:c:likes:post:42");
+        assert_eq!(ks.counter_keys("x").len(), 16);
+    }
+
+    #[test]
+    fn every_key_of_a_group_shares_one_slot_and_groups_spread() {
+        let ks = Keyspace::default();
+        let mut slots = std::collections::BTreeSet::new();
+        for g in 0..ks.groups() {
+            let s = slot(&ks.counter_key(g, "likes:post:1"));
+            for counter in ["likes:post:2", "views:video:9", "a", "ünï:cödé"] {
+                assert_eq!(slot(&ks.counter_key(g, counter)), s);
+            }
+            slots.insert(s);
+        }
+        assert_eq!(slots.len(), 16, "each group must have its own slot");
+    }
+
+    #[test]
+    fn partitions_map_onto_groups_round_robin() {
+        let ks = Keyspace::new("t", 4).expect("valid");
+        let groups: Vec<u32> = (0..8).map(|p| ks.group_for_partition(p)).collect();
+        assert_eq!(groups, [0, 1, 2, 3, 0, 1, 2, 3]);
+    }
+
+    #[test]
+    fn counter_of_key_inverts_counter_key() {
+        let ks = Keyspace::new("test-1", 16).expect("valid");
+        let key = ks.counter_key(11, "likes:post:42");
+        assert_eq!(ks.counter_of_key(&key), Some("likes:post:42"));
+        assert_eq!(ks.counter_of_key("test-1:{gx}:c:a"), None);
+        assert_eq!(ks.counter_of_key("other:{g1}:c:a"), None);
+    }
+
+    #[test]
+    fn rejects_bad_prefixes_and_group_counts() {
+        for prefix in ["", "a{b", "a b", &"p".repeat(65)] {
+            assert!(matches!(
+                Keyspace::new(prefix, 16),
+                Err(KeyspaceError::Prefix { .. })
+            ));
+        }
+        assert_eq!(
+            Keyspace::new("t", 0),
+            Err(KeyspaceError::Groups { groups: 0 })
+        );
+        assert_eq!(
+            Keyspace::new("t", MAX_GROUPS + 1),
+            Err(KeyspaceError::Groups {
+                groups: MAX_GROUPS + 1
+            })
+        );
+    }
+}

@@ -1,0 +1,34 @@
+# Shared settings for the deploy/local scripts; sourced, not run.
+# Every path and port can be moved with an environment variable, so that two checkouts can coexist.
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+root=$(cd "$here/../.." && pwd)
+state=${TALLY_LOCAL_DIR:-$root/.local}
+kafka_port=${TALLY_KAFKA_PORT:-9092}
+controller_port=${TALLY_KAFKA_CONTROLLER_PORT:-9093}
+redis_port=${TALLY_REDIS_PORT:-6379}
+topic=${TALLY_TOPIC:-tally.events}
+dlq_topic=${TALLY_DEAD_LETTER_TOPIC:-tally.events.dlq}
+partitions=${TALLY_PARTITIONS:-8}
+libs=$state/kafka-libs
+
+log() { printf '[tally-local] %s\n' "$*" >&2; }
+
+# port_open PORT: true when something accepts TCP connections on 127.0.0.1:PORT.
+port_open() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
+
+# wait_for TIMEOUT_S DESCRIPTION COMMAND...: polls COMMAND until it succeeds, or fails loudly.
+wait_for() {
+  local timeout=$1 what=$2; shift 2
+  local deadline=$((SECONDS + timeout))
+  until "$@" >/dev/null 2>&1; do
+    if ((SECONDS >= deadline)); then
+      log "gave up after ${timeout}s waiting for $what"
+      return 1
+    fi
+    sleep 0.5
+  done
+}
+
+kafka_java() {
+  java -Xms128m -Xmx512m -Dlog4j2.configurationFile="$root/deploy/kafka/log4j2.properties" -cp "$libs/*" "$@"
+}

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Installs what the local services and the build need, skipping whatever is already there:
+# redis-server, kcat and a JRE + Maven from Debian's packages, and Apache Kafka's jars from Maven Central.
+# Safe to run any number of times.
+set -euo pipefail
+source "$(dirname "$0")/common.sh"
+
+missing=()
+command -v redis-server >/dev/null || missing+=(redis-server)
+command -v redis-cli >/dev/null || missing+=(redis-tools)
+command -v kcat >/dev/null || missing+=(kcat)
+command -v java >/dev/null || missing+=(openjdk-17-jre-headless)
+command -v mvn >/dev/null || missing+=(maven)
+command -v cc >/dev/null || missing+=(build-essential)
+command -v perl >/dev/null || missing+=(perl)
+if ((${#missing[@]})); then
+  log "installing ${missing[*]} from Debian's packages"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+
+if [[ ! -f $libs/.complete ]]; then
+  log "resolving Apache Kafka's jars from Maven Central into $libs"
+  rm -rf "$libs"
+  mkdir -p "$libs"
+  mvn -q -B -f "$root/deploy/kafka/pom.xml" dependency:copy-dependencies \
+    -DincludeScope=runtime -DoutputDirectory="$libs"
+  touch "$libs/.complete"
+fi

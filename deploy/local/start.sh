@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Starts, on loopback, a real single-node Apache Kafka 4.x (KRaft) and a redis-server, waits until
+# both answer, and creates the events topic and the dead-letter topic. Installs what is missing first.
+# Idempotent: services already answering are left alone, existing topics are kept.
+set -euo pipefail
+source "$(dirname "$0")/common.sh"
+"$here/install.sh"
+mkdir -p "$state"
+
+if redis-cli -p "$redis_port" ping >/dev/null 2>&1; then
+  log "redis-server already answers on 127.0.0.1:$redis_port"
+else
+  log "starting redis-server on 127.0.0.1:$redis_port"
+  redis-server --port "$redis_port" --bind 127.0.0.1 --save "" --appendonly no \
+    --daemonize yes --pidfile "$state/redis.pid" --logfile "$state/redis.log" --dir "$state"
+  wait_for 30 "redis-server" redis-cli -p "$redis_port" ping
+fi
+
+if port_open "$kafka_port"; then
+  log "Kafka already answers on 127.0.0.1:$kafka_port"
+else
+  data=$state/kafka-data
+  props=$state/server.properties
+  cat >"$props" <<PROPS
+process.roles=broker,controller
+node.id=1
+controller.quorum.bootstrap.servers=127.0.0.1:$controller_port
+listeners=PLAINTEXT://127.0.0.1:$kafka_port,CONTROLLER://127.0.0.1:$controller_port
+advertised.listeners=PLAINTEXT://127.0.0.1:$kafka_port,CONTROLLER://127.0.0.1:$controller_port
+controller.listener.names=CONTROLLER
+inter.broker.listener.name=PLAINTEXT
+listener.security.protocol.map=CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT
+log.dirs=$data
+num.partitions=1
+offsets.topic.replication.factor=1
+offsets.topic.num.partitions=8
+transaction.state.log.replication.factor=1
+transaction.state.log.min.isr=1
+share.coordinator.state.topic.replication.factor=1
+share.coordinator.state.topic.min.isr=1
+group.initial.rebalance.delay.ms=0
+auto.create.topics.enable=false
+log.retention.hours=168
+PROPS
+  if [[ ! -f $data/meta.properties ]]; then
+    log "formatting Kafka's storage in $data"
+    cluster_id=$(kafka_java kafka.tools.StorageTool random-uuid)
+    kafka_java kafka.tools.StorageTool format --standalone -t "$cluster_id" -c "$props" >/dev/null
+  fi
+  log "starting Kafka on 127.0.0.1:$kafka_port (log: $state/kafka.log)"
+  nohup java -Xms256m -Xmx768m -XX:+UseG1GC \
+    -Dlog4j2.configurationFile="$root/deploy/kafka/log4j2.properties" -Dkafka.logs.dir="$state" \
+    -cp "$libs/*" kafka.Kafka "$props" >"$state/kafka.log" 2>&1 &
+  echo $! >"$state/kafka.pid"
+  wait_for 120 "Kafka on port $kafka_port" port_open "$kafka_port" || { tail -20 "$state/kafka.log" >&2; exit 1; }
+fi
+
+create_topic() {
+  kafka_java org.apache.kafka.tools.TopicCommand --bootstrap-server "127.0.0.1:$kafka_port" \
+    --create --if-not-exists --topic "$1" --partitions "$2" --replication-factor 1
+}
+# The broker accepts connections a little before it accepts admin requests: retry until it does.
+wait_for 120 "topic $topic" create_topic "$topic" "$partitions"
+wait_for 60 "topic $dlq_topic" create_topic "$dlq_topic" 1
+log "ready: Kafka 127.0.0.1:$kafka_port (topics $topic x$partitions, $dlq_topic), Redis 127.0.0.1:$redis_port"
