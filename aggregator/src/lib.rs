@@ -1,1 +1,107 @@
-//! placeholder
+//! The tally aggregator: a Kafka consumer-group member that sums counter events per partition in
+//! micro-batches and flushes them as `INCRBY`s to sharded Redis keys, committing a partition's
+//! offset only once everything before it is durable.
+//!
+//! # Layout
+//! - [`config`]: the typed [`Config`] and the command line that builds it.
+//! - [`consume`]: the consume loop, rebalance callbacks and shutdown drain ([`Aggregator`]).
+//! - [`batch`]: one partition's buffer and the flush triggers.
+//! - [`flush`]: making a sealed batch durable, with retries.
+//! - [`sink`]: the [`Sink`] seam and the Redis implementation.
+//! - [`dead_letter`]: the dead-letter topic for malformed messages.
+//! - [`metrics`] and [`http`]: Prometheus metrics on `/metrics`, and `/healthz`.
+//! - [`backoff`]: capped exponential backoff.
+//! - [`shutdown`]: signals into a cancellation token.
+//! - [`load`]: the traffic generator behind `tally load`.
+
+pub mod backoff;
+pub mod batch;
+pub mod config;
+pub mod consume;
+pub mod dead_letter;
+pub mod flush;
+pub mod http;
+pub mod load;
+pub mod metrics;
+pub mod shutdown;
+pub mod sink;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use rdkafka::ClientConfig;
+use tokio_util::sync::CancellationToken;
+
+pub use config::Config;
+pub use consume::{Aggregator, LoopSettings, RunSummary};
+pub use sink::{RedisSink, Sink};
+
+/// Why the aggregator could not start.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum StartError {
+    /// The Kafka consumer or dead-letter producer could not be created.
+    #[error("kafka: {0}")]
+    Kafka(#[from] rdkafka::error::KafkaError),
+    /// The Redis target is invalid or (for a cluster) unreachable.
+    #[error("redis: {0}")]
+    Redis(#[from] redis::RedisError),
+    /// The metrics address could not be bound.
+    #[error("cannot serve metrics on {addr}: {source}")]
+    Metrics {
+        /// The address.
+        addr: std::net::SocketAddr,
+        /// Why.
+        source: std::io::Error,
+    },
+}
+
+/// The Kafka client settings shared by the consumer and the dead-letter producer.
+pub fn kafka_client_config(config: &Config) -> ClientConfig {
+    let mut kafka = ClientConfig::new();
+    kafka
+        .set("bootstrap.servers", &config.brokers)
+        .set("group.id", &config.group);
+    for (k, v) in &config.kafka {
+        kafka.set(k, v);
+    }
+    kafka
+}
+
+/// Runs the aggregator until `shutdown` fires: serves metrics, consumes, flushes, and drains.
+pub async fn run(config: Config, shutdown: CancellationToken) -> Result<RunSummary, StartError> {
+    let metrics = Arc::new(metrics::Metrics::new());
+    let (addr, server) = http::serve(config.metrics_addr, metrics.clone(), shutdown.clone())
+        .await
+        .map_err(|source| StartError::Metrics {
+            addr: config.metrics_addr,
+            source,
+        })?;
+    tracing::info!(%addr, "serving /metrics and /healthz");
+    let conn = tally_common::RedisConn::connect(&config.redis_url).await?;
+    let kafka = kafka_client_config(&config);
+    let flusher = flush::Flusher {
+        sink: RedisSink::new(conn, config.keyspace.clone()),
+        dead_letters: dead_letter::DeadLetterQueue::new(
+            &kafka,
+            &config.dead_letter_topic,
+            &config.topic,
+        )?,
+        metrics,
+        retry_initial: Duration::from_millis(50),
+        retry_max: config.retry_max_backoff,
+    };
+    let settings = LoopSettings {
+        topic: config.topic.clone(),
+        limits: config.limits,
+        keyspace: config.keyspace.clone(),
+        max_message_bytes: config.max_message_bytes,
+        revoke_timeout: config.revoke_timeout,
+        shutdown_timeout: config.shutdown_timeout,
+    };
+    let aggregator = Aggregator::new(&kafka, settings, flusher)?;
+    tracing::info!(topic = %config.topic, group = %config.group, "aggregator started");
+    let summary = aggregator.run(shutdown).await;
+    server.abort();
+    Ok(summary)
+}

@@ -1,1 +1,35 @@
-fn main() {}
+//! `tally-aggregator`: the daemon. See `tally_aggregator::config` for its settings.
+
+use clap::Parser;
+use tally_aggregator::config::{Cli, LogFormat};
+
+fn init_logs(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Text => builder.init(),
+        LogFormat::Json => builder.json().init(),
+    }
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() -> anyhow::Result<std::process::ExitCode> {
+    let config = Cli::parse().into_config()?;
+    init_logs(config.log_format);
+    tracing::info!(?config, "starting");
+    let shutdown = tally_aggregator::shutdown::on_signals()?;
+    let summary = tally_aggregator::run(config, shutdown).await?;
+    if summary.not_drained.is_empty() {
+        tracing::info!(partitions = summary.drained, "drained and committed; bye");
+        Ok(std::process::ExitCode::SUCCESS)
+    } else {
+        tracing::error!(
+            partitions = ?summary.not_drained,
+            "shutdown deadline passed before these partitions were durable; they will be re-read on restart"
+        );
+        Ok(std::process::ExitCode::FAILURE)
+    }
+}

@@ -1,1 +1,162 @@
-fn main() {}
+//! `tally`: the command line for people. `tally get` reads exact totals; `tally load` generates
+//! traffic through the producer crate.
+
+use std::io::Write;
+use std::path::PathBuf;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+use tally_aggregator::load::{self, LoadSpec};
+use tally_common::{Keyspace, Reader, RedisConn};
+use tally_producer::{Producer, ProducerConfig, Routing};
+
+#[derive(Debug, Parser)]
+#[command(name = "tally", version, about = "Read and generate tally counters")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Print `<counter> <total>` for each counter: the exact sum of its shards.
+    Get {
+        /// Counter ids.
+        #[arg(required = true)]
+        counters: Vec<String>,
+        #[command(flatten)]
+        redis: RedisArgs,
+    },
+    /// Send generated counter events through the producer crate and print what was acknowledged.
+    Load {
+        /// Kafka bootstrap servers.
+        #[arg(long, env = "TALLY_BROKERS", default_value = "127.0.0.1:9092")]
+        brokers: String,
+        /// Topic to send to.
+        #[arg(long, env = "TALLY_TOPIC", default_value = "tally.events")]
+        topic: String,
+        /// Events to send.
+        #[arg(long, default_value_t = 100_000)]
+        events: u64,
+        /// Distinct counters.
+        #[arg(long, default_value_t = 1_000)]
+        counters: u64,
+        /// Zipf exponent of counter popularity (0 = uniform).
+        #[arg(long, default_value_t = 1.1)]
+        zipf: f64,
+        /// Events per second (0 = as fast as possible).
+        #[arg(long, default_value_t = 0)]
+        rate: u64,
+        /// Partitioning: counter, actor or random.
+        #[arg(long, default_value = "counter")]
+        routing: Routing,
+        /// Counter ids are `<prefix><n>`.
+        #[arg(long, default_value = "likes:post:")]
+        counter_prefix: String,
+        /// Deltas are drawn from 1..=max-delta.
+        #[arg(long, default_value_t = 1)]
+        max_delta: i64,
+        /// Share of events whose delta is negated (0..1).
+        #[arg(long, default_value_t = 0.0)]
+        negative_share: f64,
+        /// Distinct actors (0 = events carry no actor).
+        #[arg(long, default_value_t = 10_000)]
+        actors: u64,
+        /// Random seed.
+        #[arg(long, default_value_t = 42)]
+        seed: u64,
+        /// How many top counters to print.
+        #[arg(long, default_value_t = 10)]
+        top: usize,
+        /// Write every `<counter> <total>` sent to this file.
+        #[arg(long)]
+        totals_out: Option<PathBuf>,
+    },
+}
+
+#[derive(Debug, clap::Args)]
+struct RedisArgs {
+    /// Redis URL.
+    #[arg(long, env = "TALLY_REDIS_URL", default_value = "redis://127.0.0.1:6379")]
+    redis_url: String,
+    /// Key prefix.
+    #[arg(long, env = "TALLY_KEY_PREFIX", default_value = "tally")]
+    key_prefix: String,
+    /// Shard groups.
+    #[arg(long, env = "TALLY_SHARD_GROUPS", default_value_t = 16)]
+    shard_groups: u32,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<std::process::ExitCode> {
+    match Cli::parse().command {
+        Command::Get { counters, redis } => {
+            let conn = RedisConn::connect(&redis.redis_url).await?;
+            let reader = Reader::new(conn, Keyspace::new(redis.key_prefix, redis.shard_groups)?);
+            let totals = reader.get_many(&counters).await?;
+            let mut out = std::io::stdout().lock();
+            for (counter, total) in counters.iter().zip(totals) {
+                writeln!(out, "{counter} {total}")?;
+            }
+        }
+        Command::Load {
+            brokers,
+            topic,
+            events,
+            counters,
+            zipf,
+            rate,
+            routing,
+            counter_prefix,
+            max_delta,
+            negative_share,
+            actors,
+            seed,
+            top,
+            totals_out,
+        } => {
+            let producer = Producer::new(&ProducerConfig::new(brokers, &topic).routing(routing))?;
+            let spec = LoadSpec {
+                events,
+                counters,
+                zipf,
+                rate,
+                counter_prefix,
+                max_delta,
+                negative_share,
+                actors,
+                seed,
+                ..LoadSpec::default()
+            };
+            let report = load::run(&producer, &spec).await?;
+            producer.flush().await?;
+            println!(
+                "sent {} events ({} failed) over {} counters to {topic} in {:.2}s: {:.0} events/s",
+                report.acked,
+                report.failed,
+                report.totals.len(),
+                report.elapsed.as_secs_f64(),
+                report.events_per_second()
+            );
+            println!("top counters (as sent):");
+            for (counter, total) in report.top(top) {
+                println!("  {counter} {total}");
+            }
+            if let Some(path) = totals_out {
+                let mut lines: Vec<String> = report
+                    .totals
+                    .iter()
+                    .map(|(c, t)| format!("{c} {t}\n"))
+                    .collect();
+                lines.sort();
+                std::fs::write(&path, lines.concat())
+                    .with_context(|| format!("writing {}", path.display()))?;
+            }
+            if let Some(error) = report.first_error {
+                eprintln!("{} events failed; first error: {error}", report.failed);
+                return Ok(std::process::ExitCode::FAILURE);
+            }
+        }
+    }
+    Ok(std::process::ExitCode::SUCCESS)
+}

@@ -1,0 +1,428 @@
+//! The aggregator's configuration: one typed [`Config`], resolved from defaults, an optional TOML
+//! file (`--config`), `TALLY_*` environment variables and flags, in rising order of precedence.
+//!
+//! Every setting is a flag with an environment variable (`--flush-interval-ms` /
+//! `TALLY_FLUSH_INTERVAL_MS`) and a key of the same name in the file (`flush_interval_ms = 500`).
+//! Raw librdkafka options pass through from the file's `[kafka]` table or repeated
+//! `--kafka-option key=value` flags (`TALLY_KAFKA_OPTIONS=k=v,k=v`), applied over tally's own
+//! consumer settings. Cross-field checks run in [`Settings::resolve`].
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::Deserialize;
+use tally_common::Keyspace;
+use tally_common::keyspace::KeyspaceError;
+
+use crate::batch::Limits;
+
+/// Why the configuration is unusable.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("cannot read config file {path}: {source}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The file is not valid TOML for these settings.
+    #[error("invalid config file {path}: {source}")]
+    Parse {
+        /// The file.
+        path: PathBuf,
+        /// What was wrong.
+        source: Box<toml::de::Error>,
+    },
+    /// A setting has a value it cannot take.
+    #[error("invalid setting {name}: {why}")]
+    Invalid {
+        /// The setting.
+        name: &'static str,
+        /// Why.
+        why: String,
+    },
+    /// The key prefix or shard group count is invalid.
+    #[error(transparent)]
+    Keyspace(#[from] KeyspaceError),
+}
+
+/// How logs are written.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    /// Human-readable lines.
+    #[default]
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+/// Settings as given by a file, the environment or flags: every field optional.
+#[derive(Debug, Default, Clone, Deserialize, clap::Args)]
+#[serde(deny_unknown_fields)]
+pub struct Settings {
+    /// Kafka bootstrap servers [default: 127.0.0.1:9092]
+    #[arg(long, env = "TALLY_BROKERS")]
+    pub brokers: Option<String>,
+    /// Topic holding counter events [default: tally.events]
+    #[arg(long, env = "TALLY_TOPIC")]
+    pub topic: Option<String>,
+    /// Kafka consumer group [default: tally-aggregator]
+    #[arg(long, env = "TALLY_GROUP")]
+    pub group: Option<String>,
+    /// Redis URL: redis://host:port/db, or redis+cluster://host:port,host:port for a cluster
+    /// [default: redis://127.0.0.1:6379]
+    #[arg(long, env = "TALLY_REDIS_URL")]
+    pub redis_url: Option<String>,
+    /// Flush a partition's buffer once its oldest event is this old, in ms [default: 1000]
+    #[arg(long, env = "TALLY_FLUSH_INTERVAL_MS")]
+    pub flush_interval_ms: Option<u64>,
+    /// Flush a partition's buffer once it holds this many events [default: 200000]
+    #[arg(long, env = "TALLY_MAX_BATCH_EVENTS")]
+    pub max_batch_events: Option<usize>,
+    /// Flush a partition's buffer once it holds this many distinct counters [default: 50000]
+    #[arg(long, env = "TALLY_MAX_BATCH_COUNTERS")]
+    pub max_batch_counters: Option<usize>,
+    /// Address serving /metrics and /healthz [default: 127.0.0.1:9464]
+    #[arg(long, env = "TALLY_METRICS_ADDR")]
+    pub metrics_addr: Option<SocketAddr>,
+    /// Topic receiving malformed messages [default: tally.events.dlq]
+    #[arg(long, env = "TALLY_DEAD_LETTER_TOPIC")]
+    pub dead_letter_topic: Option<String>,
+    /// Prefix of every Redis key [default: tally]
+    #[arg(long, env = "TALLY_KEY_PREFIX")]
+    pub key_prefix: Option<String>,
+    /// Number of shard groups a counter is spread over; fixed for a deployment [default: 16]
+    #[arg(long, env = "TALLY_SHARD_GROUPS")]
+    pub shard_groups: Option<u32>,
+    /// Largest message accepted; larger ones are dead-lettered, in bytes [default: 16384]
+    #[arg(long, env = "TALLY_MAX_MESSAGE_BYTES")]
+    pub max_message_bytes: Option<usize>,
+    /// Longest a graceful shutdown may spend flushing, in ms [default: 30000]
+    #[arg(long, env = "TALLY_SHUTDOWN_TIMEOUT_MS")]
+    pub shutdown_timeout_ms: Option<u64>,
+    /// Longest a rebalance may spend flushing revoked partitions, in ms [default: 20000]
+    #[arg(long, env = "TALLY_REVOKE_TIMEOUT_MS")]
+    pub revoke_timeout_ms: Option<u64>,
+    /// Longest wait between two retries of a failed flush, in ms [default: 2000]
+    #[arg(long, env = "TALLY_RETRY_MAX_BACKOFF_MS")]
+    pub retry_max_backoff_ms: Option<u64>,
+    /// Log format [default: text]
+    #[arg(long, env = "TALLY_LOG_FORMAT", value_enum)]
+    pub log_format: Option<LogFormat>,
+    /// Raw librdkafka options (the file's `[kafka]` table).
+    #[arg(skip)]
+    #[serde(default)]
+    pub kafka: BTreeMap<String, String>,
+}
+
+/// The command line of `tally-aggregator`.
+#[derive(Debug, clap::Parser)]
+#[command(
+    name = "tally-aggregator",
+    version,
+    about = "Sums counter events from Kafka in micro-batches and flushes them to sharded Redis keys"
+)]
+pub struct Cli {
+    /// TOML file of settings (same names as the flags, with underscores); flags and TALLY_*
+    /// variables override it.
+    #[arg(long, env = "TALLY_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// A raw librdkafka option, key=value; repeatable.
+    #[arg(long = "kafka-option", env = "TALLY_KAFKA_OPTIONS", value_delimiter = ',', value_parser = parse_key_value)]
+    pub kafka_options: Vec<(String, String)>,
+    /// Every other setting.
+    #[command(flatten)]
+    pub settings: Settings,
+}
+
+fn parse_key_value(s: &str) -> Result<(String, String), String> {
+    let (k, v) = s
+        .split_once('=')
+        .ok_or_else(|| format!("{s:?} is not key=value"))?;
+    Ok((k.trim().to_owned(), v.trim().to_owned()))
+}
+
+/// The resolved configuration.
+#[derive(Clone)]
+pub struct Config {
+    /// Kafka bootstrap servers.
+    pub brokers: String,
+    /// Topic holding counter events.
+    pub topic: String,
+    /// Consumer group.
+    pub group: String,
+    /// Redis target URL.
+    pub redis_url: String,
+    /// Flush triggers per partition.
+    pub limits: Limits,
+    /// Where /metrics and /healthz are served.
+    pub metrics_addr: SocketAddr,
+    /// Topic for malformed messages.
+    pub dead_letter_topic: String,
+    /// The Redis key layout.
+    pub keyspace: Keyspace,
+    /// Largest message accepted.
+    pub max_message_bytes: usize,
+    /// Longest graceful shutdown flush.
+    pub shutdown_timeout: Duration,
+    /// Longest flush of revoked partitions during a rebalance.
+    pub revoke_timeout: Duration,
+    /// Longest wait between flush retries.
+    pub retry_max_backoff: Duration,
+    /// Log format.
+    pub log_format: LogFormat,
+    /// Raw librdkafka options, applied last.
+    pub kafka: BTreeMap<String, String>,
+}
+
+impl std::fmt::Debug for Config {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Raw Kafka options may hold credentials: show only their names.
+        f.debug_struct("Config")
+            .field("brokers", &self.brokers)
+            .field("topic", &self.topic)
+            .field("group", &self.group)
+            .field("redis_url", &redact_url(&self.redis_url))
+            .field("limits", &self.limits)
+            .field("metrics_addr", &self.metrics_addr)
+            .field("dead_letter_topic", &self.dead_letter_topic)
+            .field("keyspace", &self.keyspace)
+            .field("max_message_bytes", &self.max_message_bytes)
+            .field("shutdown_timeout", &self.shutdown_timeout)
+            .field("revoke_timeout", &self.revoke_timeout)
+            .field("kafka_options", &self.kafka.keys().collect::<Vec<_>>())
+            .finish()
+    }
+}
+
+/// `url` with any password replaced by `***`.
+fn redact_url(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(scheme), Some(at)) if at > scheme => {
+            let userinfo = &url[scheme + 3..at];
+            let user = userinfo.split(':').next().unwrap_or("");
+            format!("{}{user}:***{}", &url[..scheme + 3], &url[at..])
+        }
+        _ => url.to_owned(),
+    }
+}
+
+impl Settings {
+    /// Reads settings from a TOML file.
+    pub fn from_file(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        toml::from_str(&text).map_err(|source| ConfigError::Parse {
+            path: path.to_owned(),
+            source: Box::new(source),
+        })
+    }
+
+    /// These settings, with every field that `over` sets replaced by its value.
+    pub fn overridden_by(mut self, over: Settings) -> Self {
+        macro_rules! take {
+            ($($field:ident),*) => { $( if over.$field.is_some() { self.$field = over.$field; } )* };
+        }
+        take!(
+            brokers,
+            topic,
+            group,
+            redis_url,
+            flush_interval_ms,
+            max_batch_events,
+            max_batch_counters,
+            metrics_addr,
+            dead_letter_topic,
+            key_prefix,
+            shard_groups,
+            max_message_bytes,
+            shutdown_timeout_ms,
+            revoke_timeout_ms,
+            retry_max_backoff_ms,
+            log_format
+        );
+        self.kafka.extend(over.kafka);
+        self
+    }
+
+    /// Fills in defaults and checks the values.
+    pub fn resolve(self) -> Result<Config, ConfigError> {
+        let positive = |name: &'static str, v: u64| {
+            if v == 0 {
+                Err(ConfigError::Invalid {
+                    name,
+                    why: "must be greater than 0".to_owned(),
+                })
+            } else {
+                Ok(v)
+            }
+        };
+        let flush_interval_ms =
+            positive("flush_interval_ms", self.flush_interval_ms.unwrap_or(1000))?;
+        let max_events =
+            positive("max_batch_events", self.max_batch_events.unwrap_or(200_000) as u64)?;
+        let max_counters = positive(
+            "max_batch_counters",
+            self.max_batch_counters.unwrap_or(50_000) as u64,
+        )?;
+        let max_message_bytes =
+            positive("max_message_bytes", self.max_message_bytes.unwrap_or(16_384) as u64)?;
+        let shutdown_timeout_ms =
+            positive("shutdown_timeout_ms", self.shutdown_timeout_ms.unwrap_or(30_000))?;
+        let revoke_timeout_ms =
+            positive("revoke_timeout_ms", self.revoke_timeout_ms.unwrap_or(20_000))?;
+        let retry_max_backoff_ms =
+            positive("retry_max_backoff_ms", self.retry_max_backoff_ms.unwrap_or(2_000))?;
+        let topic = self.topic.unwrap_or_else(|| "tally.events".to_owned());
+        let dead_letter_topic = self
+            .dead_letter_topic
+            .unwrap_or_else(|| "tally.events.dlq".to_owned());
+        if topic == dead_letter_topic {
+            return Err(ConfigError::Invalid {
+                name: "dead_letter_topic",
+                why: "must differ from the events topic".to_owned(),
+            });
+        }
+        if self.kafka.contains_key("enable.auto.commit") {
+            return Err(ConfigError::Invalid {
+                name: "kafka.enable.auto.commit",
+                why: "tally commits offsets itself, only after a flush is durable".to_owned(),
+            });
+        }
+        Ok(Config {
+            brokers: self.brokers.unwrap_or_else(|| "127.0.0.1:9092".to_owned()),
+            topic,
+            group: self.group.unwrap_or_else(|| "tally-aggregator".to_owned()),
+            redis_url: self
+                .redis_url
+                .unwrap_or_else(|| "redis://127.0.0.1:6379".to_owned()),
+            limits: Limits {
+                flush_interval: Duration::from_millis(flush_interval_ms),
+                max_events: max_events as usize,
+                max_counters: max_counters as usize,
+            },
+            metrics_addr: self
+                .metrics_addr
+                .unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 9464))),
+            dead_letter_topic,
+            keyspace: Keyspace::new(
+                self.key_prefix.unwrap_or_else(|| "tally".to_owned()),
+                self.shard_groups.unwrap_or(16),
+            )?,
+            max_message_bytes: max_message_bytes as usize,
+            shutdown_timeout: Duration::from_millis(shutdown_timeout_ms),
+            revoke_timeout: Duration::from_millis(revoke_timeout_ms),
+            retry_max_backoff: Duration::from_millis(retry_max_backoff_ms),
+            log_format: self.log_format.unwrap_or_default(),
+            kafka: self.kafka,
+        })
+    }
+}
+
+impl Cli {
+    /// Resolves the command line (with the file it names, if any) into a [`Config`].
+    pub fn into_config(self) -> Result<Config, ConfigError> {
+        let base = match &self.config {
+            Some(path) => Settings::from_file(path)?,
+            None => Settings::default(),
+        };
+        let mut over = self.settings;
+        over.kafka.extend(self.kafka_options);
+        base.overridden_by(over).resolve()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[test]
+    fn defaults_match_the_documented_values() {
+        let c = Settings::default().resolve().expect("valid");
+        assert_eq!(c.brokers, "127.0.0.1:9092");
+        assert_eq!(c.topic, "tally.events");
+        assert_eq!(c.group, "tally-aggregator");
+        assert_eq!(c.redis_url, "redis://127.0.0.1:6379");
+        assert_eq!(c.limits.flush_interval, Duration::from_millis(1000));
+        assert_eq!(c.metrics_addr.to_string(), "127.0.0.1:9464");
+        assert_eq!(c.dead_letter_topic, "tally.events.dlq");
+        assert_eq!(c.keyspace, Keyspace::default());
+    }
+
+    #[test]
+    fn flags_override_the_file_which_overrides_defaults() {
+        let dir = std::env::temp_dir().join(format!("tally-config-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let path = dir.join("a.toml");
+        std::fs::write(
+            &path,
+            "topic = \"from-file\"\nflush_interval_ms = 250\n[kafka]\n\"fetch.max.bytes\" = \"1000\"\n",
+        )
+        .expect("written");
+        let cli = Cli::try_parse_from([
+            "tally-aggregator",
+            "--config",
+            path.to_str().expect("utf-8"),
+            "--flush-interval-ms",
+            "50",
+            "--kafka-option",
+            "client.id=x",
+        ])
+        .expect("parses");
+        let c = cli.into_config().expect("valid");
+        assert_eq!(c.topic, "from-file");
+        assert_eq!(c.limits.flush_interval, Duration::from_millis(50));
+        assert_eq!(c.kafka.get("fetch.max.bytes").map(String::as_str), Some("1000"));
+        assert_eq!(c.kafka.get("client.id").map(String::as_str), Some("x"));
+        std::fs::remove_dir_all(dir).ok();
+    }
+
+    #[test]
+    fn rejects_unknown_file_keys_and_bad_values() {
+        assert!(toml::from_str::<Settings>("flush_intervl_ms = 5").is_err());
+        let zero = Settings {
+            flush_interval_ms: Some(0),
+            ..Settings::default()
+        };
+        assert!(matches!(
+            zero.resolve(),
+            Err(ConfigError::Invalid {
+                name: "flush_interval_ms",
+                ..
+            })
+        ));
+        let same = Settings {
+            dead_letter_topic: Some("tally.events".to_owned()),
+            ..Settings::default()
+        };
+        assert!(same.resolve().is_err());
+        let groups = Settings {
+            shard_groups: Some(0),
+            ..Settings::default()
+        };
+        assert!(matches!(groups.resolve(), Err(ConfigError::Keyspace(_))));
+    }
+
+    #[test]
+    fn debug_output_hides_secrets() {
+        let mut s = Settings {
+            redis_url: Some("redis://app:hunter2@localhost:6379".to_owned()),
+            ..Settings::default()
+        };
+        s.kafka
+            .insert("sasl.password".to_owned(), "hunter2".to_owned());
+        let shown = format!("{:?}", s.resolve().expect("valid"));
+        assert!(!shown.contains("hunter2"), "{shown}");
+        assert!(shown.contains("sasl.password"));
+    }
+}

@@ -1,0 +1,538 @@
+//! The consume loop: Kafka messages into per-partition buffers, buffers into flushes, durable
+//! flushes into committed offsets.
+//!
+//! One task owns the consumer and runs [`Aggregator::run`]. It decodes each message into its
+//! partition's [`Batch`] (or, if malformed, into the batch's dead letters), and starts a flush as
+//! a separate task when the batch is due, so that polling goes on while Redis is slow or down:
+//! the consumer keeps its group membership (`max.poll.interval.ms` never expires), and a
+//! partition whose buffer fills while its previous flush is still retrying is *paused* until that
+//! flush lands. Each partition has at most one flush in flight, so flushes land in offset order.
+//!
+//! # Offsets
+//! **An offset is committed only after everything before it is durable**: the loop commits a
+//! partition's offset when that partition's flush reports [`FlushOutcome::Durable`], and never
+//! otherwise. Auto-commit is off.
+//!
+//! # Rebalances and shutdown
+//! The revoke callback runs synchronously inside the consumer's poll: before it returns, it waits
+//! for the revoked partitions' in-flight flushes, flushes what is left in their buffers, and
+//! commits their offsets (bounded by `revoke_timeout`; what is not durable by then is not
+//! committed, and the next owner reads it again). Shutdown does the same for every partition,
+//! bounded by `shutdown_timeout`, then closes the consumer.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
+
+use rdkafka::client::ClientContext;
+use rdkafka::config::RDKafkaLogLevel;
+use rdkafka::consumer::{
+    BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance, StreamConsumer,
+};
+use rdkafka::error::KafkaError;
+use rdkafka::message::{BorrowedMessage, Message};
+use rdkafka::statistics::Statistics;
+use rdkafka::{ClientConfig, Offset, TopicPartitionList};
+use tally_common::{Keyspace, codec};
+use tokio::sync::mpsc;
+use tokio::task::{JoinHandle, JoinSet};
+use tokio_util::sync::CancellationToken;
+
+use crate::batch::{Batch, Limits};
+use crate::dead_letter::DeadLetter;
+use crate::flush::{FlushOutcome, Flusher};
+use crate::metrics::Metrics;
+use crate::sink::Sink;
+
+/// What the consume loop needs to know.
+#[derive(Debug, Clone)]
+pub struct LoopSettings {
+    /// The topic to consume.
+    pub topic: String,
+    /// Flush triggers.
+    pub limits: Limits,
+    /// Where each partition's deltas go.
+    pub keyspace: Keyspace,
+    /// Largest message accepted.
+    pub max_message_bytes: usize,
+    /// Longest flush of revoked partitions.
+    pub revoke_timeout: Duration,
+    /// Longest flush at shutdown.
+    pub shutdown_timeout: Duration,
+}
+
+/// How a run ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RunSummary {
+    /// Partitions whose buffers were all durable and committed at shutdown.
+    pub drained: usize,
+    /// Partitions whose last flush did not become durable before the shutdown deadline; their
+    /// uncommitted events will be read again by the next owner.
+    pub not_drained: Vec<i32>,
+}
+
+/// One owned partition.
+#[derive(Debug)]
+struct Partition {
+    /// Distinguishes this ownership from an earlier or later one of the same partition.
+    generation: u64,
+    /// The shard group its flushes write to.
+    group: u32,
+    /// Events not yet handed to a flush.
+    buffer: Batch,
+    /// The flush in progress, if any.
+    in_flight: Option<InFlight>,
+    /// Whether fetching is paused because the buffer is full.
+    paused: bool,
+}
+
+/// A flush running as its own task.
+#[derive(Debug)]
+struct InFlight {
+    /// The task; its output is the outcome.
+    handle: JoinHandle<FlushOutcome>,
+    /// Messages in the flushed batch.
+    events: usize,
+}
+
+/// A flush task's report to the loop.
+#[derive(Debug)]
+struct FlushDone {
+    partition: i32,
+    generation: u64,
+    outcome: FlushOutcome,
+}
+
+/// The owned partitions.
+#[derive(Debug, Default)]
+struct Partitions {
+    map: HashMap<i32, Partition>,
+    next_generation: u64,
+}
+
+/// State shared by the loop and the rebalance callbacks (which run inside the loop's poll).
+struct Shared<S> {
+    settings: LoopSettings,
+    partitions: Mutex<Partitions>,
+    flusher: Flusher<S>,
+    metrics: Arc<Metrics>,
+    done_tx: mpsc::UnboundedSender<FlushDone>,
+    /// Cancels every flush still retrying: fired when the shutdown deadline passes.
+    hard_stop: CancellationToken,
+    runtime: tokio::runtime::Handle,
+}
+
+/// The consumer's context: rebalance hooks, statistics, logs.
+pub struct AggregatorContext<S> {
+    shared: Arc<Shared<S>>,
+}
+
+impl<S> std::fmt::Debug for AggregatorContext<S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("AggregatorContext")
+    }
+}
+
+type AggConsumer<S> = StreamConsumer<AggregatorContext<S>>;
+
+/// The aggregator: a consumer, its partitions' buffers, and the flusher.
+pub struct Aggregator<S: Sink> {
+    shared: Arc<Shared<S>>,
+    consumer: AggConsumer<S>,
+    done_rx: mpsc::UnboundedReceiver<FlushDone>,
+}
+
+impl<S: Sink> std::fmt::Debug for Aggregator<S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Aggregator")
+            .field("settings", &self.shared.settings)
+            .finish_non_exhaustive()
+    }
+}
+
+fn lock(m: &Mutex<Partitions>) -> MutexGuard<'_, Partitions> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl<S: Sink> Aggregator<S> {
+    /// Creates the consumer from `kafka` (tally's consumer settings are applied first, `kafka`'s
+    /// own entries override them) and subscribes to the topic. Must run inside a multi-threaded
+    /// Tokio runtime.
+    pub fn new(
+        kafka: &ClientConfig,
+        settings: LoopSettings,
+        flusher: Flusher<S>,
+    ) -> Result<Self, KafkaError> {
+        let (done_tx, done_rx) = mpsc::unbounded_channel();
+        let metrics = flusher.metrics.clone();
+        let shared = Arc::new(Shared {
+            settings,
+            partitions: Mutex::new(Partitions::default()),
+            flusher,
+            metrics,
+            done_tx,
+            hard_stop: CancellationToken::new(),
+            runtime: tokio::runtime::Handle::current(),
+        });
+        let mut config = ClientConfig::new();
+        config
+            .set("enable.auto.commit", "false")
+            .set("auto.offset.reset", "earliest")
+            .set("enable.partition.eof", "false")
+            .set("statistics.interval.ms", "5000");
+        for (k, v) in kafka.config_map() {
+            config.set(k, v);
+        }
+        let consumer: AggConsumer<S> = config.create_with_context(AggregatorContext {
+            shared: shared.clone(),
+        })?;
+        consumer.subscribe(&[&shared.settings.topic])?;
+        Ok(Self {
+            shared,
+            consumer,
+            done_rx,
+        })
+    }
+
+    /// Consumes until `shutdown` fires, then drains every partition (bounded by the shutdown
+    /// timeout), commits, and closes the consumer.
+    pub async fn run(mut self, shutdown: CancellationToken) -> RunSummary {
+        let shared = self.shared.clone();
+        let interval = shared.settings.limits.flush_interval;
+        let period = (interval / 4).clamp(Duration::from_millis(10), Duration::from_millis(250));
+        let mut tick = tokio::time::interval(period);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+        loop {
+            tokio::select! {
+                biased;
+                () = shutdown.cancelled() => break,
+                Some(done) = self.done_rx.recv() => shared.flush_done(&self.consumer, done),
+                _ = tick.tick() => shared.tick(),
+                received = self.consumer.recv() => match received {
+                    Ok(message) => shared.handle_message(&self.consumer, &message),
+                    Err(error) => tracing::warn!(%error, "Kafka consumer error"),
+                },
+            }
+        }
+        tracing::info!("shutting down: draining every partition");
+        let taken: Vec<(i32, Partition)> = lock(&shared.partitions).map.drain().collect();
+        let owned: Vec<i32> = taken.iter().map(|(p, _)| *p).collect();
+        let deadline = Instant::now() + shared.settings.shutdown_timeout;
+        let durable = shared.drain(taken, deadline).await;
+        shared.commit(&self.consumer, &durable, CommitMode::Sync);
+        // Nothing may keep retrying past this point.
+        shared.hard_stop.cancel();
+        let not_drained: Vec<i32> = owned
+            .iter()
+            .filter(|p| !durable.iter().any(|(d, _)| d == *p))
+            .copied()
+            .collect();
+        shared.metrics.buffers(0, 0, 0);
+        self.consumer.unsubscribe();
+        RunSummary {
+            drained: durable.len(),
+            not_drained,
+        }
+    }
+}
+
+impl<S: Sink> Shared<S> {
+    /// Adds one message to its partition's buffer, starting a flush or pausing if it is full.
+    fn handle_message(&self, consumer: &AggConsumer<S>, message: &BorrowedMessage<'_>) {
+        let partition = message.partition();
+        let offset = message.offset();
+        let limits = &self.settings.limits;
+        let mut parts = lock(&self.partitions);
+        let Some(st) = parts.map.get_mut(&partition) else {
+            // Not (or no longer) ours: whoever owns it will read it from the committed offset.
+            return;
+        };
+        match codec::decode(
+            message.payload().unwrap_or_default(),
+            self.settings.max_message_bytes,
+        ) {
+            Ok(event) => st.buffer.add(&event.counter, event.delta, offset),
+            Err(error) => {
+                tracing::debug!(partition, offset, %error, "dead-lettering a malformed message");
+                st.buffer.add_dead_letter(
+                    DeadLetter {
+                        key: message.key().map(<[u8]>::to_vec),
+                        payload: message.payload().map(<[u8]>::to_vec),
+                        reason: error.reason(),
+                        error: error.to_string(),
+                        partition,
+                        offset,
+                    },
+                    offset,
+                );
+            }
+        }
+        self.metrics.consumed(1);
+        if st.buffer.is_full(limits) {
+            if st.in_flight.is_none() {
+                self.start_flush(partition, st);
+            } else if !st.paused {
+                self.set_paused(consumer, partition, true);
+                st.paused = true;
+            }
+        }
+    }
+
+    /// Starts flushes of due buffers and refreshes the buffer gauges.
+    fn tick(&self) {
+        let now = Instant::now();
+        let mut parts = lock(&self.partitions);
+        let (mut buffered, mut paused) = (0, 0);
+        for (&partition, st) in parts.map.iter_mut() {
+            if st.in_flight.is_none() && st.buffer.is_due(&self.settings.limits, now) {
+                self.start_flush(partition, st);
+            }
+            buffered += st.buffer.events() + st.in_flight.as_ref().map_or(0, |f| f.events);
+            paused += usize::from(st.paused);
+        }
+        self.metrics.buffers(buffered, parts.map.len(), paused);
+    }
+
+    /// Hands the partition's buffer to a new flush task.
+    fn start_flush(&self, partition: i32, st: &mut Partition) {
+        debug_assert!(st.in_flight.is_none(), "one flush per partition at a time");
+        let Some(batch) = st.buffer.seal() else {
+            return;
+        };
+        let events = batch.events;
+        let flusher = self.flusher.clone();
+        let cancel = self.hard_stop.clone();
+        let done_tx = self.done_tx.clone();
+        let (generation, group) = (st.generation, st.group);
+        let handle = tokio::spawn(async move {
+            let outcome = flusher.flush(partition, group, batch, &cancel).await;
+            // The loop may be gone (shutdown); the outcome is also the task's output.
+            let _ = done_tx.send(FlushDone {
+                partition,
+                generation,
+                outcome,
+            });
+            outcome
+        });
+        st.in_flight = Some(InFlight { handle, events });
+    }
+
+    /// A flush finished: commit its offset, start the next one if due, resume if paused.
+    fn flush_done(&self, consumer: &AggConsumer<S>, done: FlushDone) {
+        let mut parts = lock(&self.partitions);
+        let Some(st) = parts.map.get_mut(&done.partition) else {
+            return;
+        };
+        if st.generation != done.generation {
+            // A report from an earlier ownership, already handled by the revoke.
+            return;
+        }
+        st.in_flight = None;
+        let FlushOutcome::Durable { next_offset } = done.outcome else {
+            return;
+        };
+        self.commit(consumer, &[(done.partition, next_offset)], CommitMode::Async);
+        if st.buffer.is_due(&self.settings.limits, Instant::now()) {
+            self.start_flush(done.partition, st);
+        }
+        if st.paused && !st.buffer.is_full(&self.settings.limits) {
+            self.set_paused(consumer, done.partition, false);
+            st.paused = false;
+        }
+    }
+
+    /// Waits for each partition's in-flight flush, then flushes its buffer, until `deadline`.
+    /// Returns the partitions that became fully durable, with the offset to commit.
+    async fn drain(&self, taken: Vec<(i32, Partition)>, deadline: Instant) -> Vec<(i32, i64)> {
+        if taken.is_empty() {
+            return Vec::new();
+        }
+        let cancel = self.hard_stop.child_token();
+        let timer = {
+            let cancel = cancel.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep_until(deadline.into()).await;
+                cancel.cancel();
+            })
+        };
+        let mut tasks = JoinSet::new();
+        for (partition, mut st) in taken {
+            let flusher = self.flusher.clone();
+            let cancel = cancel.clone();
+            tasks.spawn(async move {
+                let mut durable = None;
+                if let Some(mut in_flight) = st.in_flight.take() {
+                    let outcome = tokio::select! {
+                        joined = &mut in_flight.handle => joined.unwrap_or(FlushOutcome::Cancelled),
+                        () = cancel.cancelled() => {
+                            in_flight.handle.abort();
+                            FlushOutcome::Cancelled
+                        }
+                    };
+                    match outcome {
+                        FlushOutcome::Durable { next_offset } => durable = Some(next_offset),
+                        // Committing the buffer behind it would skip the lost batch: stop here.
+                        FlushOutcome::Cancelled => return (partition, None),
+                    }
+                }
+                if let Some(batch) = st.buffer.seal() {
+                    match flusher.flush(partition, st.group, batch, &cancel).await {
+                        FlushOutcome::Durable { next_offset } => durable = Some(next_offset),
+                        FlushOutcome::Cancelled => return (partition, None),
+                    }
+                }
+                (partition, durable.or(Some(-1)))
+            });
+        }
+        let mut result = Vec::new();
+        while let Some(joined) = tasks.join_next().await {
+            match joined {
+                // -1: nothing was buffered; the partition is drained with nothing to commit.
+                Ok((partition, Some(offset))) => result.push((partition, offset)),
+                Ok((partition, None)) => {
+                    tracing::warn!(
+                        partition,
+                        "partition not drained before the deadline; its uncommitted events will be read again"
+                    );
+                }
+                Err(error) => tracing::error!(%error, "drain task failed"),
+            }
+        }
+        timer.abort();
+        result
+    }
+
+    /// Commits `(partition, next_offset)` pairs; negative offsets mean "nothing to commit".
+    fn commit<C: Consumer<AggregatorContext<S>>>(
+        &self,
+        consumer: &C,
+        offsets: &[(i32, i64)],
+        mode: CommitMode,
+    ) {
+        let mut tpl = TopicPartitionList::new();
+        for &(partition, offset) in offsets.iter().filter(|(_, o)| *o >= 0) {
+            // Adding an offset to a fresh list cannot fail.
+            let _ = tpl.add_partition_offset(
+                &self.settings.topic,
+                partition,
+                Offset::Offset(offset),
+            );
+        }
+        if tpl.count() == 0 {
+            return;
+        }
+        if let Err(error) = consumer.commit(&tpl, mode) {
+            // Not fatal: the work is durable, and at worst the next owner re-reads it.
+            tracing::warn!(%error, "offset commit failed");
+        }
+    }
+
+    fn set_paused(&self, consumer: &AggConsumer<S>, partition: i32, pause: bool) {
+        let mut tpl = TopicPartitionList::new();
+        tpl.add_partition(&self.settings.topic, partition);
+        let result = if pause {
+            consumer.pause(&tpl)
+        } else {
+            consumer.resume(&tpl)
+        };
+        match result {
+            Ok(()) => tracing::debug!(partition, pause, "partition fetch paused/resumed"),
+            Err(error) => tracing::warn!(partition, pause, %error, "pause/resume failed"),
+        }
+    }
+
+    /// The revoke callback's work: drain the revoked partitions and commit, before returning.
+    fn revoke(&self, consumer: &BaseConsumer<AggregatorContext<S>>, revoked: &TopicPartitionList) {
+        let taken: Vec<(i32, Partition)> = {
+            let mut parts = lock(&self.partitions);
+            revoked
+                .elements_for_topic(&self.settings.topic)
+                .iter()
+                .filter_map(|e| parts.map.remove(&e.partition()).map(|st| (e.partition(), st)))
+                .collect()
+        };
+        if taken.is_empty() {
+            return;
+        }
+        let count = taken.len();
+        let deadline = Instant::now() + self.settings.revoke_timeout;
+        let durable =
+            tokio::task::block_in_place(|| self.runtime.block_on(self.drain(taken, deadline)));
+        self.commit(consumer, &durable, CommitMode::Sync);
+        tracing::info!(
+            revoked = count,
+            drained = durable.len(),
+            "partitions revoked"
+        );
+    }
+
+    fn assign(&self, assigned: &TopicPartitionList) {
+        let mut parts = lock(&self.partitions);
+        for element in assigned.elements_for_topic(&self.settings.topic) {
+            let partition = element.partition();
+            let generation = parts.next_generation;
+            parts.next_generation += 1;
+            parts.map.insert(
+                partition,
+                Partition {
+                    generation,
+                    group: self.settings.keyspace.group_for_partition(partition),
+                    buffer: Batch::default(),
+                    in_flight: None,
+                    paused: false,
+                },
+            );
+        }
+        tracing::info!(
+            partitions = ?parts.map.keys().collect::<Vec<_>>(),
+            "partitions assigned"
+        );
+    }
+}
+
+impl<S: Sink> ClientContext for AggregatorContext<S> {
+    fn stats(&self, statistics: Statistics) {
+        let lags = statistics
+            .topics
+            .get(&self.shared.settings.topic)
+            .into_iter()
+            .flat_map(|t| t.partitions.iter())
+            .filter(|(p, s)| **p >= 0 && s.consumer_lag >= 0)
+            .map(|(p, s)| (*p, s.consumer_lag));
+        self.shared.metrics.consumer_lag(lags);
+    }
+
+    fn log(&self, level: RDKafkaLogLevel, fac: &str, log_message: &str) {
+        match level {
+            RDKafkaLogLevel::Emerg
+            | RDKafkaLogLevel::Alert
+            | RDKafkaLogLevel::Critical
+            | RDKafkaLogLevel::Error => tracing::error!(target: "librdkafka", fac, "{log_message}"),
+            RDKafkaLogLevel::Warning => tracing::warn!(target: "librdkafka", fac, "{log_message}"),
+            RDKafkaLogLevel::Notice | RDKafkaLogLevel::Info => {
+                tracing::info!(target: "librdkafka", fac, "{log_message}")
+            }
+            RDKafkaLogLevel::Debug => tracing::debug!(target: "librdkafka", fac, "{log_message}"),
+        }
+    }
+
+    fn error(&self, error: KafkaError, reason: &str) {
+        tracing::warn!(target: "librdkafka", %error, reason, "Kafka client error");
+    }
+}
+
+impl<S: Sink> ConsumerContext for AggregatorContext<S> {
+    fn pre_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        if let Rebalance::Revoke(revoked) = rebalance {
+            self.shared.revoke(consumer, revoked);
+        }
+    }
+
+    fn post_rebalance(&self, _consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        match rebalance {
+            Rebalance::Assign(assigned) => self.shared.assign(assigned),
+            Rebalance::Revoke(_) => {}
+            Rebalance::Error(error) => tracing::error!(%error, "rebalance failed"),
+        }
+    }
+}

@@ -1,0 +1,150 @@
+//! The dead-letter topic: where malformed messages go, with the reason, instead of blocking the
+//! partition or vanishing.
+//!
+//! A malformed message (undecodable, invalid counter id, bad delta, oversized) is copied with its
+//! original key and payload, plus headers naming the reason and where it came from:
+//!
+//! | header | value |
+//! |---|---|
+//! | `tally-reason` | `undecodable`, `oversized`, `invalid_counter`, `invalid_delta` or `invalid_field` |
+//! | `tally-error` | the full error message |
+//! | `tally-source-topic`, `tally-source-partition`, `tally-source-offset` | where it was read |
+//!
+//! The copy travels with its partition's batch: the flush waits for Kafka to acknowledge it before
+//! the partition's offset moves past the message, so a crash cannot lose it.
+
+use rdkafka::ClientConfig;
+use rdkafka::error::KafkaError;
+use rdkafka::message::{Header, OwnedHeaders};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::util::Timeout;
+
+/// Header names, shared with tests and tools that read the dead-letter topic.
+pub mod headers {
+    /// The fixed reason label.
+    pub const REASON: &str = "tally-reason";
+    /// The full error message.
+    pub const ERROR: &str = "tally-error";
+    /// Topic the message was read from.
+    pub const SOURCE_TOPIC: &str = "tally-source-topic";
+    /// Partition the message was read from.
+    pub const SOURCE_PARTITION: &str = "tally-source-partition";
+    /// Offset the message was read at.
+    pub const SOURCE_OFFSET: &str = "tally-source-offset";
+}
+
+/// A malformed message, copied out of the consumer's buffer.
+#[derive(Debug, Clone)]
+pub struct DeadLetter {
+    /// The original key.
+    pub key: Option<Vec<u8>>,
+    /// The original payload.
+    pub payload: Option<Vec<u8>>,
+    /// The fixed reason label (see [`tally_common::DecodeError::reason`]).
+    pub reason: &'static str,
+    /// The full error message.
+    pub error: String,
+    /// Where it came from.
+    pub partition: i32,
+    /// Its offset.
+    pub offset: i64,
+}
+
+impl DeadLetter {
+    #[cfg(test)]
+    pub(crate) fn for_test(reason: &'static str) -> Self {
+        Self {
+            key: None,
+            payload: Some(b"junk".to_vec()),
+            reason,
+            error: "test".to_owned(),
+            partition: 0,
+            offset: 0,
+        }
+    }
+}
+
+/// Writes dead letters to their topic. Cheap to clone.
+#[derive(Clone)]
+pub struct DeadLetterQueue {
+    /// An idempotent producer.
+    producer: FutureProducer,
+    /// The dead-letter topic.
+    topic: String,
+    /// The topic the aggregator consumes, for the source header.
+    source_topic: String,
+}
+
+impl std::fmt::Debug for DeadLetterQueue {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeadLetterQueue")
+            .field("topic", &self.topic)
+            .finish_non_exhaustive()
+    }
+}
+
+impl DeadLetterQueue {
+    /// A dead-letter writer to `topic`, with the consumer's Kafka settings (security etc.).
+    pub fn new(
+        base: &ClientConfig,
+        topic: &str,
+        source_topic: &str,
+    ) -> Result<Self, KafkaError> {
+        let mut config = base.clone();
+        config
+            .set("enable.idempotence", "true")
+            .set("acks", "all")
+            .set("linger.ms", "5");
+        // Consumer-only options would make the producer warn; drop them.
+        for key in [
+            "group.id",
+            "enable.auto.commit",
+            "auto.offset.reset",
+            "enable.auto.offset.store",
+            "partition.assignment.strategy",
+            "session.timeout.ms",
+            "max.poll.interval.ms",
+            "queued.min.messages",
+            "fetch.max.bytes",
+            "enable.partition.eof",
+        ] {
+            config.remove(key);
+        }
+        Ok(Self {
+            producer: config.create()?,
+            topic: topic.to_owned(),
+            source_topic: source_topic.to_owned(),
+        })
+    }
+
+    /// Copies one dead letter to the topic and waits for Kafka's acknowledgement.
+    pub async fn send(&self, letter: &DeadLetter) -> Result<(), KafkaError> {
+        let partition = letter.partition.to_string();
+        let offset = letter.offset.to_string();
+        let headers = OwnedHeaders::new()
+            .insert(header(headers::REASON, letter.reason))
+            .insert(header(headers::ERROR, &letter.error))
+            .insert(header(headers::SOURCE_TOPIC, &self.source_topic))
+            .insert(header(headers::SOURCE_PARTITION, &partition))
+            .insert(header(headers::SOURCE_OFFSET, &offset));
+        let mut record = FutureRecord::<[u8], [u8]>::to(&self.topic).headers(headers);
+        if let Some(key) = &letter.key {
+            record = record.key(key);
+        }
+        if let Some(payload) = &letter.payload {
+            record = record.payload(payload);
+        }
+        self.producer
+            .send(record, Timeout::Never)
+            .await
+            .map(|_| ())
+            .map_err(|(e, _)| e)
+    }
+}
+
+fn header<'a>(key: &'a str, value: &'a str) -> Header<'a, &'a str> {
+    Header {
+        key,
+        value: Some(value),
+    }
+}
