@@ -41,7 +41,11 @@ mod tests {
         for upper in bounds {
             let d = b.next_delay();
             let upper = Duration::from_millis(upper);
-            assert!(d >= upper / 2 && d <= upper, "{d:?} not in [{:?}, {upper:?}]", upper / 2);
+            assert!(
+                d >= upper / 2 && d <= upper,
+                "{d:?} not in [{:?}, {upper:?}]",
+                upper / 2
+            );
         }
     }
 }

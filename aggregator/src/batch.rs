@@ -168,7 +168,10 @@ mod tests {
         };
         let mut b = Batch::default();
         let now = Instant::now();
-        assert!(!b.is_due(&limits, now + Duration::from_secs(10)), "empty is never due");
+        assert!(
+            !b.is_due(&limits, now + Duration::from_secs(10)),
+            "empty is never due"
+        );
         b.add("a", 1, 0);
         assert!(!b.is_due(&limits, Instant::now()));
         assert!(b.is_due(&limits, Instant::now() + Duration::from_millis(100)));

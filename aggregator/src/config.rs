@@ -267,20 +267,30 @@ impl Settings {
         };
         let flush_interval_ms =
             positive("flush_interval_ms", self.flush_interval_ms.unwrap_or(1000))?;
-        let max_events =
-            positive("max_batch_events", self.max_batch_events.unwrap_or(200_000) as u64)?;
+        let max_events = positive(
+            "max_batch_events",
+            self.max_batch_events.unwrap_or(200_000) as u64,
+        )?;
         let max_counters = positive(
             "max_batch_counters",
             self.max_batch_counters.unwrap_or(50_000) as u64,
         )?;
-        let max_message_bytes =
-            positive("max_message_bytes", self.max_message_bytes.unwrap_or(16_384) as u64)?;
-        let shutdown_timeout_ms =
-            positive("shutdown_timeout_ms", self.shutdown_timeout_ms.unwrap_or(30_000))?;
-        let revoke_timeout_ms =
-            positive("revoke_timeout_ms", self.revoke_timeout_ms.unwrap_or(20_000))?;
-        let retry_max_backoff_ms =
-            positive("retry_max_backoff_ms", self.retry_max_backoff_ms.unwrap_or(2_000))?;
+        let max_message_bytes = positive(
+            "max_message_bytes",
+            self.max_message_bytes.unwrap_or(16_384) as u64,
+        )?;
+        let shutdown_timeout_ms = positive(
+            "shutdown_timeout_ms",
+            self.shutdown_timeout_ms.unwrap_or(30_000),
+        )?;
+        let revoke_timeout_ms = positive(
+            "revoke_timeout_ms",
+            self.revoke_timeout_ms.unwrap_or(20_000),
+        )?;
+        let retry_max_backoff_ms = positive(
+            "retry_max_backoff_ms",
+            self.retry_max_backoff_ms.unwrap_or(2_000),
+        )?;
         let topic = self.topic.unwrap_or_else(|| "tally.events".to_owned());
         let dead_letter_topic = self
             .dead_letter_topic
@@ -382,7 +392,10 @@ mod tests {
         let c = cli.into_config().expect("valid");
         assert_eq!(c.topic, "from-file");
         assert_eq!(c.limits.flush_interval, Duration::from_millis(50));
-        assert_eq!(c.kafka.get("fetch.max.bytes").map(String::as_str), Some("1000"));
+        assert_eq!(
+            c.kafka.get("fetch.max.bytes").map(String::as_str),
+            Some("1000")
+        );
         assert_eq!(c.kafka.get("client.id").map(String::as_str), Some("x"));
         std::fs::remove_dir_all(dir).ok();
     }

@@ -331,7 +331,11 @@ impl<S: Sink> Shared<S> {
         let FlushOutcome::Durable { next_offset } = done.outcome else {
             return;
         };
-        self.commit(consumer, &[(done.partition, next_offset)], CommitMode::Async);
+        self.commit(
+            consumer,
+            &[(done.partition, next_offset)],
+            CommitMode::Async,
+        );
         if st.buffer.is_due(&self.settings.limits, Instant::now()) {
             self.start_flush(done.partition, st);
         }
@@ -412,11 +416,8 @@ impl<S: Sink> Shared<S> {
         let mut tpl = TopicPartitionList::new();
         for &(partition, offset) in offsets.iter().filter(|(_, o)| *o >= 0) {
             // Adding an offset to a fresh list cannot fail.
-            let _ = tpl.add_partition_offset(
-                &self.settings.topic,
-                partition,
-                Offset::Offset(offset),
-            );
+            let _ =
+                tpl.add_partition_offset(&self.settings.topic, partition, Offset::Offset(offset));
         }
         if tpl.count() == 0 {
             return;
@@ -448,7 +449,12 @@ impl<S: Sink> Shared<S> {
             revoked
                 .elements_for_topic(&self.settings.topic)
                 .iter()
-                .filter_map(|e| parts.map.remove(&e.partition()).map(|st| (e.partition(), st)))
+                .filter_map(|e| {
+                    parts
+                        .map
+                        .remove(&e.partition())
+                        .map(|st| (e.partition(), st))
+                })
                 .collect()
         };
         if taken.is_empty() {

@@ -85,11 +85,7 @@ impl std::fmt::Debug for DeadLetterQueue {
 
 impl DeadLetterQueue {
     /// A dead-letter writer to `topic`, with the consumer's Kafka settings (security etc.).
-    pub fn new(
-        base: &ClientConfig,
-        topic: &str,
-        source_topic: &str,
-    ) -> Result<Self, KafkaError> {
+    pub fn new(base: &ClientConfig, topic: &str, source_topic: &str) -> Result<Self, KafkaError> {
         let mut config = base.clone();
         config
             .set("enable.idempotence", "true")

@@ -52,14 +52,14 @@ impl From<redis::RedisError> for SinkError {
                 source.kind(),
                 ErrorKind::ClusterConnectionNotFound
                     | ErrorKind::Server(
-                    redis::ServerErrorKind::BusyLoading
-                        | redis::ServerErrorKind::TryAgain
-                        | redis::ServerErrorKind::ClusterDown
-                        | redis::ServerErrorKind::MasterDown
-                        | redis::ServerErrorKind::Moved
-                        | redis::ServerErrorKind::Ask
-                        | redis::ServerErrorKind::ReadOnly
-                )
+                        redis::ServerErrorKind::BusyLoading
+                            | redis::ServerErrorKind::TryAgain
+                            | redis::ServerErrorKind::ClusterDown
+                            | redis::ServerErrorKind::MasterDown
+                            | redis::ServerErrorKind::Moved
+                            | redis::ServerErrorKind::Ask
+                            | redis::ServerErrorKind::ReadOnly
+                    )
             );
         SinkError {
             kind: if retryable {

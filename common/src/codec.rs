@@ -40,7 +40,9 @@ pub enum DecodeError {
         max: usize,
     },
     /// The first byte is neither a tally envelope nor the start of a JSON object.
-    #[error("unknown format: first byte is {first:#04x} (expected {BINARY_V1:#04x} or a JSON object)")]
+    #[error(
+        "unknown format: first byte is {first:#04x} (expected {BINARY_V1:#04x} or a JSON object)"
+    )]
     UnknownFormat {
         /// The first byte.
         first: u8,
@@ -292,7 +294,10 @@ mod tests {
     #[test]
     fn json_needs_only_the_counter_and_delta_defaults_to_one() {
         let e = decode(br#" {"counter":"likes:post:42"}"#, MAX).expect("decodes");
-        assert_eq!((e.counter.as_ref(), e.delta, e.ts_ms), ("likes:post:42", 1, 0));
+        assert_eq!(
+            (e.counter.as_ref(), e.delta, e.ts_ms),
+            ("likes:post:42", 1, 0)
+        );
         assert_eq!(e.actor, None);
     }
 
@@ -350,7 +355,8 @@ mod tests {
             ts_ms: 0,
             event_id: None,
         };
-        bincode::serde::encode_into_std_write(&body, &mut bytes, bincode_config()).expect("encodes");
+        bincode::serde::encode_into_std_write(&body, &mut bytes, bincode_config())
+            .expect("encodes");
         assert_eq!(
             decode(&bytes, MAX),
             Err(DecodeError::Invalid(EventError::ZeroDelta))

@@ -74,7 +74,10 @@ fn cluster_seeds(url: &str) -> Option<(bool, impl Iterator<Item = &str>)> {
     } else {
         (true, url.strip_prefix("rediss+cluster://")?)
     };
-    Some((tls, rest.split(',').map(str::trim).filter(|s| !s.is_empty())))
+    Some((
+        tls,
+        rest.split(',').map(str::trim).filter(|s| !s.is_empty()),
+    ))
 }
 
 impl ConnectionLike for RedisConn {

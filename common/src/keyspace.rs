@@ -28,7 +28,9 @@ pub const MAX_GROUPS: u32 = 1024;
 #[non_exhaustive]
 pub enum KeyspaceError {
     /// The prefix was empty, too long, or held braces, whitespace or control characters.
-    #[error("key prefix {prefix:?} is invalid: it must be 1 to 64 printable characters without braces or whitespace")]
+    #[error(
+        "key prefix {prefix:?} is invalid: it must be 1 to 64 printable characters without braces or whitespace"
+    )]
     Prefix {
         /// The rejected prefix.
         prefix: String,
@@ -161,7 +163,10 @@ mod tests {
     #[test]
     fn key_layout_is_prefix_group_tag_and_counter() {
         let ks = Keyspace::default();
-        assert_eq!(ks.counter_key(7, "likes:post:42"), "tally:{g7}:c:likes:post:42");
+        assert_eq!(
+            ks.counter_key(7, "likes:post:42"),
+            "tally:{g7}:c:likes:post:42"
+        );
         assert_eq!(ks.counter_keys("x").len(), 16);
     }
 

@@ -1,1 +1,500 @@
-//! placeholder
+//! Helpers for tally's end-to-end tests: real Kafka, real `redis-server` processes, and the real
+//! `tally-aggregator` binary.
+//!
+//! Kafka is the broker started by `deploy/local/start.sh` (or any broker named by
+//! `TALLY_TEST_BROKERS`); tests fail loudly, saying what to start, when it is not there. Each test
+//! starts its own `redis-server` on a free port in its own directory, creates its own topics and
+//! uses its own consumer group and key prefix, so tests never interfere.
+//!
+//! The binaries must be built first (`cargo build --workspace --bins`); the README's test command
+//! does that.
+
+use std::collections::HashMap;
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use rdkafka::ClientConfig;
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::client::DefaultClientContext;
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::{Offset, TopicPartitionList};
+use tally_common::{Keyspace, Reader, RedisConn};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+/// The Kafka brokers the tests use.
+pub fn brokers() -> String {
+    std::env::var("TALLY_TEST_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".to_owned())
+}
+
+/// A name no other test (or earlier run) uses: `<base>-<pid>-<n>-<random>`.
+pub fn unique(base: &str) -> String {
+    static N: AtomicU32 = AtomicU32::new(0);
+    format!(
+        "{base}-{}-{}-{:08x}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed),
+        rand::random::<u32>()
+    )
+}
+
+/// A free TCP port on loopback.
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("no free port on 127.0.0.1")
+}
+
+/// Polls `check` every 50 ms until it returns `Some`, or panics after `timeout` with `what`.
+pub async fn eventually<T, F, Fut>(timeout: Duration, what: &str, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(v) = check().await {
+            return v;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "timed out after {timeout:?} waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Creates `topic` with `partitions` partitions; fails loudly if Kafka is not reachable.
+pub async fn create_topic(topic: &str, partitions: i32) {
+    let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
+        .set("bootstrap.servers", brokers())
+        .create()
+        .expect("admin client");
+    let results = admin
+        .create_topics(
+            &[NewTopic::new(topic, partitions, TopicReplication::Fixed(1))],
+            &AdminOptions::new().request_timeout(Some(Duration::from_secs(20))),
+        )
+        .await
+        .unwrap_or_else(|e| {
+            panic!(
+                "Kafka is not reachable at {} ({e}): start it with deploy/local/start.sh",
+                brokers()
+            )
+        });
+    for r in results {
+        r.unwrap_or_else(|(t, e)| panic!("cannot create topic {t}: {e}"));
+    }
+}
+
+/// The offsets `group` has committed on `topic`'s partitions `0..partitions`, and the end of each.
+pub fn committed_and_end(group: &str, topic: &str, partitions: i32) -> Vec<(i64, i64)> {
+    let consumer: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", brokers())
+        .set("group.id", group)
+        .create()
+        .expect("consumer");
+    let mut tpl = TopicPartitionList::new();
+    for p in 0..partitions {
+        tpl.add_partition(topic, p);
+    }
+    let committed = consumer
+        .committed_offsets(tpl, Duration::from_secs(10))
+        .expect("committed offsets");
+    (0..partitions)
+        .map(|p| {
+            let c = match committed.find_partition(topic, p).map(|e| e.offset()) {
+                Some(Offset::Offset(o)) => o,
+                _ => -1,
+            };
+            let (_, high) = consumer
+                .fetch_watermarks(topic, p, Duration::from_secs(10))
+                .expect("watermarks");
+            (c, high)
+        })
+        .collect()
+}
+
+/// Where a test keeps its files; removed when dropped.
+#[derive(Debug)]
+pub struct TempDir(PathBuf);
+
+impl TempDir {
+    /// A fresh directory under the system temp dir.
+    pub fn new(name: &str) -> Self {
+        let path = std::env::temp_dir().join(unique(name));
+        std::fs::create_dir_all(&path).expect("temp dir");
+        Self(path)
+    }
+    /// Its path.
+    pub fn path(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A private `redis-server` on a free loopback port, with an append-only file so that a
+/// stop and restart keeps its data.
+#[derive(Debug)]
+pub struct RedisServer {
+    port: u16,
+    dir: TempDir,
+    child: Option<Child>,
+}
+
+impl RedisServer {
+    /// Starts a server and waits until it answers.
+    pub async fn start() -> Self {
+        let mut server = Self {
+            port: free_port(),
+            dir: TempDir::new("tally-redis"),
+            child: None,
+        };
+        server.start_again().await;
+        server
+    }
+
+    /// Its URL.
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    /// (Re)starts the process on the same port and directory, and waits until it answers.
+    pub async fn start_again(&mut self) {
+        assert!(self.child.is_none(), "redis-server is already running");
+        let child = Command::new("redis-server")
+            .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
+            .args([
+                "--save",
+                "",
+                "--appendonly",
+                "yes",
+                "--appendfsync",
+                "always",
+            ])
+            .arg("--dir")
+            .arg(self.dir.path())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| {
+                panic!("cannot run redis-server ({e}): install it with deploy/local/install.sh")
+            });
+        self.child = Some(child);
+        let url = self.url();
+        eventually(Duration::from_secs(10), "redis-server to answer", || {
+            let url = url.clone();
+            async move {
+                let client = redis::Client::open(url).ok()?;
+                let mut conn = client.get_multiplexed_async_connection().await.ok()?;
+                redis::cmd("PING")
+                    .query_async::<String>(&mut conn)
+                    .await
+                    .ok()
+            }
+        })
+        .await;
+    }
+
+    /// Shuts the server down (`SHUTDOWN`, which syncs the append-only file) and waits for exit.
+    pub async fn stop(&mut self) {
+        let mut child = self.child.take().expect("redis-server is not running");
+        let _ = Command::new("redis-cli")
+            .args(["-p", &self.port.to_string(), "shutdown"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status();
+        let status = tokio::task::spawn_blocking(move || child.wait())
+            .await
+            .expect("join")
+            .expect("redis-server exit");
+        assert!(
+            status.success() || status.code().is_none(),
+            "redis-server exit: {status}"
+        );
+    }
+
+    /// A reader over this server for `keyspace`.
+    pub async fn reader(&self, keyspace: Keyspace) -> Reader<RedisConn> {
+        Reader::new(
+            RedisConn::connect(&self.url()).await.expect("redis url"),
+            keyspace,
+        )
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// Path of a workspace binary, built by `cargo build --workspace --bins`.
+pub fn binary(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("test executable path");
+    // target/<profile>/deps/<test> -> target/<profile>/<name>
+    let path = exe
+        .parent()
+        .and_then(Path::parent)
+        .map(|dir| dir.join(name))
+        .expect("target dir");
+    assert!(
+        path.exists(),
+        "{} is missing: build the binaries first with `cargo build --workspace --bins`",
+        path.display()
+    );
+    path
+}
+
+/// A running `tally-aggregator` process.
+#[derive(Debug)]
+pub struct AggregatorProcess {
+    child: Child,
+    metrics_port: u16,
+    log: PathBuf,
+}
+
+/// What an aggregator under test is pointed at.
+#[derive(Debug, Clone)]
+pub struct AggregatorSetup {
+    /// Events topic.
+    pub topic: String,
+    /// Dead-letter topic.
+    pub dead_letter_topic: String,
+    /// Consumer group.
+    pub group: String,
+    /// Redis URL.
+    pub redis_url: String,
+    /// Key prefix.
+    pub key_prefix: String,
+    /// Flush interval.
+    pub flush_interval_ms: u64,
+}
+
+impl AggregatorSetup {
+    /// A setup with unique topic, group and prefix names, and topics created (`partitions` for
+    /// events, 1 for dead letters).
+    pub async fn create(name: &str, redis_url: &str, partitions: i32) -> Self {
+        let setup = Self {
+            topic: unique(&format!("{name}.events")),
+            dead_letter_topic: unique(&format!("{name}.dlq")),
+            group: unique(&format!("{name}-group")),
+            redis_url: redis_url.to_owned(),
+            key_prefix: unique(name),
+            flush_interval_ms: 200,
+        };
+        create_topic(&setup.topic, partitions).await;
+        create_topic(&setup.dead_letter_topic, 1).await;
+        setup
+    }
+
+    /// The keyspace the aggregator writes.
+    pub fn keyspace(&self) -> Keyspace {
+        Keyspace::new(self.key_prefix.clone(), 16).expect("valid keyspace")
+    }
+
+    /// Starts an aggregator process with this setup and `extra` flags; its log goes to `log_dir`.
+    pub fn spawn(&self, log_dir: &Path, extra: &[&str]) -> AggregatorProcess {
+        let metrics_port = free_port();
+        let log = log_dir.join(format!("aggregator-{}.log", unique("run")));
+        let out = std::fs::File::create(&log).expect("log file");
+        let child = Command::new(binary("tally-aggregator"))
+            .args(["--brokers", &brokers()])
+            .args(["--topic", &self.topic])
+            .args(["--dead-letter-topic", &self.dead_letter_topic])
+            .args(["--group", &self.group])
+            .args(["--redis-url", &self.redis_url])
+            .args(["--key-prefix", &self.key_prefix])
+            .args(["--flush-interval-ms", &self.flush_interval_ms.to_string()])
+            .args(["--metrics-addr", &format!("127.0.0.1:{metrics_port}")])
+            .args(["--retry-max-backoff-ms", "500"])
+            .args(extra)
+            .env("RUST_LOG", "info")
+            .stdout(out.try_clone().expect("log file"))
+            .stderr(out)
+            .spawn()
+            .expect("tally-aggregator starts");
+        AggregatorProcess {
+            child,
+            metrics_port,
+            log,
+        }
+    }
+}
+
+impl AggregatorProcess {
+    /// Its log so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Whether it is still running.
+    pub fn is_running(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
+
+    /// Sends SIGTERM.
+    pub fn terminate(&self) {
+        let status = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status()
+            .expect("kill runs");
+        assert!(status.success(), "kill -TERM failed");
+    }
+
+    /// Waits for the process to exit, for at most `timeout`.
+    pub async fn wait_exit(&mut self, timeout: Duration) -> ExitStatus {
+        let log = self.log.clone();
+        eventually(timeout, "the aggregator to exit", || {
+            let status = self.child.try_wait().expect("try_wait");
+            async move { status }
+        })
+        .await
+        .tap_log(&log)
+    }
+
+    /// The value of an un-labelled metric, or the sum over a labelled one's series.
+    pub async fn metric(&self, name: &str) -> Option<f64> {
+        let text = http_get(self.metrics_port, "/metrics").await?;
+        let mut found = None;
+        for line in text.lines().filter(|l| !l.starts_with('#')) {
+            let (series, value) = line.rsplit_once(' ')?;
+            let metric = series.split('{').next()?;
+            if metric == name {
+                *found.get_or_insert(0.0) += value.parse::<f64>().ok()?;
+            }
+        }
+        found
+    }
+
+    /// Waits until the metric reaches at least `at_least`.
+    pub async fn wait_metric(&self, name: &str, at_least: f64, timeout: Duration) -> f64 {
+        eventually(timeout, &format!("{name} >= {at_least}"), || async {
+            self.metric(name).await.filter(|v| *v >= at_least)
+        })
+        .await
+    }
+}
+
+trait TapLog {
+    fn tap_log(self, log: &Path) -> Self;
+}
+
+impl TapLog for ExitStatus {
+    fn tap_log(self, log: &Path) -> Self {
+        if !self.success() {
+            eprintln!(
+                "aggregator exited with {self}; its log:\n{}",
+                std::fs::read_to_string(log).unwrap_or_default()
+            );
+        }
+        self
+    }
+}
+
+impl Drop for AggregatorProcess {
+    fn drop(&mut self) {
+        if matches!(self.child.try_wait(), Ok(None)) {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// A one-shot HTTP GET on loopback; `None` if nothing answers.
+pub async fn http_get(port: u16, path: &str) -> Option<String> {
+    let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .ok()?;
+    stream
+        .write_all(format!("GET {path} HTTP/1.1\r\nhost: localhost\r\n\r\n").as_bytes())
+        .await
+        .ok()?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response).await.ok()?;
+    response
+        .split_once("\r\n\r\n")
+        .map(|(_, body)| body.to_owned())
+}
+
+/// Waits until every counter in `expected` reads exactly its expected total, or panics after
+/// `timeout` listing the first differences.
+pub async fn wait_for_totals(
+    reader: &Reader<RedisConn>,
+    expected: &HashMap<String, i64>,
+    timeout: Duration,
+) {
+    let counters: Vec<&String> = expected.keys().collect();
+    let deadline = Instant::now() + timeout;
+    loop {
+        let mut wrong = Vec::new();
+        for chunk in counters.chunks(2000) {
+            match reader.get_many(chunk).await {
+                Ok(values) => {
+                    for (counter, got) in chunk.iter().zip(values) {
+                        if got != expected[*counter] {
+                            wrong
+                                .push(format!("{counter}: got {got}, sent {}", expected[*counter]));
+                        }
+                    }
+                }
+                Err(e) => wrong.push(format!("read failed: {e}")),
+            }
+        }
+        if wrong.is_empty() {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "after {timeout:?}, {} counters are wrong, e.g. {:?}",
+            wrong.len(),
+            &wrong[..wrong.len().min(5)]
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Every counter id that has a key under `keyspace` in the Redis at `url`.
+pub async fn counters_in_redis(
+    url: &str,
+    keyspace: &Keyspace,
+) -> std::collections::HashSet<String> {
+    let client = redis::Client::open(url).expect("redis url");
+    let mut conn = client
+        .get_multiplexed_async_connection()
+        .await
+        .expect("redis connection");
+    let mut cursor: u64 = 0;
+    let mut found = std::collections::HashSet::new();
+    loop {
+        let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
+            .arg(cursor)
+            .arg("MATCH")
+            .arg(keyspace.counter_key_pattern())
+            .arg("COUNT")
+            .arg(1000)
+            .query_async(&mut conn)
+            .await
+            .expect("SCAN");
+        for key in keys {
+            if let Some(counter) = keyspace.counter_of_key(&key) {
+                found.insert(counter.to_owned());
+            }
+        }
+        if next == 0 {
+            return found;
+        }
+        cursor = next;
+    }
+}

@@ -77,7 +77,11 @@ enum Command {
 #[derive(Debug, clap::Args)]
 struct RedisArgs {
     /// Redis URL.
-    #[arg(long, env = "TALLY_REDIS_URL", default_value = "redis://127.0.0.1:6379")]
+    #[arg(
+        long,
+        env = "TALLY_REDIS_URL",
+        default_value = "redis://127.0.0.1:6379"
+    )]
     redis_url: String,
     /// Key prefix.
     #[arg(long, env = "TALLY_KEY_PREFIX", default_value = "tally")]

@@ -1,0 +1,178 @@
+//! End to end: JSON events written by a plain Kafka client (as kcat or another language would),
+//! mixed with malformed messages. Valid totals are exact, each malformed message lands in the
+//! dead-letter topic with its reason, the metric counts them, and offsets move past them.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use rdkafka::ClientConfig;
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::message::{Headers, Message};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use tally_tests::{AggregatorSetup, RedisServer, TempDir, committed_and_end, wait_for_totals};
+
+/// Malformed payloads and the reason the aggregator must give for each.
+fn malformed() -> Vec<(Vec<u8>, &'static str)> {
+    vec![
+        (b"not json at all".to_vec(), "undecodable"),
+        (b"{\"counter\": \"likes:post:1\"".to_vec(), "undecodable"),
+        (
+            br#"{"counter":"likes:post:1","detla":5}"#.to_vec(),
+            "undecodable",
+        ),
+        (br#"{"delta":5}"#.to_vec(), "undecodable"),
+        (vec![0xB1, 0xFF, 0xFF, 0xFF], "undecodable"),
+        (vec![0xB7, 1, 2, 3], "undecodable"),
+        (Vec::new(), "undecodable"),
+        (
+            br#"{"counter":"likes:{post}:1"}"#.to_vec(),
+            "invalid_counter",
+        ),
+        (br#"{"counter":""}"#.to_vec(), "invalid_counter"),
+        (
+            br#"{"counter":"likes:post:1","delta":0}"#.to_vec(),
+            "invalid_delta",
+        ),
+        (
+            br#"{"counter":"likes:post:1","delta":-2000000000000}"#.to_vec(),
+            "invalid_delta",
+        ),
+        (
+            format!(
+                r#"{{"counter":"likes:post:1","actor":"{}"}}"#,
+                "a".repeat(20_000)
+            )
+            .into_bytes(),
+            "oversized",
+        ),
+    ]
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn json_events_count_and_malformed_ones_are_dead_lettered() {
+    let dir = TempDir::new("tally-e2e");
+    let redis = RedisServer::start().await;
+    let setup = AggregatorSetup::create("json", &redis.url(), 4).await;
+    let mut aggregator = setup.spawn(dir.path(), &[]);
+
+    let plain: FutureProducer = ClientConfig::new()
+        .set("bootstrap.servers", tally_tests::brokers())
+        .create()
+        .expect("plain producer");
+    let bad = malformed();
+    let mut expected: HashMap<String, i64> = HashMap::new();
+    let mut sends = Vec::new();
+    for i in 0..3_000i64 {
+        let counter = format!("views:video:{}", i % 37);
+        let (delta, payload) = match i % 3 {
+            // delta omitted: it defaults to 1
+            0 => (1, format!(r#"{{"counter":"{counter}"}}"#)),
+            1 => {
+                let delta = if i % 7 == 3 { 4 } else { i % 7 - 3 };
+                let json = format!(r#"{{"counter":"{counter}","delta":{delta},"actor":"u{i}"}}"#);
+                (delta, json)
+            }
+            // leading whitespace and an event time
+            _ => (
+                -2,
+                format!(r#"  {{"counter":"{counter}","delta":-2,"ts_ms":1764460800000}}"#),
+            ),
+        };
+        *expected.entry(counter.clone()).or_default() += delta;
+        sends.push((Some(counter), payload.into_bytes()));
+        if i % 250 == 0 {
+            let (payload, _) = &bad[(i / 250) as usize % bad.len()];
+            sends.push((None, payload.clone()));
+        }
+    }
+    let bad_sent: Vec<&'static str> = (0..3_000)
+        .step_by(250)
+        .map(|i| bad[(i / 250) % bad.len()].1)
+        .collect();
+    let mut deliveries = Vec::new();
+    for (key, payload) in &sends {
+        let mut record = FutureRecord::<String, Vec<u8>>::to(&setup.topic).payload(payload);
+        if let Some(key) = key {
+            record = record.key(key);
+        }
+        deliveries.push(
+            plain
+                .send_result(record)
+                .map_err(|(e, _)| e)
+                .expect("enqueued"),
+        );
+    }
+    for delivery in deliveries {
+        delivery
+            .await
+            .expect("delivery report")
+            .map_err(|(e, _)| e)
+            .expect("Kafka acknowledges");
+    }
+
+    let reader = redis.reader(setup.keyspace()).await;
+    wait_for_totals(&reader, &expected, Duration::from_secs(60)).await;
+    let dead = aggregator
+        .wait_metric(
+            "tally_events_dead_lettered_total",
+            bad_sent.len() as f64,
+            Duration::from_secs(30),
+        )
+        .await;
+    assert_eq!(dead, bad_sent.len() as f64);
+
+    // Read the dead-letter topic back: one copy per malformed message, with its reason.
+    let consumer: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", tally_tests::brokers())
+        .set("group.id", tally_tests::unique("dlq-reader"))
+        .set("auto.offset.reset", "earliest")
+        .create()
+        .expect("consumer");
+    consumer
+        .subscribe(&[&setup.dead_letter_topic])
+        .expect("subscribe");
+    let mut reasons = Vec::new();
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while reasons.len() < bad_sent.len() && std::time::Instant::now() < deadline {
+        if let Some(message) = consumer.poll(Duration::from_millis(500)) {
+            let message = message.expect("dead letter");
+            let headers = message.headers().expect("dead letters carry headers");
+            let reason = headers
+                .iter()
+                .find(|h| h.key == "tally-reason")
+                .and_then(|h| h.value)
+                .map(|v| String::from_utf8_lossy(v).into_owned())
+                .expect("tally-reason header");
+            assert!(
+                headers.iter().any(|h| h.key == "tally-error"),
+                "tally-error header"
+            );
+            assert!(
+                bad.iter()
+                    .any(|(p, _)| p.as_slice() == message.payload().unwrap_or_default())
+            );
+            reasons.push(reason);
+        }
+    }
+    let mut want: Vec<String> = bad_sent.iter().map(|s| (*s).to_owned()).collect();
+    want.sort();
+    reasons.sort();
+    assert_eq!(reasons, want);
+
+    aggregator.terminate();
+    assert!(
+        aggregator
+            .wait_exit(Duration::from_secs(30))
+            .await
+            .success()
+    );
+    for (partition, (committed, end)) in committed_and_end(&setup.group, &setup.topic, 4)
+        .into_iter()
+        .enumerate()
+    {
+        assert_eq!(
+            committed, end,
+            "partition {partition}: offsets moved past bad messages"
+        );
+    }
+}
