@@ -13,6 +13,7 @@
 //! - [`backoff`]: capped exponential backoff.
 //! - [`shutdown`]: signals into a cancellation token.
 //! - [`load`]: the traffic generator behind `tally load`.
+//! - [`verify`]: waiting until Redis holds known totals (`tally verify`, demo, tests).
 
 pub mod backoff;
 pub mod batch;
@@ -25,6 +26,7 @@ pub mod load;
 pub mod metrics;
 pub mod shutdown;
 pub mod sink;
+pub mod verify;
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -32,3 +32,14 @@ wait_for() {
 kafka_java() {
   java -Xms128m -Xmx512m -Dlog4j2.configurationFile="$root/deploy/kafka/log4j2.properties" -cp "$libs/*" "$@"
 }
+
+# create_topic NAME PARTITIONS: creates a topic unless it exists.
+create_topic() {
+  kafka_java org.apache.kafka.tools.TopicCommand --bootstrap-server "127.0.0.1:$kafka_port" \
+    --create --if-not-exists --topic "$1" --partitions "$2" --replication-factor 1
+}
+
+# cargo may live in ~/.cargo/bin, which a non-login shell (CI) may not have on its PATH.
+if ! command -v cargo >/dev/null 2>&1 && [[ -x $HOME/.cargo/bin/cargo ]]; then
+  export PATH="$HOME/.cargo/bin:$PATH"
+fi

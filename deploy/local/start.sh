@@ -55,10 +55,6 @@ PROPS
   wait_for 120 "Kafka on port $kafka_port" port_open "$kafka_port" || { tail -20 "$state/kafka.log" >&2; exit 1; }
 fi
 
-create_topic() {
-  kafka_java org.apache.kafka.tools.TopicCommand --bootstrap-server "127.0.0.1:$kafka_port" \
-    --create --if-not-exists --topic "$1" --partitions "$2" --replication-factor 1
-}
 # The broker accepts connections a little before it accepts admin requests: retry until it does.
 wait_for 120 "topic $topic" create_topic "$topic" "$partitions"
 wait_for 60 "topic $dlq_topic" create_topic "$dlq_topic" 1

@@ -435,33 +435,10 @@ pub async fn wait_for_totals(
     expected: &HashMap<String, i64>,
     timeout: Duration,
 ) {
-    let counters: Vec<&String> = expected.keys().collect();
-    let deadline = Instant::now() + timeout;
-    loop {
-        let mut wrong = Vec::new();
-        for chunk in counters.chunks(2000) {
-            match reader.get_many(chunk).await {
-                Ok(values) => {
-                    for (counter, got) in chunk.iter().zip(values) {
-                        if got != expected[*counter] {
-                            wrong
-                                .push(format!("{counter}: got {got}, sent {}", expected[*counter]));
-                        }
-                    }
-                }
-                Err(e) => wrong.push(format!("read failed: {e}")),
-            }
-        }
-        if wrong.is_empty() {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "after {timeout:?}, {} counters are wrong, e.g. {:?}",
-            wrong.len(),
-            &wrong[..wrong.len().min(5)]
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
+    if let Err(mismatch) =
+        tally_aggregator::verify::wait_for_totals(reader, expected, timeout).await
+    {
+        panic!("{mismatch}");
     }
 }
 

@@ -3,10 +3,12 @@
 
 use std::io::Write;
 use std::path::PathBuf;
+use std::time::Duration;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 use tally_aggregator::load::{self, LoadSpec};
+use tally_aggregator::verify;
 use tally_common::{Keyspace, Reader, RedisConn};
 use tally_producer::{Producer, ProducerConfig, Routing};
 
@@ -72,6 +74,21 @@ enum Command {
         #[arg(long)]
         totals_out: Option<PathBuf>,
     },
+    /// Wait until Redis holds exactly the totals in a file of `<counter> <total>` lines (as
+    /// written by `tally load --totals-out`), then print the largest; exit 1 on a mismatch.
+    Verify {
+        /// The totals file.
+        #[arg(long)]
+        totals: PathBuf,
+        /// Give up after this many seconds.
+        #[arg(long, default_value_t = 60)]
+        timeout_s: u64,
+        /// How many top counters to print.
+        #[arg(long, default_value_t = 10)]
+        top: usize,
+        #[command(flatten)]
+        redis: RedisArgs,
+    },
 }
 
 #[derive(Debug, clap::Args)]
@@ -95,8 +112,7 @@ struct RedisArgs {
 async fn main() -> anyhow::Result<std::process::ExitCode> {
     match Cli::parse().command {
         Command::Get { counters, redis } => {
-            let conn = RedisConn::connect(&redis.redis_url).await?;
-            let reader = Reader::new(conn, Keyspace::new(redis.key_prefix, redis.shard_groups)?);
+            let reader = redis.reader().await?;
             let totals = reader.get_many(&counters).await?;
             let mut out = std::io::stdout().lock();
             for (counter, total) in counters.iter().zip(totals) {
@@ -142,9 +158,11 @@ async fn main() -> anyhow::Result<std::process::ExitCode> {
                 report.elapsed.as_secs_f64(),
                 report.events_per_second()
             );
-            println!("top counters (as sent):");
-            for (counter, total) in report.top(top) {
-                println!("  {counter} {total}");
+            if top > 0 {
+                println!("top counters (as sent):");
+                for (counter, total) in report.top(top) {
+                    println!("  {counter} {total}");
+                }
             }
             if let Some(path) = totals_out {
                 let mut lines: Vec<String> = report
@@ -161,6 +179,50 @@ async fn main() -> anyhow::Result<std::process::ExitCode> {
                 return Ok(std::process::ExitCode::FAILURE);
             }
         }
+        Command::Verify {
+            totals,
+            timeout_s,
+            top,
+            redis,
+        } => {
+            let text = std::fs::read_to_string(&totals)
+                .with_context(|| format!("reading {}", totals.display()))?;
+            let expected = verify::parse_totals(&text).map_err(anyhow::Error::msg)?;
+            let reader = redis.reader().await?;
+            match verify::wait_for_totals(&reader, &expected, Duration::from_secs(timeout_s)).await
+            {
+                Ok(waited) => {
+                    println!(
+                        "all {} counters match what was sent (waited {:.2}s)",
+                        expected.len(),
+                        waited.as_secs_f64()
+                    );
+                    let mut largest: Vec<(&String, &i64)> = expected.iter().collect();
+                    largest.sort_by(|a, b| b.1.cmp(a.1).then(a.0.cmp(b.0)));
+                    largest.truncate(top);
+                    let names: Vec<&String> = largest.iter().map(|(c, _)| *c).collect();
+                    let read = reader.get_many(&names).await?;
+                    println!("{:<28} {:>12} {:>12}", "counter", "sent", "in redis");
+                    for ((counter, sent), got) in largest.iter().zip(read) {
+                        println!("{counter:<28} {sent:>12} {got:>12}");
+                    }
+                }
+                Err(mismatch) => {
+                    eprintln!("{mismatch}");
+                    return Ok(std::process::ExitCode::FAILURE);
+                }
+            }
+        }
     }
     Ok(std::process::ExitCode::SUCCESS)
+}
+
+impl RedisArgs {
+    async fn reader(&self) -> anyhow::Result<Reader<RedisConn>> {
+        let conn = RedisConn::connect(&self.redis_url).await?;
+        Ok(Reader::new(
+            conn,
+            Keyspace::new(self.key_prefix.clone(), self.shard_groups)?,
+        ))
+    }
 }

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The whole test suite, from a fresh machine: installs and starts Kafka and Redis (start.sh),
+# checks formatting and lints, builds the binaries the end-to-end tests run, and runs every test.
+# Services are left running for the next run; deploy/local/stop.sh stops them.
+set -euo pipefail
+source "$(dirname "$0")/common.sh"
+cd "$root"
+
+"$here/start.sh"
+
+log "cargo fmt --check"
+cargo fmt --all -- --check
+if cargo clippy --version >/dev/null 2>&1; then
+  log "cargo clippy"
+  cargo clippy --workspace --all-targets --locked -- -D warnings
+else
+  log "clippy is not installed with this toolchain: lint step skipped"
+fi
+
+log "building the binaries the end-to-end tests run"
+cargo build --workspace --bins --locked
+
+log "running the tests against Kafka 127.0.0.1:$kafka_port"
+out=$state/test-output.txt
+status=0
+TALLY_TEST_BROKERS="127.0.0.1:$kafka_port" cargo test --workspace --locked 2>&1 | tee "$out" || status=$?
+# One closing line for the whole suite (cargo prints one per test binary).
+awk '/^test result:/ { for (i = 1; i <= NF; i++) { if ($(i+1) ~ /^passed/) p += $i; if ($(i+1) ~ /^failed/) f += $i } }
+     END { printf "%d passed, %d failed\n", p, f }' "$out"
+exit "$status"
