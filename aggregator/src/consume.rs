@@ -472,7 +472,12 @@ impl<S: Sink> Shared<S> {
         );
     }
 
-    fn assign(&self, assigned: &TopicPartitionList) {
+    fn assign(&self, consumer: &BaseConsumer<AggregatorContext<S>>, assigned: &TopicPartitionList) {
+        // librdkafka keeps an application pause across revoke and re-assign: a partition paused
+        // under an earlier ownership would never fetch again. A new ownership starts unpaused.
+        if let Err(error) = consumer.resume(assigned) {
+            tracing::warn!(%error, "resuming newly assigned partitions failed");
+        }
         let mut parts = lock(&self.partitions);
         for element in assigned.elements_for_topic(&self.settings.topic) {
             let partition = element.partition();
@@ -534,9 +539,9 @@ impl<S: Sink> ConsumerContext for AggregatorContext<S> {
         }
     }
 
-    fn post_rebalance(&self, _consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+    fn post_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
         match rebalance {
-            Rebalance::Assign(assigned) => self.shared.assign(assigned),
+            Rebalance::Assign(assigned) => self.shared.assign(consumer, assigned),
             Rebalance::Revoke(_) => {}
             Rebalance::Error(error) => tracing::error!(%error, "rebalance failed"),
         }
