@@ -77,7 +77,7 @@ pub struct Settings {
     pub group: Option<String>,
     /// Redis URL: redis://host:port/db, or redis+cluster://host:port,host:port for a cluster
     /// [default: redis://127.0.0.1:6379]
-    #[arg(long, env = "TALLY_REDIS_URL")]
+    #[arg(long, env = "TALLY_REDIS_URL", hide_env_values = true)]
     pub redis_url: Option<String>,
     /// Flush a partition's buffer once its oldest event is this old, in ms [default: 1000]
     #[arg(long, env = "TALLY_FLUSH_INTERVAL_MS")]
@@ -134,7 +134,7 @@ pub struct Cli {
     #[arg(long, env = "TALLY_CONFIG")]
     pub config: Option<PathBuf>,
     /// A raw librdkafka option, key=value; repeatable.
-    #[arg(long = "kafka-option", env = "TALLY_KAFKA_OPTIONS", value_delimiter = ',', value_parser = parse_key_value)]
+    #[arg(long = "kafka-option", env = "TALLY_KAFKA_OPTIONS", hide_env_values = true, value_delimiter = ',', value_parser = parse_key_value)]
     pub kafka_options: Vec<(String, String)>,
     /// Every other setting.
     #[command(flatten)]
@@ -398,6 +398,18 @@ mod tests {
         );
         assert_eq!(c.kafka.get("client.id").map(String::as_str), Some("x"));
         std::fs::remove_dir_all(dir).ok();
+    }
+
+    #[test]
+    fn the_example_file_in_deploy_is_valid() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/aggregator.example.toml");
+        let c = Settings::from_file(&path)
+            .and_then(Settings::resolve)
+            .expect("the example config resolves");
+        assert_eq!(
+            c.kafka.get("session.timeout.ms").map(String::as_str),
+            Some("45000")
+        );
     }
 
     #[test]

@@ -21,8 +21,11 @@ use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use rdkafka::client::DefaultClientContext;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::{Offset, TopicPartitionList};
+use tally_aggregator::load::{self, LoadError, LoadReport, LoadSpec};
 use tally_common::{Keyspace, Reader, RedisConn};
+use tally_producer::{Producer, ProducerConfig};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::task::JoinHandle;
 
 /// The Kafka brokers the tests use.
 pub fn brokers() -> String {
@@ -90,8 +93,9 @@ pub async fn create_topic(topic: &str, partitions: i32) {
     }
 }
 
-/// The offsets `group` has committed on `topic`'s partitions `0..partitions`, and the end of each.
-pub fn committed_and_end(group: &str, topic: &str, partitions: i32) -> Vec<(i64, i64)> {
+/// Asserts that `group` has committed every partition of `topic` (`0..partitions`) up to the
+/// partition's end: nothing is left to re-read, malformed messages included.
+pub fn assert_committed_to_end(group: &str, topic: &str, partitions: i32) {
     let consumer: BaseConsumer = ClientConfig::new()
         .set("bootstrap.servers", brokers())
         .set("group.id", group)
@@ -104,18 +108,38 @@ pub fn committed_and_end(group: &str, topic: &str, partitions: i32) -> Vec<(i64,
     let committed = consumer
         .committed_offsets(tpl, Duration::from_secs(10))
         .expect("committed offsets");
-    (0..partitions)
-        .map(|p| {
-            let c = match committed.find_partition(topic, p).map(|e| e.offset()) {
-                Some(Offset::Offset(o)) => o,
-                _ => -1,
-            };
-            let (_, high) = consumer
-                .fetch_watermarks(topic, p, Duration::from_secs(10))
-                .expect("watermarks");
-            (c, high)
-        })
-        .collect()
+    for p in 0..partitions {
+        let offset = committed.find_partition(topic, p).map(|e| e.offset());
+        let (_, end) = consumer
+            .fetch_watermarks(topic, p, Duration::from_secs(10))
+            .expect("watermarks");
+        assert_eq!(
+            offset,
+            Some(Offset::Offset(end)),
+            "partition {p} of {topic}: committed offset is not the partition's end"
+        );
+    }
+}
+
+/// Starts sending `spec` to `topic` through the producer crate in the background.
+pub fn start_load(topic: &str, spec: LoadSpec) -> JoinHandle<Result<LoadReport, LoadError>> {
+    let producer =
+        Producer::new(&ProducerConfig::new(brokers(), topic)).expect("producer is created");
+    tokio::spawn(async move { load::run(&producer, &spec).await })
+}
+
+/// Waits for a load started by [`start_load`] and checks that Kafka acknowledged every event.
+pub async fn finish_load(
+    load: JoinHandle<Result<LoadReport, LoadError>>,
+    events: u64,
+) -> LoadReport {
+    let report = load.await.expect("load task").expect("load runs");
+    assert_eq!(
+        report.acked, events,
+        "every event acknowledged: {:?}",
+        report.first_error
+    );
+    report
 }
 
 /// Where a test keeps its files; removed when dropped.
@@ -351,6 +375,16 @@ impl AggregatorProcess {
             .status()
             .expect("kill runs");
         assert!(status.success(), "kill -TERM failed");
+    }
+
+    /// Sends SIGTERM and asserts that the process drains and exits 0 within 30 s.
+    pub async fn stop_gracefully(&mut self) {
+        self.terminate();
+        let status = self.wait_exit(Duration::from_secs(30)).await;
+        assert!(
+            status.success(),
+            "graceful shutdown must exit 0, got {status}"
+        );
     }
 
     /// Waits for the process to exit, for at most `timeout`.

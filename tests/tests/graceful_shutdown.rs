@@ -3,9 +3,10 @@
 
 use std::time::Duration;
 
-use tally_aggregator::load::{self, LoadSpec};
-use tally_producer::{Producer, ProducerConfig};
-use tally_tests::{AggregatorSetup, RedisServer, TempDir, wait_for_totals};
+use tally_aggregator::load::LoadSpec;
+use tally_tests::{
+    AggregatorSetup, RedisServer, TempDir, finish_load, start_load, wait_for_totals,
+};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_mid_stream_then_restart_loses_and_repeats_nothing() {
@@ -14,8 +15,6 @@ async fn sigterm_mid_stream_then_restart_loses_and_repeats_nothing() {
     let setup = AggregatorSetup::create("shutdown", &redis.url(), 8).await;
     let mut first = setup.spawn(dir.path(), &[]);
 
-    let producer = Producer::new(&ProducerConfig::new(tally_tests::brokers(), &setup.topic))
-        .expect("producer");
     let spec = LoadSpec {
         events: 150_000,
         counters: 5_000,
@@ -25,7 +24,7 @@ async fn sigterm_mid_stream_then_restart_loses_and_repeats_nothing() {
         seed: 11,
         ..LoadSpec::default()
     };
-    let load = tokio::spawn(async move { load::run(&producer, &spec).await });
+    let load = start_load(&setup.topic, spec);
 
     first
         .wait_metric(
@@ -38,18 +37,14 @@ async fn sigterm_mid_stream_then_restart_loses_and_repeats_nothing() {
         !load.is_finished(),
         "the stream must still be running at SIGTERM"
     );
-    first.terminate();
-    let status = first.wait_exit(Duration::from_secs(30)).await;
-    assert!(status.success(), "graceful shutdown exits 0, got {status}");
+    first.stop_gracefully().await;
     let log = first.log();
     assert!(log.contains("drained and committed"), "{log}");
 
     let mut second = setup.spawn(dir.path(), &[]);
-    let sent = load.await.expect("load task").expect("load runs");
-    assert_eq!(sent.acked, 150_000, "{:?}", sent.first_error);
+    let sent = finish_load(load, 150_000).await;
     let reader = redis.reader(setup.keyspace()).await;
     wait_for_totals(&reader, &sent.totals, Duration::from_secs(60)).await;
 
-    second.terminate();
-    assert!(second.wait_exit(Duration::from_secs(30)).await.success());
+    second.stop_gracefully().await;
 }

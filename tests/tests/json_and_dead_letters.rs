@@ -9,7 +9,9 @@ use rdkafka::ClientConfig;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::message::{Headers, Message};
 use rdkafka::producer::{FutureProducer, FutureRecord};
-use tally_tests::{AggregatorSetup, RedisServer, TempDir, committed_and_end, wait_for_totals};
+use tally_tests::{
+    AggregatorSetup, RedisServer, TempDir, assert_committed_to_end, wait_for_totals,
+};
 
 /// Malformed payloads and the reason the aggregator must give for each.
 fn malformed() -> Vec<(Vec<u8>, &'static str)> {
@@ -159,20 +161,6 @@ async fn json_events_count_and_malformed_ones_are_dead_lettered() {
     reasons.sort();
     assert_eq!(reasons, want);
 
-    aggregator.terminate();
-    assert!(
-        aggregator
-            .wait_exit(Duration::from_secs(30))
-            .await
-            .success()
-    );
-    for (partition, (committed, end)) in committed_and_end(&setup.group, &setup.topic, 4)
-        .into_iter()
-        .enumerate()
-    {
-        assert_eq!(
-            committed, end,
-            "partition {partition}: offsets moved past bad messages"
-        );
-    }
+    aggregator.stop_gracefully().await;
+    assert_committed_to_end(&setup.group, &setup.topic, 4);
 }

@@ -6,9 +6,10 @@
 
 use std::time::Duration;
 
-use tally_aggregator::load::{self, LoadSpec};
-use tally_producer::{Producer, ProducerConfig};
-use tally_tests::{AggregatorSetup, RedisServer, TempDir, wait_for_totals};
+use tally_aggregator::load::LoadSpec;
+use tally_tests::{
+    AggregatorSetup, RedisServer, TempDir, finish_load, start_load, wait_for_totals,
+};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn second_member_joining_mid_stream_counts_exactly() {
@@ -17,8 +18,6 @@ async fn second_member_joining_mid_stream_counts_exactly() {
     let setup = AggregatorSetup::create("rebalance", &redis.url(), 8).await;
     let mut first = setup.spawn(dir.path(), &[]);
 
-    let producer = Producer::new(&ProducerConfig::new(tally_tests::brokers(), &setup.topic))
-        .expect("producer");
     let spec = LoadSpec {
         events: 150_000,
         counters: 3_000,
@@ -28,7 +27,7 @@ async fn second_member_joining_mid_stream_counts_exactly() {
         seed: 3,
         ..LoadSpec::default()
     };
-    let load = tokio::spawn(async move { load::run(&producer, &spec).await });
+    let load = start_load(&setup.topic, spec);
 
     first
         .wait_metric("tally_flushes_total", 8.0, Duration::from_secs(60))
@@ -54,8 +53,7 @@ async fn second_member_joining_mid_stream_counts_exactly() {
         "the stream must still be running at the rebalance"
     );
 
-    let sent = load.await.expect("load task").expect("load runs");
-    assert_eq!(sent.acked, 150_000, "{:?}", sent.first_error);
+    let sent = finish_load(load, 150_000).await;
     let reader = redis.reader(setup.keyspace()).await;
     wait_for_totals(&reader, &sent.totals, Duration::from_secs(60)).await;
 
@@ -83,8 +81,6 @@ async fn second_member_joining_mid_stream_counts_exactly() {
         first.log()
     );
 
-    first.terminate();
-    second.terminate();
-    assert!(first.wait_exit(Duration::from_secs(30)).await.success());
-    assert!(second.wait_exit(Duration::from_secs(30)).await.success());
+    first.stop_gracefully().await;
+    second.stop_gracefully().await;
 }

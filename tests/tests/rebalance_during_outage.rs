@@ -5,9 +5,10 @@
 
 use std::time::Duration;
 
-use tally_aggregator::load::{self, LoadSpec};
-use tally_producer::{Producer, ProducerConfig};
-use tally_tests::{AggregatorSetup, RedisServer, TempDir, eventually, wait_for_totals};
+use tally_aggregator::load::LoadSpec;
+use tally_tests::{
+    AggregatorSetup, RedisServer, TempDir, eventually, finish_load, start_load, wait_for_totals,
+};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rebalance_while_redis_is_down_loses_nothing() {
@@ -17,8 +18,6 @@ async fn rebalance_while_redis_is_down_loses_nothing() {
     let flags = ["--max-batch-events", "500", "--revoke-timeout-ms", "2000"];
     let mut first = setup.spawn(dir.path(), &flags);
 
-    let producer = Producer::new(&ProducerConfig::new(tally_tests::brokers(), &setup.topic))
-        .expect("producer");
     let spec = LoadSpec {
         events: 100_000,
         counters: 2_000,
@@ -28,7 +27,7 @@ async fn rebalance_while_redis_is_down_loses_nothing() {
         seed: 9,
         ..LoadSpec::default()
     };
-    let load = tokio::spawn(async move { load::run(&producer, &spec).await });
+    let load = start_load(&setup.topic, spec);
 
     first
         .wait_metric("tally_flushes_total", 5.0, Duration::from_secs(60))
@@ -53,14 +52,11 @@ async fn rebalance_while_redis_is_down_loses_nothing() {
     );
     redis.start_again().await;
 
-    let sent = load.await.expect("load task").expect("load runs");
-    assert_eq!(sent.acked, 100_000, "{:?}", sent.first_error);
+    let sent = finish_load(load, 100_000).await;
     let reader = redis.reader(setup.keyspace()).await;
     wait_for_totals(&reader, &sent.totals, Duration::from_secs(60)).await;
     assert!(first.is_running() && second.is_running());
 
-    first.terminate();
-    second.terminate();
-    assert!(first.wait_exit(Duration::from_secs(30)).await.success());
-    assert!(second.wait_exit(Duration::from_secs(30)).await.success());
+    first.stop_gracefully().await;
+    second.stop_gracefully().await;
 }

@@ -4,9 +4,10 @@
 
 use std::time::Duration;
 
-use tally_aggregator::load::{self, LoadSpec};
-use tally_producer::{Producer, ProducerConfig};
-use tally_tests::{AggregatorSetup, RedisServer, TempDir, wait_for_totals};
+use tally_aggregator::load::LoadSpec;
+use tally_tests::{
+    AggregatorSetup, RedisServer, TempDir, finish_load, start_load, wait_for_totals,
+};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_down_for_ten_seconds_mid_stream_loses_nothing() {
@@ -16,8 +17,6 @@ async fn redis_down_for_ten_seconds_mid_stream_loses_nothing() {
     // Small buffers, so that partitions fill up and pause during the outage.
     let mut aggregator = setup.spawn(dir.path(), &["--max-batch-events", "1000"]);
 
-    let producer = Producer::new(&ProducerConfig::new(tally_tests::brokers(), &setup.topic))
-        .expect("producer");
     let spec = LoadSpec {
         events: 120_000,
         counters: 2_000,
@@ -27,7 +26,7 @@ async fn redis_down_for_ten_seconds_mid_stream_loses_nothing() {
         seed: 5,
         ..LoadSpec::default()
     };
-    let load = tokio::spawn(async move { load::run(&producer, &spec).await });
+    let load = start_load(&setup.topic, spec);
 
     aggregator
         .wait_metric("tally_flushes_total", 5.0, Duration::from_secs(60))
@@ -52,8 +51,7 @@ async fn redis_down_for_ten_seconds_mid_stream_loses_nothing() {
     );
     redis.start_again().await;
 
-    let sent = load.await.expect("load task").expect("load runs");
-    assert_eq!(sent.acked, 120_000, "{:?}", sent.first_error);
+    let sent = finish_load(load, 120_000).await;
     let reader = redis.reader(setup.keyspace()).await;
     wait_for_totals(&reader, &sent.totals, Duration::from_secs(60)).await;
     assert!(aggregator.is_running(), "recovered without a restart");
@@ -63,11 +61,5 @@ async fn redis_down_for_ten_seconds_mid_stream_loses_nothing() {
         "every partition resumed"
     );
 
-    aggregator.terminate();
-    assert!(
-        aggregator
-            .wait_exit(Duration::from_secs(30))
-            .await
-            .success()
-    );
+    aggregator.stop_gracefully().await;
 }

@@ -3,10 +3,10 @@
 
 use std::time::Duration;
 
-use tally_aggregator::load::{self, LoadSpec};
-use tally_producer::{Producer, ProducerConfig};
+use tally_aggregator::load::LoadSpec;
 use tally_tests::{
-    AggregatorSetup, RedisServer, TempDir, committed_and_end, counters_in_redis, wait_for_totals,
+    AggregatorSetup, RedisServer, TempDir, assert_committed_to_end, counters_in_redis, finish_load,
+    start_load, wait_for_totals,
 };
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -16,8 +16,6 @@ async fn zipf_stream_with_negative_deltas_sums_exactly() {
     let setup = AggregatorSetup::create("stream", &redis.url(), 8).await;
     let mut aggregator = setup.spawn(dir.path(), &[]);
 
-    let producer = Producer::new(&ProducerConfig::new(tally_tests::brokers(), &setup.topic))
-        .expect("producer");
     let spec = LoadSpec {
         events: 200_000,
         counters: 10_000,
@@ -27,12 +25,7 @@ async fn zipf_stream_with_negative_deltas_sums_exactly() {
         seed: 7,
         ..LoadSpec::default()
     };
-    let sent = load::run(&producer, &spec).await.expect("load runs");
-    assert_eq!(
-        sent.acked, 200_000,
-        "every event acknowledged: {:?}",
-        sent.first_error
-    );
+    let sent = finish_load(start_load(&setup.topic, spec), 200_000).await;
     assert!(
         sent.totals.values().any(|t| *t < 0),
         "some totals are negative"
@@ -53,17 +46,6 @@ async fn zipf_stream_with_negative_deltas_sums_exactly() {
         Some(200_000.0)
     );
 
-    aggregator.terminate();
-    assert!(
-        aggregator
-            .wait_exit(Duration::from_secs(30))
-            .await
-            .success()
-    );
-    for (partition, (committed, end)) in committed_and_end(&setup.group, &setup.topic, 8)
-        .into_iter()
-        .enumerate()
-    {
-        assert_eq!(committed, end, "partition {partition} committed to its end");
-    }
+    aggregator.stop_gracefully().await;
+    assert_committed_to_end(&setup.group, &setup.topic, 8);
 }
