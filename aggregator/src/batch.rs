@@ -1,5 +1,5 @@
-//! One partition's buffer: deltas summed per counter, plus the malformed messages to dead-letter,
-//! up to the offset of the last message added.
+//! One partition's buffer: deltas summed per shard group and counter, plus the malformed messages
+//! to dead-letter, up to the offset of the last message added.
 //!
 //! A [`Batch`] grows as messages arrive and is *sealed* into a [`SealedBatch`] when a flush
 //! starts. The flush triggers live here too ([`Limits`]): a batch is due when it is older than
@@ -25,8 +25,11 @@ pub struct Limits {
 /// The buffer of one partition.
 #[derive(Debug, Default)]
 pub struct Batch {
-    /// Summed delta per counter id.
-    deltas: HashMap<String, i64>,
+    /// Summed delta per counter id, per shard group (one entry per group that has any; a
+    /// partition grouped by partition has exactly one).
+    groups: Vec<(u32, HashMap<String, i64>)>,
+    /// Distinct (group, counter) entries over all groups.
+    entries: usize,
     /// Malformed messages waiting to be copied to the dead-letter topic.
     dead_letters: Vec<DeadLetter>,
     /// Messages added (valid and malformed).
@@ -40,8 +43,9 @@ pub struct Batch {
 /// A batch taken for flushing: everything a flush needs, detached from the live buffer.
 #[derive(Debug)]
 pub struct SealedBatch {
-    /// Non-zero summed deltas per counter (deltas that cancelled out are left out).
-    pub deltas: Vec<(String, i64)>,
+    /// Per shard group, the non-zero summed deltas per counter (deltas that cancelled out are
+    /// left out, and so are groups left with none).
+    pub groups: Vec<(u32, Vec<(String, i64)>)>,
     /// Malformed messages to copy to the dead-letter topic before the offset moves.
     pub dead_letters: Vec<DeadLetter>,
     /// Messages in the batch.
@@ -50,17 +54,38 @@ pub struct SealedBatch {
     pub next_offset: i64,
 }
 
+impl SealedBatch {
+    /// Distinct (group, counter) writes in the batch.
+    pub fn writes(&self) -> usize {
+        self.groups.iter().map(|(_, d)| d.len()).sum()
+    }
+}
+
 impl Batch {
-    /// Adds a valid event at `offset`.
-    pub fn add(&mut self, counter: &str, delta: i64, offset: i64) {
+    /// Adds a valid event at `offset`, bound for shard group `group`.
+    pub fn add(&mut self, group: u32, counter: &str, delta: i64, offset: i64) {
+        let deltas = match self.groups.iter().position(|(g, _)| *g == group) {
+            Some(i) => &mut self.groups[i].1,
+            None => {
+                self.groups.push((group, HashMap::new()));
+                &mut self.groups.last_mut().expect("just pushed").1
+            }
+        };
         // Look up by &str first: the common case (a counter already in the batch) allocates nothing.
-        match self.deltas.get_mut(counter) {
+        match deltas.get_mut(counter) {
             // Cannot overflow: |delta| <= 10^12 and a batch holds far fewer than 9.2 million events.
             Some(sum) => *sum += delta,
             None => {
-                self.deltas.insert(counter.to_owned(), delta);
+                deltas.insert(counter.to_owned(), delta);
+                self.entries += 1;
             }
         }
+        self.advance(offset);
+    }
+
+    /// Records that the message at `offset` needs nothing from this batch (its delta was already
+    /// applied before a restart), so that the batch still moves the partition past it.
+    pub fn skip(&mut self, offset: i64) {
         self.advance(offset);
     }
 
@@ -88,7 +113,7 @@ impl Batch {
 
     /// Whether the batch hit a size limit and must be flushed now.
     pub fn is_full(&self, limits: &Limits) -> bool {
-        self.events >= limits.max_events || self.deltas.len() >= limits.max_counters
+        self.events >= limits.max_events || self.entries >= limits.max_counters
     }
 
     /// Whether the batch must be flushed at `now`: full, or holding a message older than the
@@ -105,7 +130,12 @@ impl Batch {
         let next_offset = self.next_offset?;
         let taken = std::mem::take(self);
         Some(SealedBatch {
-            deltas: taken.deltas.into_iter().filter(|(_, d)| *d != 0).collect(),
+            groups: taken
+                .groups
+                .into_iter()
+                .map(|(g, deltas)| (g, deltas.into_iter().filter(|(_, d)| *d != 0).collect()))
+                .filter(|(_, deltas): &(u32, Vec<(String, i64)>)| !deltas.is_empty())
+                .collect(),
             dead_letters: taken.dead_letters,
             events: taken.events,
             next_offset,
@@ -128,35 +158,57 @@ mod tests {
     #[test]
     fn sums_deltas_per_counter_and_drops_those_that_cancel() {
         let mut b = Batch::default();
-        b.add("a", 2, 10);
-        b.add("b", 1, 11);
-        b.add("a", -5, 12);
-        b.add("b", -1, 13);
-        let mut sealed = b.seal().expect("not empty");
-        sealed.deltas.sort();
-        assert_eq!(sealed.deltas, vec![("a".to_owned(), -3)]);
+        b.add(0, "a", 2, 10);
+        b.add(0, "b", 1, 11);
+        b.add(0, "a", -5, 12);
+        b.add(0, "b", -1, 13);
+        let sealed = b.seal().expect("not empty");
+        assert_eq!(sealed.groups, vec![(0, vec![("a".to_owned(), -3)])]);
         assert_eq!((sealed.events, sealed.next_offset), (4, 14));
         assert!(b.is_empty() && b.seal().is_none());
+    }
+
+    #[test]
+    fn keeps_groups_apart_and_skipped_messages_move_the_offset() {
+        let mut b = Batch::default();
+        b.add(3, "a", 1, 0);
+        b.add(7, "a", 2, 1);
+        b.add(3, "a", 1, 2);
+        b.skip(3);
+        let mut sealed = b.seal().expect("not empty");
+        sealed.groups.sort();
+        assert_eq!(
+            sealed.groups,
+            vec![
+                (3, vec![("a".to_owned(), 2)]),
+                (7, vec![("a".to_owned(), 2)])
+            ]
+        );
+        assert_eq!(
+            (sealed.events, sealed.next_offset, sealed.writes()),
+            (4, 4, 2)
+        );
     }
 
     #[test]
     fn full_on_too_many_events() {
         let mut b = Batch::default();
         for offset in 0..4 {
-            b.add("a", 1, offset);
+            b.add(0, "a", 1, offset);
         }
         assert!(!b.is_full(&limits()));
-        b.add("a", 1, 4);
+        b.add(0, "a", 1, 4);
         assert!(b.is_full(&limits()));
     }
 
     #[test]
     fn full_on_too_many_distinct_counters() {
         let mut b = Batch::default();
-        b.add("a", 1, 0);
-        b.add("b", 1, 1);
+        b.add(0, "a", 1, 0);
+        b.add(0, "b", 1, 1);
         assert!(!b.is_full(&limits()));
-        b.add("c", 1, 2);
+        // The same counter in another group is another entry.
+        b.add(1, "a", 1, 2);
         assert!(b.is_full(&limits()));
     }
 
@@ -172,7 +224,7 @@ mod tests {
             !b.is_due(&limits, now + Duration::from_secs(10)),
             "empty is never due"
         );
-        b.add("a", 1, 0);
+        b.add(0, "a", 1, 0);
         assert!(!b.is_due(&limits, Instant::now()));
         assert!(b.is_due(&limits, Instant::now() + Duration::from_millis(100)));
     }
@@ -182,7 +234,7 @@ mod tests {
         let mut b = Batch::default();
         b.add_dead_letter(DeadLetter::for_test("undecodable"), 7);
         let sealed = b.seal().expect("not empty");
-        assert!(sealed.deltas.is_empty());
+        assert!(sealed.groups.is_empty());
         assert_eq!(sealed.dead_letters.len(), 1);
         assert_eq!(sealed.next_offset, 8);
     }

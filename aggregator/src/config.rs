@@ -13,8 +13,8 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use serde::Deserialize;
-use tally_common::Keyspace;
 use tally_common::keyspace::KeyspaceError;
+use tally_common::{GroupingRule, Keyspace};
 
 use crate::batch::Limits;
 
@@ -60,6 +60,37 @@ pub enum LogFormat {
     Text,
     /// One JSON object per line.
     Json,
+}
+
+/// The delivery guarantee.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum Delivery {
+    /// Every Kafka offset applied to Redis exactly once: fenced, ledgered writes (Lua scripts).
+    #[default]
+    ExactlyOnce,
+    /// Flush, then commit: a crash between the two applies a batch twice. Plain `MULTI`/`EXEC`.
+    AtLeastOnce,
+}
+
+/// Which shard group an event's delta goes to (see `tally_common::keyspace::GroupingRule`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum Grouping {
+    /// The group of the partition the event came from: one write per flush.
+    #[default]
+    Partition,
+    /// A stable hash of the event's actor: per-actor state and its increments share a slot.
+    Actor,
+}
+
+impl From<Grouping> for GroupingRule {
+    fn from(g: Grouping) -> Self {
+        match g {
+            Grouping::Partition => GroupingRule::ByPartition,
+            Grouping::Actor => GroupingRule::ByActor,
+        }
+    }
 }
 
 /// Settings as given by a file, the environment or flags: every field optional.
@@ -112,6 +143,12 @@ pub struct Settings {
     /// Longest wait between two retries of a failed flush, in ms [default: 2000]
     #[arg(long, env = "TALLY_RETRY_MAX_BACKOFF_MS")]
     pub retry_max_backoff_ms: Option<u64>,
+    /// Delivery guarantee [default: exactly-once]
+    #[arg(long, env = "TALLY_DELIVERY", value_enum)]
+    pub delivery: Option<Delivery>,
+    /// Which shard group an event's delta goes to: its partition's or its actor's [default: partition]
+    #[arg(long, env = "TALLY_GROUPING", value_enum)]
+    pub grouping: Option<Grouping>,
     /// Log format [default: text]
     #[arg(long, env = "TALLY_LOG_FORMAT", value_enum)]
     pub log_format: Option<LogFormat>,
@@ -175,6 +212,10 @@ pub struct Config {
     pub revoke_timeout: Duration,
     /// Longest wait between flush retries.
     pub retry_max_backoff: Duration,
+    /// Delivery guarantee.
+    pub delivery: Delivery,
+    /// Which group an event's delta goes to.
+    pub grouping: GroupingRule,
     /// Log format.
     pub log_format: LogFormat,
     /// Raw librdkafka options, applied last.
@@ -193,6 +234,8 @@ impl std::fmt::Debug for Config {
             .field("metrics_addr", &self.metrics_addr)
             .field("dead_letter_topic", &self.dead_letter_topic)
             .field("keyspace", &self.keyspace)
+            .field("delivery", &self.delivery)
+            .field("grouping", &self.grouping)
             .field("max_message_bytes", &self.max_message_bytes)
             .field("shutdown_timeout", &self.shutdown_timeout)
             .field("revoke_timeout", &self.revoke_timeout)
@@ -247,6 +290,8 @@ impl Settings {
             shutdown_timeout_ms,
             revoke_timeout_ms,
             retry_max_backoff_ms,
+            delivery,
+            grouping,
             log_format
         );
         self.kafka.extend(over.kafka);
@@ -331,6 +376,8 @@ impl Settings {
             shutdown_timeout: Duration::from_millis(shutdown_timeout_ms),
             revoke_timeout: Duration::from_millis(revoke_timeout_ms),
             retry_max_backoff: Duration::from_millis(retry_max_backoff_ms),
+            delivery: self.delivery.unwrap_or_default(),
+            grouping: self.grouping.unwrap_or_default().into(),
             log_format: self.log_format.unwrap_or_default(),
             kafka: self.kafka,
         })
@@ -367,6 +414,8 @@ mod tests {
         assert_eq!(c.metrics_addr.to_string(), "127.0.0.1:9464");
         assert_eq!(c.dead_letter_topic, "tally.events.dlq");
         assert_eq!(c.keyspace, Keyspace::default());
+        assert_eq!(c.delivery, Delivery::ExactlyOnce);
+        assert_eq!(c.grouping, GroupingRule::ByPartition);
     }
 
     #[test]

@@ -13,6 +13,12 @@
 //! partition's offset when that partition's flush reports [`FlushOutcome::Durable`], and never
 //! otherwise. Auto-commit is off.
 //!
+//! In exactly-once mode ([`Delivery::ExactlyOnce`]) the committed offset is only a progress hint
+//! for lag monitoring: the truth is in Redis. A newly assigned partition is paused while
+//! [`fence::acquire`] stamps a new epoch into every group's fence and reads where to resume; the
+//! loop then seeks there and resumes, and while rebuilding its first batch skips every message
+//! whose shard group had already applied it (offset below that group's ledger entry).
+//!
 //! # Rebalances and shutdown
 //! The revoke callback runs synchronously inside the consumer's poll: before it returns, it waits
 //! for the revoked partitions' in-flight flushes, flushes what is left in their buffers, and
@@ -33,13 +39,16 @@ use rdkafka::error::KafkaError;
 use rdkafka::message::{BorrowedMessage, Message};
 use rdkafka::statistics::Statistics;
 use rdkafka::{ClientConfig, Offset, TopicPartitionList};
-use tally_common::{Keyspace, codec};
+use tally_common::{GroupingRule, Keyspace, codec};
 use tokio::sync::mpsc;
 use tokio::task::{JoinHandle, JoinSet};
 use tokio_util::sync::CancellationToken;
 
+use crate::backoff::Backoff;
 use crate::batch::{Batch, Limits};
+use crate::config::Delivery;
 use crate::dead_letter::DeadLetter;
+use crate::fence::{self, Owner, Resume};
 use crate::flush::{FlushOutcome, Flusher};
 use crate::metrics::Metrics;
 use crate::sink::Sink;
@@ -53,6 +62,13 @@ pub struct LoopSettings {
     pub limits: Limits,
     /// Where each partition's deltas go.
     pub keyspace: Keyspace,
+    /// Which group an event's delta goes to.
+    pub grouping: GroupingRule,
+    /// Exactly-once (fenced, ledgered writes) or at-least-once.
+    pub delivery: Delivery,
+    /// Test-only failpoint: abort the process right after this many durable flushes, before
+    /// their offsets are committed (`TALLY_FAILPOINT_CRASH_AFTER_FLUSHES`).
+    pub crash_after_flushes: Option<u64>,
     /// Largest message accepted.
     pub max_message_bytes: usize,
     /// Longest flush of revoked partitions.
@@ -76,14 +92,29 @@ pub struct RunSummary {
 struct Partition {
     /// Distinguishes this ownership from an earlier or later one of the same partition.
     generation: u64,
-    /// The shard group its flushes write to.
-    group: u32,
+    /// Where its exactly-once ownership stands.
+    state: Ownership,
     /// Events not yet handed to a flush.
     buffer: Batch,
     /// The flush in progress, if any.
     in_flight: Option<InFlight>,
     /// Whether fetching is paused because the buffer is full.
     paused: bool,
+}
+
+/// Where a partition's ownership stands.
+#[derive(Debug)]
+enum Ownership {
+    /// At-least-once mode: no fences, no ledgers.
+    Unfenced,
+    /// Exactly-once: taking an epoch and stamping fences (this task); the partition is paused and
+    /// its messages are dropped until it is positioned.
+    Acquiring(JoinHandle<()>),
+    /// Exactly-once: owned under an epoch, with the groups' ledger entries.
+    Owned(Owner),
+    /// Exactly-once: a write was refused by a fence; a newer owner has the partition, so nothing
+    /// more is consumed or flushed here.
+    Fenced,
 }
 
 /// A flush running as its own task.
@@ -95,12 +126,22 @@ struct InFlight {
     events: usize,
 }
 
-/// A flush task's report to the loop.
+/// A task's report to the loop.
 #[derive(Debug)]
-struct FlushDone {
-    partition: i32,
-    generation: u64,
-    outcome: FlushOutcome,
+enum Report {
+    /// A flush ended.
+    Flushed {
+        partition: i32,
+        generation: u64,
+        outcome: FlushOutcome,
+    },
+    /// Exactly-once ownership was acquired: seek and resume.
+    Acquired {
+        partition: i32,
+        generation: u64,
+        owner: Owner,
+        resume: Resume,
+    },
 }
 
 /// The owned partitions.
@@ -116,7 +157,9 @@ struct Shared<S> {
     partitions: Mutex<Partitions>,
     flusher: Flusher<S>,
     metrics: Arc<Metrics>,
-    done_tx: mpsc::UnboundedSender<FlushDone>,
+    done_tx: mpsc::UnboundedSender<Report>,
+    /// Durable flushes so far (for the crash failpoint).
+    flushes: std::sync::atomic::AtomicU64,
     /// Cancels every flush still retrying: fired when the shutdown deadline passes.
     hard_stop: CancellationToken,
     runtime: tokio::runtime::Handle,
@@ -139,7 +182,7 @@ type AggConsumer<S> = StreamConsumer<AggregatorContext<S>>;
 pub struct Aggregator<S: Sink> {
     shared: Arc<Shared<S>>,
     consumer: AggConsumer<S>,
-    done_rx: mpsc::UnboundedReceiver<FlushDone>,
+    done_rx: mpsc::UnboundedReceiver<Report>,
 }
 
 impl<S: Sink> std::fmt::Debug for Aggregator<S> {
@@ -171,6 +214,7 @@ impl<S: Sink> Aggregator<S> {
             flusher,
             metrics,
             done_tx,
+            flushes: std::sync::atomic::AtomicU64::new(0),
             hard_stop: CancellationToken::new(),
             runtime: tokio::runtime::Handle::current(),
         });
@@ -206,7 +250,7 @@ impl<S: Sink> Aggregator<S> {
             tokio::select! {
                 biased;
                 () = shutdown.cancelled() => break,
-                Some(done) = self.done_rx.recv() => shared.flush_done(&self.consumer, done),
+                Some(report) = self.done_rx.recv() => shared.report(&self.consumer, report),
                 _ = tick.tick() => shared.tick(),
                 received = self.consumer.recv() => match received {
                     Ok(message) => shared.handle_message(&self.consumer, &message),
@@ -247,11 +291,30 @@ impl<S: Sink> Shared<S> {
             // Not (or no longer) ours: whoever owns it will read it from the committed offset.
             return;
         };
+        let ledgers = match &st.state {
+            Ownership::Unfenced => None,
+            Ownership::Owned(owner) => Some(&owner.ledgers),
+            // Not positioned yet (it will be re-read after the seek), or fenced off.
+            Ownership::Acquiring(_) | Ownership::Fenced => return,
+        };
         match codec::decode(
             message.payload().unwrap_or_default(),
             self.settings.max_message_bytes,
         ) {
-            Ok(event) => st.buffer.add(&event.counter, event.delta, offset),
+            Ok(event) => {
+                let group = self.settings.keyspace.group_for_event(
+                    self.settings.grouping,
+                    partition,
+                    event.actor.as_deref(),
+                );
+                if ledgers.is_some_and(|l| offset < l[group as usize]) {
+                    // Applied by this group before a restart: count it once, not twice.
+                    st.buffer.skip(offset);
+                    self.metrics.skipped();
+                } else {
+                    st.buffer.add(group, &event.counter, event.delta, offset);
+                }
+            }
             Err(error) => {
                 tracing::debug!(partition, offset, %error, "dead-lettering a malformed message");
                 st.buffer.add_dead_letter(
@@ -296,6 +359,11 @@ impl<S: Sink> Shared<S> {
     /// Hands the partition's buffer to a new flush task.
     fn start_flush(&self, partition: i32, st: &mut Partition) {
         debug_assert!(st.in_flight.is_none(), "one flush per partition at a time");
+        let owner = match &st.state {
+            Ownership::Unfenced => None,
+            Ownership::Owned(owner) => Some(owner.clone()),
+            Ownership::Acquiring(_) | Ownership::Fenced => return,
+        };
         let Some(batch) = st.buffer.seal() else {
             return;
         };
@@ -303,46 +371,142 @@ impl<S: Sink> Shared<S> {
         let flusher = self.flusher.clone();
         let cancel = self.hard_stop.clone();
         let done_tx = self.done_tx.clone();
-        let (generation, group) = (st.generation, st.group);
+        let generation = st.generation;
         let handle = tokio::spawn(async move {
-            let outcome = flusher.flush(partition, group, batch, &cancel).await;
+            let outcome = flusher.flush(partition, batch, owner, &cancel).await;
             // The loop may be gone (shutdown); the outcome is also the task's output.
-            let _ = done_tx.send(FlushDone {
+            let _ = done_tx.send(Report::Flushed {
                 partition,
                 generation,
-                outcome,
+                outcome: outcome.clone(),
             });
             outcome
         });
         st.in_flight = Some(InFlight { handle, events });
     }
 
-    /// A flush finished: commit its offset, start the next one if due, resume if paused.
-    fn flush_done(&self, consumer: &AggConsumer<S>, done: FlushDone) {
+    /// A task reported back.
+    fn report(&self, consumer: &AggConsumer<S>, report: Report) {
+        let (partition, generation) = match &report {
+            Report::Flushed {
+                partition,
+                generation,
+                ..
+            }
+            | Report::Acquired {
+                partition,
+                generation,
+                ..
+            } => (*partition, *generation),
+        };
         let mut parts = lock(&self.partitions);
-        let Some(st) = parts.map.get_mut(&done.partition) else {
+        let Some(st) = parts.map.get_mut(&partition) else {
             return;
         };
-        if st.generation != done.generation {
+        if st.generation != generation {
             // A report from an earlier ownership, already handled by the revoke.
             return;
         }
+        match report {
+            Report::Flushed { outcome, .. } => self.flush_done(consumer, partition, st, outcome),
+            Report::Acquired { owner, resume, .. } => {
+                let offset = match resume {
+                    Resume::Beginning => Offset::Beginning,
+                    Resume::At(offset) => Offset::Offset(offset),
+                };
+                if let Err(error) = consumer.seek(
+                    &self.settings.topic,
+                    partition,
+                    offset,
+                    Duration::from_secs(10),
+                ) {
+                    // Without the seek the position is unknown: stay paused and acquire again.
+                    tracing::warn!(partition, %error, "seek failed; acquiring the partition again");
+                    st.state = Ownership::Acquiring(self.spawn_acquire(partition, generation));
+                    return;
+                }
+                tracing::info!(partition, epoch = owner.epoch, ?resume, "partition owned");
+                st.state = Ownership::Owned(owner);
+                self.set_paused(consumer, partition, false);
+            }
+        }
+    }
+
+    /// A flush finished: commit its offset, start the next one if due, resume if paused.
+    fn flush_done(
+        &self,
+        consumer: &AggConsumer<S>,
+        partition: i32,
+        st: &mut Partition,
+        outcome: FlushOutcome,
+    ) {
         st.in_flight = None;
-        let FlushOutcome::Durable { next_offset } = done.outcome else {
-            return;
+        let next_offset = match outcome {
+            FlushOutcome::Durable { next_offset, owner } => {
+                if let Some(owner) = owner {
+                    st.state = Ownership::Owned(owner);
+                }
+                next_offset
+            }
+            FlushOutcome::Fenced => {
+                st.state = Ownership::Fenced;
+                st.buffer = Batch::default();
+                self.set_paused(consumer, partition, true);
+                st.paused = true;
+                return;
+            }
+            FlushOutcome::Cancelled => return,
         };
-        self.commit(
-            consumer,
-            &[(done.partition, next_offset)],
-            CommitMode::Async,
-        );
+        if let Some(limit) = self.settings.crash_after_flushes {
+            let n = self
+                .flushes
+                .fetch_add(1, std::sync::atomic::Ordering::SeqCst)
+                + 1;
+            if n >= limit {
+                eprintln!("failpoint: aborting after {n} durable flushes, before committing");
+                std::process::abort();
+            }
+        }
+        self.commit(consumer, &[(partition, next_offset)], CommitMode::Async);
         if st.buffer.is_due(&self.settings.limits, Instant::now()) {
-            self.start_flush(done.partition, st);
+            self.start_flush(partition, st);
         }
         if st.paused && !st.buffer.is_full(&self.settings.limits) {
-            self.set_paused(consumer, done.partition, false);
+            self.set_paused(consumer, partition, false);
             st.paused = false;
         }
+    }
+
+    /// Starts acquiring exactly-once ownership of `partition`, retrying until it succeeds; the
+    /// result comes back as [`Report::Acquired`].
+    fn spawn_acquire(&self, partition: i32, generation: u64) -> JoinHandle<()> {
+        let sink = self.flusher.sink.clone();
+        let keyspace = self.settings.keyspace.clone();
+        let topic = self.settings.topic.clone();
+        let metrics = self.metrics.clone();
+        let done_tx = self.done_tx.clone();
+        let (initial, max) = (self.flusher.retry_initial, self.flusher.retry_max);
+        tokio::spawn(async move {
+            let mut backoff = Backoff::new(initial, max);
+            loop {
+                match fence::acquire(&sink, &keyspace, &topic, partition).await {
+                    Ok((owner, resume)) => {
+                        let _ = done_tx.send(Report::Acquired {
+                            partition,
+                            generation,
+                            owner,
+                            resume,
+                        });
+                        return;
+                    }
+                    Err(error) => {
+                        metrics.redis_error();
+                        tracing::warn!(partition, %error, "acquiring the partition failed; retrying");
+                        tokio::time::sleep(backoff.next_delay()).await;
+                    }
+                }
+            }
+        })
     }
 
     /// Waits for each partition's in-flight flush, then flushes its buffer, until `deadline`.
@@ -364,6 +528,16 @@ impl<S: Sink> Shared<S> {
             let flusher = self.flusher.clone();
             let cancel = cancel.clone();
             tasks.spawn(async move {
+                let mut owner = match st.state {
+                    Ownership::Unfenced => None,
+                    Ownership::Owned(owner) => Some(owner),
+                    Ownership::Acquiring(task) => {
+                        // Not positioned yet: nothing was buffered, nothing to commit.
+                        task.abort();
+                        return (partition, Some(-1));
+                    }
+                    Ownership::Fenced => return (partition, Some(-1)),
+                };
                 let mut durable = None;
                 if let Some(mut in_flight) = st.in_flight.take() {
                     let outcome = tokio::select! {
@@ -374,15 +548,23 @@ impl<S: Sink> Shared<S> {
                         }
                     };
                     match outcome {
-                        FlushOutcome::Durable { next_offset } => durable = Some(next_offset),
+                        FlushOutcome::Durable {
+                            next_offset,
+                            owner: after,
+                        } => {
+                            durable = Some(next_offset);
+                            owner = after.or(owner);
+                        }
                         // Committing the buffer behind it would skip the lost batch: stop here.
-                        FlushOutcome::Cancelled => return (partition, None),
+                        FlushOutcome::Cancelled | FlushOutcome::Fenced => return (partition, None),
                     }
                 }
                 if let Some(batch) = st.buffer.seal() {
-                    match flusher.flush(partition, st.group, batch, &cancel).await {
-                        FlushOutcome::Durable { next_offset } => durable = Some(next_offset),
-                        FlushOutcome::Cancelled => return (partition, None),
+                    match flusher.flush(partition, batch, owner, &cancel).await {
+                        FlushOutcome::Durable { next_offset, .. } => durable = Some(next_offset),
+                        FlushOutcome::Cancelled | FlushOutcome::Fenced => {
+                            return (partition, None);
+                        }
                     }
                 }
                 (partition, durable.or(Some(-1)))
@@ -473,21 +655,33 @@ impl<S: Sink> Shared<S> {
     }
 
     fn assign(&self, consumer: &BaseConsumer<AggregatorContext<S>>, assigned: &TopicPartitionList) {
-        // librdkafka keeps an application pause across revoke and re-assign: a partition paused
-        // under an earlier ownership would never fetch again. A new ownership starts unpaused.
-        if let Err(error) = consumer.resume(assigned) {
-            tracing::warn!(%error, "resuming newly assigned partitions failed");
+        let exactly_once = self.settings.delivery == Delivery::ExactlyOnce;
+        // librdkafka keeps an application pause across revoke and re-assign, so set it
+        // explicitly: at-least-once partitions start fetching; exactly-once ones wait, paused,
+        // until their fences are stamped and their position is known.
+        let paused = if exactly_once {
+            consumer.pause(assigned)
+        } else {
+            consumer.resume(assigned)
+        };
+        if let Err(error) = paused {
+            tracing::warn!(%error, "pausing/resuming newly assigned partitions failed");
         }
         let mut parts = lock(&self.partitions);
         for element in assigned.elements_for_topic(&self.settings.topic) {
             let partition = element.partition();
             let generation = parts.next_generation;
             parts.next_generation += 1;
+            let state = if exactly_once {
+                Ownership::Acquiring(self.spawn_acquire(partition, generation))
+            } else {
+                Ownership::Unfenced
+            };
             parts.map.insert(
                 partition,
                 Partition {
                     generation,
-                    group: self.settings.keyspace.group_for_partition(partition),
+                    state,
                     buffer: Batch::default(),
                     in_flight: None,
                     paused: false,

@@ -1,13 +1,20 @@
 //! A flush: making one sealed batch durable, then reporting where its partition may resume.
 //!
 //! A flush first copies the batch's malformed messages to the dead-letter topic (waiting for
-//! Kafka's acknowledgement), then applies the summed deltas to the partition's shard group
-//! through the [`Sink`], retrying both with capped backoff until they succeed or the flush is
-//! cancelled (shutdown or revoke deadline). Only a flush that returns [`FlushOutcome::Durable`]
-//! lets its partition's offset move: **an offset is never committed past work that is not
-//! durable.** A cancelled flush commits nothing, so its messages are read again by whoever owns
-//! the partition next.
+//! Kafka's acknowledgement), then applies the summed deltas group by group through the [`Sink`],
+//! retrying with capped backoff until they land or the flush is cancelled (shutdown or revoke
+//! deadline). Only a flush that returns [`FlushOutcome::Durable`] lets its partition's offset
+//! move: **an offset is never committed past work that is not durable.** A cancelled flush
+//! commits nothing, so its messages are read again by whoever owns the partition next.
+//!
+//! In exactly-once mode (an [`Owner`] is given) each group write is fenced and deduplicated by the
+//! group's ledger (see [`crate::fence`]); after the last group the partition's watermark moves
+//! (in the same operation when the batch wrote only to the home group). A write refused by the
+//! fence ends the flush as [`FlushOutcome::Fenced`]: another aggregator owns the partition now.
+//! Counters that Redis cannot take (the sum would overflow 64 bits, or the key holds something
+//! else) are dead-lettered with the reason and left out; the rest of the batch is applied.
 
+use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -15,20 +22,25 @@ use tokio_util::sync::CancellationToken;
 
 use crate::backoff::Backoff;
 use crate::batch::SealedBatch;
-use crate::dead_letter::DeadLetterQueue;
+use crate::dead_letter::{DeadLetter, DeadLetterQueue};
+use crate::fence::{Owner, Watermark};
 use crate::metrics::Metrics;
-use crate::sink::{Sink, SinkErrorKind};
+use crate::sink::{Applied, GroupWrite, Sink, SinkError, SinkErrorKind};
 
 /// How a flush ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum FlushOutcome {
     /// Everything is durable; the partition may resume from `next_offset`.
     Durable {
         /// The offset to commit.
         next_offset: i64,
+        /// In exactly-once mode, the owner with its ledgers after this flush.
+        owner: Option<Owner>,
     },
     /// Cancelled before it was durable; nothing may be committed.
     Cancelled,
+    /// Refused by a fence: the partition belongs to a newer owner. Nothing may be committed.
+    Fenced,
 }
 
 /// What every flush needs besides its batch.
@@ -47,17 +59,148 @@ pub struct Flusher<S> {
 }
 
 impl<S: Sink> Flusher<S> {
-    /// Makes `batch` durable in `group`, retrying until it is or `cancel` fires.
+    /// Makes `batch` durable, retrying until it is, `cancel` fires, or (exactly-once, with
+    /// `owner`) a fence refuses it.
     pub async fn flush(
         &self,
         partition: i32,
-        group: u32,
-        batch: SealedBatch,
+        mut batch: SealedBatch,
+        owner: Option<Owner>,
         cancel: &CancellationToken,
     ) -> FlushOutcome {
         let started = Instant::now();
-        let mut backoff = Backoff::new(self.retry_initial, self.retry_max);
-        for letter in &batch.dead_letters {
+        if !self
+            .send_dead_letters(partition, &batch.dead_letters, cancel)
+            .await
+        {
+            return FlushOutcome::Cancelled;
+        }
+        let owner = match owner {
+            None => {
+                for (group, deltas) in &batch.groups {
+                    let applied = self
+                        .retry(partition, *group, cancel, || {
+                            self.sink.apply(*group, deltas)
+                        })
+                        .await;
+                    if applied.is_none() {
+                        return FlushOutcome::Cancelled;
+                    }
+                }
+                None
+            }
+            Some(owner) => match self
+                .flush_fenced(partition, &mut batch, owner, cancel)
+                .await
+            {
+                Ok(owner) => Some(owner),
+                Err(outcome) => return outcome,
+            },
+        };
+        let writes = batch.writes();
+        self.metrics
+            .batch_flushed(batch.events, writes, started.elapsed());
+        tracing::debug!(
+            partition,
+            events = batch.events,
+            writes,
+            next_offset = batch.next_offset,
+            "flushed"
+        );
+        FlushOutcome::Durable {
+            next_offset: batch.next_offset,
+            owner,
+        }
+    }
+
+    /// The exactly-once path: one fenced write per group, then the watermark.
+    async fn flush_fenced(
+        &self,
+        partition: i32,
+        batch: &mut SealedBatch,
+        mut owner: Owner,
+        cancel: &CancellationToken,
+    ) -> Result<Owner, FlushOutcome> {
+        let next_offset = batch.next_offset;
+        // A batch that wrote only into the home group moves the watermark in the same operation.
+        let home_only = batch.groups.len() == 1 && batch.groups[0].0 == owner.home;
+        for (group, deltas) in &mut batch.groups {
+            let group = *group;
+            let watermark = home_only.then(|| {
+                let mut after = owner.ledgers.clone();
+                after[group as usize] = next_offset;
+                Watermark::new(next_offset, &after).encode()
+            });
+            loop {
+                let write = GroupWrite {
+                    group,
+                    field: &owner.field,
+                    epoch: owner.epoch,
+                    next_offset,
+                    deltas,
+                    watermark: watermark.as_deref(),
+                };
+                let applied = self
+                    .retry(partition, group, cancel, || self.sink.apply_fenced(write))
+                    .await
+                    .ok_or(FlushOutcome::Cancelled)?;
+                match applied {
+                    Applied::Written | Applied::AlreadyApplied => break,
+                    Applied::Fenced => return Err(self.fenced(partition, group)),
+                    Applied::Rejected(rejected) => {
+                        let letters =
+                            rejected_letters(partition, group, next_offset, deltas, &rejected);
+                        if !self.send_dead_letters(partition, &letters, cancel).await {
+                            return Err(FlushOutcome::Cancelled);
+                        }
+                        let mut indexes: Vec<usize> = rejected.iter().map(|(i, _)| *i).collect();
+                        indexes.sort_unstable_by(|a, b| b.cmp(a));
+                        indexes.dedup();
+                        for i in indexes {
+                            deltas.swap_remove(i);
+                        }
+                    }
+                }
+            }
+            owner.ledgers[group as usize] = next_offset;
+        }
+        if !home_only {
+            let watermark = Watermark::new(next_offset, &owner.ledgers).encode();
+            let home = owner.home;
+            let applied = self
+                .retry(partition, home, cancel, || {
+                    self.sink
+                        .write_watermark(home, &owner.field, owner.epoch, &watermark)
+                })
+                .await
+                .ok_or(FlushOutcome::Cancelled)?;
+            if applied == Applied::Fenced {
+                return Err(self.fenced(partition, home));
+            }
+        }
+        Ok(owner)
+    }
+
+    fn fenced(&self, partition: i32, group: u32) -> FlushOutcome {
+        self.metrics.fenced();
+        tracing::warn!(
+            partition,
+            group,
+            "write refused by the fence: another aggregator owns this partition now"
+        );
+        FlushOutcome::Fenced
+    }
+
+    /// Copies `letters` to the dead-letter topic, retrying each until Kafka acknowledges it.
+    /// False if cancelled first.
+    async fn send_dead_letters(
+        &self,
+        partition: i32,
+        letters: &[DeadLetter],
+        cancel: &CancellationToken,
+    ) -> bool {
+        for letter in letters {
+            let mut backoff = Backoff::new(self.retry_initial, self.retry_max);
             loop {
                 match self.dead_letters.send(letter).await {
                     Ok(()) => {
@@ -67,52 +210,90 @@ impl<S: Sink> Flusher<S> {
                     Err(error) => {
                         tracing::warn!(partition, offset = letter.offset, %error, "dead-letter write failed; retrying");
                         if sleep_or_cancel(backoff.next_delay(), cancel).await {
-                            return FlushOutcome::Cancelled;
+                            return false;
                         }
                     }
                 }
             }
         }
+        true
+    }
+
+    /// Runs `op` until it succeeds, with capped backoff; `None` if cancelled first.
+    async fn retry<T, F, Fut>(
+        &self,
+        partition: i32,
+        group: u32,
+        cancel: &CancellationToken,
+        mut op: F,
+    ) -> Option<T>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<T, SinkError>>,
+    {
         let mut backoff = Backoff::new(self.retry_initial, self.retry_max);
         loop {
             let attempt = tokio::select! {
                 biased;
-                () = cancel.cancelled() => return FlushOutcome::Cancelled,
-                result = self.sink.apply(group, &batch.deltas) => result,
+                () = cancel.cancelled() => return None,
+                result = op() => result,
             };
             match attempt {
-                Ok(()) => break,
+                Ok(value) => return Some(value),
                 Err(error) => {
                     self.metrics.redis_error();
                     match error.kind {
                         SinkErrorKind::Retryable => {
-                            tracing::warn!(partition, group, %error, "flush failed; retrying")
+                            tracing::warn!(partition, group, %error, "Redis write failed; retrying")
                         }
                         SinkErrorKind::Fatal => tracing::error!(
                             partition, group, %error,
-                            "flush refused by Redis; retrying, but this needs an operator"
+                            "Redis refused the write; retrying, but this needs an operator"
                         ),
                     }
                     if sleep_or_cancel(backoff.next_delay(), cancel).await {
-                        return FlushOutcome::Cancelled;
+                        return None;
                     }
                 }
             }
         }
-        self.metrics
-            .batch_flushed(batch.events, batch.deltas.len(), started.elapsed());
-        tracing::debug!(
-            partition,
-            group,
-            events = batch.events,
-            counters = batch.deltas.len(),
-            next_offset = batch.next_offset,
-            "flushed"
-        );
-        FlushOutcome::Durable {
-            next_offset: batch.next_offset,
-        }
     }
+}
+
+/// Dead letters for deltas that Redis cannot take: the summed delta and why, one per counter.
+fn rejected_letters(
+    partition: i32,
+    group: u32,
+    next_offset: i64,
+    deltas: &[(String, i64)],
+    rejected: &[(usize, String)],
+) -> Vec<DeadLetter> {
+    rejected
+        .iter()
+        .map(|(i, reason)| {
+            let (counter, delta) = &deltas[*i];
+            DeadLetter {
+                key: Some(counter.clone().into_bytes()),
+                payload: Some(
+                    serde_json::json!({ "counter": counter, "delta": delta })
+                        .to_string()
+                        .into_bytes(),
+                ),
+                reason: match reason.as_str() {
+                    "overflow" => "overflow",
+                    "wrong_type" => "wrong_type",
+                    "not_an_integer" => "not_an_integer",
+                    _ => "rejected",
+                },
+                error: format!(
+                    "the summed delta {delta} of {counter} (messages up to offset {}) cannot be added in group {group}: {reason}",
+                    next_offset - 1
+                ),
+                partition,
+                offset: next_offset - 1,
+            }
+        })
+        .collect()
 }
 
 /// Sleeps for `delay`; true if `cancel` fired first.

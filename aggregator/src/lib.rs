@@ -7,6 +7,7 @@
 //! - [`consume`]: the consume loop, rebalance callbacks and shutdown drain ([`Aggregator`]).
 //! - [`batch`]: one partition's buffer and the flush triggers.
 //! - [`flush`]: making a sealed batch durable, with retries.
+//! - [`fence`]: owning a partition in exactly-once mode (epochs, fences, ledgers, watermark).
 //! - [`sink`]: the [`Sink`] seam and the Redis implementation.
 //! - [`dead_letter`]: the dead-letter topic for malformed messages.
 //! - [`metrics`] and [`http`]: Prometheus metrics on `/metrics`, and `/healthz`.
@@ -20,6 +21,7 @@ pub mod batch;
 pub mod config;
 pub mod consume;
 pub mod dead_letter;
+pub mod fence;
 pub mod flush;
 pub mod http;
 pub mod load;
@@ -97,12 +99,23 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<RunSumma
         topic: config.topic.clone(),
         limits: config.limits,
         keyspace: config.keyspace.clone(),
+        grouping: config.grouping,
+        delivery: config.delivery,
+        crash_after_flushes: std::env::var("TALLY_FAILPOINT_CRASH_AFTER_FLUSHES")
+            .ok()
+            .and_then(|v| v.parse().ok()),
         max_message_bytes: config.max_message_bytes,
         revoke_timeout: config.revoke_timeout,
         shutdown_timeout: config.shutdown_timeout,
     };
     let aggregator = Aggregator::new(&kafka, settings, flusher)?;
-    tracing::info!(topic = %config.topic, group = %config.group, "aggregator started");
+    tracing::info!(
+        topic = %config.topic,
+        group = %config.group,
+        delivery = ?config.delivery,
+        grouping = ?config.grouping,
+        "aggregator started"
+    );
     let summary = aggregator.run(shutdown).await;
     server.abort();
     Ok(summary)

@@ -29,6 +29,10 @@ pub struct Metrics {
     flush_duration: Histogram,
     /// Failed Redis attempts.
     redis_errors: IntCounter,
+    /// Writes refused by a fence (this instance no longer owned the partition).
+    fenced_writes: IntCounter,
+    /// Messages passed over on resume because their group had already applied them.
+    skipped_events: IntCounter,
     /// Messages buffered and not yet durable.
     buffered_events: IntGauge,
     /// Partitions this instance owns.
@@ -73,6 +77,14 @@ impl Metrics {
             ]),
         );
         let redis_errors = IntCounter::new("tally_redis_errors_total", "Failed Redis attempts.");
+        let fenced_writes = IntCounter::new(
+            "tally_fenced_writes_total",
+            "Writes refused by a fence: another aggregator owned the partition by then.",
+        );
+        let skipped_events = IntCounter::new(
+            "tally_skipped_events_total",
+            "Messages passed over on resume because their shard group had already applied them.",
+        );
         let buffered_events = IntGauge::new(
             "tally_buffered_events",
             "Messages buffered or being flushed, not yet durable.",
@@ -102,12 +114,16 @@ impl Metrics {
             counters_flushed: counters_flushed.expect("valid metric"),
             flush_duration: flush_duration.expect("valid metric"),
             redis_errors: redis_errors.expect("valid metric"),
+            fenced_writes: fenced_writes.expect("valid metric"),
+            skipped_events: skipped_events.expect("valid metric"),
             buffered_events: buffered_events.expect("valid metric"),
             assigned_partitions: assigned_partitions.expect("valid metric"),
             paused_partitions: paused_partitions.expect("valid metric"),
             consumer_lag: consumer_lag.expect("valid metric"),
         };
-        let collectors: [Box<dyn prometheus::core::Collector>; 11] = [
+        let collectors: [Box<dyn prometheus::core::Collector>; 13] = [
+            Box::new(metrics.fenced_writes.clone()),
+            Box::new(metrics.skipped_events.clone()),
             Box::new(metrics.events_consumed.clone()),
             Box::new(metrics.events_dead_lettered.clone()),
             Box::new(metrics.flushes.clone()),
@@ -150,6 +166,16 @@ impl Metrics {
     /// A Redis attempt failed.
     pub fn redis_error(&self) {
         self.redis_errors.inc();
+    }
+
+    /// A write was refused by a fence.
+    pub fn fenced(&self) {
+        self.fenced_writes.inc();
+    }
+
+    /// A message was passed over because its group had already applied it.
+    pub fn skipped(&self) {
+        self.skipped_events.inc();
     }
 
     /// The current state of the buffers.

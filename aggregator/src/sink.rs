@@ -1,8 +1,15 @@
 //! Where flushed deltas go: the [`Sink`] seam, and [`RedisSink`], which writes them to Redis.
 //!
-//! A flush of one partition's batch writes all its deltas into one shard group (see
-//! `tally_common::keyspace`) as `INCRBY`s inside one `MULTI`/`EXEC`: every key shares the group's
-//! hash tag, so the transaction is single-slot (valid on Redis Cluster) and lands all or nothing.
+//! Every write goes to one shard group (see `tally_common::keyspace`), whose keys share a hash tag,
+//! so each operation is single-slot (valid on Redis Cluster) and lands all or nothing:
+//!
+//! - at-least-once: the group's `INCRBY`s inside one `MULTI`/`EXEC` ([`Sink::apply`]);
+//! - exactly-once: one Lua script per group ([`Sink::apply_fenced`], `scripts/flush.lua`) that
+//!   checks the writer's fence, recognises a write the group already applied (its ledger entry),
+//!   validates every counter (type, 64-bit overflow), and only then writes the increments, the
+//!   ledger entry and, when asked, the watermark. The other scripts take epochs, stamp fences and
+//!   store watermarks (see `crate::fence`).
+//!
 //! Errors are classified at this boundary as retryable (connection, timeout, server busy or
 //! failing over) or not; the flush loop retries both with capped backoff, because dropping a
 //! batch would lose counts, but only the former are expected to heal by themselves.
@@ -72,30 +79,155 @@ impl From<redis::RedisError> for SinkError {
     }
 }
 
-/// Applies one batch of deltas to one shard group, all or nothing.
+/// One exactly-once write into one shard group.
+#[derive(Debug, Clone, Copy)]
+pub struct GroupWrite<'a> {
+    /// The group.
+    pub group: u32,
+    /// The partition's field in the ledger, fence and watermark hashes.
+    pub field: &'a str,
+    /// The writer's epoch; the write is refused unless the group's fence holds it.
+    pub epoch: u64,
+    /// The ledger entry after this write: the offset after the batch's last message.
+    pub next_offset: i64,
+    /// `(counter, delta)` pairs to add.
+    pub deltas: &'a [(String, i64)],
+    /// The watermark to store in this group in the same operation, if it is the home group.
+    pub watermark: Option<&'a str>,
+}
+
+/// What became of an exactly-once write.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Applied {
+    /// Written now.
+    Written,
+    /// The group had already applied it (an earlier attempt landed): nothing written.
+    AlreadyApplied,
+    /// The group's fence holds another epoch: the writer no longer owns the partition.
+    Fenced,
+    /// Nothing written, because these deltas (by index) cannot be applied, with the reason
+    /// (`overflow`, `wrong_type`, `not_an_integer`).
+    Rejected(Vec<(usize, String)>),
+}
+
+/// What stamping a fence found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stamp {
+    /// Stamped; the group's ledger entry for the partition (-1 if none).
+    Stamped {
+        /// The ledger entry.
+        ledger: i64,
+    },
+    /// Refused: the fence already holds this epoch or a newer one.
+    Stale {
+        /// The fence's epoch.
+        current: u64,
+    },
+}
+
+/// Applies deltas to shard groups, and keeps the exactly-once bookkeeping beside them.
 pub trait Sink: Clone + Send + Sync + 'static {
-    /// Adds each `(counter, delta)` to the counter's key in `group`.
+    /// At-least-once: adds each `(counter, delta)` to the counter's key in `group`, all or nothing.
     fn apply(
         &self,
         group: u32,
         deltas: &[(String, i64)],
     ) -> impl Future<Output = Result<(), SinkError>> + Send;
+
+    /// Exactly-once: one fenced, deduplicated, validated write into one group.
+    fn apply_fenced(
+        &self,
+        write: GroupWrite<'_>,
+    ) -> impl Future<Output = Result<Applied, SinkError>> + Send;
+
+    /// Takes the partition's next epoch in its home group, at least `at_least`.
+    fn next_epoch(
+        &self,
+        home: u32,
+        field: &str,
+        at_least: u64,
+    ) -> impl Future<Output = Result<u64, SinkError>> + Send;
+
+    /// Stamps `epoch` into the partition's fence in `group` and reads its ledger entry there.
+    fn stamp_fence(
+        &self,
+        group: u32,
+        field: &str,
+        epoch: u64,
+    ) -> impl Future<Output = Result<Stamp, SinkError>> + Send;
+
+    /// Stores the partition's watermark in its home group if `epoch` still holds the fence.
+    /// Returns [`Applied::Written`] or [`Applied::Fenced`].
+    fn write_watermark(
+        &self,
+        home: u32,
+        field: &str,
+        epoch: u64,
+        watermark: &str,
+    ) -> impl Future<Output = Result<Applied, SinkError>> + Send;
+
+    /// Reads the partition's watermark from its home group.
+    fn read_watermark(
+        &self,
+        home: u32,
+        field: &str,
+    ) -> impl Future<Output = Result<Option<String>, SinkError>> + Send;
 }
 
-/// The Redis sink: one `MULTI`/`EXEC` of `INCRBY`s per flush.
+/// The Lua scripts, hashed once.
+#[derive(Debug)]
+struct Scripts {
+    flush: redis::Script,
+    stamp: redis::Script,
+    epoch: redis::Script,
+    watermark: redis::Script,
+}
+
+/// The Redis sink.
 #[derive(Debug, Clone)]
 pub struct RedisSink {
     /// The connection (standalone or cluster).
     conn: RedisConn,
     /// Which keys to write.
     keyspace: Keyspace,
+    /// The exactly-once scripts.
+    scripts: std::sync::Arc<Scripts>,
 }
 
 impl RedisSink {
     /// A sink writing through `conn` into `keyspace`.
     pub fn new(conn: RedisConn, keyspace: Keyspace) -> Self {
-        Self { conn, keyspace }
+        let scripts = Scripts {
+            flush: redis::Script::new(include_str!("scripts/flush.lua")),
+            stamp: redis::Script::new(include_str!("scripts/stamp.lua")),
+            epoch: redis::Script::new(include_str!("scripts/epoch.lua")),
+            watermark: redis::Script::new(include_str!("scripts/watermark.lua")),
+        };
+        Self {
+            conn,
+            keyspace,
+            scripts: std::sync::Arc::new(scripts),
+        }
     }
+}
+
+/// A script reply the scripts never give.
+fn unexpected(reply: &[String]) -> SinkError {
+    SinkError {
+        kind: SinkErrorKind::Fatal,
+        source: redis::RedisError::from((
+            ErrorKind::UnexpectedReturnType,
+            "unexpected script reply",
+            format!("{reply:?}"),
+        )),
+    }
+}
+
+fn parse_number<T: std::str::FromStr>(reply: &[String], at: usize) -> Result<T, SinkError> {
+    reply
+        .get(at)
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| unexpected(reply))
 }
 
 impl Sink for RedisSink {
@@ -113,5 +245,116 @@ impl Sink for RedisSink {
         let mut conn = self.conn.clone();
         pipe.query_async::<()>(&mut conn).await?;
         Ok(())
+    }
+
+    async fn apply_fenced(&self, write: GroupWrite<'_>) -> Result<Applied, SinkError> {
+        let ks = &self.keyspace;
+        let mut invocation = self.scripts.flush.prepare_invoke();
+        invocation
+            .key(ks.fence_key(write.group))
+            .key(ks.ledger_key(write.group))
+            .key(ks.watermark_key(write.group))
+            .arg(write.field)
+            .arg(write.epoch)
+            .arg(write.next_offset)
+            .arg(write.watermark.unwrap_or(""));
+        let mut key = String::new();
+        for (counter, _) in write.deltas {
+            ks.write_counter_key(&mut key, write.group, counter);
+            invocation.key(&key);
+        }
+        for (_, delta) in write.deltas {
+            invocation.arg(*delta);
+        }
+        let mut conn = self.conn.clone();
+        let reply: Vec<String> = invocation.invoke_async(&mut conn).await?;
+        match reply.first().map(String::as_str) {
+            Some("ok") => Ok(Applied::Written),
+            Some("duplicate") => Ok(Applied::AlreadyApplied),
+            Some("fenced") => Ok(Applied::Fenced),
+            Some("rejected") => reply[1..]
+                .chunks(2)
+                .map(|pair| match pair {
+                    [index, reason] => index
+                        .parse::<usize>()
+                        .ok()
+                        .filter(|i| (1..=write.deltas.len()).contains(i))
+                        .map(|i| (i - 1, reason.clone()))
+                        .ok_or_else(|| unexpected(&reply)),
+                    _ => Err(unexpected(&reply)),
+                })
+                .collect::<Result<_, _>>()
+                .map(Applied::Rejected),
+            _ => Err(unexpected(&reply)),
+        }
+    }
+
+    async fn next_epoch(&self, home: u32, field: &str, at_least: u64) -> Result<u64, SinkError> {
+        let mut conn = self.conn.clone();
+        let reply: String = self
+            .scripts
+            .epoch
+            .key(self.keyspace.epoch_key(home))
+            .arg(field)
+            .arg(at_least)
+            .invoke_async(&mut conn)
+            .await?;
+        parse_number(&[reply], 0)
+    }
+
+    async fn stamp_fence(&self, group: u32, field: &str, epoch: u64) -> Result<Stamp, SinkError> {
+        let mut conn = self.conn.clone();
+        let reply: Vec<String> = self
+            .scripts
+            .stamp
+            .key(self.keyspace.fence_key(group))
+            .key(self.keyspace.ledger_key(group))
+            .arg(field)
+            .arg(epoch)
+            .invoke_async(&mut conn)
+            .await?;
+        match reply.first().map(String::as_str) {
+            Some("stamped") => Ok(Stamp::Stamped {
+                ledger: parse_number(&reply, 1)?,
+            }),
+            Some("stale") => Ok(Stamp::Stale {
+                current: parse_number(&reply, 1)?,
+            }),
+            _ => Err(unexpected(&reply)),
+        }
+    }
+
+    async fn write_watermark(
+        &self,
+        home: u32,
+        field: &str,
+        epoch: u64,
+        watermark: &str,
+    ) -> Result<Applied, SinkError> {
+        let mut conn = self.conn.clone();
+        let reply: Vec<String> = self
+            .scripts
+            .watermark
+            .key(self.keyspace.fence_key(home))
+            .key(self.keyspace.watermark_key(home))
+            .arg(field)
+            .arg(epoch)
+            .arg(watermark)
+            .invoke_async(&mut conn)
+            .await?;
+        match reply.first().map(String::as_str) {
+            Some("ok") => Ok(Applied::Written),
+            Some("fenced") => Ok(Applied::Fenced),
+            _ => Err(unexpected(&reply)),
+        }
+    }
+
+    async fn read_watermark(&self, home: u32, field: &str) -> Result<Option<String>, SinkError> {
+        let mut conn = self.conn.clone();
+        Ok(redis::cmd("HGET")
+            .arg(self.keyspace.watermark_key(home))
+            .arg(field)
+            .query_async(&mut conn)
+            .await?)
     }
 }

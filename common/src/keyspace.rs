@@ -13,8 +13,22 @@
 //! the `N` groups still spread over the cluster's nodes. Counter ids never contain braces (see
 //! [`crate::event::validate_counter`]), so a counter id cannot move its key to another slot.
 //!
-//! A Kafka partition maps to group `partition mod N`, so an ordinary flush of one partition's
-//! buffer touches a single group. The layout is documented in `docs/keyspace.md`.
+//! Which group an event's delta goes to is the [`GroupingRule`]: by default the Kafka partition
+//! it came from (`partition mod N`), so that an ordinary flush of one partition's buffer touches a
+//! single group; or its actor (a stable hash of the actor id), so that per-actor state and the
+//! increment it guards share a slot.
+//!
+//! Beside the counters, each group holds the exactly-once bookkeeping of every partition that
+//! writes into it, as hash fields named `<topic>/<partition>` (see [`partition_field`]):
+//!
+//! ```text
+//! <prefix>:{g<g>}:ledger     the offset after the last message of that partition applied here
+//! <prefix>:{g<g>}:fence      the epoch of that partition's current owner
+//! <prefix>:{g<h>}:epoch      the partition's epoch counter (h = its home group)
+//! <prefix>:{g<h>}:watermark  where the partition resumes, with the ledgers it had then
+//! ```
+//!
+//! The layout is documented in `docs/keyspace.md`.
 
 /// Default key prefix.
 pub const DEFAULT_PREFIX: &str = "tally";
@@ -22,6 +36,44 @@ pub const DEFAULT_PREFIX: &str = "tally";
 pub const DEFAULT_GROUPS: u32 = 16;
 /// Most shard groups allowed: a read sums one key per group.
 pub const MAX_GROUPS: u32 = 1024;
+
+/// Which shard group an event's delta is written to.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum GroupingRule {
+    /// The group of the Kafka partition the event came from: one flush, one group, one slot.
+    #[default]
+    ByPartition,
+    /// A stable hash of the event's actor (events without one fall back to their partition's
+    /// group): everything about one actor lives in one slot.
+    ByActor,
+}
+
+impl std::str::FromStr for GroupingRule {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "partition" | "by-partition" => Ok(GroupingRule::ByPartition),
+            "actor" | "by-actor" => Ok(GroupingRule::ByActor),
+            other => Err(format!(
+                "unknown grouping rule {other:?}: expected partition or actor"
+            )),
+        }
+    }
+}
+
+/// The hash field naming one partition of one topic in the ledger, fence, epoch and watermark
+/// hashes: `<topic>/<partition>` (Kafka topic names cannot contain `/`).
+pub fn partition_field(topic: &str, partition: i32) -> String {
+    format!("{topic}/{partition}")
+}
+
+/// FNV-1a, 64 bits: a hash that never changes across processes, platforms or Rust versions,
+/// because the group an actor maps to must never change.
+fn stable_hash(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3)
+    })
+}
 
 /// Why a keyspace could not be built.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -93,6 +145,37 @@ impl Keyspace {
     /// The shard group that a Kafka partition's flushes write to.
     pub fn group_for_partition(&self, partition: i32) -> u32 {
         partition.unsigned_abs() % self.groups
+    }
+
+    /// The group an event's delta is written to under `rule`.
+    pub fn group_for_event(&self, rule: GroupingRule, partition: i32, actor: Option<&str>) -> u32 {
+        match (rule, actor) {
+            (GroupingRule::ByActor, Some(actor)) => {
+                (stable_hash(actor.as_bytes()) % u64::from(self.groups)) as u32
+            }
+            _ => self.group_for_partition(partition),
+        }
+    }
+
+    /// The hash of ledger entries in `group`: per partition, the offset after the last message
+    /// whose delta for this group has been applied.
+    pub fn ledger_key(&self, group: u32) -> String {
+        format!("{}:{{g{group}}}:ledger", self.prefix)
+    }
+
+    /// The hash of fences in `group`: per partition, the epoch of its current owner.
+    pub fn fence_key(&self, group: u32) -> String {
+        format!("{}:{{g{group}}}:fence", self.prefix)
+    }
+
+    /// The hash of epoch counters in `group` (a partition's counter lives in its home group).
+    pub fn epoch_key(&self, group: u32) -> String {
+        format!("{}:{{g{group}}}:epoch", self.prefix)
+    }
+
+    /// The hash of watermarks in `group` (a partition's watermark lives in its home group).
+    pub fn watermark_key(&self, group: u32) -> String {
+        format!("{}:{{g{group}}}:watermark", self.prefix)
     }
 
     /// The key holding `counter`'s share in `group`.
@@ -189,6 +272,43 @@ mod tests {
         let ks = Keyspace::new("t", 4).expect("valid");
         let groups: Vec<u32> = (0..8).map(|p| ks.group_for_partition(p)).collect();
         assert_eq!(groups, [0, 1, 2, 3, 0, 1, 2, 3]);
+    }
+
+    #[test]
+    fn bookkeeping_keys_share_their_group_slot() {
+        let ks = Keyspace::default();
+        for g in 0..ks.groups() {
+            let s = slot(&ks.counter_key(g, "x"));
+            for key in [
+                ks.ledger_key(g),
+                ks.fence_key(g),
+                ks.epoch_key(g),
+                ks.watermark_key(g),
+            ] {
+                assert_eq!(slot(&key), s, "{key}");
+                assert_eq!(ks.counter_of_key(&key), None, "{key} is not a counter key");
+            }
+        }
+        assert_eq!(partition_field("tally.events", 3), "tally.events/3");
+    }
+
+    #[test]
+    fn grouping_by_actor_is_stable_and_spreads() {
+        let ks = Keyspace::default();
+        // Pinned values: changing the hash would move every actor's state to another group.
+        assert_eq!(ks.group_for_event(GroupingRule::ByActor, 0, Some("u7")), 5);
+        assert_eq!(ks.group_for_event(GroupingRule::ByActor, 3, Some("u7")), 5);
+        assert_eq!(ks.group_for_event(GroupingRule::ByActor, 3, None), 3);
+        assert_eq!(
+            ks.group_for_event(GroupingRule::ByPartition, 3, Some("u7")),
+            3
+        );
+        let groups: std::collections::BTreeSet<u32> = (0..1000)
+            .map(|i| ks.group_for_event(GroupingRule::ByActor, 0, Some(&format!("u{i}"))))
+            .collect();
+        assert_eq!(groups.len(), 16);
+        assert_eq!("actor".parse(), Ok(GroupingRule::ByActor));
+        assert!("user".parse::<GroupingRule>().is_err());
     }
 
     #[test]

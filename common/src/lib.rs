@@ -19,5 +19,5 @@ pub mod reader;
 pub use codec::{DecodeError, EventRef};
 pub use connection::RedisConn;
 pub use event::{CounterEvent, EventError};
-pub use keyspace::Keyspace;
+pub use keyspace::{GroupingRule, Keyspace};
 pub use reader::{ReadError, Reader};

@@ -1,0 +1,216 @@
+//! Owning a partition in exactly-once mode: epochs, fences, ledgers and the watermark.
+//!
+//! When an aggregator is assigned a partition, [`acquire`] takes a new epoch for it (a counter in
+//! the partition's home group, strictly above every fence it has stamped) and stamps that epoch
+//! into the partition's fence in **every** shard group, reading each group's ledger entry as it
+//! stamps. Every later write into a group checks the fence in its own slot, so an earlier owner
+//! that lost the partition (paused, partitioned, slow) has its late writes refused in every group,
+//! including groups the new owner has not written to yet.
+//!
+//! A group's **ledger entry** for a partition is the offset after the last message whose delta
+//! for that group it has applied; it is written in the same atomic operation as the deltas. The
+//! partition's **watermark**, in its home group, is the offset from which it resumes: everything
+//! before it is applied in every group. It is stored after all of a flush's group writes landed,
+//! together with the ledger entries the groups had then, so that a group that later lost writes
+//! (a Redis Cluster node restarted from an older append-only file) can be told apart from a group
+//! that never received anything: [`resume_offset`] rewinds to the rolled-back group's ledger, and
+//! the consume loop skips, per group, every message below that group's current ledger entry. So a
+//! crash between two groups' writes, a retried write whose first attempt landed, and a Redis that
+//! came back older all end with every offset applied exactly once.
+
+use tally_common::Keyspace;
+use tally_common::keyspace::partition_field;
+
+use crate::sink::{Sink, SinkError, Stamp};
+
+/// What an owner knows about its partition.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Owner {
+    /// The partition's field in the bookkeeping hashes.
+    pub field: String,
+    /// The partition's home group (epoch counter, watermark).
+    pub home: u32,
+    /// This owner's epoch.
+    pub epoch: u64,
+    /// Per group, the ledger entry (offset after the last applied message; -1 for none).
+    pub ledgers: Vec<i64>,
+}
+
+/// Where a partition resumes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Resume {
+    /// From the start of the retained log: nothing (or a rolled-back group's everything) was
+    /// applied.
+    Beginning,
+    /// From this offset.
+    At(i64),
+}
+
+/// A partition's watermark: everything before `next_offset` is applied in every group, and these
+/// were the groups' ledger entries when it was stored.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Watermark {
+    /// The offset to resume from.
+    pub next_offset: i64,
+    /// `(group, ledger entry)` for every group that had one.
+    pub ledgers: Vec<(u32, i64)>,
+}
+
+impl Watermark {
+    /// The watermark after a flush up to `next_offset`, given the ledgers after it.
+    pub fn new(next_offset: i64, ledgers: &[i64]) -> Self {
+        Self {
+            next_offset,
+            ledgers: ledgers
+                .iter()
+                .enumerate()
+                .filter(|(_, l)| **l >= 0)
+                .map(|(g, l)| (g as u32, *l))
+                .collect(),
+        }
+    }
+
+    /// Its stored form: `<next_offset>;<group>=<ledger>;...`.
+    pub fn encode(&self) -> String {
+        let mut out = self.next_offset.to_string();
+        for (group, ledger) in &self.ledgers {
+            out.push_str(&format!(";{group}={ledger}"));
+        }
+        out
+    }
+
+    /// Parses the stored form; `None` if it is not one.
+    pub fn parse(text: &str) -> Option<Self> {
+        let mut parts = text.split(';');
+        let next_offset = parts.next()?.parse().ok()?;
+        let ledgers = parts
+            .map(|p| {
+                let (g, l) = p.split_once('=')?;
+                Some((g.parse().ok()?, l.parse().ok()?))
+            })
+            .collect::<Option<_>>()?;
+        Some(Self {
+            next_offset,
+            ledgers,
+        })
+    }
+}
+
+/// Where to resume, from the stored watermark (if any) and the groups' current ledger entries.
+///
+/// Without a watermark nothing is known to be applied everywhere: resume from the beginning (the
+/// skip rule then passes over whatever some group had applied). With one, resume from it, unless
+/// a group's ledger entry is now below what it was when the watermark was stored: that group lost
+/// writes, so rewind to its ledger entry to re-feed it.
+pub fn resume_offset(watermark: Option<&Watermark>, ledgers: &[i64]) -> Resume {
+    let Some(watermark) = watermark else {
+        return Resume::Beginning;
+    };
+    let mut from = watermark.next_offset;
+    for &(group, recorded) in &watermark.ledgers {
+        let current = ledgers.get(group as usize).copied().unwrap_or(-1);
+        if current < recorded {
+            from = from.min(current);
+        }
+    }
+    if from < 0 {
+        Resume::Beginning
+    } else {
+        Resume::At(from)
+    }
+}
+
+/// Takes ownership of `partition`: a new epoch, stamped into every group's fence, and the resume
+/// offset. Fails (to be retried by the caller) on a Redis error.
+pub async fn acquire<S: Sink>(
+    sink: &S,
+    keyspace: &Keyspace,
+    topic: &str,
+    partition: i32,
+) -> Result<(Owner, Resume), SinkError> {
+    let field = partition_field(topic, partition);
+    let home = keyspace.group_for_partition(partition);
+    let mut at_least = 0;
+    'epoch: loop {
+        let epoch = sink.next_epoch(home, &field, at_least).await?;
+        let mut ledgers = Vec::with_capacity(keyspace.groups() as usize);
+        for group in 0..keyspace.groups() {
+            match sink.stamp_fence(group, &field, epoch).await? {
+                Stamp::Stamped { ledger } => ledgers.push(ledger),
+                Stamp::Stale { current } => {
+                    // The epoch counter is behind a fence (it rolled back): jump past it.
+                    at_least = current + 1;
+                    continue 'epoch;
+                }
+            }
+        }
+        let watermark = sink
+            .read_watermark(home, &field)
+            .await?
+            .as_deref()
+            .and_then(Watermark::parse);
+        let resume = resume_offset(watermark.as_ref(), &ledgers);
+        return Ok((
+            Owner {
+                field,
+                home,
+                epoch,
+                ledgers,
+            },
+            resume,
+        ));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn watermark_round_trips_and_rejects_garbage() {
+        let w = Watermark::new(120, &[-1, 100, -1, 120]);
+        assert_eq!(w.encode(), "120;1=100;3=120");
+        assert_eq!(Watermark::parse(&w.encode()), Some(w));
+        assert_eq!(
+            Watermark::parse("7"),
+            Some(Watermark {
+                next_offset: 7,
+                ledgers: vec![]
+            })
+        );
+        assert_eq!(Watermark::parse("x"), None);
+        assert_eq!(Watermark::parse("7;1"), None);
+    }
+
+    #[test]
+    fn no_watermark_resumes_from_the_beginning() {
+        assert_eq!(resume_offset(None, &[5, -1]), Resume::Beginning);
+    }
+
+    #[test]
+    fn resumes_at_the_watermark_when_no_group_lost_writes() {
+        let w = Watermark::new(120, &[-1, 100, -1, 120]);
+        // Group 3 moved on past the watermark (a flush landed there, then a crash): still 120.
+        assert_eq!(
+            resume_offset(Some(&w), &[-1, 100, -1, 150]),
+            Resume::At(120)
+        );
+    }
+
+    #[test]
+    fn a_group_that_never_received_anything_is_not_a_rollback() {
+        let w = Watermark::new(120, &[-1, -1, -1, 120]);
+        assert_eq!(resume_offset(Some(&w), &[-1, -1, -1, 120]), Resume::At(120));
+    }
+
+    #[test]
+    fn a_group_that_rolled_back_is_re_fed_from_its_ledger() {
+        let w = Watermark::new(120, &[-1, 100, -1, 120]);
+        assert_eq!(resume_offset(Some(&w), &[-1, 80, -1, 120]), Resume::At(80));
+        // It lost everything: from the beginning.
+        assert_eq!(
+            resume_offset(Some(&w), &[-1, -1, -1, 120]),
+            Resume::Beginning
+        );
+    }
+}
