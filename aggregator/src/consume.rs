@@ -455,6 +455,14 @@ impl<S: Sink> Shared<S> {
                 st.paused = true;
                 return;
             }
+            FlushOutcome::RolledBack => {
+                // Start over from what Redis now holds: a new epoch, a new resume offset.
+                st.buffer = Batch::default();
+                self.set_paused(consumer, partition, true);
+                st.paused = false;
+                st.state = Ownership::Acquiring(self.spawn_acquire(partition, st.generation));
+                return;
+            }
             FlushOutcome::Cancelled => return,
         };
         if let Some(limit) = self.settings.crash_after_flushes {
@@ -556,15 +564,17 @@ impl<S: Sink> Shared<S> {
                             owner = after.or(owner);
                         }
                         // Committing the buffer behind it would skip the lost batch: stop here.
-                        FlushOutcome::Cancelled | FlushOutcome::Fenced => return (partition, None),
+                        FlushOutcome::Cancelled
+                        | FlushOutcome::Fenced
+                        | FlushOutcome::RolledBack => return (partition, None),
                     }
                 }
                 if let Some(batch) = st.buffer.seal() {
                     match flusher.flush(partition, batch, owner, &cancel).await {
                         FlushOutcome::Durable { next_offset, .. } => durable = Some(next_offset),
-                        FlushOutcome::Cancelled | FlushOutcome::Fenced => {
-                            return (partition, None);
-                        }
+                        FlushOutcome::Cancelled
+                        | FlushOutcome::Fenced
+                        | FlushOutcome::RolledBack => return (partition, None),
                     }
                 }
                 (partition, durable.or(Some(-1)))

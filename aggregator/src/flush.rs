@@ -41,6 +41,10 @@ pub enum FlushOutcome {
     Cancelled,
     /// Refused by a fence: the partition belongs to a newer owner. Nothing may be committed.
     Fenced,
+    /// A group lost writes this owner had seen land (Redis restarted from an older state).
+    /// Nothing may be committed; the partition must be acquired again and re-fed from where
+    /// Redis now stands.
+    RolledBack,
 }
 
 /// What every flush needs besides its batch.
@@ -136,6 +140,7 @@ impl<S: Sink> Flusher<S> {
                     group,
                     field: &owner.field,
                     epoch: owner.epoch,
+                    expected_ledger: owner.ledgers[group as usize],
                     next_offset,
                     deltas,
                     watermark: watermark.as_deref(),
@@ -147,6 +152,7 @@ impl<S: Sink> Flusher<S> {
                 match applied {
                     Applied::Written | Applied::AlreadyApplied => break,
                     Applied::Fenced => return Err(self.fenced(partition, group)),
+                    Applied::RolledBack => return Err(self.rolled_back(partition, group)),
                     Applied::Rejected(rejected) => {
                         let letters =
                             rejected_letters(partition, group, next_offset, deltas, &rejected);
@@ -174,8 +180,10 @@ impl<S: Sink> Flusher<S> {
                 })
                 .await
                 .ok_or(FlushOutcome::Cancelled)?;
-            if applied == Applied::Fenced {
-                return Err(self.fenced(partition, home));
+            match applied {
+                Applied::Fenced => return Err(self.fenced(partition, home)),
+                Applied::RolledBack => return Err(self.rolled_back(partition, home)),
+                _ => {}
             }
         }
         Ok(owner)
@@ -189,6 +197,16 @@ impl<S: Sink> Flusher<S> {
             "write refused by the fence: another aggregator owns this partition now"
         );
         FlushOutcome::Fenced
+    }
+
+    fn rolled_back(&self, partition: i32, group: u32) -> FlushOutcome {
+        self.metrics.rolled_back();
+        tracing::warn!(
+            partition,
+            group,
+            "Redis lost writes this partition had made (restarted from an older state): re-feeding it from Kafka"
+        );
+        FlushOutcome::RolledBack
     }
 
     /// Copies `letters` to the dead-letter topic, retrying each until Kafka acknowledges it.

@@ -33,6 +33,8 @@ pub struct Metrics {
     fenced_writes: IntCounter,
     /// Messages passed over on resume because their group had already applied them.
     skipped_events: IntCounter,
+    /// Times a partition found Redis had lost its writes and was re-fed from Kafka.
+    rollbacks: IntCounter,
     /// Messages buffered and not yet durable.
     buffered_events: IntGauge,
     /// Partitions this instance owns.
@@ -81,6 +83,10 @@ impl Metrics {
             "tally_fenced_writes_total",
             "Writes refused by a fence: another aggregator owned the partition by then.",
         );
+        let rollbacks = IntCounter::new(
+            "tally_redis_rollbacks_total",
+            "Times a partition found that Redis had lost writes it made, and was re-fed from Kafka.",
+        );
         let skipped_events = IntCounter::new(
             "tally_skipped_events_total",
             "Messages passed over on resume because their shard group had already applied them.",
@@ -116,12 +122,14 @@ impl Metrics {
             redis_errors: redis_errors.expect("valid metric"),
             fenced_writes: fenced_writes.expect("valid metric"),
             skipped_events: skipped_events.expect("valid metric"),
+            rollbacks: rollbacks.expect("valid metric"),
             buffered_events: buffered_events.expect("valid metric"),
             assigned_partitions: assigned_partitions.expect("valid metric"),
             paused_partitions: paused_partitions.expect("valid metric"),
             consumer_lag: consumer_lag.expect("valid metric"),
         };
-        let collectors: [Box<dyn prometheus::core::Collector>; 13] = [
+        let collectors: [Box<dyn prometheus::core::Collector>; 14] = [
+            Box::new(metrics.rollbacks.clone()),
             Box::new(metrics.fenced_writes.clone()),
             Box::new(metrics.skipped_events.clone()),
             Box::new(metrics.events_consumed.clone()),
@@ -171,6 +179,11 @@ impl Metrics {
     /// A write was refused by a fence.
     pub fn fenced(&self) {
         self.fenced_writes.inc();
+    }
+
+    /// Redis was found to have lost a partition's writes.
+    pub fn rolled_back(&self) {
+        self.rollbacks.inc();
     }
 
     /// A message was passed over because its group had already applied it.

@@ -88,6 +88,9 @@ pub struct GroupWrite<'a> {
     pub field: &'a str,
     /// The writer's epoch; the write is refused unless the group's fence holds it.
     pub epoch: u64,
+    /// The group's ledger entry as the writer last saw it; finding it lower means the group lost
+    /// writes (Redis restarted from an older state).
+    pub expected_ledger: i64,
     /// The ledger entry after this write: the offset after the batch's last message.
     pub next_offset: i64,
     /// `(counter, delta)` pairs to add.
@@ -103,8 +106,11 @@ pub enum Applied {
     Written,
     /// The group had already applied it (an earlier attempt landed): nothing written.
     AlreadyApplied,
-    /// The group's fence holds another epoch: the writer no longer owns the partition.
+    /// The group's fence holds a newer epoch: the writer no longer owns the partition.
     Fenced,
+    /// The group lost writes the writer had seen land (its ledger entry, or its fence, is older
+    /// than the writer's): Redis came back from a crash with an older state. Nothing written.
+    RolledBack,
     /// Nothing written, because these deltas (by index) cannot be applied, with the reason
     /// (`overflow`, `wrong_type`, `not_an_integer`).
     Rejected(Vec<(usize, String)>),
@@ -157,7 +163,7 @@ pub trait Sink: Clone + Send + Sync + 'static {
     ) -> impl Future<Output = Result<Stamp, SinkError>> + Send;
 
     /// Stores the partition's watermark in its home group if `epoch` still holds the fence.
-    /// Returns [`Applied::Written`] or [`Applied::Fenced`].
+    /// Returns [`Applied::Written`], [`Applied::Fenced`] or [`Applied::RolledBack`].
     fn write_watermark(
         &self,
         home: u32,
@@ -223,6 +229,16 @@ fn unexpected(reply: &[String]) -> SinkError {
     }
 }
 
+/// A fence holding another epoch: a newer owner's, or (older or gone) a Redis that lost it.
+fn fenced(reply: &[String], epoch: u64) -> Result<Applied, SinkError> {
+    let current: u64 = parse_number(reply, 1)?;
+    Ok(if current > epoch {
+        Applied::Fenced
+    } else {
+        Applied::RolledBack
+    })
+}
+
 fn parse_number<T: std::str::FromStr>(reply: &[String], at: usize) -> Result<T, SinkError> {
     reply
         .get(at)
@@ -256,6 +272,7 @@ impl Sink for RedisSink {
             .key(ks.watermark_key(write.group))
             .arg(write.field)
             .arg(write.epoch)
+            .arg(write.expected_ledger)
             .arg(write.next_offset)
             .arg(write.watermark.unwrap_or(""));
         let mut key = String::new();
@@ -271,7 +288,8 @@ impl Sink for RedisSink {
         match reply.first().map(String::as_str) {
             Some("ok") => Ok(Applied::Written),
             Some("duplicate") => Ok(Applied::AlreadyApplied),
-            Some("fenced") => Ok(Applied::Fenced),
+            Some("fenced") => fenced(&reply, write.epoch),
+            Some("rolled_back") => Ok(Applied::RolledBack),
             Some("rejected") => reply[1..]
                 .chunks(2)
                 .map(|pair| match pair {
@@ -344,7 +362,7 @@ impl Sink for RedisSink {
             .await?;
         match reply.first().map(String::as_str) {
             Some("ok") => Ok(Applied::Written),
-            Some("fenced") => Ok(Applied::Fenced),
+            Some("fenced") => fenced(&reply, epoch),
             _ => Err(unexpected(&reply)),
         }
     }

@@ -32,6 +32,17 @@ pub fn brokers() -> String {
     std::env::var("TALLY_TEST_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".to_owned())
 }
 
+/// The seed of a test's randomness: `TALLY_TEST_SEED` if set (to replay a failure), else a fresh
+/// one. Printed either way, so a failing run can be replayed.
+pub fn seed() -> u64 {
+    let seed = std::env::var("TALLY_TEST_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(rand::random);
+    eprintln!("test seed: {seed} (replay with TALLY_TEST_SEED={seed})");
+    seed
+}
+
 /// A name no other test (or earlier run) uses: `<base>-<pid>-<n>-<random>`.
 pub fn unique(base: &str) -> String {
     static N: AtomicU32 = AtomicU32::new(0);
@@ -93,9 +104,9 @@ pub async fn create_topic(topic: &str, partitions: i32) {
     }
 }
 
-/// Asserts that `group` has committed every partition of `topic` (`0..partitions`) up to the
-/// partition's end: nothing is left to re-read, malformed messages included.
-pub fn assert_committed_to_end(group: &str, topic: &str, partitions: i32) {
+/// Partitions of `topic` (`0..partitions`) whose committed offset for `group` is not the
+/// partition's end, as `(partition, committed, end)`.
+pub fn uncommitted(group: &str, topic: &str, partitions: i32) -> Vec<(i32, Option<Offset>, i64)> {
     let consumer: BaseConsumer = ClientConfig::new()
         .set("bootstrap.servers", brokers())
         .set("group.id", group)
@@ -108,17 +119,64 @@ pub fn assert_committed_to_end(group: &str, topic: &str, partitions: i32) {
     let committed = consumer
         .committed_offsets(tpl, Duration::from_secs(10))
         .expect("committed offsets");
-    for p in 0..partitions {
-        let offset = committed.find_partition(topic, p).map(|e| e.offset());
-        let (_, end) = consumer
-            .fetch_watermarks(topic, p, Duration::from_secs(10))
-            .expect("watermarks");
-        assert_eq!(
-            offset,
-            Some(Offset::Offset(end)),
-            "partition {p} of {topic}: committed offset is not the partition's end"
-        );
+    (0..partitions)
+        .filter_map(|p| {
+            let offset = committed.find_partition(topic, p).map(|e| e.offset());
+            let (_, end) = consumer
+                .fetch_watermarks(topic, p, Duration::from_secs(10))
+                .expect("watermarks");
+            (offset != Some(Offset::Offset(end))).then_some((p, offset, end))
+        })
+        .collect()
+}
+
+/// Asserts that `group` has committed every partition of `topic` up to the partition's end:
+/// nothing is left to re-read, malformed messages included.
+pub fn assert_committed_to_end(group: &str, topic: &str, partitions: i32) {
+    let behind = uncommitted(group, topic, partitions);
+    assert!(
+        behind.is_empty(),
+        "partitions of {topic} not committed to their end (partition, committed, end): {behind:?}"
+    );
+}
+
+/// Waits until `group` has committed every partition of `topic` up to its end.
+pub async fn wait_committed_to_end(group: &str, topic: &str, partitions: i32, timeout: Duration) {
+    let (group, topic) = (group.to_owned(), topic.to_owned());
+    eventually(timeout, "offsets committed to the end", || {
+        let (group, topic) = (group.clone(), topic.clone());
+        async move {
+            tokio::task::spawn_blocking(move || {
+                uncommitted(&group, &topic, partitions)
+                    .is_empty()
+                    .then_some(())
+            })
+            .await
+            .ok()
+            .flatten()
+        }
+    })
+    .await;
+}
+
+/// Compares Redis with the ground truth: (counters below it, counters above it).
+pub async fn below_and_above(
+    reader: &Reader<RedisConn>,
+    expected: &HashMap<String, i64>,
+) -> (usize, usize) {
+    let counters: Vec<&String> = expected.keys().collect();
+    let (mut below, mut above) = (0, 0);
+    for chunk in counters.chunks(2000) {
+        let values = reader.get_many(chunk).await.expect("read totals");
+        for (counter, got) in chunk.iter().zip(values) {
+            match got.cmp(&expected[*counter]) {
+                std::cmp::Ordering::Less => below += 1,
+                std::cmp::Ordering::Greater => above += 1,
+                std::cmp::Ordering::Equal => {}
+            }
+        }
     }
+    (below, above)
 }
 
 /// Starts sending `spec` to `topic` through the producer crate in the background.
@@ -172,18 +230,33 @@ pub struct RedisServer {
     port: u16,
     dir: TempDir,
     child: Option<Child>,
+    /// `appendfsync` policy: `always`, or `everysec` to let a crash lose about a second.
+    fsync: &'static str,
 }
 
 impl RedisServer {
-    /// Starts a server and waits until it answers.
+    /// Starts a server that fsyncs every write, and waits until it answers.
     pub async fn start() -> Self {
+        Self::start_with_fsync("always").await
+    }
+
+    /// Starts a server with the given `appendfsync` policy, and waits until it answers.
+    pub async fn start_with_fsync(fsync: &'static str) -> Self {
         let mut server = Self {
             port: free_port(),
             dir: TempDir::new("tally-redis"),
             child: None,
+            fsync,
         };
         server.start_again().await;
         server
+    }
+
+    /// SIGKILLs the server (a crash: with `everysec`, up to a second of writes is lost).
+    pub async fn kill(&mut self) {
+        let mut child = self.child.take().expect("redis-server is not running");
+        let _ = child.kill();
+        let _ = tokio::task::spawn_blocking(move || child.wait()).await;
     }
 
     /// Its URL.
@@ -202,7 +275,7 @@ impl RedisServer {
                 "--appendonly",
                 "yes",
                 "--appendfsync",
-                "always",
+                self.fsync,
             ])
             .arg("--dir")
             .arg(self.dir.path())
@@ -330,6 +403,16 @@ impl AggregatorSetup {
 
     /// Starts an aggregator process with this setup and `extra` flags; its log goes to `log_dir`.
     pub fn spawn(&self, log_dir: &Path, extra: &[&str]) -> AggregatorProcess {
+        self.spawn_with_env(log_dir, extra, &[])
+    }
+
+    /// Like [`AggregatorSetup::spawn`], with extra environment variables.
+    pub fn spawn_with_env(
+        &self,
+        log_dir: &Path,
+        extra: &[&str],
+        env: &[(&str, &str)],
+    ) -> AggregatorProcess {
         let metrics_port = free_port();
         let log = log_dir.join(format!("aggregator-{}.log", unique("run")));
         let out = std::fs::File::create(&log).expect("log file");
@@ -343,7 +426,11 @@ impl AggregatorSetup {
             .args(["--flush-interval-ms", &self.flush_interval_ms.to_string()])
             .args(["--metrics-addr", &format!("127.0.0.1:{metrics_port}")])
             .args(["--retry-max-backoff-ms", "500"])
+            // A crashed member's partitions move after 6 s (the broker's minimum), not 45 s.
+            .args(["--kafka-option", "session.timeout.ms=6000"])
+            .args(["--kafka-option", "heartbeat.interval.ms=1000"])
             .args(extra)
+            .envs(env.iter().copied())
             .env("RUST_LOG", "info")
             .stdout(out.try_clone().expect("log file"))
             .stderr(out)
@@ -370,11 +457,22 @@ impl AggregatorProcess {
 
     /// Sends SIGTERM.
     pub fn terminate(&self) {
+        self.signal("TERM");
+    }
+
+    /// Sends `signal` (`TERM`, `STOP`, `CONT`, ...).
+    pub fn signal(&self, signal: &str) {
         let status = Command::new("kill")
-            .args(["-TERM", &self.child.id().to_string()])
+            .args([&format!("-{signal}"), &self.child.id().to_string()])
             .status()
             .expect("kill runs");
-        assert!(status.success(), "kill -TERM failed");
+        assert!(status.success(), "kill -{signal} failed");
+    }
+
+    /// SIGKILLs the process (a crash: nothing is drained or committed) and reaps it.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
     }
 
     /// Sends SIGTERM and asserts that the process drains and exits 0 within 30 s.
@@ -508,4 +606,37 @@ pub async fn counters_in_redis(
         }
         cursor = next;
     }
+}
+
+/// SIGKILLs the aggregator `kills` times while `load` is running, restarting it each time with
+/// `extra` flags; returns the last one, running. Each incarnation is killed at a random moment
+/// (0 to 800 ms, from `seed`) after it has made its first flush durable, so every kill lands on
+/// an aggregator that is consuming and flushing. Panics if the load ends before the last kill.
+pub async fn kill_repeatedly<T>(
+    setup: &AggregatorSetup,
+    log_dir: &Path,
+    extra: &[&str],
+    first: AggregatorProcess,
+    kills: usize,
+    seed: u64,
+    load: &JoinHandle<T>,
+) -> AggregatorProcess {
+    use rand::{Rng, SeedableRng};
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let mut aggregator = first;
+    for kill in 1..=kills {
+        aggregator
+            .wait_metric("tally_flushes_total", 1.0, Duration::from_secs(60))
+            .await;
+        let wait = Duration::from_millis(rng.random_range(0..800));
+        tokio::time::sleep(wait).await;
+        assert!(
+            !load.is_finished(),
+            "the load ended before kill {kill} of {kills}: make it longer"
+        );
+        aggregator.kill();
+        eprintln!("SIGKILL {kill}/{kills}, {wait:?} after its first durable flush");
+        aggregator = setup.spawn(log_dir, extra);
+    }
+    aggregator
 }
