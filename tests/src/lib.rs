@@ -252,6 +252,48 @@ impl RedisServer {
         server
     }
 
+    /// Saves a point-in-time snapshot (`SAVE`) that [`RedisServer::restore_snapshot`] can go back to.
+    pub async fn snapshot(&self) {
+        let client = redis::Client::open(self.url()).expect("redis url");
+        let mut conn = client
+            .get_multiplexed_async_connection()
+            .await
+            .expect("redis connection");
+        redis::cmd("SAVE")
+            .query_async::<()>(&mut conn)
+            .await
+            .expect("SAVE");
+        std::fs::copy(
+            self.dir.path().join("dump.rdb"),
+            self.dir.path().join("snapshot.rdb"),
+        )
+        .expect("snapshot copied");
+    }
+
+    /// SIGKILLs the server and brings it back with the state of the last snapshot, as a failover
+    /// to a lagging replica or a restore from backup would: every write since is gone, counters
+    /// and bookkeeping alike.
+    pub async fn restore_snapshot(&mut self) {
+        self.kill().await;
+        let dir = self.dir.path();
+        let _ = std::fs::remove_dir_all(dir.join("appendonlydir"));
+        std::fs::copy(dir.join("snapshot.rdb"), dir.join("dump.rdb")).expect("snapshot restored");
+        // Redis 7 starts empty when AOF is on and no AOF exists: load the RDB, then turn AOF on.
+        self.spawn_and_wait("no").await;
+        let client = redis::Client::open(self.url()).expect("redis url");
+        let mut conn = client
+            .get_multiplexed_async_connection()
+            .await
+            .expect("redis connection");
+        redis::cmd("CONFIG")
+            .arg("SET")
+            .arg("appendonly")
+            .arg("yes")
+            .query_async::<()>(&mut conn)
+            .await
+            .expect("CONFIG SET appendonly yes");
+    }
+
     /// SIGKILLs the server (a crash: with `everysec`, up to a second of writes is lost).
     pub async fn kill(&mut self) {
         let mut child = self.child.take().expect("redis-server is not running");
@@ -266,6 +308,10 @@ impl RedisServer {
 
     /// (Re)starts the process on the same port and directory, and waits until it answers.
     pub async fn start_again(&mut self) {
+        self.spawn_and_wait("yes").await;
+    }
+
+    async fn spawn_and_wait(&mut self, appendonly: &str) {
         assert!(self.child.is_none(), "redis-server is already running");
         let child = Command::new("redis-server")
             .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
@@ -273,7 +319,9 @@ impl RedisServer {
                 "--save",
                 "",
                 "--appendonly",
-                "yes",
+                appendonly,
+                "--enable-debug-command",
+                "local",
                 "--appendfsync",
                 self.fsync,
             ])

@@ -1,0 +1,89 @@
+//! Faults in Redis, exactly-once mode: Redis SIGKILLed and restarted from its append-only file
+//! (`appendfsync everysec`) mid-stream; and Redis brought back with an older state (a snapshot
+//! taken seconds before, as a failover to a lagging replica would), which loses acknowledged
+//! writes, counters and bookkeeping alike. The running aggregator notices the rollback and re-feeds
+//! the lost range from Kafka's retained log; every counter ends at the ground truth.
+
+use std::time::Duration;
+
+use tally_aggregator::load::LoadSpec;
+use tally_tests::{
+    AggregatorSetup, RedisServer, TempDir, finish_load, seed, start_load, wait_for_totals,
+};
+
+fn spec(seed: u64) -> LoadSpec {
+    LoadSpec {
+        events: 150_000,
+        counters: 3_000,
+        rate: 10_000,
+        max_delta: 5,
+        negative_share: 0.3,
+        seed,
+        ..LoadSpec::default()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_sigkilled_and_restarted_from_its_aof_mid_stream() {
+    let seed = seed();
+    let dir = TempDir::new("tally-fault");
+    let mut redis = RedisServer::start_with_fsync("everysec").await;
+    let setup = AggregatorSetup::create("redis-kill", &redis.url(), 8).await;
+    let mut aggregator = setup.spawn(dir.path(), &[]);
+    let load = start_load(&setup.topic, spec(seed));
+
+    aggregator
+        .wait_metric("tally_flushes_total", 10.0, Duration::from_secs(60))
+        .await;
+    redis.kill().await;
+    redis.start_again().await;
+    assert!(
+        !load.is_finished(),
+        "the load ended before Redis was killed"
+    );
+
+    let sent = finish_load(load, 150_000).await;
+    let reader = redis.reader(setup.keyspace()).await;
+    wait_for_totals(&reader, &sent.totals, Duration::from_secs(60)).await;
+    assert!(aggregator.is_running(), "recovered without a restart");
+    aggregator.stop_gracefully().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_back_with_an_older_state_is_re_fed_from_kafka() {
+    let seed = seed();
+    let dir = TempDir::new("tally-fault");
+    let mut redis = RedisServer::start().await;
+    let setup = AggregatorSetup::create("redis-rollback", &redis.url(), 8).await;
+    let mut aggregator = setup.spawn(dir.path(), &[]);
+    let load = start_load(&setup.topic, spec(seed));
+
+    aggregator
+        .wait_metric("tally_flushes_total", 10.0, Duration::from_secs(60))
+        .await;
+    redis.snapshot().await;
+    let at_snapshot = aggregator
+        .metric("tally_flushes_total")
+        .await
+        .unwrap_or(0.0);
+    // Let at least 16 more flushes land, then lose them all.
+    aggregator
+        .wait_metric(
+            "tally_flushes_total",
+            at_snapshot + 16.0,
+            Duration::from_secs(60),
+        )
+        .await;
+    redis.restore_snapshot().await;
+    assert!(!load.is_finished(), "the load ended before the rollback");
+
+    let sent = finish_load(load, 150_000).await;
+    let reader = redis.reader(setup.keyspace()).await;
+    wait_for_totals(&reader, &sent.totals, Duration::from_secs(60)).await;
+    let rollbacks = aggregator
+        .metric("tally_redis_rollbacks_total")
+        .await
+        .unwrap_or(0.0);
+    assert!(rollbacks >= 1.0, "the rollback was noticed ({rollbacks})");
+    aggregator.stop_gracefully().await;
+}
