@@ -558,13 +558,26 @@ impl AggregatorProcess {
         found
     }
 
-    /// Waits until the metric reaches at least `at_least`.
+    /// Waits until the metric reaches at least `at_least`; on timeout, panics with the end of
+    /// the process's log.
     pub async fn wait_metric(&self, name: &str, at_least: f64, timeout: Duration) -> f64 {
-        eventually(timeout, &format!("{name} >= {at_least}"), || async {
-            self.metric(name).await.filter(|v| *v >= at_least)
-        })
-        .await
-    }
+        let deadline = Instant::now() + timeout;
+        loop {
+            let value = self.metric(name).await;
+            if let Some(v) = value.filter(|v| *v >= at_least) {
+                return v;
+            }
+            if Instant::now() >= deadline {
+                let log = self.log();
+                let tail: Vec<&str> = log.lines().rev().take(30).collect();
+                panic!(
+                    "timed out after {timeout:?} waiting for {name} >= {at_least} (last value {value:?}); log tail:\n{}",
+                    tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+}
 }
 
 trait TapLog {
