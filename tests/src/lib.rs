@@ -577,7 +577,7 @@ impl AggregatorProcess {
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
-}
+    }
 }
 
 trait TapLog {

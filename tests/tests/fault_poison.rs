@@ -1,0 +1,121 @@
+//! Fault: deltas Redis cannot take, in exactly-once mode. A counter whose share would overflow
+//! 64 bits, and a counter key that an outsider overwrote with a hash, are dead-lettered with the
+//! reason (`overflow`, `wrong_type`); the rest of their batches is applied, every other total is
+//! exact, and nothing crashes. Poison and oversized messages are covered in
+//! `json_and_dead_letters.rs`, which runs in exactly-once mode too.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use rdkafka::ClientConfig;
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::message::{Headers, Message};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use tally_tests::{AggregatorSetup, RedisServer, TempDir, unique, wait_for_totals};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deltas_redis_cannot_take_are_dead_lettered_and_the_rest_counts() {
+    let dir = TempDir::new("tally-fault");
+    let redis = RedisServer::start().await;
+    // One partition: its shard group is 0, so the poisoned keys below are the ones it writes.
+    let setup = AggregatorSetup::create("poison", &redis.url(), 1).await;
+    let keyspace = setup.keyspace();
+    let near_max = i64::MAX - 10;
+    let client = redis::Client::open(redis.url()).expect("redis url");
+    let mut conn = client
+        .get_multiplexed_async_connection()
+        .await
+        .expect("redis connection");
+    redis::cmd("SET")
+        .arg(keyspace.counter_key(0, "big:1"))
+        .arg(near_max)
+        .query_async::<()>(&mut conn)
+        .await
+        .expect("SET");
+    redis::cmd("HSET")
+        .arg(keyspace.counter_key(0, "weird:1"))
+        .arg("not")
+        .arg("a counter")
+        .query_async::<()>(&mut conn)
+        .await
+        .expect("HSET");
+    let mut aggregator = setup.spawn(dir.path(), &[]);
+
+    let plain: FutureProducer = ClientConfig::new()
+        .set("bootstrap.servers", tally_tests::brokers())
+        .create()
+        .expect("producer");
+    let mut expected: HashMap<String, i64> = HashMap::new();
+    let mut deliveries = Vec::new();
+    for i in 0..2_000i64 {
+        let (counter, delta) = match i % 50 {
+            0 => ("big:1".to_owned(), 100),
+            1 => ("weird:1".to_owned(), 1),
+            _ => (format!("ok:{}", i % 20), 1 + i % 3),
+        };
+        if !counter.starts_with("big") && !counter.starts_with("weird") {
+            *expected.entry(counter.clone()).or_default() += delta;
+        }
+        let payload = format!(r#"{{"counter":"{counter}","delta":{delta}}}"#);
+        let record = FutureRecord::<String, String>::to(&setup.topic)
+            .key(&counter)
+            .payload(&payload);
+        deliveries.push(
+            plain
+                .send_result(record)
+                .map_err(|(e, _)| e)
+                .expect("enqueued"),
+        );
+    }
+    for d in deliveries {
+        d.await
+            .expect("delivery report")
+            .map_err(|(e, _)| e)
+            .expect("acknowledged");
+    }
+
+    let reader = redis.reader(keyspace.clone()).await;
+    wait_for_totals(&reader, &expected, Duration::from_secs(60)).await;
+    let big: i64 = redis::cmd("GET")
+        .arg(keyspace.counter_key(0, "big:1"))
+        .query_async(&mut conn)
+        .await
+        .expect("GET");
+    assert_eq!(big, near_max, "the overflowing delta was not applied");
+
+    // The dead-letter topic says why, per counter.
+    let consumer: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", tally_tests::brokers())
+        .set("group.id", unique("dlq-reader"))
+        .set("auto.offset.reset", "earliest")
+        .create()
+        .expect("consumer");
+    consumer
+        .subscribe(&[&setup.dead_letter_topic])
+        .expect("subscribe");
+    let mut reasons = std::collections::BTreeSet::new();
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while reasons.len() < 2 && std::time::Instant::now() < deadline {
+        if let Some(message) = consumer.poll(Duration::from_millis(500)) {
+            let message = message.expect("dead letter");
+            let reason = message
+                .headers()
+                .and_then(|h| h.iter().find(|h| h.key == "tally-reason"))
+                .and_then(|h| h.value)
+                .map(|v| String::from_utf8_lossy(v).into_owned())
+                .expect("tally-reason header");
+            let key = String::from_utf8_lossy(message.key().unwrap_or_default()).into_owned();
+            reasons.insert((key, reason));
+        }
+    }
+    let reasons: Vec<(String, String)> = reasons.into_iter().collect();
+    assert_eq!(
+        reasons,
+        [
+            ("big:1".to_owned(), "overflow".to_owned()),
+            ("weird:1".to_owned(), "wrong_type".to_owned())
+        ]
+    );
+    assert!(aggregator.is_running());
+    aggregator.stop_gracefully().await;
+}
