@@ -4,7 +4,6 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use redis::aio::ConnectionLike;
 use tally_common::Reader;
 
 /// Counters that did not match before the deadline.
@@ -20,10 +19,7 @@ pub struct Mismatch {
 }
 
 /// Reads every counter of `expected` (in pipelines of 2,000) and lists those that differ.
-pub async fn differences<C>(reader: &Reader<C>, expected: &HashMap<String, i64>) -> Vec<String>
-where
-    C: ConnectionLike + Clone + Send + Sync,
-{
+pub async fn differences(reader: &Reader, expected: &HashMap<String, i64>) -> Vec<String> {
     let counters: Vec<&String> = expected.keys().collect();
     let mut wrong = Vec::new();
     for chunk in counters.chunks(2000) {
@@ -44,14 +40,11 @@ where
 
 /// Waits (polling every 100 ms) until every counter in `expected` reads exactly its total;
 /// returns how long that took, or the differences left at `timeout`.
-pub async fn wait_for_totals<C>(
-    reader: &Reader<C>,
+pub async fn wait_for_totals(
+    reader: &Reader,
     expected: &HashMap<String, i64>,
     timeout: Duration,
-) -> Result<Duration, Mismatch>
-where
-    C: ConnectionLike + Clone + Send + Sync,
-{
+) -> Result<Duration, Mismatch> {
     let started = Instant::now();
     loop {
         let wrong = differences(reader, expected).await;

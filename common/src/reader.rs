@@ -1,12 +1,13 @@
 //! Reading counts: a counter's value is the sum of its keys over every shard group.
 //!
-//! [`Reader::get`] fetches all of one counter's keys with one `MGET` (one round trip on a
-//! standalone server; on a cluster redis-rs splits it into one request per node) and sums them.
-//! [`Reader::get_many`] does the same for a batch of counters in one pipeline. These are exact
-//! reads of what has been flushed so far; nothing is cached here.
+//! [`Reader::get_many`] reads a batch of counters with one `MGET` per shard group, each holding
+//! that group's keys of every counter in the batch, so each `MGET` stays inside one Redis Cluster
+//! slot; the `MGET`s go out as one pipeline (one round trip on a standalone server, one per node
+//! on a cluster, where redis-rs refuses pipelines that span slots, so the `MGET`s go out as
+//! concurrent requests instead) and each counter's shares are summed. [`Reader::get`] is the same for one
+//! counter. These are exact reads of what has been flushed so far; nothing is cached here.
 
-use redis::aio::ConnectionLike;
-
+use crate::connection::RedisConn;
 use crate::event::{EventError, validate_counter};
 use crate::keyspace::Keyspace;
 
@@ -20,6 +21,9 @@ pub enum ReadError {
     /// Redis failed or timed out.
     #[error("redis: {0}")]
     Redis(#[from] redis::RedisError),
+    /// The read was cancelled (the runtime is shutting down).
+    #[error("the read was cancelled")]
+    Cancelled,
     /// The shards add up to more than an i64 holds.
     #[error("the shards of {counter} add up to more than 64 bits")]
     Overflow {
@@ -30,16 +34,16 @@ pub enum ReadError {
 
 /// Reads counter totals from Redis.
 #[derive(Debug, Clone)]
-pub struct Reader<C> {
+pub struct Reader {
     /// Where to read from.
-    conn: C,
+    conn: RedisConn,
     /// Which keys make up a counter.
     keyspace: Keyspace,
 }
 
-impl<C: ConnectionLike + Clone + Send + Sync> Reader<C> {
+impl Reader {
     /// A reader over `conn` for the given keyspace.
-    pub fn new(conn: C, keyspace: Keyspace) -> Self {
+    pub fn new(conn: RedisConn, keyspace: Keyspace) -> Self {
         Self { conn, keyspace }
     }
 
@@ -50,32 +54,57 @@ impl<C: ConnectionLike + Clone + Send + Sync> Reader<C> {
 
     /// The exact total of `counter` (0 if it was never written).
     pub async fn get(&self, counter: &str) -> Result<i64, ReadError> {
-        validate_counter(counter)?;
-        let mut conn = self.conn.clone();
-        let values: Vec<Option<i64>> = redis::cmd("MGET")
-            .arg(self.keyspace.counter_keys(counter))
-            .query_async(&mut conn)
-            .await?;
-        sum(counter, &values)
+        Ok(self.get_many(&[counter]).await?[0])
     }
 
-    /// The exact totals of `counters`, in the same order, read in one pipeline.
+    /// The exact totals of `counters`, in the same order, read in one pipeline of one
+    /// single-slot `MGET` per shard group.
     pub async fn get_many<S: AsRef<str>>(&self, counters: &[S]) -> Result<Vec<i64>, ReadError> {
         if counters.is_empty() {
             return Ok(Vec::new());
         }
-        let mut pipe = redis::pipe();
         for counter in counters {
             validate_counter(counter.as_ref())?;
-            pipe.cmd("MGET")
-                .arg(self.keyspace.counter_keys(counter.as_ref()));
         }
-        let mut conn = self.conn.clone();
-        let rows: Vec<Vec<Option<i64>>> = pipe.query_async(&mut conn).await?;
+        let mgets = (0..self.keyspace.groups()).map(|group| {
+            let keys: Vec<String> = counters
+                .iter()
+                .map(|c| self.keyspace.counter_key(group, c.as_ref()))
+                .collect();
+            let mut mget = redis::cmd("MGET");
+            mget.arg(keys);
+            mget
+        });
+        // rows[group][i]: counter i's share in that group.
+        let mut rows: Vec<Vec<Option<i64>>> = Vec::with_capacity(self.keyspace.groups() as usize);
+        if self.conn.is_cluster() {
+            let requests: Vec<_> = mgets
+                .map(|mget| {
+                    let mut conn = self.conn.clone();
+                    tokio::spawn(async move { mget.query_async(&mut conn).await })
+                })
+                .collect();
+            for request in requests {
+                rows.push(request.await.map_err(|_| ReadError::Cancelled)??);
+            }
+        } else {
+            let mut pipe = redis::pipe();
+            for mget in mgets {
+                pipe.add_command(mget);
+            }
+            let mut conn = self.conn.clone();
+            rows = pipe.query_async(&mut conn).await?;
+        }
         counters
             .iter()
-            .zip(&rows)
-            .map(|(counter, values)| sum(counter.as_ref(), values))
+            .enumerate()
+            .map(|(i, counter)| {
+                let shares: Vec<Option<i64>> = rows
+                    .iter()
+                    .map(|row| row.get(i).copied().flatten())
+                    .collect();
+                sum(counter.as_ref(), &shares)
+            })
             .collect()
     }
 }

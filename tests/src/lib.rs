@@ -160,10 +160,7 @@ pub async fn wait_committed_to_end(group: &str, topic: &str, partitions: i32, ti
 }
 
 /// Compares Redis with the ground truth: (counters below it, counters above it).
-pub async fn below_and_above(
-    reader: &Reader<RedisConn>,
-    expected: &HashMap<String, i64>,
-) -> (usize, usize) {
+pub async fn below_and_above(reader: &Reader, expected: &HashMap<String, i64>) -> (usize, usize) {
     let counters: Vec<&String> = expected.keys().collect();
     let (mut below, mut above) = (0, 0);
     for chunk in counters.chunks(2000) {
@@ -368,7 +365,7 @@ impl RedisServer {
     }
 
     /// A reader over this server for `keyspace`.
-    pub async fn reader(&self, keyspace: Keyspace) -> Reader<RedisConn> {
+    pub async fn reader(&self, keyspace: Keyspace) -> Reader {
         Reader::new(
             RedisConn::connect(&self.url()).await.expect("redis url"),
             keyspace,
@@ -383,6 +380,161 @@ impl Drop for RedisServer {
             let _ = child.wait();
         }
     }
+}
+
+/// A 3-master Redis Cluster on free loopback ports (`redis-server --cluster-enabled yes` ×3,
+/// joined with `redis-cli --cluster create`), each node with its own append-only file.
+#[derive(Debug)]
+pub struct RedisCluster {
+    nodes: Vec<(u16, Option<Child>)>,
+    dir: TempDir,
+}
+
+impl RedisCluster {
+    /// Starts three masters, creates the cluster, and waits until every slot is served.
+    pub async fn start() -> Self {
+        let dir = TempDir::new("tally-cluster");
+        let mut cluster = Self {
+            nodes: (0..3).map(|_| (free_port(), None)).collect(),
+            dir,
+        };
+        for i in 0..3 {
+            cluster.start_node(i);
+        }
+        for (port, _) in &cluster.nodes {
+            let url = format!("redis://127.0.0.1:{port}");
+            eventually(Duration::from_secs(10), "a cluster node to answer", || {
+                let url = url.clone();
+                async move { ping(&url).await }
+            })
+            .await;
+        }
+        let mut create = Command::new("redis-cli");
+        create.args(["--cluster", "create"]);
+        for (port, _) in &cluster.nodes {
+            create.arg(format!("127.0.0.1:{port}"));
+        }
+        let out = create
+            .args(["--cluster-replicas", "0", "--cluster-yes"])
+            .output()
+            .expect("redis-cli runs");
+        assert!(
+            out.status.success(),
+            "redis-cli --cluster create failed: {}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+        let first = format!("redis://127.0.0.1:{}", cluster.nodes[0].0);
+        eventually(
+            Duration::from_secs(30),
+            "the cluster to serve every slot",
+            || {
+                let url = first.clone();
+                async move {
+                    let client = redis::Client::open(url).ok()?;
+                    let mut conn = client.get_multiplexed_async_connection().await.ok()?;
+                    let info: String = redis::cmd("CLUSTER")
+                        .arg("INFO")
+                        .query_async(&mut conn)
+                        .await
+                        .ok()?;
+                    info.contains("cluster_state:ok").then_some(())
+                }
+            },
+        )
+        .await;
+        cluster
+    }
+
+    fn start_node(&mut self, i: usize) {
+        let port = self.nodes[i].0;
+        let node_dir = self.dir.path().join(format!("node-{port}"));
+        std::fs::create_dir_all(&node_dir).expect("node dir");
+        let child = Command::new("redis-server")
+            .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+            .args(["--cluster-enabled", "yes", "--cluster-node-timeout", "2000"])
+            .args([
+                "--save",
+                "",
+                "--appendonly",
+                "yes",
+                "--appendfsync",
+                "everysec",
+            ])
+            .arg("--dir")
+            .arg(&node_dir)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("redis-server starts");
+        self.nodes[i].1 = Some(child);
+    }
+
+    /// The URL tally takes for this cluster: `redis+cluster://` and every node.
+    pub fn url(&self) -> String {
+        let nodes: Vec<String> = self
+            .nodes
+            .iter()
+            .map(|(port, _)| format!("127.0.0.1:{port}"))
+            .collect();
+        format!("redis+cluster://{}", nodes.join(","))
+    }
+
+    /// SIGKILLs node `i` and restarts it from its append-only file, waiting until the cluster
+    /// serves every slot again.
+    pub async fn kill_and_restart_node(&mut self, i: usize) {
+        if let Some(mut child) = self.nodes[i].1.take() {
+            let _ = child.kill();
+            let _ = tokio::task::spawn_blocking(move || child.wait()).await;
+        }
+        self.start_node(i);
+        let url = format!("redis://127.0.0.1:{}", self.nodes[i].0);
+        eventually(
+            Duration::from_secs(30),
+            "the restarted node to rejoin",
+            || {
+                let url = url.clone();
+                async move {
+                    let client = redis::Client::open(url).ok()?;
+                    let mut conn = client.get_multiplexed_async_connection().await.ok()?;
+                    let info: String = redis::cmd("CLUSTER")
+                        .arg("INFO")
+                        .query_async(&mut conn)
+                        .await
+                        .ok()?;
+                    info.contains("cluster_state:ok").then_some(())
+                }
+            },
+        )
+        .await;
+    }
+
+    /// A reader over this cluster for `keyspace`.
+    pub async fn reader(&self, keyspace: Keyspace) -> Reader {
+        Reader::new(
+            RedisConn::connect(&self.url()).await.expect("cluster"),
+            keyspace,
+        )
+    }
+}
+
+impl Drop for RedisCluster {
+    fn drop(&mut self) {
+        for (_, child) in &mut self.nodes {
+            if let Some(mut child) = child.take() {
+                let _ = child.kill();
+                let _ = child.wait();
+            }
+        }
+    }
+}
+
+async fn ping(url: &str) -> Option<String> {
+    let client = redis::Client::open(url).ok()?;
+    let mut conn = client.get_multiplexed_async_connection().await.ok()?;
+    redis::cmd("PING")
+        .query_async::<String>(&mut conn)
+        .await
+        .ok()
 }
 
 /// Path of a workspace binary, built by `cargo build --workspace --bins`.
@@ -623,11 +775,7 @@ pub async fn http_get(port: u16, path: &str) -> Option<String> {
 
 /// Waits until every counter in `expected` reads exactly its expected total, or panics after
 /// `timeout` listing the first differences.
-pub async fn wait_for_totals(
-    reader: &Reader<RedisConn>,
-    expected: &HashMap<String, i64>,
-    timeout: Duration,
-) {
+pub async fn wait_for_totals(reader: &Reader, expected: &HashMap<String, i64>, timeout: Duration) {
     if let Err(mismatch) =
         tally_aggregator::verify::wait_for_totals(reader, expected, timeout).await
     {

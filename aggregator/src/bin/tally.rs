@@ -218,7 +218,7 @@ async fn main() -> anyhow::Result<std::process::ExitCode> {
 }
 
 impl RedisArgs {
-    async fn reader(&self) -> anyhow::Result<Reader<RedisConn>> {
+    async fn reader(&self) -> anyhow::Result<Reader> {
         let conn = RedisConn::connect(&self.redis_url).await?;
         Ok(Reader::new(
             conn,
