@@ -116,7 +116,7 @@ pub struct Settings {
     /// Flush a partition's buffer once it holds this many events [default: 200000]
     #[arg(long, env = "TALLY_MAX_BATCH_EVENTS")]
     pub max_batch_events: Option<usize>,
-    /// Flush a partition's buffer once it holds this many distinct counters [default: 50000]
+    /// Flush a partition's buffer once it holds this many distinct (group, counter) pairs; bounds how long one flush script blocks Redis [default: 5000]
     #[arg(long, env = "TALLY_MAX_BATCH_COUNTERS")]
     pub max_batch_counters: Option<usize>,
     /// Address serving /metrics and /healthz [default: 127.0.0.1:9464]
@@ -318,7 +318,7 @@ impl Settings {
         )?;
         let max_counters = positive(
             "max_batch_counters",
-            self.max_batch_counters.unwrap_or(50_000) as u64,
+            self.max_batch_counters.unwrap_or(5_000) as u64,
         )?;
         let max_message_bytes = positive(
             "max_message_bytes",
