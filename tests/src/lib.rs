@@ -9,6 +9,8 @@
 //! The binaries must be built first (`cargo build --workspace --bins`); the README's test command
 //! does that.
 
+pub mod scenarios;
+
 use std::collections::HashMap;
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
@@ -30,6 +32,13 @@ use tokio::task::JoinHandle;
 /// The Kafka brokers the tests use.
 pub fn brokers() -> String {
     std::env::var("TALLY_TEST_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".to_owned())
+}
+
+/// Serializes the heavy tests of one test binary: cargo runs a binary's tests on parallel
+/// threads, and two fault scenarios at once would fight over the machine's two cores.
+pub async fn serial() -> tokio::sync::MutexGuard<'static, ()> {
+    static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+    SERIAL.lock().await
 }
 
 /// The seed of a test's randomness: `TALLY_TEST_SEED` if set (to replay a failure), else a fresh

@@ -1,61 +1,53 @@
-//! Exactly-once on a real 3-master Redis Cluster: SIGKILLs of the aggregator during a load, for
-//! both grouping rules, and a cluster node SIGKILLed and restarted from its append-only file.
-//! Every counter ends exact, and no operation ever hits CROSSSLOT (every script stays in its
-//! group's slot).
+//! Exactly-once on a real 3-master Redis Cluster (started on loopback ports by the test), for
+//! both grouping rules: SIGKILLs of the aggregator during a load, scaling 1 → 3 → 1, a zombie
+//! fenced off, and a cluster node SIGKILLed and restarted from its append-only file. Every counter
+//! ends exact, and no operation ever hits CROSSSLOT.
 
 use std::time::Duration;
 
 use tally_aggregator::load::LoadSpec;
+use tally_tests::scenarios::{scale_one_three_one, sigkill_storm, zombie_is_fenced_off};
 use tally_tests::{
-    AggregatorSetup, RedisCluster, TempDir, finish_load, kill_repeatedly, seed, start_load, unique,
-    wait_for_totals,
+    AggregatorSetup, RedisCluster, TempDir, finish_load, seed, start_load, wait_for_totals,
 };
 
-async fn sigkills_on_a_cluster(grouping: &str) {
-    let seed = seed();
-    let dir = TempDir::new("tally-cluster-fault");
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_sigkills_grouped_by_partition() {
+    let _serial = tally_tests::serial().await;
     let cluster = RedisCluster::start().await;
-    let setup = AggregatorSetup::create(&format!("cluster-{grouping}"), &cluster.url(), 8).await;
-    let member = format!("group.instance.id={}", unique("member"));
-    let flags = ["--grouping", grouping, "--kafka-option", &member];
-    let first = setup.spawn(dir.path(), &flags);
-    let spec = LoadSpec {
-        events: 200_000,
-        counters: 5_000,
-        rate: 15_000,
-        max_delta: 5,
-        negative_share: 0.3,
-        actors: 50_000,
-        seed,
-        ..LoadSpec::default()
-    };
-    let load = start_load(&setup.topic, spec);
-    let mut last = kill_repeatedly(&setup, dir.path(), &flags, first, 5, seed, &load).await;
-    let sent = finish_load(load, 200_000).await;
-    let reader = cluster.reader(setup.keyspace()).await;
-    wait_for_totals(&reader, &sent.totals, Duration::from_secs(90)).await;
-    let log = last.log();
-    assert!(!log.contains("CROSSSLOT"), "{log}");
-    last.stop_gracefully().await;
+    sigkill_storm("cluster-kill-p", &cluster.url(), "partition", 200_000, 5).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn cluster_sigkills_grouped_by_partition_count_exactly() {
-    sigkills_on_a_cluster("partition").await;
+async fn cluster_sigkills_grouped_by_actor() {
+    let _serial = tally_tests::serial().await;
+    let cluster = RedisCluster::start().await;
+    sigkill_storm("cluster-kill-a", &cluster.url(), "actor", 200_000, 5).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn cluster_sigkills_grouped_by_actor_count_exactly() {
-    sigkills_on_a_cluster("actor").await;
+async fn cluster_scaling_and_zombie_grouped_by_partition() {
+    let _serial = tally_tests::serial().await;
+    let cluster = RedisCluster::start().await;
+    scale_one_three_one("cluster-scale-p", &cluster.url(), "partition").await;
+    zombie_is_fenced_off("cluster-zombie-p", &cluster.url(), "partition").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn cluster_node_killed_and_restarted_from_its_aof() {
+async fn cluster_scaling_and_zombie_grouped_by_actor() {
+    let _serial = tally_tests::serial().await;
+    let cluster = RedisCluster::start().await;
+    scale_one_three_one("cluster-scale-a", &cluster.url(), "actor").await;
+    zombie_is_fenced_off("cluster-zombie-a", &cluster.url(), "actor").await;
+}
+
+async fn node_restart(grouping: &str) {
     let seed = seed();
     let dir = TempDir::new("tally-cluster-fault");
     let mut cluster = RedisCluster::start().await;
-    let setup = AggregatorSetup::create("cluster-node", &cluster.url(), 8).await;
-    let mut aggregator = setup.spawn(dir.path(), &["--grouping", "actor"]);
+    let setup =
+        AggregatorSetup::create(&format!("cluster-node-{grouping}"), &cluster.url(), 8).await;
+    let mut aggregator = setup.spawn(dir.path(), &["--grouping", grouping]);
     let spec = LoadSpec {
         events: 150_000,
         counters: 3_000,
@@ -78,4 +70,16 @@ async fn cluster_node_killed_and_restarted_from_its_aof() {
     wait_for_totals(&reader, &sent.totals, Duration::from_secs(90)).await;
     assert!(!aggregator.log().contains("CROSSSLOT"));
     aggregator.stop_gracefully().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_node_killed_and_restarted_grouped_by_partition() {
+    let _serial = tally_tests::serial().await;
+    node_restart("partition").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_node_killed_and_restarted_grouped_by_actor() {
+    let _serial = tally_tests::serial().await;
+    node_restart("actor").await;
 }

@@ -64,6 +64,7 @@ async fn crash_five_times(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn exactly_once_survives_crashes_between_flush_and_commit() {
+    let _serial = tally_tests::serial().await;
     let (setup, sent, redis, mut last, _dir) = crash_five_times("crash-eo", "exactly-once").await;
     let reader = redis.reader(setup.keyspace()).await;
     wait_for_totals(&reader, &sent.totals, Duration::from_secs(60)).await;
@@ -72,6 +73,7 @@ async fn exactly_once_survives_crashes_between_flush_and_commit() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn at_least_once_double_counts_the_same_crashes_but_loses_nothing() {
+    let _serial = tally_tests::serial().await;
     let (setup, sent, redis, mut last, _dir) = crash_five_times("crash-alo", "at-least-once").await;
     wait_committed_to_end(&setup.group, &setup.topic, 4, Duration::from_secs(60)).await;
     last.stop_gracefully().await;

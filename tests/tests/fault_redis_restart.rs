@@ -25,6 +25,7 @@ fn spec(seed: u64) -> LoadSpec {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_sigkilled_and_restarted_from_its_aof_mid_stream() {
+    let _serial = tally_tests::serial().await;
     let seed = seed();
     let dir = TempDir::new("tally-fault");
     let mut redis = RedisServer::start_with_fsync("everysec").await;
@@ -51,6 +52,7 @@ async fn redis_sigkilled_and_restarted_from_its_aof_mid_stream() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_back_with_an_older_state_is_re_fed_from_kafka() {
+    let _serial = tally_tests::serial().await;
     let seed = seed();
     let dir = TempDir::new("tally-fault");
     let mut redis = RedisServer::start().await;

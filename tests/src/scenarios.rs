@@ -1,0 +1,151 @@
+//! Fault scenarios shared by the standalone-Redis and Redis Cluster test files: each takes the
+//! Redis URL (`redis://...` or `redis+cluster://...`) and the grouping rule, runs a seeded load
+//! through real aggregator processes while injecting its fault, and asserts that every counter
+//! ends exactly at the ground truth (the events Kafka acknowledged).
+
+use std::time::Duration;
+
+use tally_aggregator::load::LoadSpec;
+use tally_common::{Reader, RedisConn};
+
+use crate::{
+    AggregatorSetup, TempDir, finish_load, kill_repeatedly, seed, start_load, unique,
+    wait_for_totals,
+};
+
+fn spec(events: u64, rate: u64, seed: u64) -> LoadSpec {
+    LoadSpec {
+        events,
+        counters: 5_000,
+        rate,
+        max_delta: 5,
+        negative_share: 0.3,
+        actors: 50_000,
+        seed,
+        ..LoadSpec::default()
+    }
+}
+
+async fn reader(url: &str, setup: &AggregatorSetup) -> Reader {
+    Reader::new(
+        RedisConn::connect(url).await.expect("redis target"),
+        setup.keyspace(),
+    )
+}
+
+/// `kills` SIGKILLs of the aggregator at random moments during `events` events. Static
+/// membership lets each new incarnation take its predecessor's partitions at once.
+pub async fn sigkill_storm(name: &str, redis_url: &str, grouping: &str, events: u64, kills: usize) {
+    let seed = seed();
+    let dir = TempDir::new("tally-fault");
+    let setup = AggregatorSetup::create(name, redis_url, 8).await;
+    let member = format!("group.instance.id={}", unique("member"));
+    let flags = ["--grouping", grouping, "--kafka-option", &member];
+    let first = setup.spawn(dir.path(), &flags);
+    let load = start_load(&setup.topic, spec(events, 20_000, seed));
+    let mut last = kill_repeatedly(&setup, dir.path(), &flags, first, kills, seed, &load).await;
+    let sent = finish_load(load, events).await;
+    wait_for_totals(
+        &reader(redis_url, &setup).await,
+        &sent.totals,
+        Duration::from_secs(120),
+    )
+    .await;
+    let log = last.log();
+    assert!(!log.contains("CROSSSLOT"), "{log}");
+    last.stop_gracefully().await;
+}
+
+/// The group scales from one member to three and back to one during the load.
+pub async fn scale_one_three_one(name: &str, redis_url: &str, grouping: &str) {
+    let seed = seed();
+    let dir = TempDir::new("tally-fault");
+    let setup = AggregatorSetup::create(name, redis_url, 8).await;
+    let flags = ["--grouping", grouping];
+    let mut a = setup.spawn(dir.path(), &flags);
+    let load = start_load(&setup.topic, spec(200_000, 10_000, seed));
+    a.wait_metric("tally_flushes_total", 5.0, Duration::from_secs(60))
+        .await;
+    let mut b = setup.spawn(dir.path(), &flags);
+    let mut c = setup.spawn(dir.path(), &flags);
+    for member in [&b, &c] {
+        member
+            .wait_metric("tally_flushes_total", 3.0, Duration::from_secs(60))
+            .await;
+    }
+    assert!(!load.is_finished(), "the load ended before scaling back");
+    b.stop_gracefully().await;
+    c.stop_gracefully().await;
+    assert!(
+        !load.is_finished(),
+        "the load ended before the group was back to one"
+    );
+    let sent = finish_load(load, 200_000).await;
+    wait_for_totals(
+        &reader(redis_url, &setup).await,
+        &sent.totals,
+        Duration::from_secs(90),
+    )
+    .await;
+    a.stop_gracefully().await;
+}
+
+/// A member is SIGSTOPped past `max.poll.interval.ms` and the session timeout while holding
+/// buffered events, the other member takes its partitions and stamps their fences, then the
+/// zombie is SIGCONTed: its late writes must be refused.
+pub async fn zombie_is_fenced_off(name: &str, redis_url: &str, grouping: &str) {
+    let seed = seed();
+    let dir = TempDir::new("tally-fault");
+    let setup = AggregatorSetup::create(name, redis_url, 8).await;
+    let flags = [
+        "--grouping",
+        grouping,
+        "--kafka-option",
+        "max.poll.interval.ms=7000",
+    ];
+    // The zombie flushes every 3 s, so it is holding buffered events when it is stopped.
+    let slow = AggregatorSetup {
+        flush_interval_ms: 3000,
+        ..setup.clone()
+    };
+    let mut zombie = slow.spawn(dir.path(), &flags);
+    let load = start_load(&setup.topic, spec(200_000, 10_000, seed));
+    zombie
+        .wait_metric("tally_flushes_total", 8.0, Duration::from_secs(60))
+        .await;
+    let mut survivor = setup.spawn(dir.path(), &flags);
+    survivor
+        .wait_metric("tally_flushes_total", 2.0, Duration::from_secs(60))
+        .await;
+    zombie
+        .wait_metric("tally_buffered_events", 1.0, Duration::from_secs(10))
+        .await;
+    zombie.signal("STOP");
+    survivor
+        .wait_metric("tally_assigned_partitions", 8.0, Duration::from_secs(60))
+        .await;
+    // Let the survivor stamp its fences and flush before the zombie wakes up.
+    let flushed = survivor.metric("tally_flushes_total").await.unwrap_or(0.0);
+    survivor
+        .wait_metric(
+            "tally_flushes_total",
+            flushed + 8.0,
+            Duration::from_secs(30),
+        )
+        .await;
+    assert!(!load.is_finished(), "the load ended while the zombie slept");
+    zombie.signal("CONT");
+    let fenced = zombie
+        .wait_metric("tally_fenced_writes_total", 1.0, Duration::from_secs(30))
+        .await;
+    eprintln!("the zombie's writes refused by fences: {fenced}");
+    let sent = finish_load(load, 200_000).await;
+    wait_for_totals(
+        &reader(redis_url, &setup).await,
+        &sent.totals,
+        Duration::from_secs(90),
+    )
+    .await;
+    zombie.stop_gracefully().await;
+    survivor.stop_gracefully().await;
+}
