@@ -206,6 +206,52 @@ pub async fn finish_load(
     report
 }
 
+/// A message read back from a dead-letter topic.
+#[derive(Debug, Clone)]
+pub struct SeenDeadLetter {
+    /// Its key.
+    pub key: Vec<u8>,
+    /// Its payload.
+    pub payload: Vec<u8>,
+    /// The `tally-reason` header.
+    pub reason: String,
+    /// The `tally-error` header.
+    pub error: String,
+}
+
+/// Reads the dead-letter `topic` from the start until `n` messages arrived (or 30 s passed).
+pub fn read_dead_letters(topic: &str, n: usize) -> Vec<SeenDeadLetter> {
+    use rdkafka::message::{Headers, Message};
+    let consumer: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", brokers())
+        .set("group.id", unique("dlq-reader"))
+        .set("auto.offset.reset", "earliest")
+        .create()
+        .expect("consumer");
+    consumer.subscribe(&[topic]).expect("subscribe");
+    let header = |m: &rdkafka::message::BorrowedMessage<'_>, name: &str| {
+        m.headers()
+            .and_then(|h| h.iter().find(|h| h.key == name))
+            .and_then(|h| h.value)
+            .map(|v| String::from_utf8_lossy(v).into_owned())
+            .unwrap_or_else(|| panic!("dead letter without a {name} header"))
+    };
+    let mut seen = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while seen.len() < n && Instant::now() < deadline {
+        if let Some(message) = consumer.poll(Duration::from_millis(500)) {
+            let message = message.expect("dead letter");
+            seen.push(SeenDeadLetter {
+                key: message.key().unwrap_or_default().to_vec(),
+                payload: message.payload().unwrap_or_default().to_vec(),
+                reason: header(&message, "tally-reason"),
+                error: header(&message, "tally-error"),
+            });
+        }
+    }
+    seen
+}
+
 /// Where a test keeps its files; removed when dropped.
 #[derive(Debug)]
 pub struct TempDir(PathBuf);
@@ -432,25 +478,7 @@ impl RedisCluster {
             "redis-cli --cluster create failed: {}",
             String::from_utf8_lossy(&out.stdout)
         );
-        let first = format!("redis://127.0.0.1:{}", cluster.nodes[0].0);
-        eventually(
-            Duration::from_secs(30),
-            "the cluster to serve every slot",
-            || {
-                let url = first.clone();
-                async move {
-                    let client = redis::Client::open(url).ok()?;
-                    let mut conn = client.get_multiplexed_async_connection().await.ok()?;
-                    let info: String = redis::cmd("CLUSTER")
-                        .arg("INFO")
-                        .query_async(&mut conn)
-                        .await
-                        .ok()?;
-                    info.contains("cluster_state:ok").then_some(())
-                }
-            },
-        )
-        .await;
+        wait_cluster_ok(cluster.nodes[0].0, "the cluster to serve every slot").await;
         cluster
     }
 
@@ -496,25 +524,7 @@ impl RedisCluster {
             let _ = tokio::task::spawn_blocking(move || child.wait()).await;
         }
         self.start_node(i);
-        let url = format!("redis://127.0.0.1:{}", self.nodes[i].0);
-        eventually(
-            Duration::from_secs(30),
-            "the restarted node to rejoin",
-            || {
-                let url = url.clone();
-                async move {
-                    let client = redis::Client::open(url).ok()?;
-                    let mut conn = client.get_multiplexed_async_connection().await.ok()?;
-                    let info: String = redis::cmd("CLUSTER")
-                        .arg("INFO")
-                        .query_async(&mut conn)
-                        .await
-                        .ok()?;
-                    info.contains("cluster_state:ok").then_some(())
-                }
-            },
-        )
-        .await;
+        wait_cluster_ok(self.nodes[i].0, "the restarted node to rejoin").await;
     }
 
     /// A reader over this cluster for `keyspace`.
@@ -535,6 +545,25 @@ impl Drop for RedisCluster {
             }
         }
     }
+}
+
+/// Waits until the cluster node on `port` reports `cluster_state:ok`.
+async fn wait_cluster_ok(port: u16, what: &str) {
+    let url = format!("redis://127.0.0.1:{port}");
+    eventually(Duration::from_secs(30), what, || {
+        let url = url.clone();
+        async move {
+            let client = redis::Client::open(url).ok()?;
+            let mut conn = client.get_multiplexed_async_connection().await.ok()?;
+            let info: String = redis::cmd("CLUSTER")
+                .arg("INFO")
+                .query_async(&mut conn)
+                .await
+                .ok()?;
+            info.contains("cluster_state:ok").then_some(())
+        }
+    })
+    .await;
 }
 
 async fn ping(url: &str) -> Option<String> {

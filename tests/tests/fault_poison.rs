@@ -8,10 +8,8 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use rdkafka::ClientConfig;
-use rdkafka::consumer::{BaseConsumer, Consumer};
-use rdkafka::message::{Headers, Message};
 use rdkafka::producer::{FutureProducer, FutureRecord};
-use tally_tests::{AggregatorSetup, RedisServer, TempDir, unique, wait_for_totals};
+use tally_tests::{AggregatorSetup, RedisServer, TempDir, read_dead_letters, wait_for_totals};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn deltas_redis_cannot_take_are_dead_lettered_and_the_rest_counts() {
@@ -84,30 +82,11 @@ async fn deltas_redis_cannot_take_are_dead_lettered_and_the_rest_counts() {
     assert_eq!(big, near_max, "the overflowing delta was not applied");
 
     // The dead-letter topic says why, per counter.
-    let consumer: BaseConsumer = ClientConfig::new()
-        .set("bootstrap.servers", tally_tests::brokers())
-        .set("group.id", unique("dlq-reader"))
-        .set("auto.offset.reset", "earliest")
-        .create()
-        .expect("consumer");
-    consumer
-        .subscribe(&[&setup.dead_letter_topic])
-        .expect("subscribe");
-    let mut reasons = std::collections::BTreeSet::new();
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    while reasons.len() < 2 && std::time::Instant::now() < deadline {
-        if let Some(message) = consumer.poll(Duration::from_millis(500)) {
-            let message = message.expect("dead letter");
-            let reason = message
-                .headers()
-                .and_then(|h| h.iter().find(|h| h.key == "tally-reason"))
-                .and_then(|h| h.value)
-                .map(|v| String::from_utf8_lossy(v).into_owned())
-                .expect("tally-reason header");
-            let key = String::from_utf8_lossy(message.key().unwrap_or_default()).into_owned();
-            reasons.insert((key, reason));
-        }
-    }
+    let reasons: std::collections::BTreeSet<(String, String)> =
+        read_dead_letters(&setup.dead_letter_topic, 2)
+            .into_iter()
+            .map(|l| (String::from_utf8_lossy(&l.key).into_owned(), l.reason))
+            .collect();
     let reasons: Vec<(String, String)> = reasons.into_iter().collect();
     assert_eq!(
         reasons,

@@ -6,11 +6,10 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use rdkafka::ClientConfig;
-use rdkafka::consumer::{BaseConsumer, Consumer};
-use rdkafka::message::{Headers, Message};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use tally_tests::{
-    AggregatorSetup, RedisServer, TempDir, assert_committed_to_end, wait_for_totals,
+    AggregatorSetup, RedisServer, TempDir, assert_committed_to_end, read_dead_letters,
+    wait_for_totals,
 };
 
 /// Malformed payloads and the reason the aggregator must give for each.
@@ -124,38 +123,12 @@ async fn json_events_count_and_malformed_ones_are_dead_lettered() {
     assert_eq!(dead, bad_sent.len() as f64);
 
     // Read the dead-letter topic back: one copy per malformed message, with its reason.
-    let consumer: BaseConsumer = ClientConfig::new()
-        .set("bootstrap.servers", tally_tests::brokers())
-        .set("group.id", tally_tests::unique("dlq-reader"))
-        .set("auto.offset.reset", "earliest")
-        .create()
-        .expect("consumer");
-    consumer
-        .subscribe(&[&setup.dead_letter_topic])
-        .expect("subscribe");
-    let mut reasons = Vec::new();
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    while reasons.len() < bad_sent.len() && std::time::Instant::now() < deadline {
-        if let Some(message) = consumer.poll(Duration::from_millis(500)) {
-            let message = message.expect("dead letter");
-            let headers = message.headers().expect("dead letters carry headers");
-            let reason = headers
-                .iter()
-                .find(|h| h.key == "tally-reason")
-                .and_then(|h| h.value)
-                .map(|v| String::from_utf8_lossy(v).into_owned())
-                .expect("tally-reason header");
-            assert!(
-                headers.iter().any(|h| h.key == "tally-error"),
-                "tally-error header"
-            );
-            assert!(
-                bad.iter()
-                    .any(|(p, _)| p.as_slice() == message.payload().unwrap_or_default())
-            );
-            reasons.push(reason);
-        }
+    let letters = read_dead_letters(&setup.dead_letter_topic, bad_sent.len());
+    for letter in &letters {
+        assert!(!letter.error.is_empty(), "tally-error header");
+        assert!(bad.iter().any(|(p, _)| *p == letter.payload), "{letter:?}");
     }
+    let mut reasons: Vec<String> = letters.into_iter().map(|l| l.reason).collect();
     let mut want: Vec<String> = bad_sent.iter().map(|s| (*s).to_owned()).collect();
     want.sort();
     reasons.sort();
