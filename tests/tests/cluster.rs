@@ -15,14 +15,14 @@ use tally_tests::{
 async fn cluster_sigkills_grouped_by_partition() {
     let _serial = tally_tests::serial().await;
     let cluster = RedisCluster::start().await;
-    sigkill_storm("cluster-kill-p", &cluster.url(), "partition", 200_000, 5).await;
+    sigkill_storm("cluster-kill-p", &cluster.url(), "partition", 500_000, 10).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cluster_sigkills_grouped_by_actor() {
     let _serial = tally_tests::serial().await;
     let cluster = RedisCluster::start().await;
-    sigkill_storm("cluster-kill-a", &cluster.url(), "actor", 200_000, 5).await;
+    sigkill_storm("cluster-kill-a", &cluster.url(), "actor", 500_000, 10).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
