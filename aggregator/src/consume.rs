@@ -20,28 +20,21 @@
 //! whose shard group had already applied it (offset below that group's ledger entry).
 //!
 //! # Rebalances and shutdown
-//! The revoke callback runs synchronously inside the consumer's poll: before it returns, it waits
-//! for the revoked partitions' in-flight flushes, flushes what is left in their buffers, and
-//! commits their offsets (bounded by `revoke_timeout`; what is not durable by then is not
-//! committed, and the next owner reads it again). Shutdown does the same for every partition,
-//! bounded by `shutdown_timeout`, then closes the consumer.
+//! The rebalance callbacks live in [`crate::rebalance`]; they run inside this loop's poll and
+//! share its state (`Shared`). Shutdown drains every partition the way a revoke drains
+//! the revoked ones (bounded by `shutdown_timeout`), then closes the consumer.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
-use rdkafka::client::ClientContext;
-use rdkafka::config::RDKafkaLogLevel;
-use rdkafka::consumer::{
-    BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance, StreamConsumer,
-};
+use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
 use rdkafka::error::KafkaError;
 use rdkafka::message::{BorrowedMessage, Message};
-use rdkafka::statistics::Statistics;
 use rdkafka::{ClientConfig, Offset, TopicPartitionList};
 use tally_common::{GroupingRule, Keyspace, codec};
 use tokio::sync::mpsc;
-use tokio::task::{JoinHandle, JoinSet};
+use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use crate::backoff::Backoff;
@@ -51,6 +44,7 @@ use crate::dead_letter::DeadLetter;
 use crate::fence::{self, Owner, Resume};
 use crate::flush::{FlushOutcome, Flusher};
 use crate::metrics::Metrics;
+use crate::rebalance::AggregatorContext;
 use crate::sink::Sink;
 
 /// What the consume loop needs to know.
@@ -89,22 +83,22 @@ pub struct RunSummary {
 
 /// One owned partition.
 #[derive(Debug)]
-struct Partition {
+pub(crate) struct Partition {
     /// Distinguishes this ownership from an earlier or later one of the same partition.
-    generation: u64,
+    pub(crate) generation: u64,
     /// Where its exactly-once ownership stands.
-    state: Ownership,
+    pub(crate) state: Ownership,
     /// Events not yet handed to a flush.
-    buffer: Batch,
+    pub(crate) buffer: Batch,
     /// The flush in progress, if any.
-    in_flight: Option<InFlight>,
+    pub(crate) in_flight: Option<InFlight>,
     /// Whether fetching is paused because the buffer is full.
-    paused: bool,
+    pub(crate) paused: bool,
 }
 
 /// Where a partition's ownership stands.
 #[derive(Debug)]
-enum Ownership {
+pub(crate) enum Ownership {
     /// At-least-once mode: no fences, no ledgers.
     Unfenced,
     /// Exactly-once: taking an epoch and stamping fences (this task); the partition is paused and
@@ -119,16 +113,16 @@ enum Ownership {
 
 /// A flush running as its own task.
 #[derive(Debug)]
-struct InFlight {
+pub(crate) struct InFlight {
     /// The task; its output is the outcome.
-    handle: JoinHandle<FlushOutcome>,
+    pub(crate) handle: JoinHandle<FlushOutcome>,
     /// Messages in the flushed batch.
-    events: usize,
+    pub(crate) events: usize,
 }
 
 /// A task's report to the loop.
 #[derive(Debug)]
-enum Report {
+pub(crate) enum Report {
     /// A flush ended.
     Flushed {
         partition: i32,
@@ -146,37 +140,26 @@ enum Report {
 
 /// The owned partitions.
 #[derive(Debug, Default)]
-struct Partitions {
-    map: HashMap<i32, Partition>,
-    next_generation: u64,
+pub(crate) struct Partitions {
+    pub(crate) map: HashMap<i32, Partition>,
+    pub(crate) next_generation: u64,
 }
 
 /// State shared by the loop and the rebalance callbacks (which run inside the loop's poll).
-struct Shared<S> {
-    settings: LoopSettings,
-    partitions: Mutex<Partitions>,
-    flusher: Flusher<S>,
-    metrics: Arc<Metrics>,
-    done_tx: mpsc::UnboundedSender<Report>,
+pub(crate) struct Shared<S> {
+    pub(crate) settings: LoopSettings,
+    pub(crate) partitions: Mutex<Partitions>,
+    pub(crate) flusher: Flusher<S>,
+    pub(crate) metrics: Arc<Metrics>,
+    pub(crate) done_tx: mpsc::UnboundedSender<Report>,
     /// Durable flushes so far (for the crash failpoint).
-    flushes: std::sync::atomic::AtomicU64,
+    pub(crate) flushes: std::sync::atomic::AtomicU64,
     /// Cancels every flush still retrying: fired when the shutdown deadline passes.
-    hard_stop: CancellationToken,
-    runtime: tokio::runtime::Handle,
+    pub(crate) hard_stop: CancellationToken,
+    pub(crate) runtime: tokio::runtime::Handle,
 }
 
-/// The consumer's context: rebalance hooks, statistics, logs.
-pub struct AggregatorContext<S> {
-    shared: Arc<Shared<S>>,
-}
-
-impl<S> std::fmt::Debug for AggregatorContext<S> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("AggregatorContext")
-    }
-}
-
-type AggConsumer<S> = StreamConsumer<AggregatorContext<S>>;
+pub(crate) type AggConsumer<S> = StreamConsumer<AggregatorContext<S>>;
 
 /// The aggregator: a consumer, its partitions' buffers, and the flusher.
 pub struct Aggregator<S: Sink> {
@@ -193,7 +176,7 @@ impl<S: Sink> std::fmt::Debug for Aggregator<S> {
     }
 }
 
-fn lock(m: &Mutex<Partitions>) -> MutexGuard<'_, Partitions> {
+pub(crate) fn lock(m: &Mutex<Partitions>) -> MutexGuard<'_, Partitions> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
@@ -487,7 +470,7 @@ impl<S: Sink> Shared<S> {
 
     /// Starts acquiring exactly-once ownership of `partition`, retrying until it succeeds; the
     /// result comes back as [`Report::Acquired`].
-    fn spawn_acquire(&self, partition: i32, generation: u64) -> JoinHandle<()> {
+    pub(crate) fn spawn_acquire(&self, partition: i32, generation: u64) -> JoinHandle<()> {
         let sink = self.flusher.sink.clone();
         let keyspace = self.settings.keyspace.clone();
         let topic = self.settings.topic.clone();
@@ -517,89 +500,8 @@ impl<S: Sink> Shared<S> {
         })
     }
 
-    /// Waits for each partition's in-flight flush, then flushes its buffer, until `deadline`.
-    /// Returns the partitions that became fully durable, with the offset to commit.
-    async fn drain(&self, taken: Vec<(i32, Partition)>, deadline: Instant) -> Vec<(i32, i64)> {
-        if taken.is_empty() {
-            return Vec::new();
-        }
-        let cancel = self.hard_stop.child_token();
-        let timer = {
-            let cancel = cancel.clone();
-            tokio::spawn(async move {
-                tokio::time::sleep_until(deadline.into()).await;
-                cancel.cancel();
-            })
-        };
-        let mut tasks = JoinSet::new();
-        for (partition, mut st) in taken {
-            let flusher = self.flusher.clone();
-            let cancel = cancel.clone();
-            tasks.spawn(async move {
-                let mut owner = match st.state {
-                    Ownership::Unfenced => None,
-                    Ownership::Owned(owner) => Some(owner),
-                    Ownership::Acquiring(task) => {
-                        // Not positioned yet: nothing was buffered, nothing to commit.
-                        task.abort();
-                        return (partition, Some(-1));
-                    }
-                    Ownership::Fenced => return (partition, Some(-1)),
-                };
-                let mut durable = None;
-                if let Some(mut in_flight) = st.in_flight.take() {
-                    let outcome = tokio::select! {
-                        joined = &mut in_flight.handle => joined.unwrap_or(FlushOutcome::Cancelled),
-                        () = cancel.cancelled() => {
-                            in_flight.handle.abort();
-                            FlushOutcome::Cancelled
-                        }
-                    };
-                    match outcome {
-                        FlushOutcome::Durable {
-                            next_offset,
-                            owner: after,
-                        } => {
-                            durable = Some(next_offset);
-                            owner = after.or(owner);
-                        }
-                        // Committing the buffer behind it would skip the lost batch: stop here.
-                        FlushOutcome::Cancelled
-                        | FlushOutcome::Fenced
-                        | FlushOutcome::RolledBack => return (partition, None),
-                    }
-                }
-                if let Some(batch) = st.buffer.seal() {
-                    match flusher.flush(partition, batch, owner, &cancel).await {
-                        FlushOutcome::Durable { next_offset, .. } => durable = Some(next_offset),
-                        FlushOutcome::Cancelled
-                        | FlushOutcome::Fenced
-                        | FlushOutcome::RolledBack => return (partition, None),
-                    }
-                }
-                (partition, durable.or(Some(-1)))
-            });
-        }
-        let mut result = Vec::new();
-        while let Some(joined) = tasks.join_next().await {
-            match joined {
-                // -1: nothing was buffered; the partition is drained with nothing to commit.
-                Ok((partition, Some(offset))) => result.push((partition, offset)),
-                Ok((partition, None)) => {
-                    tracing::warn!(
-                        partition,
-                        "partition not drained before the deadline; its uncommitted events will be read again"
-                    );
-                }
-                Err(error) => tracing::error!(%error, "drain task failed"),
-            }
-        }
-        timer.abort();
-        result
-    }
-
     /// Commits `(partition, next_offset)` pairs; negative offsets mean "nothing to commit".
-    fn commit<C: Consumer<AggregatorContext<S>>>(
+    pub(crate) fn commit<C: Consumer<AggregatorContext<S>>>(
         &self,
         consumer: &C,
         offsets: &[(i32, i64)],
@@ -620,7 +522,7 @@ impl<S: Sink> Shared<S> {
         }
     }
 
-    fn set_paused(&self, consumer: &AggConsumer<S>, partition: i32, pause: bool) {
+    pub(crate) fn set_paused(&self, consumer: &AggConsumer<S>, partition: i32, pause: bool) {
         let mut tpl = TopicPartitionList::new();
         tpl.add_partition(&self.settings.topic, partition);
         let result = if pause {
@@ -631,123 +533,6 @@ impl<S: Sink> Shared<S> {
         match result {
             Ok(()) => tracing::debug!(partition, pause, "partition fetch paused/resumed"),
             Err(error) => tracing::warn!(partition, pause, %error, "pause/resume failed"),
-        }
-    }
-
-    /// The revoke callback's work: drain the revoked partitions and commit, before returning.
-    fn revoke(&self, consumer: &BaseConsumer<AggregatorContext<S>>, revoked: &TopicPartitionList) {
-        let taken: Vec<(i32, Partition)> = {
-            let mut parts = lock(&self.partitions);
-            revoked
-                .elements_for_topic(&self.settings.topic)
-                .iter()
-                .filter_map(|e| {
-                    parts
-                        .map
-                        .remove(&e.partition())
-                        .map(|st| (e.partition(), st))
-                })
-                .collect()
-        };
-        if taken.is_empty() {
-            return;
-        }
-        let count = taken.len();
-        let deadline = Instant::now() + self.settings.revoke_timeout;
-        let durable =
-            tokio::task::block_in_place(|| self.runtime.block_on(self.drain(taken, deadline)));
-        self.commit(consumer, &durable, CommitMode::Sync);
-        tracing::info!(
-            revoked = count,
-            drained = durable.len(),
-            "partitions revoked"
-        );
-    }
-
-    fn assign(&self, consumer: &BaseConsumer<AggregatorContext<S>>, assigned: &TopicPartitionList) {
-        let exactly_once = self.settings.delivery == Delivery::ExactlyOnce;
-        // librdkafka keeps an application pause across revoke and re-assign, so set it
-        // explicitly: at-least-once partitions start fetching; exactly-once ones wait, paused,
-        // until their fences are stamped and their position is known.
-        let paused = if exactly_once {
-            consumer.pause(assigned)
-        } else {
-            consumer.resume(assigned)
-        };
-        if let Err(error) = paused {
-            tracing::warn!(%error, "pausing/resuming newly assigned partitions failed");
-        }
-        let mut parts = lock(&self.partitions);
-        for element in assigned.elements_for_topic(&self.settings.topic) {
-            let partition = element.partition();
-            let generation = parts.next_generation;
-            parts.next_generation += 1;
-            let state = if exactly_once {
-                Ownership::Acquiring(self.spawn_acquire(partition, generation))
-            } else {
-                Ownership::Unfenced
-            };
-            parts.map.insert(
-                partition,
-                Partition {
-                    generation,
-                    state,
-                    buffer: Batch::default(),
-                    in_flight: None,
-                    paused: false,
-                },
-            );
-        }
-        tracing::info!(
-            partitions = ?parts.map.keys().collect::<Vec<_>>(),
-            "partitions assigned"
-        );
-    }
-}
-
-impl<S: Sink> ClientContext for AggregatorContext<S> {
-    fn stats(&self, statistics: Statistics) {
-        let lags = statistics
-            .topics
-            .get(&self.shared.settings.topic)
-            .into_iter()
-            .flat_map(|t| t.partitions.iter())
-            .filter(|(p, s)| **p >= 0 && s.consumer_lag >= 0)
-            .map(|(p, s)| (*p, s.consumer_lag));
-        self.shared.metrics.consumer_lag(lags);
-    }
-
-    fn log(&self, level: RDKafkaLogLevel, fac: &str, log_message: &str) {
-        match level {
-            RDKafkaLogLevel::Emerg
-            | RDKafkaLogLevel::Alert
-            | RDKafkaLogLevel::Critical
-            | RDKafkaLogLevel::Error => tracing::error!(target: "librdkafka", fac, "{log_message}"),
-            RDKafkaLogLevel::Warning => tracing::warn!(target: "librdkafka", fac, "{log_message}"),
-            RDKafkaLogLevel::Notice | RDKafkaLogLevel::Info => {
-                tracing::info!(target: "librdkafka", fac, "{log_message}")
-            }
-            RDKafkaLogLevel::Debug => tracing::debug!(target: "librdkafka", fac, "{log_message}"),
-        }
-    }
-
-    fn error(&self, error: KafkaError, reason: &str) {
-        tracing::warn!(target: "librdkafka", %error, reason, "Kafka client error");
-    }
-}
-
-impl<S: Sink> ConsumerContext for AggregatorContext<S> {
-    fn pre_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
-        if let Rebalance::Revoke(revoked) = rebalance {
-            self.shared.revoke(consumer, revoked);
-        }
-    }
-
-    fn post_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
-        match rebalance {
-            Rebalance::Assign(assigned) => self.shared.assign(consumer, assigned),
-            Rebalance::Revoke(_) => {}
-            Rebalance::Error(error) => tracing::error!(%error, "rebalance failed"),
         }
     }
 }

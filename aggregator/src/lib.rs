@@ -4,7 +4,9 @@
 //!
 //! # Layout
 //! - [`config`]: the typed [`Config`] and the command line that builds it.
-//! - [`consume`]: the consume loop, rebalance callbacks and shutdown drain ([`Aggregator`]).
+//! - [`consume`]: the consume loop and its per-partition state ([`Aggregator`]).
+//! - [`rebalance`]: the consumer's context: revoke and assign callbacks, the drain they and
+//!   shutdown share, statistics and logs.
 //! - [`batch`]: one partition's buffer and the flush triggers.
 //! - [`flush`]: making a sealed batch durable, with retries.
 //! - [`fence`]: owning a partition in exactly-once mode (epochs, fences, ledgers, watermark).
@@ -26,6 +28,7 @@ pub mod flush;
 pub mod http;
 pub mod load;
 pub mod metrics;
+pub mod rebalance;
 pub mod shutdown;
 pub mod sink;
 pub mod verify;

@@ -1,0 +1,241 @@
+//! Rebalances and draining: the consumer's context, and what happens to partitions when they
+//! come and go.
+//!
+//! The revoke callback runs synchronously inside the consumer's poll (see `crate::consume`):
+//! before it returns it waits for the revoked partitions' in-flight flushes, flushes what is left
+//! in their buffers, and commits their offsets, bounded by `revoke_timeout`; what is not durable
+//! by then is not committed and is read again by the next owner. Shutdown uses the same
+//! `Shared::drain`. On assignment, exactly-once partitions start paused while their fences are
+//! stamped; at-least-once ones start fetching at once.
+
+use std::time::Instant;
+
+use rdkafka::TopicPartitionList;
+use rdkafka::client::ClientContext;
+use rdkafka::config::RDKafkaLogLevel;
+use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance};
+use rdkafka::error::KafkaError;
+use rdkafka::statistics::Statistics;
+use tokio::task::JoinSet;
+
+use crate::batch::Batch;
+use crate::config::Delivery;
+use crate::consume::{Ownership, Partition, Shared, lock};
+use crate::flush::FlushOutcome;
+use crate::sink::Sink;
+
+/// The consumer's context: rebalance hooks, statistics, logs.
+pub struct AggregatorContext<S> {
+    /// The state the consume loop shares with these callbacks.
+    pub(crate) shared: std::sync::Arc<Shared<S>>,
+}
+
+impl<S> std::fmt::Debug for AggregatorContext<S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("AggregatorContext")
+    }
+}
+
+impl<S: Sink> Shared<S> {
+    /// Waits for each partition's in-flight flush, then flushes its buffer, until `deadline`.
+    /// Returns the partitions that became fully durable, with the offset to commit.
+    pub(crate) async fn drain(
+        &self,
+        taken: Vec<(i32, Partition)>,
+        deadline: Instant,
+    ) -> Vec<(i32, i64)> {
+        if taken.is_empty() {
+            return Vec::new();
+        }
+        let cancel = self.hard_stop.child_token();
+        let timer = {
+            let cancel = cancel.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep_until(deadline.into()).await;
+                cancel.cancel();
+            })
+        };
+        let mut tasks = JoinSet::new();
+        for (partition, mut st) in taken {
+            let flusher = self.flusher.clone();
+            let cancel = cancel.clone();
+            tasks.spawn(async move {
+                let mut owner = match st.state {
+                    Ownership::Unfenced => None,
+                    Ownership::Owned(owner) => Some(owner),
+                    Ownership::Acquiring(task) => {
+                        // Not positioned yet: nothing was buffered, nothing to commit.
+                        task.abort();
+                        return (partition, Some(-1));
+                    }
+                    Ownership::Fenced => return (partition, Some(-1)),
+                };
+                let mut durable = None;
+                if let Some(mut in_flight) = st.in_flight.take() {
+                    let outcome = tokio::select! {
+                        joined = &mut in_flight.handle => joined.unwrap_or(FlushOutcome::Cancelled),
+                        () = cancel.cancelled() => {
+                            in_flight.handle.abort();
+                            FlushOutcome::Cancelled
+                        }
+                    };
+                    match outcome {
+                        FlushOutcome::Durable {
+                            next_offset,
+                            owner: after,
+                        } => {
+                            durable = Some(next_offset);
+                            owner = after.or(owner);
+                        }
+                        // Committing the buffer behind it would skip the lost batch: stop here.
+                        FlushOutcome::Cancelled
+                        | FlushOutcome::Fenced
+                        | FlushOutcome::RolledBack => return (partition, None),
+                    }
+                }
+                if let Some(batch) = st.buffer.seal() {
+                    match flusher.flush(partition, batch, owner, &cancel).await {
+                        FlushOutcome::Durable { next_offset, .. } => durable = Some(next_offset),
+                        FlushOutcome::Cancelled
+                        | FlushOutcome::Fenced
+                        | FlushOutcome::RolledBack => return (partition, None),
+                    }
+                }
+                (partition, durable.or(Some(-1)))
+            });
+        }
+        let mut result = Vec::new();
+        while let Some(joined) = tasks.join_next().await {
+            match joined {
+                // -1: nothing was buffered; the partition is drained with nothing to commit.
+                Ok((partition, Some(offset))) => result.push((partition, offset)),
+                Ok((partition, None)) => {
+                    tracing::warn!(
+                        partition,
+                        "partition not drained before the deadline; its uncommitted events will be read again"
+                    );
+                }
+                Err(error) => tracing::error!(%error, "drain task failed"),
+            }
+        }
+        timer.abort();
+        result
+    }
+
+    /// The revoke callback's work: drain the revoked partitions and commit, before returning.
+    fn revoke(&self, consumer: &BaseConsumer<AggregatorContext<S>>, revoked: &TopicPartitionList) {
+        let taken: Vec<(i32, Partition)> = {
+            let mut parts = lock(&self.partitions);
+            revoked
+                .elements_for_topic(&self.settings.topic)
+                .iter()
+                .filter_map(|e| {
+                    parts
+                        .map
+                        .remove(&e.partition())
+                        .map(|st| (e.partition(), st))
+                })
+                .collect()
+        };
+        if taken.is_empty() {
+            return;
+        }
+        let count = taken.len();
+        let deadline = Instant::now() + self.settings.revoke_timeout;
+        let durable =
+            tokio::task::block_in_place(|| self.runtime.block_on(self.drain(taken, deadline)));
+        self.commit(consumer, &durable, CommitMode::Sync);
+        tracing::info!(
+            revoked = count,
+            drained = durable.len(),
+            "partitions revoked"
+        );
+    }
+
+    fn assign(&self, consumer: &BaseConsumer<AggregatorContext<S>>, assigned: &TopicPartitionList) {
+        let exactly_once = self.settings.delivery == Delivery::ExactlyOnce;
+        // librdkafka keeps an application pause across revoke and re-assign, so set it
+        // explicitly: at-least-once partitions start fetching; exactly-once ones wait, paused,
+        // until their fences are stamped and their position is known.
+        let paused = if exactly_once {
+            consumer.pause(assigned)
+        } else {
+            consumer.resume(assigned)
+        };
+        if let Err(error) = paused {
+            tracing::warn!(%error, "pausing/resuming newly assigned partitions failed");
+        }
+        let mut parts = lock(&self.partitions);
+        for element in assigned.elements_for_topic(&self.settings.topic) {
+            let partition = element.partition();
+            let generation = parts.next_generation;
+            parts.next_generation += 1;
+            let state = if exactly_once {
+                Ownership::Acquiring(self.spawn_acquire(partition, generation))
+            } else {
+                Ownership::Unfenced
+            };
+            parts.map.insert(
+                partition,
+                Partition {
+                    generation,
+                    state,
+                    buffer: Batch::default(),
+                    in_flight: None,
+                    paused: false,
+                },
+            );
+        }
+        tracing::info!(
+            partitions = ?parts.map.keys().collect::<Vec<_>>(),
+            "partitions assigned"
+        );
+    }
+}
+
+impl<S: Sink> ClientContext for AggregatorContext<S> {
+    fn stats(&self, statistics: Statistics) {
+        let lags = statistics
+            .topics
+            .get(&self.shared.settings.topic)
+            .into_iter()
+            .flat_map(|t| t.partitions.iter())
+            .filter(|(p, s)| **p >= 0 && s.consumer_lag >= 0)
+            .map(|(p, s)| (*p, s.consumer_lag));
+        self.shared.metrics.consumer_lag(lags);
+    }
+
+    fn log(&self, level: RDKafkaLogLevel, fac: &str, log_message: &str) {
+        match level {
+            RDKafkaLogLevel::Emerg
+            | RDKafkaLogLevel::Alert
+            | RDKafkaLogLevel::Critical
+            | RDKafkaLogLevel::Error => tracing::error!(target: "librdkafka", fac, "{log_message}"),
+            RDKafkaLogLevel::Warning => tracing::warn!(target: "librdkafka", fac, "{log_message}"),
+            RDKafkaLogLevel::Notice | RDKafkaLogLevel::Info => {
+                tracing::info!(target: "librdkafka", fac, "{log_message}")
+            }
+            RDKafkaLogLevel::Debug => tracing::debug!(target: "librdkafka", fac, "{log_message}"),
+        }
+    }
+
+    fn error(&self, error: KafkaError, reason: &str) {
+        tracing::warn!(target: "librdkafka", %error, reason, "Kafka client error");
+    }
+}
+
+impl<S: Sink> ConsumerContext for AggregatorContext<S> {
+    fn pre_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        if let Rebalance::Revoke(revoked) = rebalance {
+            self.shared.revoke(consumer, revoked);
+        }
+    }
+
+    fn post_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        match rebalance {
+            Rebalance::Assign(assigned) => self.shared.assign(consumer, assigned),
+            Rebalance::Revoke(_) => {}
+            Rebalance::Error(error) => tracing::error!(%error, "rebalance failed"),
+        }
+    }
+}
