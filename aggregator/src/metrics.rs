@@ -67,7 +67,7 @@ impl Metrics {
         );
         let counters_flushed = IntCounter::new(
             "tally_counter_writes_total",
-            "Per-counter INCRBY writes made durable (one per distinct counter per flush).",
+            "Counter writes made durable: one per distinct (shard group, counter) per flush.",
         );
         let flush_duration = Histogram::with_opts(
             HistogramOpts::new(

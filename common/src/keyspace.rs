@@ -194,13 +194,6 @@ impl Keyspace {
         let _ = write!(out, "{}:{{g{group}}}:c:{counter}", self.prefix);
     }
 
-    /// All keys of `counter`, one per group, in group order.
-    pub fn counter_keys(&self, counter: &str) -> Vec<String> {
-        (0..self.groups)
-            .map(|g| self.counter_key(g, counter))
-            .collect()
-    }
-
     /// A pattern matching every counter key of this keyspace, for `SCAN ... MATCH`.
     pub fn counter_key_pattern(&self) -> String {
         format!("{}:{{g*}}:c:*", self.prefix)
@@ -250,7 +243,6 @@ mod tests {
             ks.counter_key(7, "likes:post:42"),
             "tally:{g7}:c:likes:post:42"
         );
-        assert_eq!(ks.counter_keys("x").len(), 16);
     }
 
     #[test]

@@ -54,7 +54,7 @@ echo
 echo "== pipeline"
 awk -v n="$events" -v a="$started" -v b="$finished" -v f="$flushed" -v fl="$flushes" -v w="$writes" 'BEGIN {
   printf "end to end: %d events from first send to exact totals in Redis in %.2fs = %.0f events/s\n", n, b - a, n / (b - a)
-  printf "aggregator: %d events flushed in %d flushes as %d INCRBYs (%.4f Redis writes per event)\n", f, fl, w, w / f
+  printf "aggregator: %d events flushed in %d flushes as %d counter writes (%.4f per event)\n", f, fl, w, w / f
 }'
 
 echo

@@ -63,6 +63,42 @@ pub fn unique(base: &str) -> String {
     )
 }
 
+/// A multiplexed connection to the Redis server at `url` (a plain `redis://` URL), or `None`
+/// if it does not answer.
+pub async fn try_connect(url: &str) -> Option<redis::aio::MultiplexedConnection> {
+    let client = redis::Client::open(url).ok()?;
+    client.get_multiplexed_async_connection().await.ok()
+}
+
+/// A multiplexed connection to the Redis server at `url`; panics if it does not answer.
+pub async fn connect(url: &str) -> redis::aio::MultiplexedConnection {
+    try_connect(url)
+        .await
+        .unwrap_or_else(|| panic!("no Redis answers at {url}"))
+}
+
+/// A reader of `keyspace` over `url` (standalone `redis://` or `redis+cluster://`).
+pub async fn reader(url: &str, keyspace: Keyspace) -> Reader {
+    Reader::new(
+        RedisConn::connect(url).await.expect("redis target"),
+        keyspace,
+    )
+}
+
+/// Asserts that no aggregator log under `log_dir` (every incarnation a test started) mentions
+/// a cross-slot error, however redis-rs spells it.
+pub fn assert_no_crossslot(log_dir: &Path) {
+    for entry in std::fs::read_dir(log_dir).expect("log dir") {
+        let path = entry.expect("log entry").path();
+        let log = std::fs::read_to_string(&path).unwrap_or_default();
+        assert!(
+            !log.to_lowercase().contains("crossslot"),
+            "{} hit CROSSSLOT:\n{log}",
+            path.display()
+        );
+    }
+}
+
 /// A free TCP port on loopback.
 pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
@@ -306,11 +342,7 @@ impl RedisServer {
 
     /// Saves a point-in-time snapshot (`SAVE`) that [`RedisServer::restore_snapshot`] can go back to.
     pub async fn snapshot(&self) {
-        let client = redis::Client::open(self.url()).expect("redis url");
-        let mut conn = client
-            .get_multiplexed_async_connection()
-            .await
-            .expect("redis connection");
+        let mut conn = connect(&self.url()).await;
         redis::cmd("SAVE")
             .query_async::<()>(&mut conn)
             .await
@@ -332,11 +364,7 @@ impl RedisServer {
         std::fs::copy(dir.join("snapshot.rdb"), dir.join("dump.rdb")).expect("snapshot restored");
         // Redis 7 starts empty when AOF is on and no AOF exists: load the RDB, then turn AOF on.
         self.spawn_and_wait("no").await;
-        let client = redis::Client::open(self.url()).expect("redis url");
-        let mut conn = client
-            .get_multiplexed_async_connection()
-            .await
-            .expect("redis connection");
+        let mut conn = connect(&self.url()).await;
         redis::cmd("CONFIG")
             .arg("SET")
             .arg("appendonly")
@@ -388,15 +416,7 @@ impl RedisServer {
         self.child = Some(child);
         let url = self.url();
         eventually(Duration::from_secs(10), "redis-server to answer", || {
-            let url = url.clone();
-            async move {
-                let client = redis::Client::open(url).ok()?;
-                let mut conn = client.get_multiplexed_async_connection().await.ok()?;
-                redis::cmd("PING")
-                    .query_async::<String>(&mut conn)
-                    .await
-                    .ok()
-            }
+            ping(&url)
         })
         .await;
     }
@@ -421,10 +441,7 @@ impl RedisServer {
 
     /// A reader over this server for `keyspace`.
     pub async fn reader(&self, keyspace: Keyspace) -> Reader {
-        Reader::new(
-            RedisConn::connect(&self.url()).await.expect("redis url"),
-            keyspace,
-        )
+        reader(&self.url(), keyspace).await
     }
 }
 
@@ -529,10 +546,7 @@ impl RedisCluster {
 
     /// A reader over this cluster for `keyspace`.
     pub async fn reader(&self, keyspace: Keyspace) -> Reader {
-        Reader::new(
-            RedisConn::connect(&self.url()).await.expect("cluster"),
-            keyspace,
-        )
+        reader(&self.url(), keyspace).await
     }
 }
 
@@ -553,8 +567,7 @@ async fn wait_cluster_ok(port: u16, what: &str) {
     eventually(Duration::from_secs(30), what, || {
         let url = url.clone();
         async move {
-            let client = redis::Client::open(url).ok()?;
-            let mut conn = client.get_multiplexed_async_connection().await.ok()?;
+            let mut conn = try_connect(&url).await?;
             let info: String = redis::cmd("CLUSTER")
                 .arg("INFO")
                 .query_async(&mut conn)
@@ -567,8 +580,7 @@ async fn wait_cluster_ok(port: u16, what: &str) {
 }
 
 async fn ping(url: &str) -> Option<String> {
-    let client = redis::Client::open(url).ok()?;
-    let mut conn = client.get_multiplexed_async_connection().await.ok()?;
+    let mut conn = try_connect(url).await?;
     redis::cmd("PING")
         .query_async::<String>(&mut conn)
         .await
@@ -723,15 +735,17 @@ impl AggregatorProcess {
         );
     }
 
-    /// Waits for the process to exit, for at most `timeout`.
+    /// Waits for the process to exit, for at most `timeout`; prints its log if it failed.
     pub async fn wait_exit(&mut self, timeout: Duration) -> ExitStatus {
-        let log = self.log.clone();
-        eventually(timeout, "the aggregator to exit", || {
+        let status = eventually(timeout, "the aggregator to exit", || {
             let status = self.child.try_wait().expect("try_wait");
             async move { status }
         })
-        .await
-        .tap_log(&log)
+        .await;
+        if !status.success() {
+            eprintln!("aggregator exited with {status}; its log:\n{}", self.log());
+        }
+        status
     }
 
     /// The value of an un-labelled metric, or the sum over a labelled one's series.
@@ -767,22 +781,6 @@ impl AggregatorProcess {
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
-    }
-}
-
-trait TapLog {
-    fn tap_log(self, log: &Path) -> Self;
-}
-
-impl TapLog for ExitStatus {
-    fn tap_log(self, log: &Path) -> Self {
-        if !self.success() {
-            eprintln!(
-                "aggregator exited with {self}; its log:\n{}",
-                std::fs::read_to_string(log).unwrap_or_default()
-            );
-        }
-        self
     }
 }
 
@@ -826,11 +824,7 @@ pub async fn counters_in_redis(
     url: &str,
     keyspace: &Keyspace,
 ) -> std::collections::HashSet<String> {
-    let client = redis::Client::open(url).expect("redis url");
-    let mut conn = client
-        .get_multiplexed_async_connection()
-        .await
-        .expect("redis connection");
+    let mut conn = connect(url).await;
     let mut cursor: u64 = 0;
     let mut found = std::collections::HashSet::new();
     loop {

@@ -6,11 +6,10 @@
 use std::time::Duration;
 
 use tally_aggregator::load::LoadSpec;
-use tally_common::{Reader, RedisConn};
 
 use crate::{
-    AggregatorSetup, TempDir, finish_load, kill_repeatedly, seed, start_load, unique,
-    wait_for_totals,
+    AggregatorSetup, TempDir, assert_no_crossslot, finish_load, kill_repeatedly, reader, seed,
+    start_load, unique, wait_for_totals,
 };
 
 fn spec(events: u64, rate: u64, seed: u64) -> LoadSpec {
@@ -26,13 +25,6 @@ fn spec(events: u64, rate: u64, seed: u64) -> LoadSpec {
     }
 }
 
-async fn reader(url: &str, setup: &AggregatorSetup) -> Reader {
-    Reader::new(
-        RedisConn::connect(url).await.expect("redis target"),
-        setup.keyspace(),
-    )
-}
-
 /// `kills` SIGKILLs of the aggregator at random moments during `events` events. Static
 /// membership lets each new incarnation take its predecessor's partitions at once.
 pub async fn sigkill_storm(name: &str, redis_url: &str, grouping: &str, events: u64, kills: usize) {
@@ -46,14 +38,13 @@ pub async fn sigkill_storm(name: &str, redis_url: &str, grouping: &str, events: 
     let mut last = kill_repeatedly(&setup, dir.path(), &flags, first, kills, seed, &load).await;
     let sent = finish_load(load, events).await;
     wait_for_totals(
-        &reader(redis_url, &setup).await,
+        &reader(redis_url, setup.keyspace()).await,
         &sent.totals,
         Duration::from_secs(120),
     )
     .await;
-    let log = last.log();
-    assert!(!log.contains("CROSSSLOT"), "{log}");
     last.stop_gracefully().await;
+    assert_no_crossslot(dir.path());
 }
 
 /// The group scales from one member to three and back to one during the load.
@@ -82,7 +73,7 @@ pub async fn scale_one_three_one(name: &str, redis_url: &str, grouping: &str) {
     );
     let sent = finish_load(load, 200_000).await;
     wait_for_totals(
-        &reader(redis_url, &setup).await,
+        &reader(redis_url, setup.keyspace()).await,
         &sent.totals,
         Duration::from_secs(90),
     )
@@ -141,7 +132,7 @@ pub async fn zombie_is_fenced_off(name: &str, redis_url: &str, grouping: &str) {
     eprintln!("the zombie's writes refused by fences: {fenced}");
     let sent = finish_load(load, 200_000).await;
     wait_for_totals(
-        &reader(redis_url, &setup).await,
+        &reader(redis_url, setup.keyspace()).await,
         &sent.totals,
         Duration::from_secs(90),
     )

@@ -8,7 +8,8 @@ use std::time::Duration;
 use tally_aggregator::load::LoadSpec;
 use tally_tests::scenarios::{scale_one_three_one, sigkill_storm, zombie_is_fenced_off};
 use tally_tests::{
-    AggregatorSetup, RedisCluster, TempDir, finish_load, seed, start_load, wait_for_totals,
+    AggregatorSetup, RedisCluster, TempDir, assert_no_crossslot, finish_load, seed, start_load,
+    wait_for_totals,
 };
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -68,8 +69,8 @@ async fn node_restart(grouping: &str) {
     let sent = finish_load(load, 150_000).await;
     let reader = cluster.reader(setup.keyspace()).await;
     wait_for_totals(&reader, &sent.totals, Duration::from_secs(90)).await;
-    assert!(!aggregator.log().contains("CROSSSLOT"));
     aggregator.stop_gracefully().await;
+    assert_no_crossslot(dir.path());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

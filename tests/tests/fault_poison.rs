@@ -19,11 +19,7 @@ async fn deltas_redis_cannot_take_are_dead_lettered_and_the_rest_counts() {
     let setup = AggregatorSetup::create("poison", &redis.url(), 1).await;
     let keyspace = setup.keyspace();
     let near_max = i64::MAX - 10;
-    let client = redis::Client::open(redis.url()).expect("redis url");
-    let mut conn = client
-        .get_multiplexed_async_connection()
-        .await
-        .expect("redis connection");
+    let mut conn = tally_tests::connect(&redis.url()).await;
     redis::cmd("SET")
         .arg(keyspace.counter_key(0, "big:1"))
         .arg(near_max)

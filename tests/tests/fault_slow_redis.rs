@@ -30,11 +30,7 @@ async fn slow_redis_causes_no_rebalance_and_loses_nothing() {
         .wait_metric("tally_flushes_total", 5.0, Duration::from_secs(60))
         .await;
 
-    let client = redis::Client::open(redis.url()).expect("redis url");
-    let mut conn = client
-        .get_multiplexed_async_connection()
-        .await
-        .expect("redis connection");
+    let mut conn = tally_tests::connect(&redis.url()).await;
     for _ in 0..3 {
         redis::cmd("CLIENT")
             .arg("PAUSE")
@@ -60,6 +56,7 @@ async fn slow_redis_causes_no_rebalance_and_loses_nothing() {
     // DEBUG SLEEP blocks the whole server, reads included, for 3 s.
     let patient =
         redis::AsyncConnectionConfig::new().set_response_timeout(Some(Duration::from_secs(10)));
+    let client = redis::Client::open(redis.url()).expect("redis url");
     let mut sleeper = client
         .get_multiplexed_async_connection_with_config(&patient)
         .await

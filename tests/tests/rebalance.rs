@@ -32,11 +32,7 @@ async fn second_member_joining_mid_stream_counts_exactly() {
     first
         .wait_metric("tally_flushes_total", 8.0, Duration::from_secs(60))
         .await;
-    let client = redis::Client::open(redis.url()).expect("redis url");
-    let mut conn = client
-        .get_multiplexed_async_connection()
-        .await
-        .expect("redis connection");
+    let mut conn = tally_tests::connect(&redis.url()).await;
     redis::cmd("CLIENT")
         .arg("PAUSE")
         .arg(3000)
