@@ -243,22 +243,16 @@ impl<S: Sink> Aggregator<S> {
         }
         tracing::info!("shutting down: draining every partition");
         let taken: Vec<(i32, Partition)> = lock(&shared.partitions).map.drain().collect();
-        let owned: Vec<i32> = taken.iter().map(|(p, _)| *p).collect();
         let deadline = Instant::now() + shared.settings.shutdown_timeout;
-        let durable = shared.drain(taken, deadline).await;
-        shared.commit(&self.consumer, &durable, CommitMode::Sync);
+        let drained = shared.drain(taken, deadline).await;
+        shared.commit(&self.consumer, &drained.commit, CommitMode::Sync);
         // Nothing may keep retrying past this point.
         shared.hard_stop.cancel();
-        let not_drained: Vec<i32> = owned
-            .iter()
-            .filter(|p| !durable.iter().any(|(d, _)| d == *p))
-            .copied()
-            .collect();
         shared.metrics.buffers(0, 0, 0);
         self.consumer.unsubscribe();
         RunSummary {
-            drained: durable.len(),
-            not_drained,
+            drained: drained.drained,
+            not_drained: drained.not_drained,
         }
     }
 }
@@ -500,7 +494,7 @@ impl<S: Sink> Shared<S> {
         })
     }
 
-    /// Commits `(partition, next_offset)` pairs; negative offsets mean "nothing to commit".
+    /// Commits `(partition, next_offset)` pairs.
     pub(crate) fn commit<C: Consumer<AggregatorContext<S>>>(
         &self,
         consumer: &C,
@@ -508,7 +502,7 @@ impl<S: Sink> Shared<S> {
         mode: CommitMode,
     ) {
         let mut tpl = TopicPartitionList::new();
-        for &(partition, offset) in offsets.iter().filter(|(_, o)| *o >= 0) {
+        for &(partition, offset) in offsets {
             // Adding an offset to a fresh list cannot fail.
             let _ =
                 tpl.add_partition_offset(&self.settings.topic, partition, Offset::Offset(offset));

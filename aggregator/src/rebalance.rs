@@ -36,16 +36,23 @@ impl<S> std::fmt::Debug for AggregatorContext<S> {
     }
 }
 
+/// What a drain achieved.
+#[derive(Debug, Default)]
+pub(crate) struct Drained {
+    /// Partitions whose buffered work all became durable (or that had none).
+    pub(crate) drained: usize,
+    /// The offsets to commit for them: `(partition, next_offset)`, for those that flushed anything.
+    pub(crate) commit: Vec<(i32, i64)>,
+    /// Partitions left with work that is not durable: nothing is committed for them.
+    pub(crate) not_drained: Vec<i32>,
+}
+
 impl<S: Sink> Shared<S> {
     /// Waits for each partition's in-flight flush, then flushes its buffer, until `deadline`.
-    /// Returns the partitions that became fully durable, with the offset to commit.
-    pub(crate) async fn drain(
-        &self,
-        taken: Vec<(i32, Partition)>,
-        deadline: Instant,
-    ) -> Vec<(i32, i64)> {
+    pub(crate) async fn drain(&self, taken: Vec<(i32, Partition)>, deadline: Instant) -> Drained {
+        let mut drained = Drained::default();
         if taken.is_empty() {
-            return Vec::new();
+            return drained;
         }
         let cancel = self.hard_stop.child_token();
         let timer = {
@@ -66,9 +73,9 @@ impl<S: Sink> Shared<S> {
                     Ownership::Acquiring(task) => {
                         // Not positioned yet: nothing was buffered, nothing to commit.
                         task.abort();
-                        return (partition, Some(-1));
+                        return (partition, Ok(None));
                     }
-                    Ownership::Fenced => return (partition, Some(-1)),
+                    Ownership::Fenced => return (partition, Ok(None)),
                 };
                 let mut durable = None;
                 if let Some(mut in_flight) = st.in_flight.take() {
@@ -90,7 +97,7 @@ impl<S: Sink> Shared<S> {
                         // Committing the buffer behind it would skip the lost batch: stop here.
                         FlushOutcome::Cancelled
                         | FlushOutcome::Fenced
-                        | FlushOutcome::RolledBack => return (partition, None),
+                        | FlushOutcome::RolledBack => return (partition, Err(())),
                     }
                 }
                 if let Some(batch) = st.buffer.seal() {
@@ -98,28 +105,32 @@ impl<S: Sink> Shared<S> {
                         FlushOutcome::Durable { next_offset, .. } => durable = Some(next_offset),
                         FlushOutcome::Cancelled
                         | FlushOutcome::Fenced
-                        | FlushOutcome::RolledBack => return (partition, None),
+                        | FlushOutcome::RolledBack => return (partition, Err(())),
                     }
                 }
-                (partition, durable.or(Some(-1)))
+                (partition, Ok(durable))
             });
         }
-        let mut result = Vec::new();
         while let Some(joined) = tasks.join_next().await {
             match joined {
-                // -1: nothing was buffered; the partition is drained with nothing to commit.
-                Ok((partition, Some(offset))) => result.push((partition, offset)),
-                Ok((partition, None)) => {
+                Ok((partition, Ok(durable))) => {
+                    drained.drained += 1;
+                    drained
+                        .commit
+                        .extend(durable.map(|offset| (partition, offset)));
+                }
+                Ok((partition, Err(()))) => {
                     tracing::warn!(
                         partition,
                         "partition not drained before the deadline; its uncommitted events will be read again"
                     );
+                    drained.not_drained.push(partition);
                 }
                 Err(error) => tracing::error!(%error, "drain task failed"),
             }
         }
         timer.abort();
-        result
+        drained
     }
 
     /// The revoke callback's work: drain the revoked partitions and commit, before returning.
@@ -144,10 +155,10 @@ impl<S: Sink> Shared<S> {
         let deadline = Instant::now() + self.settings.revoke_timeout;
         let durable =
             tokio::task::block_in_place(|| self.runtime.block_on(self.drain(taken, deadline)));
-        self.commit(consumer, &durable, CommitMode::Sync);
+        self.commit(consumer, &durable.commit, CommitMode::Sync);
         tracing::info!(
             revoked = count,
-            drained = durable.len(),
+            drained = durable.drained,
             "partitions revoked"
         );
     }
