@@ -73,6 +73,19 @@ pub enum Delivery {
     AtLeastOnce,
 }
 
+/// How the exactly-once operations are made atomic in Redis.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum Atomicity {
+    /// Lua scripts, falling back to transactions for good if the server refuses scripts.
+    #[default]
+    Auto,
+    /// Lua scripts only (one round trip per operation).
+    Scripts,
+    /// Optimistic `WATCH`/`MULTI`/`EXEC` transactions on dedicated connections (standalone Redis).
+    Transactions,
+}
+
 /// Which shard group an event's delta goes to (see `tally_common::keyspace::GroupingRule`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "kebab-case")]
@@ -149,6 +162,9 @@ pub struct Settings {
     /// Which shard group an event's delta goes to: its partition's or its actor's [default: partition]
     #[arg(long, env = "TALLY_GROUPING", value_enum)]
     pub grouping: Option<Grouping>,
+    /// How exactly-once writes are made atomic: Lua scripts, WATCH/MULTI/EXEC transactions (for servers that refuse scripts; standalone Redis only), or scripts with a fallback [default: auto]
+    #[arg(long, env = "TALLY_REDIS_ATOMICITY", value_enum)]
+    pub redis_atomicity: Option<Atomicity>,
     /// Log format [default: text]
     #[arg(long, env = "TALLY_LOG_FORMAT", value_enum)]
     pub log_format: Option<LogFormat>,
@@ -216,6 +232,8 @@ pub struct Config {
     pub delivery: Delivery,
     /// Which group an event's delta goes to.
     pub grouping: GroupingRule,
+    /// How exactly-once writes are made atomic.
+    pub redis_atomicity: Atomicity,
     /// Log format.
     pub log_format: LogFormat,
     /// Raw librdkafka options, applied last.
@@ -236,6 +254,7 @@ impl std::fmt::Debug for Config {
             .field("keyspace", &self.keyspace)
             .field("delivery", &self.delivery)
             .field("grouping", &self.grouping)
+            .field("redis_atomicity", &self.redis_atomicity)
             .field("max_message_bytes", &self.max_message_bytes)
             .field("shutdown_timeout", &self.shutdown_timeout)
             .field("revoke_timeout", &self.revoke_timeout)
@@ -292,6 +311,7 @@ impl Settings {
             retry_max_backoff_ms,
             delivery,
             grouping,
+            redis_atomicity,
             log_format
         );
         self.kafka.extend(over.kafka);
@@ -352,13 +372,24 @@ impl Settings {
                 why: "tally commits offsets itself, only after a flush is durable".to_owned(),
             });
         }
+        let redis_url = self
+            .redis_url
+            .unwrap_or_else(|| "redis://127.0.0.1:6379".to_owned());
+        let redis_atomicity = self.redis_atomicity.unwrap_or_default();
+        if redis_atomicity == Atomicity::Transactions
+            && tally_common::connection::is_cluster_url(&redis_url)
+        {
+            return Err(ConfigError::Invalid {
+                name: "redis_atomicity",
+                why: "transactions need a standalone Redis; on Redis Cluster use scripts"
+                    .to_owned(),
+            });
+        }
         Ok(Config {
             brokers: self.brokers.unwrap_or_else(|| "127.0.0.1:9092".to_owned()),
             topic,
             group: self.group.unwrap_or_else(|| "tally-aggregator".to_owned()),
-            redis_url: self
-                .redis_url
-                .unwrap_or_else(|| "redis://127.0.0.1:6379".to_owned()),
+            redis_url,
             limits: Limits {
                 flush_interval: Duration::from_millis(flush_interval_ms),
                 max_events: max_events as usize,
@@ -378,6 +409,7 @@ impl Settings {
             retry_max_backoff: Duration::from_millis(retry_max_backoff_ms),
             delivery: self.delivery.unwrap_or_default(),
             grouping: self.grouping.unwrap_or_default().into(),
+            redis_atomicity,
             log_format: self.log_format.unwrap_or_default(),
             kafka: self.kafka,
         })
@@ -416,6 +448,7 @@ mod tests {
         assert_eq!(c.keyspace, Keyspace::default());
         assert_eq!(c.delivery, Delivery::ExactlyOnce);
         assert_eq!(c.grouping, GroupingRule::ByPartition);
+        assert_eq!(c.redis_atomicity, Atomicity::Auto);
     }
 
     #[test]
@@ -485,6 +518,18 @@ mod tests {
             ..Settings::default()
         };
         assert!(matches!(groups.resolve(), Err(ConfigError::Keyspace(_))));
+        let watch_on_cluster = Settings {
+            redis_url: Some("redis+cluster://127.0.0.1:7000".to_owned()),
+            redis_atomicity: Some(Atomicity::Transactions),
+            ..Settings::default()
+        };
+        assert!(matches!(
+            watch_on_cluster.resolve(),
+            Err(ConfigError::Invalid {
+                name: "redis_atomicity",
+                ..
+            })
+        ));
     }
 
     #[test]

@@ -11,6 +11,8 @@
 //! - [`flush`]: making a sealed batch durable, with retries.
 //! - [`fence`]: owning a partition in exactly-once mode (epochs, fences, ledgers, watermark).
 //! - [`sink`]: the [`Sink`] seam and the Redis implementation.
+//! - [`transactions`]: the exactly-once operations as `WATCH`/`MULTI`/`EXEC`, for servers that
+//!   refuse scripts.
 //! - [`dead_letter`]: the dead-letter topic for malformed messages.
 //! - [`metrics`] and [`http`]: Prometheus metrics on `/metrics`, and `/healthz`.
 //! - [`backoff`]: capped exponential backoff.
@@ -31,6 +33,7 @@ pub mod metrics;
 pub mod rebalance;
 pub mod shutdown;
 pub mod sink;
+pub mod transactions;
 pub mod verify;
 
 use std::sync::Arc;
@@ -88,7 +91,12 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<RunSumma
     let conn = tally_common::RedisConn::connect(&config.redis_url).await?;
     let kafka = kafka_client_config(&config);
     let flusher = flush::Flusher {
-        sink: RedisSink::new(conn, config.keyspace.clone()),
+        sink: RedisSink::new(
+            conn,
+            &config.redis_url,
+            config.keyspace.clone(),
+            config.redis_atomicity,
+        )?,
         dead_letters: dead_letter::DeadLetterQueue::new(
             &kafka,
             &config.dead_letter_topic,
@@ -117,6 +125,7 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<RunSumma
         group = %config.group,
         delivery = ?config.delivery,
         grouping = ?config.grouping,
+        redis_atomicity = ?config.redis_atomicity,
         "aggregator started"
     );
     let summary = aggregator.run(shutdown).await;

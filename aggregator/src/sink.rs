@@ -8,16 +8,24 @@
 //!   checks the writer's fence, recognises a write the group already applied (its ledger entry),
 //!   validates every counter (type, 64-bit overflow), and only then writes the increments, the
 //!   ledger entry and, when asked, the watermark. The other scripts take epochs, stamp fences and
-//!   store watermarks (see `crate::fence`).
+//!   store watermarks (see `crate::fence`). For servers that refuse scripts the same operations
+//!   run as optimistic `WATCH`/`MULTI`/`EXEC` transactions (`crate::transactions`), chosen by
+//!   the `redis_atomicity` setting: `auto` (the default) tries scripts and switches for good on
+//!   the first refusal (`NOPERM`, or an unknown `EVALSHA`).
 //!
 //! Errors are classified at this boundary as retryable (connection, timeout, server busy or
 //! failing over) or not; the flush loop retries both with capped backoff, because dropping a
 //! batch would lose counts, but only the former are expected to heal by themselves.
 
 use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use redis::ErrorKind;
 use tally_common::{Keyspace, RedisConn};
+
+use crate::config::Atomicity;
+use crate::transactions::{Transactions, fenced};
 
 /// Why a sink write failed.
 #[derive(Debug, thiserror::Error)]
@@ -197,23 +205,93 @@ pub struct RedisSink {
     /// Which keys to write.
     keyspace: Keyspace,
     /// The exactly-once scripts.
-    scripts: std::sync::Arc<Scripts>,
+    scripts: Arc<Scripts>,
+    /// The same operations as transactions, on a standalone server unless set to scripts only.
+    transactions: Option<Arc<Transactions>>,
+    /// Whether the exactly-once operations run as scripts (else as transactions).
+    use_scripts: Arc<AtomicBool>,
+    /// Whether a server refusing scripts switches this sink to transactions (else it is an error).
+    fall_back: bool,
 }
 
 impl RedisSink {
-    /// A sink writing through `conn` into `keyspace`.
-    pub fn new(conn: RedisConn, keyspace: Keyspace) -> Self {
+    /// A sink writing through `conn` (which reaches `url`) into `keyspace`, making exactly-once
+    /// writes atomic as `atomicity` says.
+    pub fn new(
+        conn: RedisConn,
+        url: &str,
+        keyspace: Keyspace,
+        atomicity: Atomicity,
+    ) -> redis::RedisResult<Self> {
         let scripts = Scripts {
             flush: redis::Script::new(include_str!("scripts/flush.lua")),
             stamp: redis::Script::new(include_str!("scripts/stamp.lua")),
             epoch: redis::Script::new(include_str!("scripts/epoch.lua")),
             watermark: redis::Script::new(include_str!("scripts/watermark.lua")),
         };
-        Self {
+        let transactions = match atomicity {
+            Atomicity::Scripts => None,
+            _ if conn.is_cluster() => None,
+            _ => Some(Arc::new(Transactions::new(url, keyspace.clone())?)),
+        };
+        Ok(Self {
             conn,
             keyspace,
-            scripts: std::sync::Arc::new(scripts),
+            scripts: Arc::new(scripts),
+            transactions,
+            use_scripts: Arc::new(AtomicBool::new(atomicity != Atomicity::Transactions)),
+            fall_back: atomicity == Atomicity::Auto,
+        })
+    }
+
+    /// Runs `script`, or `transaction` when this sink uses transactions; in auto mode a server
+    /// refusing the script switches the sink to transactions for good.
+    async fn either<'a, T, B>(
+        &'a self,
+        script: impl Future<Output = Result<T, SinkError>>,
+        transaction: impl FnOnce(&'a Transactions) -> B,
+    ) -> Result<T, SinkError>
+    where
+        B: Future<Output = Result<T, SinkError>>,
+    {
+        if self.use_scripts.load(Ordering::Relaxed) {
+            match script.await {
+                Err(e) if refuses_scripts(&e.source) => {
+                    if !self.fall_back {
+                        return Err(e);
+                    }
+                    if self.use_scripts.swap(false, Ordering::Relaxed) {
+                        tracing::warn!(
+                            error = %e.source,
+                            "Redis refuses scripts: exactly-once writes switch to WATCH/MULTI/EXEC transactions"
+                        );
+                    }
+                }
+                other => return other,
+            }
         }
+        match &self.transactions {
+            Some(transactions) => transaction(transactions).await,
+            None => Err(SinkError {
+                kind: SinkErrorKind::Fatal,
+                source: redis::RedisError::from((
+                    ErrorKind::InvalidClientConfig,
+                    "Redis refuses scripts, and transactions are not supported on Redis Cluster",
+                )),
+            }),
+        }
+    }
+}
+
+/// Whether `e` is a server refusing to run scripts: an ACL without `@scripting` (`NOPERM`) or
+/// `EVAL`/`EVALSHA` renamed or disabled (`unknown command`).
+fn refuses_scripts(e: &redis::RedisError) -> bool {
+    let detail = e.detail().unwrap_or("").to_ascii_lowercase();
+    let about_scripts = detail.contains("eval") || detail.contains("script");
+    match e.code() {
+        Some("NOPERM") => about_scripts,
+        Some("ERR") => detail.contains("unknown command") && about_scripts,
+        _ => false,
     }
 }
 
@@ -229,16 +307,6 @@ fn unexpected(reply: &[String]) -> SinkError {
     }
 }
 
-/// A fence holding another epoch: a newer owner's, or (older or gone) a Redis that lost it.
-fn fenced(reply: &[String], epoch: u64) -> Result<Applied, SinkError> {
-    let current: u64 = parse_number(reply, 1)?;
-    Ok(if current > epoch {
-        Applied::Fenced
-    } else {
-        Applied::RolledBack
-    })
-}
-
 fn parse_number<T: std::str::FromStr>(reply: &[String], at: usize) -> Result<T, SinkError> {
     reply
         .get(at)
@@ -246,24 +314,9 @@ fn parse_number<T: std::str::FromStr>(reply: &[String], at: usize) -> Result<T, 
         .ok_or_else(|| unexpected(reply))
 }
 
-impl Sink for RedisSink {
-    async fn apply(&self, group: u32, deltas: &[(String, i64)]) -> Result<(), SinkError> {
-        if deltas.is_empty() {
-            return Ok(());
-        }
-        let mut pipe = redis::pipe();
-        pipe.atomic();
-        let mut key = String::new();
-        for (counter, delta) in deltas {
-            self.keyspace.write_counter_key(&mut key, group, counter);
-            pipe.cmd("INCRBY").arg(&key).arg(*delta).ignore();
-        }
-        let mut conn = self.conn.clone();
-        pipe.query_async::<()>(&mut conn).await?;
-        Ok(())
-    }
-
-    async fn apply_fenced(&self, write: GroupWrite<'_>) -> Result<Applied, SinkError> {
+/// The exactly-once operations as Lua scripts.
+impl RedisSink {
+    async fn script_apply_fenced(&self, write: GroupWrite<'_>) -> Result<Applied, SinkError> {
         let ks = &self.keyspace;
         let mut invocation = self.scripts.flush.prepare_invoke();
         invocation
@@ -288,7 +341,7 @@ impl Sink for RedisSink {
         match reply.first().map(String::as_str) {
             Some("ok") => Ok(Applied::Written),
             Some("duplicate") => Ok(Applied::AlreadyApplied),
-            Some("fenced") => fenced(&reply, write.epoch),
+            Some("fenced") => Ok(fenced(parse_number(&reply, 1).ok(), write.epoch)),
             Some("rolled_back") => Ok(Applied::RolledBack),
             Some("rejected") => reply[1..]
                 .chunks(2)
@@ -307,7 +360,12 @@ impl Sink for RedisSink {
         }
     }
 
-    async fn next_epoch(&self, home: u32, field: &str, at_least: u64) -> Result<u64, SinkError> {
+    async fn script_next_epoch(
+        &self,
+        home: u32,
+        field: &str,
+        at_least: u64,
+    ) -> Result<u64, SinkError> {
         let mut conn = self.conn.clone();
         let reply: String = self
             .scripts
@@ -320,7 +378,12 @@ impl Sink for RedisSink {
         parse_number(&[reply], 0)
     }
 
-    async fn stamp_fence(&self, group: u32, field: &str, epoch: u64) -> Result<Stamp, SinkError> {
+    async fn script_stamp_fence(
+        &self,
+        group: u32,
+        field: &str,
+        epoch: u64,
+    ) -> Result<Stamp, SinkError> {
         let mut conn = self.conn.clone();
         let reply: Vec<String> = self
             .scripts
@@ -342,7 +405,7 @@ impl Sink for RedisSink {
         }
     }
 
-    async fn write_watermark(
+    async fn script_write_watermark(
         &self,
         home: u32,
         field: &str,
@@ -362,9 +425,60 @@ impl Sink for RedisSink {
             .await?;
         match reply.first().map(String::as_str) {
             Some("ok") => Ok(Applied::Written),
-            Some("fenced") => fenced(&reply, epoch),
+            Some("fenced") => Ok(fenced(parse_number(&reply, 1).ok(), epoch)),
             _ => Err(unexpected(&reply)),
         }
+    }
+}
+
+impl Sink for RedisSink {
+    async fn apply(&self, group: u32, deltas: &[(String, i64)]) -> Result<(), SinkError> {
+        if deltas.is_empty() {
+            return Ok(());
+        }
+        let mut pipe = redis::pipe();
+        pipe.atomic();
+        let mut key = String::new();
+        for (counter, delta) in deltas {
+            self.keyspace.write_counter_key(&mut key, group, counter);
+            pipe.cmd("INCRBY").arg(&key).arg(*delta).ignore();
+        }
+        let mut conn = self.conn.clone();
+        pipe.query_async::<()>(&mut conn).await?;
+        Ok(())
+    }
+
+    async fn apply_fenced(&self, write: GroupWrite<'_>) -> Result<Applied, SinkError> {
+        self.either(self.script_apply_fenced(write), |t| t.apply_fenced(write))
+            .await
+    }
+
+    async fn next_epoch(&self, home: u32, field: &str, at_least: u64) -> Result<u64, SinkError> {
+        self.either(self.script_next_epoch(home, field, at_least), |t| {
+            t.next_epoch(home, field, at_least)
+        })
+        .await
+    }
+
+    async fn stamp_fence(&self, group: u32, field: &str, epoch: u64) -> Result<Stamp, SinkError> {
+        self.either(self.script_stamp_fence(group, field, epoch), |t| {
+            t.stamp_fence(group, field, epoch)
+        })
+        .await
+    }
+
+    async fn write_watermark(
+        &self,
+        home: u32,
+        field: &str,
+        epoch: u64,
+        watermark: &str,
+    ) -> Result<Applied, SinkError> {
+        self.either(
+            self.script_write_watermark(home, field, epoch, watermark),
+            |t| t.write_watermark(home, field, epoch, watermark),
+        )
+        .await
     }
 
     async fn read_watermark(&self, home: u32, field: &str) -> Result<Option<String>, SinkError> {

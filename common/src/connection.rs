@@ -67,6 +67,11 @@ impl RedisConn {
     }
 }
 
+/// Whether `url` names a Redis Cluster (`redis+cluster://` or `rediss+cluster://`).
+pub fn is_cluster_url(url: &str) -> bool {
+    cluster_seeds(url).is_some()
+}
+
 /// `Some((tls, seeds))` when `url` names a cluster.
 fn cluster_seeds(url: &str) -> Option<(bool, impl Iterator<Item = &str>)> {
     let (tls, rest) = if let Some(rest) = url.strip_prefix("redis+cluster://") {

@@ -1,0 +1,470 @@
+//! The exactly-once operations as optimistic `WATCH`/`MULTI`/`EXEC` transactions, for Redis
+//! servers that refuse scripts (an ACL without `@scripting`, `EVAL` renamed away, a managed
+//! service that disables it).
+//!
+//! Each operation mirrors its Lua script in `scripts/`: it `WATCH`es every key its decision reads,
+//! reads them, decides in Rust exactly as the script decides in Lua (the same checks in the same
+//! order: fence, duplicate, rollback, validation), and writes in one `MULTI`/`EXEC`. If any
+//! watched key changed in between, Redis aborts the `EXEC` and the operation starts over from the
+//! reads, so what lands is what a script would have written. Writes that do not land are
+//! recognised the same way as with scripts: a retry after a lost reply finds the ledger entry.
+//!
+//! `WATCH` state lives on the connection, so every operation leases a **dedicated** connection
+//! from a small pool: never a shared multiplexed one (another task's `EXEC` would clear the
+//! watch, or run inside the transaction) and never one that reconnects by itself (a reconnect
+//! between `WATCH` and `EXEC` would drop the watch silently). A connection that saw any error is
+//! dropped rather than returned. Standalone Redis only: on a cluster the watch would have to be
+//! held on the node that owns the slot, which redis-rs's cluster client does not expose.
+
+use std::sync::Mutex;
+
+use redis::aio::MultiplexedConnection;
+use redis::{AsyncConnectionConfig, ErrorKind, Pipeline, ServerErrorKind, Value};
+use tally_common::Keyspace;
+use tally_common::connection::{DEFAULT_CONNECT_TIMEOUT, DEFAULT_RESPONSE_TIMEOUT};
+
+use crate::sink::{Applied, GroupWrite, SinkError, SinkErrorKind, Stamp};
+
+/// How many times one operation starts over after a conflicting write before it reports a
+/// retryable error (the flush's own retry then backs off).
+const MAX_CONFLICTS: usize = 32;
+
+/// How many idle connections are kept for reuse.
+const MAX_IDLE: usize = 16;
+
+/// The transactional implementation of the exactly-once operations.
+#[derive(Debug)]
+pub struct Transactions {
+    /// Opens dedicated connections.
+    client: redis::Client,
+    /// Connections free for the next operation, each with no `WATCH` pending.
+    idle: Mutex<Vec<MultiplexedConnection>>,
+    /// Which keys the operations touch.
+    keyspace: Keyspace,
+}
+
+/// What an operation decided after reading under `WATCH`.
+enum Plan<T> {
+    /// Nothing to write; the answer is known.
+    Done(T),
+    /// Write this `MULTI`/`EXEC` pipeline; if it lands, the answer is `T`.
+    Write(Pipeline, T),
+}
+
+/// What one counter key holds, as far as adding to it is concerned.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Current {
+    /// The key does not exist (counts as 0).
+    Missing,
+    /// A 64-bit integer.
+    Integer(i64),
+    /// A string that is not an integer.
+    NotAnInteger,
+    /// Another type (a hash, a set...).
+    WrongType,
+}
+
+/// Why these deltas cannot be applied, by index, with the reason the script gives.
+pub fn rejections(currents: &[Current], deltas: &[(String, i64)]) -> Vec<(usize, String)> {
+    currents
+        .iter()
+        .zip(deltas)
+        .enumerate()
+        .filter_map(|(i, (current, (_, delta)))| {
+            let reason = match current {
+                Current::Missing => None,
+                Current::Integer(v) => v.checked_add(*delta).is_none().then_some("overflow"),
+                Current::NotAnInteger => Some("not_an_integer"),
+                Current::WrongType => Some("wrong_type"),
+            }?;
+            Some((i, reason.to_owned()))
+        })
+        .collect()
+}
+
+/// The flush decision before any write, the same as `scripts/flush.lua`: `None` means write.
+pub fn flush_verdict(
+    fence: Option<u64>,
+    ledger: Option<i64>,
+    currents: &[Current],
+    write: &GroupWrite<'_>,
+) -> Option<Applied> {
+    if fence != Some(write.epoch) {
+        return Some(fenced(fence, write.epoch));
+    }
+    let applied = ledger.unwrap_or(-1);
+    if applied >= write.next_offset {
+        return Some(Applied::AlreadyApplied);
+    }
+    if applied < write.expected_ledger {
+        return Some(Applied::RolledBack);
+    }
+    let rejected = rejections(currents, write.deltas);
+    (!rejected.is_empty()).then_some(Applied::Rejected(rejected))
+}
+
+/// A fence holding another epoch: a newer owner's, or (older or gone) a Redis that lost it.
+pub fn fenced(current: Option<u64>, epoch: u64) -> Applied {
+    if current.unwrap_or(0) > epoch {
+        Applied::Fenced
+    } else {
+        Applied::RolledBack
+    }
+}
+
+fn protocol_error(what: &'static str, value: &Value) -> SinkError {
+    SinkError {
+        kind: SinkErrorKind::Fatal,
+        source: redis::RedisError::from((
+            ErrorKind::UnexpectedReturnType,
+            what,
+            format!("{value:?}"),
+        )),
+    }
+}
+
+/// A number stored as a string, or `None` when the field or key is absent.
+fn number<T: std::str::FromStr>(value: &Value) -> Result<Option<T>, SinkError> {
+    match value {
+        Value::Nil => Ok(None),
+        Value::BulkString(bytes) => std::str::from_utf8(bytes)
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .map(Some)
+            .ok_or_else(|| protocol_error("not a number", value)),
+        Value::ServerError(e) => Err(SinkError::from(redis::RedisError::from(e.clone()))),
+        _ => Err(protocol_error("not a number", value)),
+    }
+}
+
+fn current(value: &Value) -> Result<Current, SinkError> {
+    Ok(match value {
+        Value::Nil => Current::Missing,
+        // Redis takes an optional minus sign and digits, no plus sign or spaces.
+        Value::BulkString(bytes) => std::str::from_utf8(bytes)
+            .ok()
+            .filter(|s| !s.starts_with('+'))
+            .and_then(|s| s.parse().ok())
+            .map_or(Current::NotAnInteger, Current::Integer),
+        Value::ServerError(e) if e.code() == "WRONGTYPE" => Current::WrongType,
+        Value::ServerError(e) => return Err(SinkError::from(redis::RedisError::from(e.clone()))),
+        _ => return Err(protocol_error("not a string", value)),
+    })
+}
+
+fn conflict() -> SinkError {
+    SinkError {
+        kind: SinkErrorKind::Retryable,
+        source: redis::RedisError::from((
+            ErrorKind::Server(ServerErrorKind::ExecAbort),
+            "watched keys kept changing",
+            format!("{MAX_CONFLICTS} transactions aborted in a row"),
+        )),
+    }
+}
+
+impl Transactions {
+    /// Transactions on the standalone server at `url`.
+    pub fn new(url: &str, keyspace: Keyspace) -> redis::RedisResult<Self> {
+        Ok(Self {
+            client: redis::Client::open(url)?,
+            idle: Mutex::new(Vec::new()),
+            keyspace,
+        })
+    }
+
+    async fn checkout(&self) -> Result<MultiplexedConnection, SinkError> {
+        let idle = self.idle.lock().unwrap_or_else(|e| e.into_inner()).pop();
+        if let Some(conn) = idle {
+            return Ok(conn);
+        }
+        let config = AsyncConnectionConfig::new()
+            .set_connection_timeout(Some(DEFAULT_CONNECT_TIMEOUT))
+            .set_response_timeout(Some(DEFAULT_RESPONSE_TIMEOUT));
+        Ok(self
+            .client
+            .get_multiplexed_async_connection_with_config(&config)
+            .await?)
+    }
+
+    fn release(&self, conn: MultiplexedConnection) {
+        let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+        if idle.len() < MAX_IDLE {
+            idle.push(conn);
+        }
+    }
+
+    /// Runs one optimistic operation: `WATCH watch`, run `reads`, let `decide` plan from their
+    /// replies, and `EXEC` the plan's writes, starting over when a watched key changed.
+    async fn optimistic<T>(
+        &self,
+        watch: &[String],
+        reads: &Pipeline,
+        mut decide: impl FnMut(&[Value]) -> Result<Plan<T>, SinkError>,
+    ) -> Result<T, SinkError> {
+        for _ in 0..MAX_CONFLICTS {
+            // On any error the connection is dropped, never returned with a watch pending.
+            let mut conn = self.checkout().await?;
+            redis::cmd("WATCH").arg(watch).exec_async(&mut conn).await?;
+            let replies: Vec<Value> = reads.query_async(&mut conn).await?;
+            match decide(&replies)? {
+                Plan::Done(answer) => {
+                    redis::cmd("UNWATCH").exec_async(&mut conn).await?;
+                    self.release(conn);
+                    return Ok(answer);
+                }
+                Plan::Write(mut writes, answer) => {
+                    // EXEC clears the watch whether it runs the writes or aborts them (Nil).
+                    let result: Value = writes.atomic().query_async(&mut conn).await?;
+                    self.release(conn);
+                    if result != Value::Nil {
+                        return Ok(answer);
+                    }
+                    tracing::debug!("transaction aborted by a concurrent write; starting over");
+                }
+            }
+        }
+        Err(conflict())
+    }
+
+    /// The transactional `scripts/flush.lua`.
+    pub async fn apply_fenced(&self, write: GroupWrite<'_>) -> Result<Applied, SinkError> {
+        let ks = &self.keyspace;
+        let (fence_key, ledger_key) = (ks.fence_key(write.group), ks.ledger_key(write.group));
+        let mut watch = vec![fence_key.clone(), ledger_key.clone()];
+        let mut key = String::new();
+        for (counter, _) in write.deltas {
+            ks.write_counter_key(&mut key, write.group, counter);
+            watch.push(key.clone());
+        }
+        let mut reads = redis::pipe();
+        reads.ignore_errors();
+        reads
+            .hget(&fence_key, write.field)
+            .hget(&ledger_key, write.field);
+        for key in &watch[2..] {
+            reads.get(key);
+        }
+        self.optimistic(&watch, &reads, |replies| {
+            let [fence, ledger, counters @ ..] = replies else {
+                return Err(protocol_error(
+                    "short reply",
+                    &Value::Array(replies.to_vec()),
+                ));
+            };
+            let currents = counters
+                .iter()
+                .map(current)
+                .collect::<Result<Vec<_>, _>>()?;
+            if let Some(verdict) = flush_verdict(number(fence)?, number(ledger)?, &currents, &write)
+            {
+                return Ok(Plan::Done(verdict));
+            }
+            let mut writes = redis::pipe();
+            for (key, (_, delta)) in watch[2..].iter().zip(write.deltas) {
+                writes.incr(key, *delta).ignore();
+            }
+            writes
+                .hset(&ledger_key, write.field, write.next_offset)
+                .ignore();
+            if let Some(watermark) = write.watermark {
+                writes
+                    .hset(ks.watermark_key(write.group), write.field, watermark)
+                    .ignore();
+            }
+            Ok(Plan::Write(writes, Applied::Written))
+        })
+        .await
+    }
+
+    /// The transactional `scripts/epoch.lua`.
+    pub async fn next_epoch(
+        &self,
+        home: u32,
+        field: &str,
+        at_least: u64,
+    ) -> Result<u64, SinkError> {
+        let key = self.keyspace.epoch_key(home);
+        let mut reads = redis::pipe();
+        reads.hget(&key, field);
+        self.optimistic(std::slice::from_ref(&key), &reads, |replies| {
+            let last: Option<u64> = number(replies.first().unwrap_or(&Value::Nil))?;
+            let epoch = (last.unwrap_or(0) + 1).max(at_least);
+            let mut writes = redis::pipe();
+            writes.hset(&key, field, epoch).ignore();
+            Ok(Plan::Write(writes, epoch))
+        })
+        .await
+    }
+
+    /// The transactional `scripts/stamp.lua`.
+    pub async fn stamp_fence(
+        &self,
+        group: u32,
+        field: &str,
+        epoch: u64,
+    ) -> Result<Stamp, SinkError> {
+        let (fence_key, ledger_key) = (
+            self.keyspace.fence_key(group),
+            self.keyspace.ledger_key(group),
+        );
+        let watch = [fence_key.clone(), ledger_key.clone()];
+        let mut reads = redis::pipe();
+        reads.hget(&fence_key, field).hget(&ledger_key, field);
+        self.optimistic(&watch, &reads, |replies| {
+            let [fence, ledger] = replies else {
+                return Err(protocol_error(
+                    "short reply",
+                    &Value::Array(replies.to_vec()),
+                ));
+            };
+            let current: u64 = number(fence)?.unwrap_or(0);
+            if current >= epoch {
+                return Ok(Plan::Done(Stamp::Stale { current }));
+            }
+            let mut writes = redis::pipe();
+            writes.hset(&fence_key, field, epoch).ignore();
+            Ok(Plan::Write(
+                writes,
+                Stamp::Stamped {
+                    ledger: number(ledger)?.unwrap_or(-1),
+                },
+            ))
+        })
+        .await
+    }
+
+    /// The transactional `scripts/watermark.lua`.
+    pub async fn write_watermark(
+        &self,
+        home: u32,
+        field: &str,
+        epoch: u64,
+        watermark: &str,
+    ) -> Result<Applied, SinkError> {
+        let fence_key = self.keyspace.fence_key(home);
+        let mut reads = redis::pipe();
+        reads.hget(&fence_key, field);
+        self.optimistic(std::slice::from_ref(&fence_key), &reads, |replies| {
+            let fence: Option<u64> = number(replies.first().unwrap_or(&Value::Nil))?;
+            if fence != Some(epoch) {
+                return Ok(Plan::Done(fenced(fence, epoch)));
+            }
+            let mut writes = redis::pipe();
+            writes
+                .hset(self.keyspace.watermark_key(home), field, watermark)
+                .ignore();
+            Ok(Plan::Write(writes, Applied::Written))
+        })
+        .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn write<'a>(deltas: &'a [(String, i64)]) -> GroupWrite<'a> {
+        GroupWrite {
+            group: 0,
+            field: "t/0",
+            epoch: 3,
+            expected_ledger: 10,
+            next_offset: 20,
+            deltas,
+            watermark: None,
+        }
+    }
+
+    #[test]
+    fn the_verdict_checks_fence_then_ledger_then_values_like_the_script() {
+        let deltas = [("a".to_owned(), 5), ("b".to_owned(), 1)];
+        let ok = [Current::Integer(1), Current::Missing];
+        let w = write(&deltas);
+        assert_eq!(flush_verdict(Some(3), Some(10), &ok, &w), None);
+        assert_eq!(
+            flush_verdict(Some(4), Some(10), &ok, &w),
+            Some(Applied::Fenced)
+        );
+        assert_eq!(
+            flush_verdict(Some(2), Some(10), &ok, &w),
+            Some(Applied::RolledBack)
+        );
+        assert_eq!(
+            flush_verdict(None, Some(10), &ok, &w),
+            Some(Applied::RolledBack)
+        );
+        assert_eq!(
+            flush_verdict(Some(3), Some(20), &ok, &w),
+            Some(Applied::AlreadyApplied)
+        );
+        assert_eq!(
+            flush_verdict(Some(3), Some(9), &ok, &w),
+            Some(Applied::RolledBack)
+        );
+        assert_eq!(
+            flush_verdict(Some(3), None, &ok, &write(&deltas[..0])),
+            Some(Applied::RolledBack)
+        );
+        // A fence refusal wins over a bad value; a duplicate is recognised before validation.
+        let bad = [Current::WrongType, Current::Integer(i64::MAX)];
+        assert_eq!(
+            flush_verdict(Some(4), Some(10), &bad, &w),
+            Some(Applied::Fenced)
+        );
+        assert_eq!(
+            flush_verdict(Some(3), Some(25), &bad, &w),
+            Some(Applied::AlreadyApplied)
+        );
+        assert_eq!(
+            flush_verdict(Some(3), Some(10), &bad, &w),
+            Some(Applied::Rejected(vec![
+                (0, "wrong_type".to_owned()),
+                (1, "overflow".to_owned())
+            ]))
+        );
+    }
+
+    #[test]
+    fn values_that_cannot_take_a_delta_are_rejected_with_a_reason() {
+        let deltas = [
+            ("a".to_owned(), -1),
+            ("b".to_owned(), 1),
+            ("c".to_owned(), 7),
+            ("d".to_owned(), i64::MIN),
+        ];
+        let currents = [
+            Current::Integer(i64::MIN),
+            Current::NotAnInteger,
+            Current::Integer(i64::MAX - 7),
+            Current::Missing,
+        ];
+        assert_eq!(
+            rejections(&currents, &deltas),
+            [(0, "overflow".to_owned()), (1, "not_an_integer".to_owned())]
+        );
+    }
+
+    #[test]
+    fn replies_are_read_as_numbers_and_counter_values() {
+        assert_eq!(number::<u64>(&Value::Nil).ok(), Some(None));
+        assert_eq!(
+            number::<i64>(&Value::BulkString(b"-4".to_vec())).ok(),
+            Some(Some(-4))
+        );
+        assert!(number::<u64>(&Value::BulkString(b"x".to_vec())).is_err());
+        assert_eq!(
+            current(&Value::BulkString(b"12".to_vec())).ok(),
+            Some(Current::Integer(12))
+        );
+        assert_eq!(
+            current(&Value::BulkString(b"1.5".to_vec())).ok(),
+            Some(Current::NotAnInteger)
+        );
+        assert_eq!(
+            current(&Value::BulkString(b"+1".to_vec())).ok(),
+            Some(Current::NotAnInteger)
+        );
+        assert_eq!(current(&Value::Nil).ok(), Some(Current::Missing));
+    }
+}
