@@ -15,11 +15,13 @@ pub fn on_signals() -> std::io::Result<CancellationToken> {
     let mut int = signal(SignalKind::interrupt())?;
     let cancel = token.clone();
     tokio::spawn(async move {
-        tokio::select! {
-            _ = term.recv() => tracing::info!("SIGTERM received: shutting down"),
-            _ = int.recv() => tracing::info!("SIGINT received: shutting down"),
-        }
+        // Act first, then log: the log line is the part that can fail.
+        let name = tokio::select! {
+            _ = term.recv() => "SIGTERM",
+            _ = int.recv() => "SIGINT",
+        };
         cancel.cancel();
+        tracing::info!("{name} received: shutting down");
         tokio::select! {
             _ = term.recv() => {},
             _ = int.recv() => {},

@@ -663,9 +663,44 @@ impl AggregatorSetup {
         extra: &[&str],
         env: &[(&str, &str)],
     ) -> AggregatorProcess {
-        let metrics_port = free_port();
         let log = log_dir.join(format!("aggregator-{}.log", unique("run")));
         let out = std::fs::File::create(&log).expect("log file");
+        self.spawn_with_output(
+            extra,
+            env,
+            Stdio::from(out.try_clone().expect("log file")),
+            Stdio::from(out),
+            log,
+        )
+    }
+
+    /// Like [`AggregatorSetup::spawn`], with its stdout and stderr going to a pipe that is
+    /// closed once the first line came through: every later log line fails to write.
+    pub fn spawn_with_closed_output(&self) -> AggregatorProcess {
+        let mut process = self.spawn_with_output(
+            &[],
+            &[],
+            Stdio::null(),
+            Stdio::piped(),
+            PathBuf::from("/dev/null"),
+        );
+        let stderr = process.child.stderr.take().expect("piped stderr");
+        let mut first = String::new();
+        std::io::BufRead::read_line(&mut std::io::BufReader::new(stderr), &mut first)
+            .expect("the first log line");
+        assert!(!first.is_empty(), "the aggregator wrote no log line");
+        process
+    }
+
+    fn spawn_with_output(
+        &self,
+        extra: &[&str],
+        env: &[(&str, &str)],
+        stdout: Stdio,
+        stderr: Stdio,
+        log: PathBuf,
+    ) -> AggregatorProcess {
+        let metrics_port = free_port();
         let child = Command::new(binary("tally-aggregator"))
             .args(["--brokers", &brokers()])
             .args(["--topic", &self.topic])
@@ -682,8 +717,8 @@ impl AggregatorSetup {
             .args(extra)
             .envs(env.iter().copied())
             .env("RUST_LOG", "info")
-            .stdout(out.try_clone().expect("log file"))
-            .stderr(out)
+            .stdout(stdout)
+            .stderr(stderr)
             .spawn()
             .expect("tally-aggregator starts");
         AggregatorProcess {

@@ -48,3 +48,23 @@ async fn sigterm_mid_stream_then_restart_loses_and_repeats_nothing() {
 
     second.stop_gracefully().await;
 }
+
+/// An aggregator whose log pipe was closed (`tally-aggregator | head -1`) keeps working and still
+/// shuts down on SIGTERM: a log line it cannot write is dropped, never a panic that leaves the
+/// process half alive and deaf to signals.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_closed_log_pipe_does_not_stop_the_work_or_the_shutdown() {
+    let redis = RedisServer::start().await;
+    let setup = AggregatorSetup::create("closed-pipe", &redis.url(), 4).await;
+    let mut aggregator = setup.spawn_with_closed_output();
+    let spec = LoadSpec {
+        events: 20_000,
+        counters: 500,
+        seed: 12,
+        ..LoadSpec::default()
+    };
+    let sent = finish_load(start_load(&setup.topic, spec), 20_000).await;
+    let reader = redis.reader(setup.keyspace()).await;
+    wait_for_totals(&reader, &sent.totals, Duration::from_secs(60)).await;
+    aggregator.stop_gracefully().await;
+}
