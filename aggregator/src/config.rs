@@ -153,6 +153,9 @@ pub struct Settings {
     /// Longest a rebalance may spend flushing revoked partitions, in ms [default: 20000]
     #[arg(long, env = "TALLY_REVOKE_TIMEOUT_MS")]
     pub revoke_timeout_ms: Option<u64>,
+    /// How often a partition with nothing to flush checks that Redis still holds its writes (exactly-once), in ms [default: 5000]
+    #[arg(long, env = "TALLY_CHECK_IDLE_INTERVAL_MS")]
+    pub check_idle_interval_ms: Option<u64>,
     /// Longest wait between two retries of a failed flush, in ms [default: 2000]
     #[arg(long, env = "TALLY_RETRY_MAX_BACKOFF_MS")]
     pub retry_max_backoff_ms: Option<u64>,
@@ -228,6 +231,8 @@ pub struct Config {
     pub revoke_timeout: Duration,
     /// Longest wait between flush retries.
     pub retry_max_backoff: Duration,
+    /// How often an idle owned partition checks its standing in Redis.
+    pub check_idle_interval: Duration,
     /// Delivery guarantee.
     pub delivery: Delivery,
     /// Which group an event's delta goes to.
@@ -309,6 +314,7 @@ impl Settings {
             shutdown_timeout_ms,
             revoke_timeout_ms,
             retry_max_backoff_ms,
+            check_idle_interval_ms,
             delivery,
             grouping,
             redis_atomicity,
@@ -355,6 +361,10 @@ impl Settings {
         let retry_max_backoff_ms = positive(
             "retry_max_backoff_ms",
             self.retry_max_backoff_ms.unwrap_or(2_000),
+        )?;
+        let check_idle_interval_ms = positive(
+            "check_idle_interval_ms",
+            self.check_idle_interval_ms.unwrap_or(5_000),
         )?;
         let topic = self.topic.unwrap_or_else(|| "tally.events".to_owned());
         let dead_letter_topic = self
@@ -407,6 +417,7 @@ impl Settings {
             shutdown_timeout: Duration::from_millis(shutdown_timeout_ms),
             revoke_timeout: Duration::from_millis(revoke_timeout_ms),
             retry_max_backoff: Duration::from_millis(retry_max_backoff_ms),
+            check_idle_interval: Duration::from_millis(check_idle_interval_ms),
             delivery: self.delivery.unwrap_or_default(),
             grouping: self.grouping.unwrap_or_default().into(),
             redis_atomicity,

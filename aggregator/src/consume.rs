@@ -69,6 +69,9 @@ pub struct LoopSettings {
     pub revoke_timeout: Duration,
     /// Longest flush at shutdown.
     pub shutdown_timeout: Duration,
+    /// How often an owned partition with nothing to flush checks that Redis still holds what it
+    /// wrote (exactly-once), so that a rollback is re-fed without waiting for new events.
+    pub check_idle_interval: Duration,
 }
 
 /// How a run ended.
@@ -90,10 +93,12 @@ pub(crate) struct Partition {
     pub(crate) state: Ownership,
     /// Events not yet handed to a flush.
     pub(crate) buffer: Batch,
-    /// The flush in progress, if any.
+    /// The flush (or check of an idle partition) in progress, if any.
     pub(crate) in_flight: Option<InFlight>,
     /// Whether fetching is paused because the buffer is full.
     pub(crate) paused: bool,
+    /// When Redis last confirmed this owner's standing (a durable flush or a check).
+    pub(crate) confirmed: Instant,
 }
 
 /// Where a partition's ownership stands.
@@ -327,6 +332,12 @@ impl<S: Sink> Shared<S> {
             if st.in_flight.is_none() && st.buffer.is_due(&self.settings.limits, now) {
                 self.start_flush(partition, st);
             }
+            if st.in_flight.is_none()
+                && st.buffer.events() == 0
+                && now.duration_since(st.confirmed) >= self.settings.check_idle_interval
+            {
+                self.start_check(partition, st, now);
+            }
             buffered += st.buffer.events() + st.in_flight.as_ref().map_or(0, |f| f.events);
             paused += usize::from(st.paused);
         }
@@ -360,6 +371,28 @@ impl<S: Sink> Shared<S> {
             outcome
         });
         st.in_flight = Some(InFlight { handle, events });
+    }
+
+    /// Checks an idle owned partition's standing in Redis, as its in-flight task.
+    fn start_check(&self, partition: i32, st: &mut Partition, now: Instant) {
+        let Ownership::Owned(owner) = &st.state else {
+            return;
+        };
+        st.confirmed = now;
+        let owner = owner.clone();
+        let flusher = self.flusher.clone();
+        let done_tx = self.done_tx.clone();
+        let generation = st.generation;
+        let handle = tokio::spawn(async move {
+            let outcome = flusher.verify(partition, &owner).await;
+            let _ = done_tx.send(Report::Flushed {
+                partition,
+                generation,
+                outcome: outcome.clone(),
+            });
+            outcome
+        });
+        st.in_flight = Some(InFlight { handle, events: 0 });
     }
 
     /// A task reported back.
@@ -404,6 +437,7 @@ impl<S: Sink> Shared<S> {
                 }
                 tracing::info!(partition, epoch = owner.epoch, ?resume, "partition owned");
                 st.state = Ownership::Owned(owner);
+                st.confirmed = Instant::now();
                 self.set_paused(consumer, partition, false);
             }
         }
@@ -423,8 +457,10 @@ impl<S: Sink> Shared<S> {
                 if let Some(owner) = owner {
                     st.state = Ownership::Owned(owner);
                 }
-                next_offset
+                st.confirmed = Instant::now();
+                Some(next_offset)
             }
+            FlushOutcome::Verified => None,
             FlushOutcome::Fenced => {
                 st.state = Ownership::Fenced;
                 st.buffer = Batch::default();
@@ -442,6 +478,20 @@ impl<S: Sink> Shared<S> {
             }
             FlushOutcome::Cancelled => return,
         };
+        if let Some(next_offset) = next_offset {
+            self.durable(consumer, partition, next_offset);
+        }
+        if st.buffer.is_due(&self.settings.limits, Instant::now()) {
+            self.start_flush(partition, st);
+        }
+        if st.paused && !st.buffer.is_full(&self.settings.limits) {
+            self.set_paused(consumer, partition, false);
+            st.paused = false;
+        }
+    }
+
+    /// A flush up to `next_offset` is durable: commit it.
+    fn durable(&self, consumer: &AggConsumer<S>, partition: i32, next_offset: i64) {
         if let Some(limit) = self.settings.crash_after_flushes {
             let n = self
                 .flushes
@@ -453,13 +503,6 @@ impl<S: Sink> Shared<S> {
             }
         }
         self.commit(consumer, &[(partition, next_offset)], CommitMode::Async);
-        if st.buffer.is_due(&self.settings.limits, Instant::now()) {
-            self.start_flush(partition, st);
-        }
-        if st.paused && !st.buffer.is_full(&self.settings.limits) {
-            self.set_paused(consumer, partition, false);
-            st.paused = false;
-        }
     }
 
     /// Starts acquiring exactly-once ownership of `partition`, retrying until it succeeds; the

@@ -16,12 +16,15 @@
 //! that never received anything: [`resume_offset`] rewinds to the rolled-back group's ledger, and
 //! the consume loop skips, per group, every message below that group's current ledger entry. So a
 //! crash between two groups' writes, a retried write whose first attempt landed, and a Redis that
-//! came back older all end with every offset applied exactly once.
+//! came back older all end with every offset applied exactly once. A partition with nothing to
+//! flush is [`verify`]d every little while, so that a rollback is noticed and re-fed even when no
+//! new event arrives.
 
 use tally_common::Keyspace;
 use tally_common::keyspace::partition_field;
 
-use crate::sink::{Sink, SinkError, Stamp};
+use crate::sink::{Applied, Sink, SinkError, Stamp};
+use crate::transactions::fenced;
 
 /// What an owner knows about its partition.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -160,6 +163,26 @@ pub async fn acquire<S: Sink>(
             resume,
         ));
     }
+}
+
+/// Checks that Redis still holds what `owner` saw land: its epoch in every group's fence, and in
+/// every group a ledger entry at least where the owner left it. Returns [`Applied::Written`] when
+/// it does, [`Applied::Fenced`] when a newer owner stamped a fence, and [`Applied::RolledBack`]
+/// when a group lost writes (a Redis back from a crash with an older state), so that an idle
+/// partition is re-fed without waiting for its next event.
+pub async fn verify<S: Sink>(sink: &S, owner: &Owner) -> Result<Applied, SinkError> {
+    for (group, &expected) in owner.ledgers.iter().enumerate() {
+        let (fence, ledger) = sink
+            .read_fence_and_ledger(group as u32, &owner.field)
+            .await?;
+        if fence != Some(owner.epoch) {
+            return Ok(fenced(fence, owner.epoch));
+        }
+        if ledger.unwrap_or(-1) < expected {
+            return Ok(Applied::RolledBack);
+        }
+    }
+    Ok(Applied::Written)
 }
 
 #[cfg(test)]

@@ -39,6 +39,9 @@ pub enum FlushOutcome {
     },
     /// Cancelled before it was durable; nothing may be committed.
     Cancelled,
+    /// Not a flush but a check of an idle partition ([`Flusher::verify`]): Redis still holds
+    /// everything it was given (or could not be asked). Nothing to commit.
+    Verified,
     /// Refused by a fence: the partition belongs to a newer owner. Nothing may be committed.
     Fenced,
     /// A group lost writes this owner had seen land (Redis restarted from an older state).
@@ -187,6 +190,22 @@ impl<S: Sink> Flusher<S> {
             }
         }
         Ok(owner)
+    }
+
+    /// Checks an idle partition's standing in Redis ([`crate::fence::verify`]): a rollback found
+    /// here re-feeds the partition without waiting for its next event.
+    pub async fn verify(&self, partition: i32, owner: &Owner) -> FlushOutcome {
+        match crate::fence::verify(&self.sink, owner).await {
+            Ok(Applied::Written) => FlushOutcome::Verified,
+            Ok(Applied::Fenced) => self.fenced(partition, owner.home),
+            Ok(_) => self.rolled_back(partition, owner.home),
+            Err(error) => {
+                // The next check (or the next flush) asks again.
+                self.metrics.redis_error();
+                tracing::debug!(partition, %error, "checking an idle partition failed");
+                FlushOutcome::Verified
+            }
+        }
     }
 
     fn fenced(&self, partition: i32, group: u32) -> FlushOutcome {

@@ -118,6 +118,7 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<RunSumma
         max_message_bytes: config.max_message_bytes,
         revoke_timeout: config.revoke_timeout,
         shutdown_timeout: config.shutdown_timeout,
+        check_idle_interval: config.check_idle_interval,
     };
     let aggregator = Aggregator::new(&kafka, settings, flusher)?;
     tracing::info!(

@@ -94,6 +94,8 @@ impl<S: Sink> Shared<S> {
                             durable = Some(next_offset);
                             owner = after.or(owner);
                         }
+                        // A check of an idle partition, not a flush: nothing to commit.
+                        FlushOutcome::Verified => {}
                         // Committing the buffer behind it would skip the lost batch: stop here.
                         FlushOutcome::Cancelled
                         | FlushOutcome::Fenced
@@ -103,6 +105,7 @@ impl<S: Sink> Shared<S> {
                 if let Some(batch) = st.buffer.seal() {
                     match flusher.flush(partition, batch, owner, &cancel).await {
                         FlushOutcome::Durable { next_offset, .. } => durable = Some(next_offset),
+                        FlushOutcome::Verified => {}
                         FlushOutcome::Cancelled
                         | FlushOutcome::Fenced
                         | FlushOutcome::RolledBack => return (partition, Err(())),
@@ -194,6 +197,7 @@ impl<S: Sink> Shared<S> {
                     buffer: Batch::default(),
                     in_flight: None,
                     paused: false,
+                    confirmed: Instant::now(),
                 },
             );
         }

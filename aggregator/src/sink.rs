@@ -180,6 +180,13 @@ pub trait Sink: Clone + Send + Sync + 'static {
         watermark: &str,
     ) -> impl Future<Output = Result<Applied, SinkError>> + Send;
 
+    /// Reads the partition's fence (epoch) and ledger entry in `group`, in one slot.
+    fn read_fence_and_ledger(
+        &self,
+        group: u32,
+        field: &str,
+    ) -> impl Future<Output = Result<(Option<u64>, Option<i64>), SinkError>> + Send;
+
     /// Reads the partition's watermark from its home group.
     fn read_watermark(
         &self,
@@ -479,6 +486,19 @@ impl Sink for RedisSink {
             |t| t.write_watermark(home, field, epoch, watermark),
         )
         .await
+    }
+
+    async fn read_fence_and_ledger(
+        &self,
+        group: u32,
+        field: &str,
+    ) -> Result<(Option<u64>, Option<i64>), SinkError> {
+        let mut conn = self.conn.clone();
+        Ok(redis::pipe()
+            .hget(self.keyspace.fence_key(group), field)
+            .hget(self.keyspace.ledger_key(group), field)
+            .query_async(&mut conn)
+            .await?)
     }
 
     async fn read_watermark(&self, home: u32, field: &str) -> Result<Option<String>, SinkError> {

@@ -89,3 +89,47 @@ async fn redis_back_with_an_older_state_is_re_fed_from_kafka() {
     assert!(rollbacks >= 1.0, "the rollback was noticed ({rollbacks})");
     aggregator.stop_gracefully().await;
 }
+
+/// Redis comes back older after the load has ended: no new event will ever arrive to trigger a
+/// flush, yet the idle partitions notice (their periodic check finds a ledger entry or fence
+/// older than what they wrote) and re-feed the lost range.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rollback_after_the_last_event_is_still_re_fed() {
+    let _serial = tally_tests::serial().await;
+    let seed = seed();
+    let dir = TempDir::new("tally-fault");
+    let mut redis = RedisServer::start().await;
+    let setup = AggregatorSetup::create("redis-idle-rollback", &redis.url(), 8).await;
+    let mut aggregator = setup.spawn(dir.path(), &["--check-idle-interval-ms", "1000"]);
+    let load = start_load(
+        &setup.topic,
+        LoadSpec {
+            events: 60_000,
+            ..spec(seed)
+        },
+    );
+    aggregator
+        .wait_metric("tally_flushes_total", 10.0, Duration::from_secs(60))
+        .await;
+    redis.snapshot().await;
+    let sent = finish_load(load, 60_000).await;
+    let reader = redis.reader(setup.keyspace()).await;
+    wait_for_totals(&reader, &sent.totals, Duration::from_secs(60)).await;
+
+    let before = aggregator
+        .metric("tally_redis_rollbacks_total")
+        .await
+        .unwrap_or(0.0);
+    assert_eq!(before, 0.0, "a rollback before the restore");
+
+    redis.restore_snapshot().await;
+    let reader = redis.reader(setup.keyspace()).await;
+    wait_for_totals(&reader, &sent.totals, Duration::from_secs(60)).await;
+    let rollbacks = aggregator
+        .metric("tally_redis_rollbacks_total")
+        .await
+        .unwrap_or(0.0);
+    eprintln!("rollbacks noticed by idle partitions: {rollbacks}");
+    assert!(rollbacks >= 1.0, "the rollback was noticed ({rollbacks})");
+    aggregator.stop_gracefully().await;
+}
