@@ -84,3 +84,38 @@ async fn cluster_node_killed_and_restarted_grouped_by_actor() {
     let _serial = tally_tests::serial().await;
     node_restart("actor").await;
 }
+
+/// At-least-once mode on a cluster: each group's `MULTI`/`EXEC` is single-slot, so a clean run
+/// (no faults: nothing to replay) ends exact, for both grouping rules, without CROSSSLOT.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_at_least_once_counts_a_clean_stream_exactly() {
+    let _serial = tally_tests::serial().await;
+    let cluster = RedisCluster::start().await;
+    for grouping in ["partition", "actor"] {
+        let dir = TempDir::new("tally-cluster-alo");
+        let setup =
+            AggregatorSetup::create(&format!("cluster-alo-{grouping}"), &cluster.url(), 8).await;
+        let mut aggregator = setup.spawn(
+            dir.path(),
+            &["--delivery", "at-least-once", "--grouping", grouping],
+        );
+        let spec = LoadSpec {
+            events: 100_000,
+            counters: 3_000,
+            max_delta: 5,
+            negative_share: 0.3,
+            actors: 10_000,
+            seed: seed(),
+            ..LoadSpec::default()
+        };
+        let sent = finish_load(start_load(&setup.topic, spec), 100_000).await;
+        wait_for_totals(
+            &cluster.reader(setup.keyspace()).await,
+            &sent.totals,
+            Duration::from_secs(60),
+        )
+        .await;
+        aggregator.stop_gracefully().await;
+        assert_no_crossslot(dir.path());
+    }
+}
