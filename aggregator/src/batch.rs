@@ -1,5 +1,6 @@
-//! One partition's buffer: deltas summed per shard group and counter, plus the malformed messages
-//! to dead-letter, up to the offset of the last message added.
+//! One partition's buffer: deltas summed per shard group and counter, the last like or unlike of
+//! each (counter, actor) in deduplicating namespaces, plus the malformed messages to dead-letter,
+//! up to the offset of the last message added.
 //!
 //! A [`Batch`] grows as messages arrive and is *sealed* into a [`SealedBatch`] when a flush
 //! starts. The flush triggers live here too ([`Limits`]): a batch is due when it is older than
@@ -22,13 +23,54 @@ pub struct Limits {
     pub max_counters: usize,
 }
 
+/// A like (`like == true`) or unlike of `counter` by `actor`, in a deduplicating namespace: the
+/// flush adds the actor to the counter's membership set and counts 1 only if it was not there,
+/// or removes it and takes 1 back only if it was.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Member {
+    /// The counter.
+    pub counter: String,
+    /// Who.
+    pub actor: String,
+    /// Like (true) or unlike (false).
+    pub like: bool,
+}
+
+/// What one shard group receives from a batch.
+#[derive(Debug, Default)]
+struct GroupBuffer {
+    /// Summed delta per counter id.
+    deltas: HashMap<String, i64>,
+    /// The last action per (counter, actor): only the last one matters, since membership is a
+    /// state, not a sum.
+    members: HashMap<(String, String), bool>,
+}
+
+/// One shard group's part of a sealed batch.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct GroupBatch {
+    /// The group.
+    pub group: u32,
+    /// Non-zero summed deltas per counter.
+    pub deltas: Vec<(String, i64)>,
+    /// Likes and unlikes, one per (counter, actor).
+    pub members: Vec<Member>,
+}
+
+impl GroupBatch {
+    /// Distinct writes: counters with a delta, plus memberships.
+    pub fn writes(&self) -> usize {
+        self.deltas.len() + self.members.len()
+    }
+}
+
 /// The buffer of one partition.
 #[derive(Debug, Default)]
 pub struct Batch {
-    /// Summed delta per counter id, per shard group (one entry per group that has any; a
-    /// partition grouped by partition has exactly one).
-    groups: Vec<(u32, HashMap<String, i64>)>,
-    /// Distinct (group, counter) entries over all groups.
+    /// Per shard group (one entry per group that has anything; a partition grouped by
+    /// partition has exactly one).
+    groups: Vec<(u32, GroupBuffer)>,
+    /// Distinct (group, counter) and (group, counter, actor) entries over all groups.
     entries: usize,
     /// Malformed messages waiting to be copied to the dead-letter topic.
     dead_letters: Vec<DeadLetter>,
@@ -44,8 +86,8 @@ pub struct Batch {
 #[derive(Debug)]
 pub struct SealedBatch {
     /// Per shard group, the non-zero summed deltas per counter (deltas that cancelled out are
-    /// left out, and so are groups left with none).
-    pub groups: Vec<(u32, Vec<(String, i64)>)>,
+    /// left out, and so are groups left with nothing) and the memberships.
+    pub groups: Vec<GroupBatch>,
     /// Malformed messages to copy to the dead-letter topic before the offset moves.
     pub dead_letters: Vec<DeadLetter>,
     /// Messages in the batch.
@@ -55,22 +97,16 @@ pub struct SealedBatch {
 }
 
 impl SealedBatch {
-    /// Distinct (group, counter) writes in the batch.
+    /// Distinct (group, counter) writes and memberships in the batch.
     pub fn writes(&self) -> usize {
-        self.groups.iter().map(|(_, d)| d.len()).sum()
+        self.groups.iter().map(GroupBatch::writes).sum()
     }
 }
 
 impl Batch {
     /// Adds a valid event at `offset`, bound for shard group `group`.
     pub fn add(&mut self, group: u32, counter: &str, delta: i64, offset: i64) {
-        let deltas = match self.groups.iter().position(|(g, _)| *g == group) {
-            Some(i) => &mut self.groups[i].1,
-            None => {
-                self.groups.push((group, HashMap::new()));
-                &mut self.groups.last_mut().expect("just pushed").1
-            }
-        };
+        let deltas = &mut self.group(group).deltas;
         // Look up by &str first: the common case (a counter already in the batch) allocates nothing.
         match deltas.get_mut(counter) {
             // Cannot overflow: |delta| <= 10^12 and a batch holds far fewer than 9.2 million events.
@@ -81,6 +117,30 @@ impl Batch {
             }
         }
         self.advance(offset);
+    }
+
+    /// Adds a like (or unlike) of `counter` by `actor` at `offset`, bound for `group` (the
+    /// actor's). A later action of the same actor on the same counter replaces it.
+    pub fn add_member(&mut self, group: u32, counter: &str, actor: &str, like: bool, offset: i64) {
+        let members = &mut self.group(group).members;
+        if members
+            .insert((counter.to_owned(), actor.to_owned()), like)
+            .is_none()
+        {
+            self.entries += 1;
+        }
+        self.advance(offset);
+    }
+
+    fn group(&mut self, group: u32) -> &mut GroupBuffer {
+        let i = match self.groups.iter().position(|(g, _)| *g == group) {
+            Some(i) => i,
+            None => {
+                self.groups.push((group, GroupBuffer::default()));
+                self.groups.len() - 1
+            }
+        };
+        &mut self.groups[i].1
     }
 
     /// Records that the message at `offset` needs nothing from this batch (its delta was already
@@ -133,8 +193,20 @@ impl Batch {
             groups: taken
                 .groups
                 .into_iter()
-                .map(|(g, deltas)| (g, deltas.into_iter().filter(|(_, d)| *d != 0).collect()))
-                .filter(|(_, deltas): &(u32, Vec<(String, i64)>)| !deltas.is_empty())
+                .map(|(group, buffer)| GroupBatch {
+                    group,
+                    deltas: buffer.deltas.into_iter().filter(|(_, d)| *d != 0).collect(),
+                    members: buffer
+                        .members
+                        .into_iter()
+                        .map(|((counter, actor), like)| Member {
+                            counter,
+                            actor,
+                            like,
+                        })
+                        .collect(),
+                })
+                .filter(|g| g.writes() > 0)
                 .collect(),
             dead_letters: taken.dead_letters,
             events: taken.events,
@@ -146,6 +218,44 @@ impl Batch {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn deltas(group: u32, deltas: &[(&str, i64)]) -> GroupBatch {
+        GroupBatch {
+            group,
+            deltas: deltas.iter().map(|(c, d)| ((*c).to_owned(), *d)).collect(),
+            members: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn keeps_the_last_action_per_counter_and_actor() {
+        let mut b = Batch::default();
+        b.add_member(2, "likes:p:1", "u1", true, 0);
+        b.add_member(2, "likes:p:1", "u1", false, 1);
+        b.add_member(2, "likes:p:1", "u2", true, 2);
+        b.add_member(2, "likes:p:1", "u2", true, 3);
+        b.add_member(2, "likes:p:2", "u1", true, 4);
+        let sealed = b.seal().expect("not empty");
+        let mut members = sealed.groups[0].members.clone();
+        members.sort();
+        let m = |c: &str, a: &str, like| Member {
+            counter: c.to_owned(),
+            actor: a.to_owned(),
+            like,
+        };
+        assert_eq!(
+            members,
+            [
+                m("likes:p:1", "u1", false),
+                m("likes:p:1", "u2", true),
+                m("likes:p:2", "u1", true)
+            ]
+        );
+        assert_eq!(
+            (sealed.events, sealed.writes(), sealed.next_offset),
+            (5, 3, 5)
+        );
+    }
 
     fn limits() -> Limits {
         Limits {
@@ -163,7 +273,7 @@ mod tests {
         b.add(0, "a", -5, 12);
         b.add(0, "b", -1, 13);
         let sealed = b.seal().expect("not empty");
-        assert_eq!(sealed.groups, vec![(0, vec![("a".to_owned(), -3)])]);
+        assert_eq!(sealed.groups, vec![deltas(0, &[("a", -3)])]);
         assert_eq!((sealed.events, sealed.next_offset), (4, 14));
         assert!(b.is_empty() && b.seal().is_none());
     }
@@ -176,13 +286,10 @@ mod tests {
         b.add(3, "a", 1, 2);
         b.skip(3);
         let mut sealed = b.seal().expect("not empty");
-        sealed.groups.sort();
+        sealed.groups.sort_by_key(|g| g.group);
         assert_eq!(
             sealed.groups,
-            vec![
-                (3, vec![("a".to_owned(), 2)]),
-                (7, vec![("a".to_owned(), 2)])
-            ]
+            vec![deltas(3, &[("a", 2)]), deltas(7, &[("a", 2)])]
         );
         assert_eq!(
             (sealed.events, sealed.next_offset, sealed.writes()),

@@ -10,11 +10,13 @@
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 use serde::Deserialize;
 use tally_common::keyspace::KeyspaceError;
-use tally_common::{GroupingRule, Keyspace};
+use tally_common::namespace::NamespaceError;
+use tally_common::{GroupingRule, Keyspace, Namespaces, Policy};
 
 use crate::batch::Limits;
 
@@ -49,6 +51,9 @@ pub enum ConfigError {
     /// The key prefix or shard group count is invalid.
     #[error(transparent)]
     Keyspace(#[from] KeyspaceError),
+    /// The namespace file is unusable.
+    #[error(transparent)]
+    Namespaces(#[from] NamespaceError),
 }
 
 /// How logs are written.
@@ -165,6 +170,12 @@ pub struct Settings {
     /// Which shard group an event's delta goes to: its partition's or its actor's [default: partition]
     #[arg(long, env = "TALLY_GROUPING", value_enum)]
     pub grouping: Option<Grouping>,
+    /// Raise a directly written counter's shard count when one shard takes more than this many writes per second; 0 turns the shard monitor off [default: 1000]
+    #[arg(long, env = "TALLY_SHARD_THRESHOLD")]
+    pub shard_threshold: Option<u64>,
+    /// TOML file of namespace policies (docs/namespaces.md): dedup, cache TTL, grouping per namespace [default: none, every namespace gets the defaults]
+    #[arg(long, env = "TALLY_NAMESPACES")]
+    pub namespaces: Option<PathBuf>,
     /// How exactly-once writes are made atomic: Lua scripts, WATCH/MULTI/EXEC transactions (for servers that refuse scripts; standalone Redis only), or scripts with a fallback [default: auto]
     #[arg(long, env = "TALLY_REDIS_ATOMICITY", value_enum)]
     pub redis_atomicity: Option<Atomicity>,
@@ -235,8 +246,12 @@ pub struct Config {
     pub check_idle_interval: Duration,
     /// Delivery guarantee.
     pub delivery: Delivery,
-    /// Which group an event's delta goes to.
+    /// Which group an event's delta goes to, for namespaces that do not say.
     pub grouping: GroupingRule,
+    /// Every namespace's policy (grouping, dedup).
+    pub namespaces: Arc<Namespaces>,
+    /// Writes per second per shard above which the shard monitor raises a shard count (0: off).
+    pub shard_threshold: u64,
     /// How exactly-once writes are made atomic.
     pub redis_atomicity: Atomicity,
     /// Log format.
@@ -259,6 +274,8 @@ impl std::fmt::Debug for Config {
             .field("keyspace", &self.keyspace)
             .field("delivery", &self.delivery)
             .field("grouping", &self.grouping)
+            .field("namespaces", &self.namespaces)
+            .field("shard_threshold", &self.shard_threshold)
             .field("redis_atomicity", &self.redis_atomicity)
             .field("max_message_bytes", &self.max_message_bytes)
             .field("shutdown_timeout", &self.shutdown_timeout)
@@ -317,6 +334,8 @@ impl Settings {
             check_idle_interval_ms,
             delivery,
             grouping,
+            namespaces,
+            shard_threshold,
             redis_atomicity,
             log_format
         );
@@ -382,6 +401,23 @@ impl Settings {
                 why: "tally commits offsets itself, only after a flush is durable".to_owned(),
             });
         }
+        let grouping: GroupingRule = self.grouping.unwrap_or_default().into();
+        let namespaces = match &self.namespaces {
+            Some(path) => {
+                Namespaces::from_toml_with_grouping(&Namespaces::read(path)?, Some(grouping))?
+            }
+            None => Namespaces::uniform(Policy {
+                grouping,
+                ..Policy::default()
+            }),
+        };
+        let delivery = self.delivery.unwrap_or_default();
+        if delivery == Delivery::AtLeastOnce && namespaces.any_dedup() {
+            return Err(ConfigError::Invalid {
+                name: "delivery",
+                why: "namespaces that deduplicate need exactly-once delivery".to_owned(),
+            });
+        }
         let redis_url = self
             .redis_url
             .unwrap_or_else(|| "redis://127.0.0.1:6379".to_owned());
@@ -418,8 +454,10 @@ impl Settings {
             revoke_timeout: Duration::from_millis(revoke_timeout_ms),
             retry_max_backoff: Duration::from_millis(retry_max_backoff_ms),
             check_idle_interval: Duration::from_millis(check_idle_interval_ms),
-            delivery: self.delivery.unwrap_or_default(),
-            grouping: self.grouping.unwrap_or_default().into(),
+            delivery,
+            grouping,
+            namespaces: Arc::new(namespaces),
+            shard_threshold: self.shard_threshold.unwrap_or(1_000),
             redis_atomicity,
             log_format: self.log_format.unwrap_or_default(),
             kafka: self.kafka,
@@ -541,6 +579,34 @@ mod tests {
                 ..
             })
         ));
+    }
+
+    #[test]
+    fn namespaces_come_from_their_file_and_dedup_needs_exactly_once() {
+        let dir = std::env::temp_dir().join(format!("tally-ns-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let path = dir.join("namespaces.toml");
+        std::fs::write(&path, "[namespaces.likes]\ndedup = true\n").expect("written");
+        let with = |delivery| Settings {
+            namespaces: Some(path.clone()),
+            delivery: Some(delivery),
+            grouping: Some(Grouping::Partition),
+            ..Settings::default()
+        };
+        let c = with(Delivery::ExactlyOnce).resolve().expect("valid");
+        assert!(c.namespaces.policy("likes:post:1").dedup);
+        assert_eq!(
+            c.namespaces.policy("views:video:1").grouping,
+            GroupingRule::ByPartition
+        );
+        assert!(matches!(
+            with(Delivery::AtLeastOnce).resolve(),
+            Err(ConfigError::Invalid {
+                name: "delivery",
+                ..
+            })
+        ));
+        std::fs::remove_dir_all(dir).ok();
     }
 
     #[test]

@@ -32,7 +32,7 @@ use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
 use rdkafka::error::KafkaError;
 use rdkafka::message::{BorrowedMessage, Message};
 use rdkafka::{ClientConfig, Offset, TopicPartitionList};
-use tally_common::{GroupingRule, Keyspace, codec};
+use tally_common::{Keyspace, Namespaces, codec};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -56,8 +56,8 @@ pub struct LoopSettings {
     pub limits: Limits,
     /// Where each partition's deltas go.
     pub keyspace: Keyspace,
-    /// Which group an event's delta goes to.
-    pub grouping: GroupingRule,
+    /// Each namespace's policy: which group its deltas go to, whether it deduplicates.
+    pub namespaces: Arc<Namespaces>,
     /// Exactly-once (fenced, ledgered writes) or at-least-once.
     pub delivery: Delivery,
     /// Test-only failpoint: abort the process right after this many durable flushes, before
@@ -284,17 +284,37 @@ impl<S: Sink> Shared<S> {
             self.settings.max_message_bytes,
         ) {
             Ok(event) => {
-                let group = self.settings.keyspace.group_for_event(
-                    self.settings.grouping,
-                    partition,
-                    event.actor.as_deref(),
-                );
+                let policy = self.settings.namespaces.policy(&event.counter);
+                let actor = event.actor.as_deref();
+                let group =
+                    self.settings
+                        .keyspace
+                        .group_for_event(policy.grouping, partition, actor);
                 if ledgers.is_some_and(|l| offset < l[group as usize]) {
                     // Applied by this group before a restart: count it once, not twice.
                     st.buffer.skip(offset);
                     self.metrics.skipped();
-                } else {
+                } else if !policy.dedup {
                     st.buffer.add(group, &event.counter, event.delta, offset);
+                } else if let Some(actor) = actor {
+                    st.buffer
+                        .add_member(group, &event.counter, actor, event.delta > 0, offset);
+                } else {
+                    tracing::debug!(partition, offset, "dead-lettering a like without an actor");
+                    st.buffer.add_dead_letter(
+                        DeadLetter {
+                            key: message.key().map(<[u8]>::to_vec),
+                            payload: message.payload().map(<[u8]>::to_vec),
+                            reason: "missing_actor",
+                            error: format!(
+                                "{} is in a namespace that counts one per actor, and the event names no actor",
+                                event.counter
+                            ),
+                            partition,
+                            offset,
+                        },
+                        offset,
+                    );
                 }
             }
             Err(error) => {

@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
 
 use crate::backoff::Backoff;
-use crate::batch::SealedBatch;
+use crate::batch::{GroupBatch, Member, SealedBatch};
 use crate::dead_letter::{DeadLetter, DeadLetterQueue};
 use crate::fence::{Owner, Watermark};
 use crate::metrics::Metrics;
@@ -84,10 +84,11 @@ impl<S: Sink> Flusher<S> {
         }
         let owner = match owner {
             None => {
-                for (group, deltas) in &batch.groups {
+                for g in &batch.groups {
+                    // Memberships never reach this path: dedup namespaces need exactly-once.
                     let applied = self
-                        .retry(partition, *group, cancel, || {
-                            self.sink.apply(*group, deltas)
+                        .retry(partition, g.group, cancel, || {
+                            self.sink.apply(g.group, &g.deltas)
                         })
                         .await;
                     if applied.is_none() {
@@ -130,8 +131,13 @@ impl<S: Sink> Flusher<S> {
     ) -> Result<Owner, FlushOutcome> {
         let next_offset = batch.next_offset;
         // A batch that wrote only into the home group moves the watermark in the same operation.
-        let home_only = batch.groups.len() == 1 && batch.groups[0].0 == owner.home;
-        for (group, deltas) in &mut batch.groups {
+        let home_only = batch.groups.len() == 1 && batch.groups[0].group == owner.home;
+        for GroupBatch {
+            group,
+            deltas,
+            members,
+        } in &mut batch.groups
+        {
             let group = *group;
             let watermark = home_only.then(|| {
                 let mut after = owner.ledgers.clone();
@@ -146,6 +152,7 @@ impl<S: Sink> Flusher<S> {
                     expected_ledger: owner.ledgers[group as usize],
                     next_offset,
                     deltas,
+                    members,
                     watermark: watermark.as_deref(),
                 };
                 let applied = self
@@ -157,16 +164,28 @@ impl<S: Sink> Flusher<S> {
                     Applied::Fenced => return Err(self.fenced(partition, group)),
                     Applied::RolledBack => return Err(self.rolled_back(partition, group)),
                     Applied::Rejected(rejected) => {
-                        let letters =
-                            rejected_letters(partition, group, next_offset, deltas, &rejected);
+                        let letters = rejected_letters(
+                            partition,
+                            group,
+                            next_offset,
+                            deltas,
+                            members,
+                            &rejected,
+                        );
                         if !self.send_dead_letters(partition, &letters, cancel).await {
                             return Err(FlushOutcome::Cancelled);
                         }
+                        // Indexes past the deltas are memberships.
                         let mut indexes: Vec<usize> = rejected.iter().map(|(i, _)| *i).collect();
                         indexes.sort_unstable_by(|a, b| b.cmp(a));
                         indexes.dedup();
+                        let n = deltas.len();
                         for i in indexes {
-                            deltas.swap_remove(i);
+                            if i < n {
+                                deltas.swap_remove(i);
+                            } else {
+                                members.swap_remove(i - n);
+                            }
                         }
                     }
                 }
@@ -303,19 +322,31 @@ fn rejected_letters(
     group: u32,
     next_offset: i64,
     deltas: &[(String, i64)],
+    members: &[Member],
     rejected: &[(usize, String)],
 ) -> Vec<DeadLetter> {
     rejected
         .iter()
         .map(|(i, reason)| {
-            let (counter, delta) = &deltas[*i];
+            let (counter, payload, delta) = match deltas.get(*i) {
+                Some((counter, delta)) => (
+                    counter,
+                    serde_json::json!({ "counter": counter, "delta": delta }),
+                    *delta,
+                ),
+                None => {
+                    let m = &members[*i - deltas.len()];
+                    let delta = if m.like { 1 } else { -1 };
+                    (
+                        &m.counter,
+                        serde_json::json!({ "counter": m.counter, "actor": m.actor, "delta": delta }),
+                        delta,
+                    )
+                }
+            };
             DeadLetter {
                 key: Some(counter.clone().into_bytes()),
-                payload: Some(
-                    serde_json::json!({ "counter": counter, "delta": delta })
-                        .to_string()
-                        .into_bytes(),
-                ),
+                payload: Some(payload.to_string().into_bytes()),
                 reason: match reason.as_str() {
                     "overflow" => "overflow",
                     "wrong_type" => "wrong_type",

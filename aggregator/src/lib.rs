@@ -16,6 +16,7 @@
 //! - [`dead_letter`]: the dead-letter topic for malformed messages.
 //! - [`metrics`] and [`http`]: Prometheus metrics on `/metrics`, and `/healthz`.
 //! - [`backoff`]: capped exponential backoff.
+//! - [`shard_monitor`]: raises the shard counts of directly written counters that run hot.
 //! - [`shutdown`]: signals into a cancellation token.
 //! - [`load`]: the traffic generator behind `tally load`.
 //! - [`verify`]: waiting until Redis holds known totals (`tally verify`, demo, tests).
@@ -31,6 +32,7 @@ pub mod http;
 pub mod load;
 pub mod metrics;
 pub mod rebalance;
+pub mod shard_monitor;
 pub mod shutdown;
 pub mod sink;
 pub mod transactions;
@@ -89,6 +91,15 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<RunSumma
         })?;
     tracing::info!(%addr, "serving /metrics and /healthz");
     let conn = tally_common::RedisConn::connect(&config.redis_url).await?;
+    if config.shard_threshold > 0 {
+        let monitor = shard_monitor::ShardMonitor {
+            conn: conn.clone(),
+            keyspace: config.keyspace.clone(),
+            threshold: config.shard_threshold,
+            metrics: Some(metrics.clone()),
+        };
+        tokio::spawn(monitor.run(shutdown.clone()));
+    }
     let kafka = kafka_client_config(&config);
     let flusher = flush::Flusher {
         sink: RedisSink::new(
@@ -110,7 +121,7 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<RunSumma
         topic: config.topic.clone(),
         limits: config.limits,
         keyspace: config.keyspace.clone(),
-        grouping: config.grouping,
+        namespaces: config.namespaces.clone(),
         delivery: config.delivery,
         crash_after_flushes: std::env::var("TALLY_FAILPOINT_CRASH_AFTER_FLUSHES")
             .ok()

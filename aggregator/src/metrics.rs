@@ -43,6 +43,8 @@ pub struct Metrics {
     paused_partitions: IntGauge,
     /// Consumer lag per partition, from librdkafka's statistics.
     consumer_lag: IntGaugeVec,
+    /// Shard counts raised by the shard monitor.
+    shard_raises: IntCounter,
 }
 
 impl Metrics {
@@ -110,6 +112,10 @@ impl Metrics {
             ),
             &["partition"],
         );
+        let shard_raises = IntCounter::new(
+            "tally_shard_raises_total",
+            "Shard counts of directly written counters raised by the shard monitor.",
+        );
         // Metric names and label sets are fixed above; building them cannot fail.
         let metrics = Self {
             registry,
@@ -127,8 +133,10 @@ impl Metrics {
             assigned_partitions: assigned_partitions.expect("valid metric"),
             paused_partitions: paused_partitions.expect("valid metric"),
             consumer_lag: consumer_lag.expect("valid metric"),
+            shard_raises: shard_raises.expect("valid metric"),
         };
-        let collectors: [Box<dyn prometheus::core::Collector>; 14] = [
+        let collectors: [Box<dyn prometheus::core::Collector>; 15] = [
+            Box::new(metrics.shard_raises.clone()),
             Box::new(metrics.rollbacks.clone()),
             Box::new(metrics.fenced_writes.clone()),
             Box::new(metrics.skipped_events.clone()),
@@ -184,6 +192,11 @@ impl Metrics {
     /// Redis was found to have lost a partition's writes.
     pub fn rolled_back(&self) {
         self.rollbacks.inc();
+    }
+
+    /// The shard monitor raised a counter's shard count.
+    pub fn shard_raised(&self) {
+        self.shard_raises.inc();
     }
 
     /// A message was passed over because its group had already applied it.

@@ -24,6 +24,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use redis::ErrorKind;
 use tally_common::{Keyspace, RedisConn};
 
+use crate::batch::Member;
 use crate::config::Atomicity;
 use crate::transactions::{Transactions, fenced};
 
@@ -103,6 +104,8 @@ pub struct GroupWrite<'a> {
     pub next_offset: i64,
     /// `(counter, delta)` pairs to add.
     pub deltas: &'a [(String, i64)],
+    /// Likes and unlikes: membership changes, each counting only if it changes the membership.
+    pub members: &'a [Member],
     /// The watermark to store in this group in the same operation, if it is the home group.
     pub watermark: Option<&'a str>,
 }
@@ -119,8 +122,9 @@ pub enum Applied {
     /// The group lost writes the writer had seen land (its ledger entry, or its fence, is older
     /// than the writer's): Redis came back from a crash with an older state. Nothing written.
     RolledBack,
-    /// Nothing written, because these deltas (by index) cannot be applied, with the reason
-    /// (`overflow`, `wrong_type`, `not_an_integer`).
+    /// Nothing written, because these deltas (by index; indexes past the deltas are
+    /// memberships) cannot be applied, with the reason (`overflow`, `wrong_type`,
+    /// `not_an_integer`).
     Rejected(Vec<(usize, String)>),
 }
 
@@ -334,7 +338,8 @@ impl RedisSink {
             .arg(write.epoch)
             .arg(write.expected_ledger)
             .arg(write.next_offset)
-            .arg(write.watermark.unwrap_or(""));
+            .arg(write.watermark.unwrap_or(""))
+            .arg(write.deltas.len());
         let mut key = String::new();
         for (counter, _) in write.deltas {
             ks.write_counter_key(&mut key, write.group, counter);
@@ -342,6 +347,13 @@ impl RedisSink {
         }
         for (_, delta) in write.deltas {
             invocation.arg(*delta);
+        }
+        for member in write.members {
+            invocation
+                .key(ks.member_key(write.group, &member.counter))
+                .key(ks.counter_key(write.group, &member.counter))
+                .arg(&member.actor)
+                .arg(if member.like { "1" } else { "0" });
         }
         let mut conn = self.conn.clone();
         let reply: Vec<String> = invocation.invoke_async(&mut conn).await?;
@@ -356,7 +368,7 @@ impl RedisSink {
                     [index, reason] => index
                         .parse::<usize>()
                         .ok()
-                        .filter(|i| (1..=write.deltas.len()).contains(i))
+                        .filter(|i| (1..=write.deltas.len() + write.members.len()).contains(i))
                         .map(|i| (i - 1, reason.clone()))
                         .ok_or_else(|| unexpected(&reply)),
                     _ => Err(unexpected(&reply)),

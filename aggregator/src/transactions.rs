@@ -82,11 +82,40 @@ pub fn rejections(currents: &[Current], deltas: &[(String, i64)]) -> Vec<(usize,
         .collect()
 }
 
+/// What a membership's keys hold.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MemberState {
+    /// Whether the actor is in the set; `None` when the key is not a set.
+    pub member: Option<bool>,
+    /// The counter's share in the group.
+    pub counter: Current,
+}
+
+/// Why these memberships cannot be applied, by index (after the `deltas` deltas).
+fn member_rejections(states: &[MemberState], deltas: usize) -> Vec<(usize, String)> {
+    states
+        .iter()
+        .enumerate()
+        .filter_map(|(j, state)| {
+            let reason = match (&state.member, &state.counter) {
+                (None, _) => "wrong_type".to_owned(),
+                (Some(_), counter) => {
+                    rejections(std::slice::from_ref(counter), &[(String::new(), 1)])
+                        .pop()?
+                        .1
+                }
+            };
+            Some((deltas + j, reason))
+        })
+        .collect()
+}
+
 /// The flush decision before any write, the same as `scripts/flush.lua`: `None` means write.
 pub fn flush_verdict(
     fence: Option<u64>,
     ledger: Option<i64>,
     currents: &[Current],
+    members: &[MemberState],
     write: &GroupWrite<'_>,
 ) -> Option<Applied> {
     if fence != Some(write.epoch) {
@@ -99,7 +128,8 @@ pub fn flush_verdict(
     if applied < write.expected_ledger {
         return Some(Applied::RolledBack);
     }
-    let rejected = rejections(currents, write.deltas);
+    let mut rejected = rejections(currents, write.deltas);
+    rejected.extend(member_rejections(members, write.deltas.len()));
     (!rejected.is_empty()).then_some(Applied::Rejected(rejected))
 }
 
@@ -231,38 +261,98 @@ impl Transactions {
     pub async fn apply_fenced(&self, write: GroupWrite<'_>) -> Result<Applied, SinkError> {
         let ks = &self.keyspace;
         let (fence_key, ledger_key) = (ks.fence_key(write.group), ks.ledger_key(write.group));
+        let counter_keys: Vec<String> = write
+            .deltas
+            .iter()
+            .map(|(counter, _)| ks.counter_key(write.group, counter))
+            .collect();
+        let member_keys: Vec<(String, String)> = write
+            .members
+            .iter()
+            .map(|m| {
+                (
+                    ks.member_key(write.group, &m.counter),
+                    ks.counter_key(write.group, &m.counter),
+                )
+            })
+            .collect();
         let mut watch = vec![fence_key.clone(), ledger_key.clone()];
-        let mut key = String::new();
-        for (counter, _) in write.deltas {
-            ks.write_counter_key(&mut key, write.group, counter);
-            watch.push(key.clone());
+        watch.extend(counter_keys.iter().cloned());
+        for (set, counter) in &member_keys {
+            watch.push(set.clone());
+            watch.push(counter.clone());
         }
         let mut reads = redis::pipe();
         reads.ignore_errors();
         reads
             .hget(&fence_key, write.field)
             .hget(&ledger_key, write.field);
-        for key in &watch[2..] {
+        for key in &counter_keys {
             reads.get(key);
         }
+        for ((set, counter), m) in member_keys.iter().zip(write.members) {
+            reads.sismember(set, &m.actor).get(counter);
+        }
+        let n = counter_keys.len();
         self.optimistic(&watch, &reads, |replies| {
-            let [fence, ledger, counters @ ..] = replies else {
+            let [fence, ledger, rest @ ..] = replies else {
                 return Err(protocol_error(
                     "short reply",
                     &Value::Array(replies.to_vec()),
                 ));
             };
-            let currents = counters
+            if rest.len() != n + 2 * write.members.len() {
+                return Err(protocol_error(
+                    "short reply",
+                    &Value::Array(replies.to_vec()),
+                ));
+            }
+            let currents = rest[..n]
                 .iter()
                 .map(current)
                 .collect::<Result<Vec<_>, _>>()?;
-            if let Some(verdict) = flush_verdict(number(fence)?, number(ledger)?, &currents, &write)
+            let states = rest[n..]
+                .chunks(2)
+                .map(|pair| {
+                    Ok(MemberState {
+                        member: match &pair[0] {
+                            Value::Int(n) => Some(*n == 1),
+                            Value::ServerError(e) if e.code() == "WRONGTYPE" => None,
+                            v => return Err(protocol_error("SISMEMBER reply", v)),
+                        },
+                        counter: current(&pair[1])?,
+                    })
+                })
+                .collect::<Result<Vec<_>, SinkError>>()?;
+            if let Some(verdict) =
+                flush_verdict(number(fence)?, number(ledger)?, &currents, &states, &write)
             {
                 return Ok(Plan::Done(verdict));
             }
             let mut writes = redis::pipe();
-            for (key, (_, delta)) in watch[2..].iter().zip(write.deltas) {
+            for (key, (_, delta)) in counter_keys.iter().zip(write.deltas) {
                 writes.incr(key, *delta).ignore();
+            }
+            // Reads saw each set before any of this batch's changes; one actor appears once per
+            // counter in a batch, so each change is decided on what the set holds now.
+            for (((set, counter), m), state) in member_keys.iter().zip(write.members).zip(&states) {
+                match (m.like, state.member) {
+                    (true, Some(false)) => {
+                        writes
+                            .sadd(set, &m.actor)
+                            .ignore()
+                            .incr(counter, 1)
+                            .ignore();
+                    }
+                    (false, Some(true)) => {
+                        writes
+                            .srem(set, &m.actor)
+                            .ignore()
+                            .incr(counter, -1)
+                            .ignore();
+                    }
+                    _ => {}
+                }
             }
             writes
                 .hset(&ledger_key, write.field, write.next_offset)
@@ -372,6 +462,7 @@ mod tests {
             expected_ledger: 10,
             next_offset: 20,
             deltas,
+            members: &[],
             watermark: None,
         }
     }
@@ -381,47 +472,72 @@ mod tests {
         let deltas = [("a".to_owned(), 5), ("b".to_owned(), 1)];
         let ok = [Current::Integer(1), Current::Missing];
         let w = write(&deltas);
-        assert_eq!(flush_verdict(Some(3), Some(10), &ok, &w), None);
+        assert_eq!(flush_verdict(Some(3), Some(10), &ok, &[], &w), None);
         assert_eq!(
-            flush_verdict(Some(4), Some(10), &ok, &w),
+            flush_verdict(Some(4), Some(10), &ok, &[], &w),
             Some(Applied::Fenced)
         );
         assert_eq!(
-            flush_verdict(Some(2), Some(10), &ok, &w),
+            flush_verdict(Some(2), Some(10), &ok, &[], &w),
             Some(Applied::RolledBack)
         );
         assert_eq!(
-            flush_verdict(None, Some(10), &ok, &w),
+            flush_verdict(None, Some(10), &ok, &[], &w),
             Some(Applied::RolledBack)
         );
         assert_eq!(
-            flush_verdict(Some(3), Some(20), &ok, &w),
+            flush_verdict(Some(3), Some(20), &ok, &[], &w),
             Some(Applied::AlreadyApplied)
         );
         assert_eq!(
-            flush_verdict(Some(3), Some(9), &ok, &w),
+            flush_verdict(Some(3), Some(9), &ok, &[], &w),
             Some(Applied::RolledBack)
         );
         assert_eq!(
-            flush_verdict(Some(3), None, &ok, &write(&deltas[..0])),
+            flush_verdict(Some(3), None, &ok, &[], &write(&deltas[..0])),
             Some(Applied::RolledBack)
         );
         // A fence refusal wins over a bad value; a duplicate is recognised before validation.
         let bad = [Current::WrongType, Current::Integer(i64::MAX)];
         assert_eq!(
-            flush_verdict(Some(4), Some(10), &bad, &w),
+            flush_verdict(Some(4), Some(10), &bad, &[], &w),
             Some(Applied::Fenced)
         );
         assert_eq!(
-            flush_verdict(Some(3), Some(25), &bad, &w),
+            flush_verdict(Some(3), Some(25), &bad, &[], &w),
             Some(Applied::AlreadyApplied)
         );
         assert_eq!(
-            flush_verdict(Some(3), Some(10), &bad, &w),
+            flush_verdict(Some(3), Some(10), &bad, &[], &w),
             Some(Applied::Rejected(vec![
                 (0, "wrong_type".to_owned()),
                 (1, "overflow".to_owned())
             ]))
+        );
+    }
+
+    #[test]
+    fn memberships_are_rejected_after_the_deltas_when_their_keys_hold_other_types() {
+        let states = [
+            MemberState {
+                member: Some(true),
+                counter: Current::Integer(4),
+            },
+            MemberState {
+                member: None,
+                counter: Current::Missing,
+            },
+            MemberState {
+                member: Some(false),
+                counter: Current::NotAnInteger,
+            },
+        ];
+        assert_eq!(
+            member_rejections(&states, 2),
+            [
+                (3, "wrong_type".to_owned()),
+                (4, "not_an_integer".to_owned())
+            ]
         );
     }
 

@@ -67,6 +67,40 @@ impl RedisConn {
     }
 }
 
+/// Sends `commands` and returns their replies in order: as one pipeline on a standalone server,
+/// and as concurrent requests on a cluster (redis-rs refuses cluster pipelines whose commands
+/// span slots). Each command must itself be single-slot.
+pub async fn query_each<T>(conn: &RedisConn, commands: Vec<Cmd>) -> redis::RedisResult<Vec<T>>
+where
+    T: redis::FromRedisValue + Send + 'static,
+{
+    if commands.is_empty() {
+        return Ok(Vec::new());
+    }
+    if conn.is_cluster() {
+        let requests: Vec<_> = commands
+            .into_iter()
+            .map(|command| {
+                let mut conn = conn.clone();
+                tokio::spawn(async move { command.query_async::<T>(&mut conn).await })
+            })
+            .collect();
+        let mut replies = Vec::with_capacity(requests.len());
+        for request in requests {
+            replies.push(request.await.map_err(|_| {
+                redis::RedisError::from((redis::ErrorKind::Io, "request task cancelled"))
+            })??);
+        }
+        Ok(replies)
+    } else {
+        let mut pipe = redis::pipe();
+        for command in commands {
+            pipe.add_command(command);
+        }
+        pipe.query_async(&mut conn.clone()).await
+    }
+}
+
 /// Whether `url` names a Redis Cluster (`redis+cluster://` or `rediss+cluster://`).
 pub fn is_cluster_url(url: &str) -> bool {
     cluster_seeds(url).is_some()

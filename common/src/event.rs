@@ -118,6 +118,11 @@ fn validate_field(field: &'static str, value: Option<&str>, max: usize) -> Resul
     }
 }
 
+/// Checks an actor id: 1 to [`MAX_ACTOR_BYTES`] bytes.
+pub fn validate_actor(actor: &str) -> Result<(), EventError> {
+    validate_field("actor", Some(actor), MAX_ACTOR_BYTES)
+}
+
 /// Checks every field of an event, borrowed or owned.
 pub fn validate(
     counter: &str,

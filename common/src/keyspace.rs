@@ -147,12 +147,16 @@ impl Keyspace {
         partition.unsigned_abs() % self.groups
     }
 
+    /// The group of `actor` (a stable hash): where its memberships and the increments they guard
+    /// live.
+    pub fn group_for_actor(&self, actor: &str) -> u32 {
+        (stable_hash(actor.as_bytes()) % u64::from(self.groups)) as u32
+    }
+
     /// The group an event's delta is written to under `rule`.
     pub fn group_for_event(&self, rule: GroupingRule, partition: i32, actor: Option<&str>) -> u32 {
         match (rule, actor) {
-            (GroupingRule::ByActor, Some(actor)) => {
-                (stable_hash(actor.as_bytes()) % u64::from(self.groups)) as u32
-            }
+            (GroupingRule::ByActor, Some(actor)) => self.group_for_actor(actor),
             _ => self.group_for_partition(partition),
         }
     }
@@ -192,6 +196,43 @@ impl Keyspace {
         out.clear();
         // Writing to a String cannot fail.
         let _ = write!(out, "{}:{{g{group}}}:c:{counter}", self.prefix);
+    }
+
+    /// The set of actors whose like of `counter` is counted, for actors whose group is `group`
+    /// (deduplicating namespaces). It shares the group's slot with the counter's share there, so
+    /// the membership change and the increment it guards are one atomic operation.
+    pub fn member_key(&self, group: u32, counter: &str) -> String {
+        format!("{}:{{g{group}}}:m:{counter}", self.prefix)
+    }
+
+    /// The group holding shard `shard` of a directly written counter: `(base + shard) mod N`,
+    /// where `base` is a stable hash of the counter id. Shard 0 is the counter's base group.
+    pub fn shard_group(&self, counter: &str, shard: u32) -> u32 {
+        let base = stable_hash(counter.as_bytes()) % u64::from(self.groups);
+        ((base + u64::from(shard)) % u64::from(self.groups)) as u32
+    }
+
+    /// The sorted set of shard counts of directly written counters (member: counter id, score:
+    /// shard count; a counter not in it has one shard). Raised with `ZADD GT`.
+    pub fn shards_key(&self) -> String {
+        format!("{}:shards", self.prefix)
+    }
+
+    /// The sorted set of direct writes per counter reported during one unix second.
+    pub fn rates_key(&self, unix_second: u64) -> String {
+        format!("{}:rates:{unix_second}", self.prefix)
+    }
+
+    /// The key caching `counter`'s total for readers: `"<total>:<refreshed at, unix ms>"`. No
+    /// hash tag: cache entries spread over a cluster's slots by counter.
+    pub fn cache_key(&self, counter: &str) -> String {
+        format!("{}:t:{counter}", self.prefix)
+    }
+
+    /// The key a reader process holds (`SET NX PX`) while it refreshes `counter`'s cached
+    /// total, so that one refresh per counter is in flight across processes.
+    pub fn refresh_lock_key(&self, counter: &str) -> String {
+        format!("{}:r:{counter}", self.prefix)
     }
 
     /// A pattern matching every counter key of this keyspace, for `SCAN ... MATCH`.

@@ -1,5 +1,5 @@
 //! What every part of tally shares: the counter event and its rules, the wire format, the Redis
-//! keyspace and the reader that sums a counter's shards.
+//! keyspace, namespaces and their policies, and the readers that sum a counter's shards.
 //!
 //! # Layout
 //! - [`event`]: [`CounterEvent`] and the validation rules (counter ids, deltas) with typed errors.
@@ -7,17 +7,28 @@
 //!   [`codec::decode`] into a borrowed, validated [`codec::EventRef`].
 //! - [`keyspace`]: [`Keyspace`], the one place that builds Redis keys (prefix, shard groups,
 //!   Redis Cluster hash tags).
+//! - [`namespace`]: [`Namespaces`], each namespace's [`Policy`] (dedup, write path, cache TTL,
+//!   grouping, display), read from one TOML file.
 //! - [`connection`]: [`RedisConn`], a standalone or cluster Redis connection.
 //! - [`reader`]: [`Reader`], exact counter totals by summing shards (`MGET`, pipelines).
+//! - [`cache`]: [`CachedReader`], totals cached per namespace TTL in the process and in Redis,
+//!   with one refresh per counter in flight (no stampede).
+//! - [`display`]: counts rendered for people (`9,847`, `10.2K`).
 
+pub mod cache;
 pub mod codec;
 pub mod connection;
+pub mod display;
 pub mod event;
 pub mod keyspace;
+pub mod namespace;
 pub mod reader;
 
+pub use cache::{CacheStats, CachedReader};
 pub use codec::{DecodeError, EventRef};
 pub use connection::RedisConn;
+pub use display::display;
 pub use event::{CounterEvent, EventError};
 pub use keyspace::{GroupingRule, Keyspace};
+pub use namespace::{DisplayStyle, Namespaces, Policy, WritePath};
 pub use reader::{ReadError, Reader};

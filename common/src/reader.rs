@@ -7,7 +7,7 @@
 //! concurrent requests instead) and each counter's shares are summed. [`Reader::get`] is the same for one
 //! counter. These are exact reads of what has been flushed so far; nothing is cached here.
 
-use crate::connection::RedisConn;
+use crate::connection::{RedisConn, query_each};
 use crate::event::{EventError, validate_counter};
 use crate::keyspace::Keyspace;
 
@@ -21,9 +21,6 @@ pub enum ReadError {
     /// Redis failed or timed out.
     #[error("redis: {0}")]
     Redis(#[from] redis::RedisError),
-    /// The read was cancelled (the runtime is shutting down).
-    #[error("the read was cancelled")]
-    Cancelled,
     /// The shards add up to more than an i64 holds.
     #[error("the shards of {counter} add up to more than 64 bits")]
     Overflow {
@@ -47,9 +44,27 @@ impl Reader {
         Self { conn, keyspace }
     }
 
+    /// The connection this reader reads through.
+    pub fn conn(&self) -> &RedisConn {
+        &self.conn
+    }
+
     /// The keyspace this reader reads.
     pub fn keyspace(&self) -> &Keyspace {
         &self.keyspace
+    }
+
+    /// Whether `actor`'s like of `counter` is counted, in a namespace that deduplicates: one
+    /// `SISMEMBER` in the actor's group, whatever the topic's partition count.
+    pub async fn has_liked(&self, counter: &str, actor: &str) -> Result<bool, ReadError> {
+        validate_counter(counter)?;
+        let group = self.keyspace.group_for_actor(actor);
+        let mut conn = self.conn.clone();
+        Ok(redis::cmd("SISMEMBER")
+            .arg(self.keyspace.member_key(group, counter))
+            .arg(actor)
+            .query_async(&mut conn)
+            .await?)
     }
 
     /// The exact total of `counter` (0 if it was never written).
@@ -66,35 +81,19 @@ impl Reader {
         for counter in counters {
             validate_counter(counter.as_ref())?;
         }
-        let mgets = (0..self.keyspace.groups()).map(|group| {
-            let keys: Vec<String> = counters
-                .iter()
-                .map(|c| self.keyspace.counter_key(group, c.as_ref()))
-                .collect();
-            let mut mget = redis::cmd("MGET");
-            mget.arg(keys);
-            mget
-        });
+        let mgets = (0..self.keyspace.groups())
+            .map(|group| {
+                let keys: Vec<String> = counters
+                    .iter()
+                    .map(|c| self.keyspace.counter_key(group, c.as_ref()))
+                    .collect();
+                let mut mget = redis::cmd("MGET");
+                mget.arg(keys);
+                mget
+            })
+            .collect();
         // rows[group][i]: counter i's share in that group.
-        let mut rows: Vec<Vec<Option<i64>>> = Vec::with_capacity(self.keyspace.groups() as usize);
-        if self.conn.is_cluster() {
-            let requests: Vec<_> = mgets
-                .map(|mget| {
-                    let mut conn = self.conn.clone();
-                    tokio::spawn(async move { mget.query_async(&mut conn).await })
-                })
-                .collect();
-            for request in requests {
-                rows.push(request.await.map_err(|_| ReadError::Cancelled)??);
-            }
-        } else {
-            let mut pipe = redis::pipe();
-            for mget in mgets {
-                pipe.add_command(mget);
-            }
-            let mut conn = self.conn.clone();
-            rows = pipe.query_async(&mut conn).await?;
-        }
+        let rows: Vec<Vec<Option<i64>>> = query_each(&self.conn, mgets).await?;
         counters
             .iter()
             .enumerate()

@@ -16,9 +16,17 @@
 //! events are in flight at once. When librdkafka's local queue is full the caller waits for room:
 //! nothing is dropped silently.
 //!
+//! For a namespace whose write path is `direct` (`docs/namespaces.md`), [`DirectWriter`] writes
+//! straight to Redis instead: visible at once, no Kafka.
+//!
 //! # Layout
-//! Everything lives in this file: [`ProducerConfig`] and [`Routing`] (what to build), [`Producer`]
-//! (sending), [`Pending`] and [`Delivered`] (acknowledgements), [`ProduceError`].
+//! This file: [`ProducerConfig`] and [`Routing`] (what to build), [`Producer`] (sending),
+//! [`Pending`] and [`Delivered`] (acknowledgements), [`ProduceError`].
+//! - [`direct`]: [`DirectWriter`], direct writes to random shards, likes, rate reports.
+
+pub mod direct;
+
+pub use direct::{DirectError, DirectWriter};
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -214,6 +222,14 @@ impl Producer {
     /// Records that `actor` liked `counter` (a +1 carrying the actor); returns once acknowledged.
     pub async fn like(&self, counter: &str, actor: &str) -> Result<Delivered, ProduceError> {
         self.send(&CounterEvent::new(counter, 1)?.with_actor(actor)?)
+            .await
+    }
+
+    /// Takes back `actor`'s like of `counter` (a -1 carrying the actor); returns once
+    /// acknowledged. In a namespace that deduplicates, it removes a counted like and does nothing
+    /// otherwise; elsewhere it is a plain -1.
+    pub async fn unlike(&self, counter: &str, actor: &str) -> Result<Delivered, ProduceError> {
+        self.send(&CounterEvent::new(counter, -1)?.with_actor(actor)?)
             .await
     }
 

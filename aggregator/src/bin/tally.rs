@@ -1,15 +1,17 @@
-//! `tally`: the command line for people. `tally get` reads exact totals; `tally load` generates
-//! traffic through the producer crate.
+//! `tally`: the command line for people. `tally get` reads totals (exact, or through the cache,
+//! or as displayed); `tally like`/`unlike`/`liked` act on one like per user; `tally load`
+//! generates traffic through the producer crate; `tally verify` waits for known totals.
 
 use std::io::Write;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 use tally_aggregator::load::{self, LoadSpec};
 use tally_aggregator::verify;
-use tally_common::{Keyspace, Reader, RedisConn};
+use tally_common::{CachedReader, Keyspace, Namespaces, Reader, RedisConn};
 use tally_producer::{Producer, ProducerConfig, Routing};
 
 #[derive(Debug, Parser)]
@@ -21,11 +23,45 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// Print `<counter> <total>` for each counter: the exact sum of its shards.
+    /// Print `<counter> <total>` for each counter: the exact sum of its shards, or with
+    /// `--cached` the total readers are served (cached for the namespace's TTL).
     Get {
         /// Counter ids.
         #[arg(required = true)]
         counters: Vec<String>,
+        /// Read through the cache, as a service does.
+        #[arg(long)]
+        cached: bool,
+        /// Print the count as displayed to people (`10.2K`), in the namespace's style.
+        #[arg(long)]
+        display: bool,
+        #[command(flatten)]
+        redis: RedisArgs,
+    },
+    /// Like a counter as an actor (through Kafka): counted once in a namespace that deduplicates.
+    Like {
+        /// The counter.
+        counter: String,
+        /// Who likes it.
+        actor: String,
+        #[command(flatten)]
+        kafka: KafkaArgs,
+    },
+    /// Take back an actor's like of a counter (through Kafka).
+    Unlike {
+        /// The counter.
+        counter: String,
+        /// Whose like.
+        actor: String,
+        #[command(flatten)]
+        kafka: KafkaArgs,
+    },
+    /// Print whether an actor's like of a counter is counted (exit 1 if not).
+    Liked {
+        /// The counter.
+        counter: String,
+        /// Who.
+        actor: String,
         #[command(flatten)]
         redis: RedisArgs,
     },
@@ -92,7 +128,20 @@ enum Command {
 }
 
 #[derive(Debug, clap::Args)]
+struct KafkaArgs {
+    /// Kafka bootstrap servers.
+    #[arg(long, env = "TALLY_BROKERS", default_value = "127.0.0.1:9092")]
+    brokers: String,
+    /// Topic to send to.
+    #[arg(long, env = "TALLY_TOPIC", default_value = "tally.events")]
+    topic: String,
+}
+
+#[derive(Debug, clap::Args)]
 struct RedisArgs {
+    /// Namespace policies (cache TTL, display style), as given to the aggregator.
+    #[arg(long, env = "TALLY_NAMESPACES")]
+    namespaces: Option<PathBuf>,
     /// Redis URL.
     #[arg(
         long,
@@ -111,12 +160,58 @@ struct RedisArgs {
 #[tokio::main]
 async fn main() -> anyhow::Result<std::process::ExitCode> {
     match Cli::parse().command {
-        Command::Get { counters, redis } => {
-            let reader = redis.reader().await?;
-            let totals = reader.get_many(&counters).await?;
+        Command::Get {
+            counters,
+            cached,
+            display,
+            redis,
+        } => {
+            let namespaces = redis.namespaces()?;
+            let reader = CachedReader::new(redis.reader().await?, Arc::new(namespaces));
+            let totals = if cached {
+                reader.get_many(&counters).await?
+            } else {
+                let mut exact = Vec::with_capacity(counters.len());
+                for counter in &counters {
+                    exact.push(reader.get_exact(counter).await?);
+                }
+                exact
+            };
             let mut out = std::io::stdout().lock();
             for (counter, total) in counters.iter().zip(totals) {
-                writeln!(out, "{counter} {total}")?;
+                if display {
+                    let style = reader.namespaces().policy(counter).display;
+                    writeln!(out, "{counter} {}", tally_common::display(total, style))?;
+                } else {
+                    writeln!(out, "{counter} {total}")?;
+                }
+            }
+        }
+        Command::Like {
+            counter,
+            actor,
+            kafka,
+        } => {
+            let producer = Producer::new(&ProducerConfig::new(kafka.brokers, kafka.topic))?;
+            producer.like(&counter, &actor).await?;
+        }
+        Command::Unlike {
+            counter,
+            actor,
+            kafka,
+        } => {
+            let producer = Producer::new(&ProducerConfig::new(kafka.brokers, kafka.topic))?;
+            producer.unlike(&counter, &actor).await?;
+        }
+        Command::Liked {
+            counter,
+            actor,
+            redis,
+        } => {
+            let liked = redis.reader().await?.has_liked(&counter, &actor).await?;
+            println!("{liked}");
+            if !liked {
+                return Ok(std::process::ExitCode::FAILURE);
             }
         }
         Command::Load {
@@ -218,6 +313,13 @@ async fn main() -> anyhow::Result<std::process::ExitCode> {
 }
 
 impl RedisArgs {
+    fn namespaces(&self) -> anyhow::Result<Namespaces> {
+        Ok(match &self.namespaces {
+            Some(path) => Namespaces::from_file(path)?,
+            None => Namespaces::default(),
+        })
+    }
+
     async fn reader(&self) -> anyhow::Result<Reader> {
         let conn = RedisConn::connect(&self.redis_url).await?;
         Ok(Reader::new(

@@ -1,15 +1,19 @@
 -- One exactly-once flush into one shard group: fence check, duplicate check, validation, then
 -- every write, all in one slot. Lua has no rollback, so nothing is written until every check passed.
 --
--- KEYS[1] fence hash    KEYS[2] ledger hash    KEYS[3] watermark hash    KEYS[4..] counter keys
+-- KEYS[1] fence hash    KEYS[2] ledger hash    KEYS[3] watermark hash
+-- KEYS[4 .. 3+n] counter keys of the n deltas
+-- KEYS[4+n ..] per membership: the counter's member set, then its counter key
 -- ARGV[1] partition field ("<topic>/<partition>")    ARGV[2] the writer's epoch
 -- ARGV[3] the ledger entry the writer last saw here    ARGV[4] next offset (the entry after this write)
 -- ARGV[5] watermark value to store, or '' to leave the watermark alone
--- ARGV[6..] one delta per counter key, in the same order
+-- ARGV[6] n, the number of deltas    ARGV[7 .. 6+n] one delta per counter key, in the same order
+-- ARGV[7+n ..] per membership: the actor, then '1' (like) or '0' (unlike)
 --
 -- Returns {'ok'}, {'fenced', current epoch or '0'}, {'duplicate', ledger entry},
 -- {'rolled_back', ledger entry} (the group lost writes the writer had seen land) or
--- {'rejected', index, reason, index, reason, ...} with 1-based counter indexes.
+-- {'rejected', index, reason, index, reason, ...} with 1-based indexes: deltas first, then
+-- memberships (index n + j).
 local field = ARGV[1]
 local fence = redis.call('HGET', KEYS[1], field)
 if fence ~= ARGV[2] then
@@ -22,29 +26,62 @@ end
 if applied < tonumber(ARGV[3]) then
   return {'rolled_back', tostring(applied)}
 end
-local rejected = {'rejected'}
-for i = 4, #KEYS do
-  local current = redis.pcall('GET', KEYS[i])
-  local reason = nil
+local n = tonumber(ARGV[6])
+local m = (#KEYS - 3 - n) / 2
+
+-- Why `delta` cannot be added to the integer at `key`, or nil.
+local function refusal(key, delta)
+  local current = redis.pcall('GET', key)
   if type(current) == 'table' then
-    reason = 'wrong_type'
+    return 'wrong_type'
   elseif current then
     if not string.match(current, '^%-?%d+$') then
-      reason = 'not_an_integer'
-    elseif math.abs(tonumber(current) + tonumber(ARGV[i + 2])) > 9.2e18 then
-      reason = 'overflow'
+      return 'not_an_integer'
+    elseif math.abs(tonumber(current) + delta) > 9.2e18 then
+      return 'overflow'
     end
   end
+  return nil
+end
+
+local rejected = {'rejected'}
+for i = 1, n do
+  local reason = refusal(KEYS[3 + i], tonumber(ARGV[6 + i]))
   if reason then
-    rejected[#rejected + 1] = tostring(i - 3)
+    rejected[#rejected + 1] = tostring(i)
+    rejected[#rejected + 1] = reason
+  end
+end
+for j = 1, m do
+  local set = KEYS[3 + n + 2 * j - 1]
+  local kind = redis.call('TYPE', set)['ok']
+  local reason = nil
+  if kind ~= 'none' and kind ~= 'set' then
+    reason = 'wrong_type'
+  else
+    reason = refusal(KEYS[3 + n + 2 * j], 1)
+  end
+  if reason then
+    rejected[#rejected + 1] = tostring(n + j)
     rejected[#rejected + 1] = reason
   end
 end
 if #rejected > 1 then
   return rejected
 end
-for i = 4, #KEYS do
-  redis.call('INCRBY', KEYS[i], ARGV[i + 2])
+for i = 1, n do
+  redis.call('INCRBY', KEYS[3 + i], ARGV[6 + i])
+end
+for j = 1, m do
+  local set, counter = KEYS[3 + n + 2 * j - 1], KEYS[3 + n + 2 * j]
+  local actor = ARGV[6 + n + 2 * j - 1]
+  if ARGV[6 + n + 2 * j] == '1' then
+    if redis.call('SADD', set, actor) == 1 then
+      redis.call('INCRBY', counter, 1)
+    end
+  elseif redis.call('SREM', set, actor) == 1 then
+    redis.call('INCRBY', counter, -1)
+  end
 end
 redis.call('HSET', KEYS[2], field, ARGV[4])
 if ARGV[5] ~= '' then

@@ -1,0 +1,389 @@
+//! Cached reads that survive a stampede.
+//!
+//! Summing a counter's shards on every page view would move the write load onto the read path,
+//! so readers serve a cached total for the namespace's TTL ([`crate::Policy::cache_ttl_ms`]).
+//! The cache has two levels:
+//!
+//! - **in the process** ([`CachedReader`]'s map): a fresh entry is answered without any I/O.
+//!   When it expires, the first caller refreshes it and every other concurrent caller in the
+//!   process is answered with the last value (stale-while-revalidate), or, if there is no value
+//!   yet, waits for that one refresh;
+//! - **in Redis** (`<prefix>:t:<counter>`, `"<total>:<refreshed at ms>"`), shared by every
+//!   reader process: a refresh first looks there, and sums the shards only when that entry is
+//!   older than the TTL too. Then it takes the counter's refresh lock (`SET NX PX`); a process
+//!   that finds the lock taken serves the shared entry's last value instead of reading shards.
+//!
+//! So when a hot counter's cached total expires under thousands of readers in many processes,
+//! about one shard read per counter happens per TTL. [`CacheStats`] counts what each level did.
+//! [`CachedReader::get_exact`] bypasses both levels.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use redis::Cmd;
+use tokio::sync::watch;
+
+use crate::connection::query_each;
+use crate::display::display;
+use crate::event::validate_counter;
+use crate::namespace::Namespaces;
+use crate::reader::{ReadError, Reader};
+
+/// How long a process may hold a counter's refresh lock.
+const REFRESH_LOCK_MS: u64 = 2_000;
+/// A shared entry is kept this many TTLs (at least [`MIN_SHARED_KEEP_MS`]), to be served while
+/// another process refreshes it.
+const SHARED_KEEP_TTLS: u64 = 20;
+const MIN_SHARED_KEEP_MS: u64 = 60_000;
+/// Entries kept in the process before expired ones are swept out.
+const MAX_LOCAL_ENTRIES: usize = 100_000;
+
+/// What the cache did, since the reader was created. Shared by clones of the reader.
+#[derive(Debug, Default)]
+pub struct CacheStats {
+    /// Answered from the process's own fresh entry.
+    pub local_hits: AtomicU64,
+    /// Answered with the last value while a refresh was under way (here or in another process).
+    pub stale_served: AtomicU64,
+    /// Refreshed from another process's fresh entry in Redis, without reading shards.
+    pub shared_hits: AtomicU64,
+    /// Counters whose shards were read and summed to refresh the cache.
+    pub shard_reads: AtomicU64,
+}
+
+impl CacheStats {
+    fn add(counter: &AtomicU64, n: usize) {
+        counter.fetch_add(n as u64, Ordering::Relaxed);
+    }
+}
+
+/// One counter's entry in the process.
+#[derive(Debug)]
+struct Entry {
+    /// The last total read, if any.
+    value: Option<i64>,
+    /// Until when `value` may be served as fresh.
+    fresh_until: Instant,
+    /// While a refresh runs in this process: where its result will appear.
+    refreshing: Option<watch::Receiver<Option<i64>>>,
+    /// The largest count displayed so far (for namespaces whose display never decreases).
+    shown: i64,
+}
+
+impl Entry {
+    fn is_refreshing(&self) -> bool {
+        // A refresh whose caller was cancelled drops its sender: no longer refreshing.
+        self.refreshing
+            .as_ref()
+            .is_some_and(|rx| rx.has_changed().is_ok())
+    }
+}
+
+/// A refreshed total, and until when it is fresh.
+#[derive(Debug, Clone, Copy)]
+struct Refreshed {
+    value: i64,
+    fresh_until: Instant,
+}
+
+/// Reads counter totals through the two-level cache. Cheap to clone; clones share the cache.
+#[derive(Debug, Clone)]
+pub struct CachedReader {
+    /// Exact reads of the shards.
+    reader: Reader,
+    /// TTLs and display styles.
+    namespaces: Arc<Namespaces>,
+    /// The process's entries.
+    local: Arc<Mutex<HashMap<String, Entry>>>,
+    /// What the cache did.
+    stats: Arc<CacheStats>,
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// Parses a shared entry: `"<total>:<refreshed at ms>"`.
+fn parse_shared(text: &str) -> Option<(i64, u64)> {
+    let (total, at) = text.split_once(':')?;
+    Some((total.parse().ok()?, at.parse().ok()?))
+}
+
+impl CachedReader {
+    /// A cached reader over `reader`, with the namespaces' TTLs.
+    pub fn new(reader: Reader, namespaces: Arc<Namespaces>) -> Self {
+        Self {
+            reader,
+            namespaces,
+            local: Arc::new(Mutex::new(HashMap::new())),
+            stats: Arc::new(CacheStats::default()),
+        }
+    }
+
+    /// What the cache did so far.
+    pub fn stats(&self) -> &CacheStats {
+        &self.stats
+    }
+
+    /// The namespaces' policies.
+    pub fn namespaces(&self) -> &Namespaces {
+        &self.namespaces
+    }
+
+    /// The exact total, bypassing the cache.
+    pub async fn get_exact(&self, counter: &str) -> Result<i64, ReadError> {
+        self.reader.get(counter).await
+    }
+
+    /// Whether `actor`'s like of `counter` is counted (never cached: a user must see their own
+    /// like at once).
+    pub async fn has_liked(&self, counter: &str, actor: &str) -> Result<bool, ReadError> {
+        self.reader.has_liked(counter, actor).await
+    }
+
+    /// The total of `counter`, fresh within its namespace's TTL.
+    pub async fn get(&self, counter: &str) -> Result<i64, ReadError> {
+        Ok(self.get_many(&[counter]).await?[0])
+    }
+
+    /// `counter`'s total rendered for people in its namespace's style; in a namespace whose
+    /// display never decreases, never below what this process displayed before.
+    pub async fn display(&self, counter: &str) -> Result<String, ReadError> {
+        let value = self.get(counter).await?;
+        let policy = self.namespaces.policy(counter);
+        let shown = if policy.display_never_decreases {
+            let mut local = self.lock();
+            match local.get_mut(counter) {
+                Some(entry) => {
+                    entry.shown = entry.shown.max(value);
+                    entry.shown
+                }
+                None => value,
+            }
+        } else {
+            value
+        };
+        Ok(display(shown, policy.display))
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Entry>> {
+        self.local.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The totals of `counters`, in order, each fresh within its namespace's TTL: answered from
+    /// the process's entries where fresh, and otherwise refreshed together (shared entries in
+    /// one pipeline, shard reads in another).
+    pub async fn get_many<S: AsRef<str>>(&self, counters: &[S]) -> Result<Vec<i64>, ReadError> {
+        for counter in counters {
+            validate_counter(counter.as_ref())?;
+        }
+        let now = Instant::now();
+        let mut out: Vec<Option<i64>> = vec![None; counters.len()];
+        let mut mine: Vec<(usize, watch::Sender<Option<i64>>)> = Vec::new();
+        let mut waits: Vec<(usize, watch::Receiver<Option<i64>>)> = Vec::new();
+        {
+            let mut local = self.lock();
+            if local.len() > MAX_LOCAL_ENTRIES {
+                local.retain(|_, e| e.fresh_until > now || e.is_refreshing());
+            }
+            for (i, counter) in counters.iter().enumerate() {
+                let counter = counter.as_ref();
+                let entry = local.entry(counter.to_owned()).or_insert_with(|| Entry {
+                    value: None,
+                    fresh_until: now,
+                    refreshing: None,
+                    shown: i64::MIN,
+                });
+                match (entry.value, entry.is_refreshing()) {
+                    (Some(v), _) if now < entry.fresh_until => {
+                        out[i] = Some(v);
+                        CacheStats::add(&self.stats.local_hits, 1);
+                    }
+                    (Some(v), true) => {
+                        out[i] = Some(v);
+                        CacheStats::add(&self.stats.stale_served, 1);
+                    }
+                    (None, true) => {
+                        if let Some(rx) = &entry.refreshing {
+                            waits.push((i, rx.clone()));
+                        }
+                    }
+                    (_, false) => {
+                        let (tx, rx) = watch::channel(None);
+                        entry.refreshing = Some(rx);
+                        mine.push((i, tx));
+                    }
+                }
+            }
+        }
+        if !mine.is_empty() {
+            let names: Vec<&str> = mine.iter().map(|(i, _)| counters[*i].as_ref()).collect();
+            let refreshed = self.refresh(&names).await;
+            let mut local = self.lock();
+            match refreshed {
+                Ok(refreshed) => {
+                    for ((i, tx), r) in mine.into_iter().zip(refreshed) {
+                        if let Some(entry) = local.get_mut(counters[i].as_ref()) {
+                            entry.value = Some(r.value);
+                            entry.fresh_until = r.fresh_until;
+                            entry.refreshing = None;
+                        }
+                        let _ = tx.send(Some(r.value));
+                        out[i] = Some(r.value);
+                    }
+                }
+                Err(error) => {
+                    for (i, _) in &mine {
+                        if let Some(entry) = local.get_mut(counters[*i].as_ref()) {
+                            entry.refreshing = None;
+                        }
+                    }
+                    return Err(error);
+                }
+            }
+        }
+        let mut orphans = Vec::new();
+        for (i, mut rx) in waits {
+            let value = match rx.wait_for(Option::is_some).await {
+                Ok(v) => *v,
+                Err(_) => None,
+            };
+            match value {
+                Some(v) => out[i] = Some(v),
+                // The refreshing caller failed or was cancelled: read for ourselves.
+                None => orphans.push(i),
+            }
+        }
+        if !orphans.is_empty() {
+            let names: Vec<&str> = orphans.iter().map(|i| counters[*i].as_ref()).collect();
+            for (i, r) in orphans.iter().zip(self.refresh(&names).await?) {
+                out[*i] = Some(r.value);
+            }
+        }
+        Ok(out.into_iter().map(|v| v.unwrap_or(0)).collect())
+    }
+
+    /// Refreshes `counters` from the shared entries, or from their shards where the shared
+    /// entries are stale and this process takes the refresh lock.
+    async fn refresh(&self, counters: &[&str]) -> Result<Vec<Refreshed>, ReadError> {
+        let ks = self.reader.keyspace();
+        let conn = self.reader.conn();
+        let ttls: Vec<u64> = counters
+            .iter()
+            .map(|c| self.namespaces.policy(c).cache_ttl_ms)
+            .collect();
+        let gets = counters
+            .iter()
+            .map(|c| {
+                let mut cmd = Cmd::new();
+                cmd.arg("GET").arg(ks.cache_key(c));
+                cmd
+            })
+            .collect();
+        let shared: Vec<Option<String>> = query_each(conn, gets).await?;
+        let (now, wall) = (Instant::now(), now_ms());
+        let mut out: Vec<Option<Refreshed>> = vec![None; counters.len()];
+        let mut stale: Vec<(usize, Option<i64>)> = Vec::new();
+        for (i, entry) in shared.iter().enumerate() {
+            let parsed = entry.as_deref().and_then(parse_shared);
+            match parsed {
+                Some((value, at)) if wall.saturating_sub(at) < ttls[i] => {
+                    let left = ttls[i] - wall.saturating_sub(at);
+                    out[i] = Some(Refreshed {
+                        value,
+                        fresh_until: now + Duration::from_millis(left),
+                    });
+                    CacheStats::add(&self.stats.shared_hits, 1);
+                }
+                _ => stale.push((i, parsed.map(|(v, _)| v))),
+            }
+        }
+        if !stale.is_empty() {
+            let locks = stale
+                .iter()
+                .map(|(i, _)| {
+                    let mut cmd = Cmd::new();
+                    cmd.arg("SET")
+                        .arg(ks.refresh_lock_key(counters[*i]))
+                        .arg(1)
+                        .arg("NX")
+                        .arg("PX")
+                        .arg(REFRESH_LOCK_MS);
+                    cmd
+                })
+                .collect();
+            let taken: Vec<Option<String>> = query_each(conn, locks).await?;
+            let mut to_read = Vec::new();
+            for ((i, last), lock) in stale.into_iter().zip(taken) {
+                match (lock, last) {
+                    (None, Some(value)) => {
+                        // Another process is refreshing it: serve the last value, look again soon.
+                        let again = (ttls[i] / 10).clamp(10, 250);
+                        out[i] = Some(Refreshed {
+                            value,
+                            fresh_until: now + Duration::from_millis(again),
+                        });
+                        CacheStats::add(&self.stats.stale_served, 1);
+                    }
+                    // Ours to refresh, or nothing cached anywhere yet: read the shards.
+                    (lock, _) => to_read.push((i, lock.is_some())),
+                }
+            }
+            if !to_read.is_empty() {
+                let names: Vec<&str> = to_read.iter().map(|(i, _)| counters[*i]).collect();
+                let totals = self.reader.get_many(&names).await?;
+                CacheStats::add(&self.stats.shard_reads, names.len());
+                let wall = now_ms();
+                let mut writes = Vec::new();
+                for ((i, locked), total) in to_read.iter().zip(&totals) {
+                    let keep = (ttls[*i] * SHARED_KEEP_TTLS).max(MIN_SHARED_KEEP_MS);
+                    let mut set = Cmd::new();
+                    set.arg("SET")
+                        .arg(ks.cache_key(counters[*i]))
+                        .arg(format!("{total}:{wall}"))
+                        .arg("PX")
+                        .arg(keep);
+                    writes.push(set);
+                    if *locked {
+                        let mut del = Cmd::new();
+                        del.arg("DEL").arg(ks.refresh_lock_key(counters[*i]));
+                        writes.push(del);
+                    }
+                    out[*i] = Some(Refreshed {
+                        value: *total,
+                        fresh_until: now + Duration::from_millis(ttls[*i]),
+                    });
+                }
+                query_each::<redis::Value>(conn, writes).await?;
+            }
+        }
+        Ok(out
+            .into_iter()
+            .map(|r| {
+                r.unwrap_or(Refreshed {
+                    value: 0,
+                    fresh_until: now,
+                })
+            })
+            .collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shared_entries_hold_a_total_and_a_time() {
+        assert_eq!(
+            parse_shared("-12:1700000000000"),
+            Some((-12, 1_700_000_000_000))
+        );
+        assert_eq!(parse_shared("12"), None);
+        assert_eq!(parse_shared("x:1"), None);
+    }
+}

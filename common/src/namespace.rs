@@ -1,0 +1,338 @@
+//! Namespaces: a counter id is `<namespace>:<rest>` (`likes:post:42`), and its namespace carries
+//! a [`Policy`]: whether it counts one per actor, how it is written, how long a cached total may
+//! be served, which shard group its deltas go to, and how a count is displayed.
+//!
+//! Policies come from one TOML file shared by producers, aggregators and readers
+//! (`docs/namespaces.md`):
+//!
+//! ```toml
+//! [defaults]                # every namespace the file does not list
+//! cache_ttl_ms = 5000
+//!
+//! [namespaces.likes]        # fields left out are taken from [defaults]
+//! dedup = true              # one like per actor; implies grouping = "actor"
+//! cache_ttl_ms = 10000
+//! display_never_decreases = true
+//! ```
+//!
+//! Without a file every namespace gets [`Policy::default`].
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+use crate::keyspace::GroupingRule;
+
+/// How a namespace's events reach Redis.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum WritePath {
+    /// Through Kafka and the aggregator: batched, exactly once per offset.
+    #[default]
+    Stream,
+    /// Straight from the producer to Redis: visible at once, no Kafka needed.
+    Direct,
+}
+
+/// How a count is rendered for people.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum DisplayStyle {
+    /// `9,847`, `10.2K`, `10.2M`, `2.3B`.
+    #[default]
+    Compact,
+    /// Every digit, with thousands separators: `10,293,847`.
+    Exact,
+}
+
+/// Which shard group a namespace's deltas go to (the file's spelling of [`GroupingRule`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+enum Grouping {
+    Partition,
+    Actor,
+}
+
+impl From<Grouping> for GroupingRule {
+    fn from(g: Grouping) -> Self {
+        match g {
+            Grouping::Partition => GroupingRule::ByPartition,
+            Grouping::Actor => GroupingRule::ByActor,
+        }
+    }
+}
+
+/// What a namespace does.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Policy {
+    /// One count per actor: a repeated like counts once, an unlike takes a counted like back.
+    pub dedup: bool,
+    /// Through Kafka, or direct to Redis.
+    pub write_path: WritePath,
+    /// How long a cached total is served before it is refreshed, in ms ("TTL is a product
+    /// decision": 1 s for a live auction, 5-30 s for likes, minutes for totals).
+    pub cache_ttl_ms: u64,
+    /// Which shard group deltas go to. Always [`GroupingRule::ByActor`] when `dedup` is set, so
+    /// that an actor's membership and the increment it guards share a slot.
+    pub grouping: GroupingRule,
+    /// How counts are displayed.
+    pub display: DisplayStyle,
+    /// Whether a displayed count may never go down between refreshes (per reader process).
+    pub display_never_decreases: bool,
+}
+
+impl Default for Policy {
+    fn default() -> Self {
+        Self {
+            dedup: false,
+            write_path: WritePath::Stream,
+            cache_ttl_ms: DEFAULT_CACHE_TTL_MS,
+            grouping: GroupingRule::ByPartition,
+            display: DisplayStyle::Compact,
+            display_never_decreases: false,
+        }
+    }
+}
+
+/// The cache TTL of a namespace that sets none.
+pub const DEFAULT_CACHE_TTL_MS: u64 = 5_000;
+
+/// A policy as written in the file: every field optional, filled from `[defaults]`.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PolicyEntry {
+    dedup: Option<bool>,
+    write_path: Option<WritePath>,
+    cache_ttl_ms: Option<u64>,
+    grouping: Option<Grouping>,
+    display: Option<DisplayStyle>,
+    display_never_decreases: Option<bool>,
+}
+
+impl PolicyEntry {
+    fn over(&self, base: &Policy, name: &str) -> Result<Policy, NamespaceError> {
+        let dedup = self.dedup.unwrap_or(base.dedup);
+        let grouping = match (self.grouping.map(GroupingRule::from), dedup) {
+            (Some(GroupingRule::ByPartition), true) => {
+                return Err(NamespaceError::Invalid {
+                    namespace: name.to_owned(),
+                    why: "dedup needs grouping = \"actor\" (membership and increment share a slot)"
+                        .to_owned(),
+                });
+            }
+            (_, true) => GroupingRule::ByActor,
+            (Some(g), false) => g,
+            (None, false) => base.grouping,
+        };
+        let cache_ttl_ms = self.cache_ttl_ms.unwrap_or(base.cache_ttl_ms);
+        if cache_ttl_ms == 0 {
+            return Err(NamespaceError::Invalid {
+                namespace: name.to_owned(),
+                why: "cache_ttl_ms must be greater than 0".to_owned(),
+            });
+        }
+        Ok(Policy {
+            dedup,
+            write_path: self.write_path.unwrap_or(base.write_path),
+            cache_ttl_ms,
+            grouping,
+            display: self.display.unwrap_or(base.display),
+            display_never_decreases: self
+                .display_never_decreases
+                .unwrap_or(base.display_never_decreases),
+        })
+    }
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct File {
+    #[serde(default)]
+    defaults: PolicyEntry,
+    #[serde(default)]
+    namespaces: HashMap<String, PolicyEntry>,
+}
+
+/// Why a namespace file is unusable.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum NamespaceError {
+    /// The file could not be read.
+    #[error("cannot read namespace file {path}: {source}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The file is not valid TOML for namespaces.
+    #[error("invalid namespace file: {0}")]
+    Parse(#[from] Box<toml::de::Error>),
+    /// A namespace's policy is contradictory or out of range.
+    #[error("namespace {namespace:?}: {why}")]
+    Invalid {
+        /// The namespace (`defaults` for the defaults).
+        namespace: String,
+        /// Why.
+        why: String,
+    },
+}
+
+/// Every namespace's policy.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Namespaces {
+    /// For namespaces the file does not list.
+    defaults: Policy,
+    /// Listed namespaces.
+    listed: HashMap<String, Policy>,
+}
+
+impl Namespaces {
+    /// Parses a namespace file's text.
+    pub fn from_toml(text: &str) -> Result<Self, NamespaceError> {
+        let file: File = toml::from_str(text).map_err(Box::new)?;
+        Self::resolve(file, None)
+    }
+
+    /// Parses a namespace file's text; `grouping`, if given, is the default grouping for
+    /// namespaces that set none (the aggregator's `--grouping`).
+    pub fn from_toml_with_grouping(
+        text: &str,
+        grouping: Option<GroupingRule>,
+    ) -> Result<Self, NamespaceError> {
+        let file: File = toml::from_str(text).map_err(Box::new)?;
+        Self::resolve(file, grouping)
+    }
+
+    /// Reads a namespace file.
+    pub fn from_file(path: &Path) -> Result<Self, NamespaceError> {
+        Self::from_toml(&Self::read(path)?)
+    }
+
+    /// Reads a namespace file's text.
+    pub fn read(path: &Path) -> Result<String, NamespaceError> {
+        std::fs::read_to_string(path).map_err(|source| NamespaceError::Read {
+            path: path.to_owned(),
+            source,
+        })
+    }
+
+    fn resolve(file: File, grouping: Option<GroupingRule>) -> Result<Self, NamespaceError> {
+        let mut base = Policy::default();
+        if let Some(grouping) = grouping {
+            base.grouping = grouping;
+        }
+        let defaults = file.defaults.over(&base, "defaults")?;
+        let listed = file
+            .namespaces
+            .iter()
+            .map(|(name, entry)| Ok((name.clone(), entry.over(&defaults, name)?)))
+            .collect::<Result<_, NamespaceError>>()?;
+        Ok(Self { defaults, listed })
+    }
+
+    /// Every namespace gets `policy`.
+    pub fn uniform(policy: Policy) -> Self {
+        Self {
+            defaults: policy,
+            listed: HashMap::new(),
+        }
+    }
+
+    /// The policy of `counter`'s namespace.
+    pub fn policy(&self, counter: &str) -> &Policy {
+        self.listed
+            .get(namespace_of(counter))
+            .unwrap_or(&self.defaults)
+    }
+
+    /// The policy of namespaces the file does not list.
+    pub fn defaults(&self) -> &Policy {
+        &self.defaults
+    }
+
+    /// The listed namespaces and their policies.
+    pub fn listed(&self) -> impl Iterator<Item = (&str, &Policy)> {
+        self.listed.iter().map(|(k, v)| (k.as_str(), v))
+    }
+
+    /// Whether any namespace deduplicates per actor.
+    pub fn any_dedup(&self) -> bool {
+        self.defaults.dedup || self.listed.values().any(|p| p.dedup)
+    }
+}
+
+/// The namespace of a counter id: everything before the first `:` (the whole id if none).
+pub fn namespace_of(counter: &str) -> &str {
+    counter.split_once(':').map_or(counter, |(ns, _)| ns)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const EXAMPLE: &str = r#"
+[defaults]
+cache_ttl_ms = 30000
+
+[namespaces.likes]
+dedup = true
+cache_ttl_ms = 10000
+display_never_decreases = true
+
+[namespaces.views]
+cache_ttl_ms = 120000
+
+[namespaces.bids]
+cache_ttl_ms = 1000
+display = "exact"
+write_path = "direct"
+"#;
+
+    #[test]
+    fn listed_namespaces_override_the_defaults_field_by_field() {
+        let ns = Namespaces::from_toml(EXAMPLE).expect("valid");
+        let likes = ns.policy("likes:post:42");
+        assert!(likes.dedup);
+        assert_eq!(likes.grouping, GroupingRule::ByActor);
+        assert_eq!(likes.cache_ttl_ms, 10_000);
+        assert!(likes.display_never_decreases);
+        let bids = ns.policy("bids:lot:7");
+        assert_eq!(bids.write_path, WritePath::Direct);
+        assert_eq!(bids.display, DisplayStyle::Exact);
+        assert_eq!(ns.policy("views:video:9").cache_ttl_ms, 120_000);
+        // Unlisted: the defaults, with the file's TTL.
+        let other = ns.policy("shares:post:1");
+        assert_eq!(other.cache_ttl_ms, 30_000);
+        assert!(!other.dedup);
+        assert_eq!(other.grouping, GroupingRule::ByPartition);
+        assert!(ns.any_dedup());
+    }
+
+    #[test]
+    fn the_aggregators_grouping_is_the_default_grouping() {
+        let ns = Namespaces::from_toml_with_grouping(EXAMPLE, Some(GroupingRule::ByActor))
+            .expect("valid");
+        assert_eq!(ns.policy("views:video:9").grouping, GroupingRule::ByActor);
+        let none = Namespaces::default();
+        assert_eq!(none.policy("likes:post:1"), &Policy::default());
+    }
+
+    #[test]
+    fn contradictions_and_unknown_keys_are_refused() {
+        let partition_dedup = "[namespaces.likes]\ndedup = true\ngrouping = \"partition\"\n";
+        assert!(matches!(
+            Namespaces::from_toml(partition_dedup),
+            Err(NamespaceError::Invalid { .. })
+        ));
+        assert!(Namespaces::from_toml("[namespaces.likes]\ndedupe = true\n").is_err());
+        assert!(Namespaces::from_toml("[namespaces.x]\ncache_ttl_ms = 0\n").is_err());
+    }
+
+    #[test]
+    fn the_namespace_is_what_comes_before_the_first_colon() {
+        assert_eq!(namespace_of("likes:post:42"), "likes");
+        assert_eq!(namespace_of("plain"), "plain");
+    }
+}

@@ -1,0 +1,156 @@
+//! One like per user, end to end: a storm of likes and unlikes with heavy repetition (double
+//! clicks, re-likes, unlikes of nothing) from 10,000 actors on a few counters of a deduplicating
+//! namespace, with the aggregator SIGKILLed five times mid-stream. Every total equals the number
+//! of distinct actors whose last action was a like, and `has_liked` agrees with that last action.
+//! Run with Lua scripts, and again as a Redis user that may not run scripts (WATCH/MULTI/EXEC).
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use rand::{Rng, SeedableRng};
+use tally_common::CounterEvent;
+use tally_producer::{Producer, ProducerConfig};
+use tally_tests::{
+    AggregatorSetup, RedisServer, TempDir, brokers, connect, kill_repeatedly, reader, seed, unique,
+    wait_for_totals,
+};
+
+const COUNTERS: u64 = 5;
+const ACTORS: u64 = 10_000;
+const EVENTS: u64 = 200_000;
+const RATE: u64 = 12_000;
+
+/// What the storm left true: per counter, the actors whose last acknowledged action was a like.
+struct Truth {
+    last: HashMap<(String, String), bool>,
+}
+
+impl Truth {
+    fn totals(&self) -> HashMap<String, i64> {
+        let mut totals: HashMap<String, i64> = (0..COUNTERS)
+            .map(|c| (format!("likes:post:{c}"), 0))
+            .collect();
+        for ((counter, _), liked) in &self.last {
+            if *liked {
+                *totals.entry(counter.clone()).or_default() += 1;
+            }
+        }
+        totals
+    }
+}
+
+/// Sends the storm in order (one task, keyed by counter, so each counter's actions stay in order)
+/// and records each acknowledged action.
+async fn storm(topic: String, seed: u64) -> Truth {
+    let producer = Producer::new(&ProducerConfig::new(brokers(), topic)).expect("producer");
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let mut pending = std::collections::VecDeque::new();
+    let mut last = HashMap::new();
+    let started = std::time::Instant::now();
+    let mut sent = 0u64;
+    while sent < EVENTS {
+        let counter = format!("likes:post:{}", rng.random_range(0..COUNTERS));
+        let actor = format!("u{}", rng.random_range(0..ACTORS));
+        let like = rng.random_bool(0.6);
+        // A double click sends the same action twice in a row.
+        let times = if rng.random_bool(0.2) { 2 } else { 1 };
+        for _ in 0..times {
+            let event = CounterEvent::new(counter.clone(), if like { 1 } else { -1 })
+                .and_then(|e| e.with_actor(actor.clone()))
+                .expect("valid event");
+            let ack = producer.enqueue(&event).await.expect("enqueued");
+            pending.push_back((ack, counter.clone(), actor.clone(), like));
+            sent += 1;
+        }
+        while pending.len() > 20_000 {
+            settle(&mut pending, &mut last).await;
+        }
+        if sent % 100 < times {
+            let due = started + Duration::from_secs_f64(sent as f64 / RATE as f64);
+            tokio::time::sleep_until(due.into()).await;
+        }
+    }
+    while !pending.is_empty() {
+        settle(&mut pending, &mut last).await;
+    }
+    Truth { last }
+}
+
+type Pending = (tally_producer::Pending, String, String, bool);
+
+async fn settle(
+    pending: &mut std::collections::VecDeque<Pending>,
+    last: &mut HashMap<(String, String), bool>,
+) {
+    if let Some((ack, counter, actor, like)) = pending.pop_front() {
+        ack.acked().await.expect("Kafka acknowledged the action");
+        last.insert((counter, actor), like);
+    }
+}
+
+async fn like_storm(name: &str, redis: &RedisServer, redis_url: &str) {
+    let seed = seed();
+    let dir = TempDir::new("tally-likes");
+    let mut setup = AggregatorSetup::create(name, redis_url, 8).await;
+    setup.flush_interval_ms = 500;
+    let namespaces = dir.path().join("namespaces.toml");
+    std::fs::write(&namespaces, "[namespaces.likes]\ndedup = true\n").expect("namespace file");
+    let member = format!("group.instance.id={}", unique("member"));
+    let flags = [
+        "--namespaces",
+        namespaces.to_str().expect("utf-8 path"),
+        "--kafka-option",
+        &member,
+    ];
+    let first = setup.spawn(dir.path(), &flags);
+    let load = tokio::spawn(storm(setup.topic.clone(), seed));
+    let mut last = kill_repeatedly(&setup, dir.path(), &flags, first, 5, seed, &load).await;
+    let truth = load.await.expect("storm task");
+    let totals = truth.totals();
+    let likers: i64 = totals.values().sum();
+    eprintln!(
+        "{EVENTS} actions over {} (counter, actor) pairs; {likers} likes stand",
+        truth.last.len()
+    );
+    let counts = redis.reader(setup.keyspace()).await;
+    wait_for_totals(&counts, &totals, Duration::from_secs(90)).await;
+    let check = reader(redis_url, setup.keyspace()).await;
+    for ((counter, actor), liked) in truth.last.iter().take(2_000) {
+        assert_eq!(
+            check.has_liked(counter, actor).await.expect("has_liked"),
+            *liked,
+            "{actor} on {counter}"
+        );
+    }
+    last.stop_gracefully().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_like_storm_with_sigkills_counts_each_actor_once() {
+    let _serial = tally_tests::serial().await;
+    let redis = RedisServer::start().await;
+    like_storm("likes", &redis, &redis.url()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_like_storm_without_scripts_counts_each_actor_once() {
+    let _serial = tally_tests::serial().await;
+    let redis = RedisServer::start().await;
+    let mut conn = connect(&redis.url()).await;
+    redis::cmd("ACL")
+        .arg(&[
+            "SETUSER",
+            "noscripts",
+            "on",
+            ">secret",
+            "~*",
+            "&*",
+            "+@all",
+            "-@scripting",
+        ])
+        .exec_async(&mut conn)
+        .await
+        .expect("ACL SETUSER");
+    let url = redis.url().replace("redis://", "redis://noscripts:secret@");
+    like_storm("likes-noscripts", &redis, &url).await;
+}
