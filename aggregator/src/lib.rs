@@ -16,6 +16,7 @@
 //! - [`dead_letter`]: the dead-letter topic for malformed messages.
 //! - [`metrics`] and [`http`]: Prometheus metrics on `/metrics`, and `/healthz`.
 //! - [`backoff`]: capped exponential backoff.
+//! - [`compact`]: collapsing cold counters' shares into one key, crash-safe (`tally compact`).
 //! - [`shard_monitor`]: raises the shard counts of directly written counters that run hot.
 //! - [`shutdown`]: signals into a cancellation token.
 //! - [`load`]: the traffic generator behind `tally load`.
@@ -23,6 +24,7 @@
 
 pub mod backoff;
 pub mod batch;
+pub mod compact;
 pub mod config;
 pub mod consume;
 pub mod dead_letter;

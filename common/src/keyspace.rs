@@ -75,6 +75,20 @@ fn stable_hash(bytes: &[u8]) -> u64 {
     })
 }
 
+/// A key compaction deals with (see [`Keyspace::parse_compaction_key`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CompactionKey {
+    /// A counter's share in a group.
+    Share,
+    /// An amount on its way from this group to the counter's base group.
+    Journal,
+    /// In the base group, the last move applied from group `from`.
+    Moved {
+        /// The source group.
+        from: u32,
+    },
+}
+
 /// Why a keyspace could not be built.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
@@ -223,6 +237,46 @@ impl Keyspace {
         format!("{}:rates:{unix_second}", self.prefix)
     }
 
+    /// The compaction journal of `counter` in `group`: `"<move id>:<amount>"` while an amount
+    /// taken from the counter's share there is on its way to the base group. Readers count it.
+    pub fn journal_key(&self, group: u32, counter: &str) -> String {
+        format!("{}:{{g{group}}}:j:{counter}", self.prefix)
+    }
+
+    /// In the counter's base group `base`, the id of the last move from group `from` that was
+    /// applied there: a journal holding that id is already counted in the base share.
+    pub fn moved_key(&self, base: u32, counter: &str, from: u32) -> String {
+        format!("{}:{{g{base}}}:a{from}:{counter}", self.prefix)
+    }
+
+    /// Every key compaction looks at, for `SCAN ... MATCH`: counter shares (`c`), compaction
+    /// journals (`j`) and applied-move markers (`a<from>`).
+    pub fn compaction_pattern(&self) -> String {
+        format!("{}:{{g*}}:[cja]*", self.prefix)
+    }
+
+    /// What a key matched by [`Keyspace::compaction_pattern`] is, or `None` for any other key.
+    pub fn parse_compaction_key<'k>(&self, key: &'k str) -> Option<(u32, CompactionKey, &'k str)> {
+        let rest = key.strip_prefix(&self.prefix)?.strip_prefix(":{g")?;
+        let close = rest.find('}')?;
+        let group = rest[..close].parse::<u32>().ok()?;
+        let rest = rest[close..].strip_prefix("}:")?;
+        if let Some(counter) = rest.strip_prefix("c:") {
+            return Some((group, CompactionKey::Share, counter));
+        }
+        if let Some(counter) = rest.strip_prefix("j:") {
+            return Some((group, CompactionKey::Journal, counter));
+        }
+        let (from, counter) = rest.strip_prefix('a')?.split_once(':')?;
+        Some((
+            group,
+            CompactionKey::Moved {
+                from: from.parse().ok()?,
+            },
+            counter,
+        ))
+    }
+
     /// The key caching `counter`'s total for readers: `"<total>:<refreshed at, unix ms>"`. No
     /// hash tag: cache entries spread over a cluster's slots by counter.
     pub fn cache_key(&self, counter: &str) -> String {
@@ -275,6 +329,30 @@ mod tests {
             }
         }
         crc % 16384
+    }
+
+    #[test]
+    fn compaction_keys_parse_back_and_share_their_groups_slot() {
+        let ks = Keyspace::default();
+        let journal = ks.journal_key(5, "views:v:1");
+        assert_eq!(
+            ks.parse_compaction_key(&journal),
+            Some((5, CompactionKey::Journal, "views:v:1"))
+        );
+        assert_eq!(
+            ks.parse_compaction_key(&ks.counter_key(3, "a:b")),
+            Some((3, CompactionKey::Share, "a:b"))
+        );
+        assert_eq!(
+            ks.parse_compaction_key(&ks.moved_key(3, "a:b", 11)),
+            Some((3, CompactionKey::Moved { from: 11 }, "a:b"))
+        );
+        assert_eq!(ks.parse_compaction_key(&ks.member_key(3, "a:b")), None);
+        assert_eq!(slot(&journal), slot(&ks.counter_key(5, "x")));
+        assert_eq!(
+            slot(&ks.moved_key(2, "x", 9)),
+            slot(&ks.counter_key(2, "y"))
+        );
     }
 
     #[test]

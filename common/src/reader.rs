@@ -6,6 +6,8 @@
 //! on a cluster, where redis-rs refuses pipelines that span slots, so the `MGET`s go out as
 //! concurrent requests instead) and each counter's shares are summed. [`Reader::get`] is the same for one
 //! counter. These are exact reads of what has been flushed so far; nothing is cached here.
+//! Amounts that compaction is moving between groups are counted from their journals (see
+//! `aggregator/src/compact.rs`), so a compactor killed mid-move hides nothing.
 
 use crate::connection::{RedisConn, query_each};
 use crate::event::{EventError, validate_counter};
@@ -21,6 +23,14 @@ pub enum ReadError {
     /// Redis failed or timed out.
     #[error("redis: {0}")]
     Redis(#[from] redis::RedisError),
+    /// A key of the counter holds something that is not a count.
+    #[error("a key of {counter} holds {value:?}, not a count")]
+    Corrupt {
+        /// The counter.
+        counter: String,
+        /// What the key holds.
+        value: String,
+    },
     /// The shards add up to more than an i64 holds.
     #[error("the shards of {counter} add up to more than 64 bits")]
     Overflow {
@@ -73,7 +83,9 @@ impl Reader {
     }
 
     /// The exact totals of `counters`, in the same order, read in one pipeline of one
-    /// single-slot `MGET` per shard group.
+    /// single-slot `MGET` per shard group (each counter's share and compaction journal there).
+    /// A journal found is counted unless its move already reached the base share, which a
+    /// second, rare round of `MGET`s checks.
     pub async fn get_many<S: AsRef<str>>(&self, counters: &[S]) -> Result<Vec<i64>, ReadError> {
         if counters.is_empty() {
             return Ok(Vec::new());
@@ -81,31 +93,81 @@ impl Reader {
         for counter in counters {
             validate_counter(counter.as_ref())?;
         }
-        let mgets = (0..self.keyspace.groups())
+        let ks = &self.keyspace;
+        let mgets = (0..ks.groups())
             .map(|group| {
-                let keys: Vec<String> = counters
-                    .iter()
-                    .map(|c| self.keyspace.counter_key(group, c.as_ref()))
-                    .collect();
                 let mut mget = redis::cmd("MGET");
-                mget.arg(keys);
+                for c in counters {
+                    mget.arg(ks.counter_key(group, c.as_ref()))
+                        .arg(ks.journal_key(group, c.as_ref()));
+                }
                 mget
             })
             .collect();
-        // rows[group][i]: counter i's share in that group.
-        let rows: Vec<Vec<Option<i64>>> = query_each(&self.conn, mgets).await?;
-        counters
+        // rows[group][2i]: counter i's share in that group; rows[group][2i + 1]: its journal.
+        let rows: Vec<Vec<Option<String>>> = query_each(&self.conn, mgets).await?;
+        let mut totals = Vec::with_capacity(counters.len());
+        // (counter index, source group, move id, amount) of every journal found.
+        let mut journals: Vec<(usize, u32, String, i64)> = Vec::new();
+        for (i, counter) in counters.iter().enumerate() {
+            let counter = counter.as_ref();
+            let mut shares = Vec::with_capacity(rows.len());
+            for (group, row) in rows.iter().enumerate() {
+                shares.push(match row.get(2 * i).and_then(Option::as_deref) {
+                    Some(v) => Some(parse_integer(counter, v)?),
+                    None => None,
+                });
+                if let Some(journal) = row.get(2 * i + 1).and_then(Option::as_deref) {
+                    let (id, amount) = parse_journal(counter, journal)?;
+                    journals.push((i, group as u32, id.to_owned(), amount));
+                }
+            }
+            totals.push(sum(counter, &shares)?);
+        }
+        if journals.is_empty() {
+            return Ok(totals);
+        }
+        let checks = journals
             .iter()
-            .enumerate()
-            .map(|(i, counter)| {
-                let shares: Vec<Option<i64>> = rows
-                    .iter()
-                    .map(|row| row.get(i).copied().flatten())
-                    .collect();
-                sum(counter.as_ref(), &shares)
+            .map(|(i, from, _, _)| {
+                let counter = counters[*i].as_ref();
+                let mut get = redis::cmd("GET");
+                get.arg(ks.moved_key(ks.shard_group(counter, 0), counter, *from));
+                get
             })
-            .collect()
+            .collect();
+        let moved: Vec<Option<String>> = query_each(&self.conn, checks).await?;
+        for ((i, _, id, amount), moved) in journals.iter().zip(moved) {
+            if moved.as_deref() != Some(id.as_str()) {
+                let counter = counters[*i].as_ref();
+                totals[*i] =
+                    totals[*i]
+                        .checked_add(*amount)
+                        .ok_or_else(|| ReadError::Overflow {
+                            counter: counter.to_owned(),
+                        })?;
+            }
+        }
+        Ok(totals)
     }
+}
+
+fn parse_integer(counter: &str, value: &str) -> Result<i64, ReadError> {
+    value.parse().map_err(|_| ReadError::Corrupt {
+        counter: counter.to_owned(),
+        value: value.to_owned(),
+    })
+}
+
+/// A compaction journal: `"<move id>:<amount>"`.
+fn parse_journal<'v>(counter: &str, value: &'v str) -> Result<(&'v str, i64), ReadError> {
+    value
+        .split_once(':')
+        .and_then(|(id, amount)| Some((id, amount.parse().ok()?)))
+        .ok_or_else(|| ReadError::Corrupt {
+            counter: counter.to_owned(),
+            value: value.to_owned(),
+        })
 }
 
 fn sum(counter: &str, values: &[Option<i64>]) -> Result<i64, ReadError> {

@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
+use tally_aggregator::compact::Compactor;
 use tally_aggregator::load::{self, LoadSpec};
 use tally_aggregator::verify;
 use tally_common::{CachedReader, Keyspace, Namespaces, Reader, RedisConn};
@@ -55,6 +56,29 @@ enum Command {
         actor: String,
         #[command(flatten)]
         kafka: KafkaArgs,
+    },
+    /// Collapse the shares of cold counters into one key each, crash-safe; once, or in a loop.
+    Compact {
+        /// Keep compacting, one pass every --interval-ms, until SIGTERM/SIGINT.
+        #[arg(long = "loop")]
+        repeat: bool,
+        /// A counter is cold once its shares have not changed for this long, in ms (0: compact
+        /// every counter now).
+        #[arg(long, default_value_t = 60_000)]
+        cold_after_ms: u64,
+        /// Time between passes with --loop, in ms.
+        #[arg(long, default_value_t = 5_000)]
+        interval_ms: u64,
+        #[command(flatten)]
+        redis: RedisArgs,
+    },
+    /// Show a counter's shard count, its share in each group, and each share's writes per
+    /// second over one second.
+    Shards {
+        /// The counter.
+        counter: String,
+        #[command(flatten)]
+        redis: RedisArgs,
     },
     /// Print whether an actor's like of a counter is counted (exit 1 if not).
     Liked {
@@ -202,6 +226,87 @@ async fn main() -> anyhow::Result<std::process::ExitCode> {
         } => {
             let producer = Producer::new(&ProducerConfig::new(kafka.brokers, kafka.topic))?;
             producer.unlike(&counter, &actor).await?;
+        }
+        Command::Compact {
+            repeat,
+            cold_after_ms,
+            interval_ms,
+            redis,
+        } => {
+            let namespaces = Arc::new(redis.namespaces()?);
+            let reader = redis.reader().await?;
+            let compactor = Compactor::start(
+                reader.conn().clone(),
+                reader.keyspace().clone(),
+                namespaces,
+                Duration::from_millis(cold_after_ms),
+            )
+            .await?;
+            let cancel = tally_aggregator::shutdown::on_signals()?;
+            loop {
+                let r = compactor.pass().await?;
+                if !repeat || r.compacted + r.recovered + r.markers_dropped > 0 {
+                    println!(
+                        "{} candidates: {} compacted in {} moves, {} interrupted moves finished, {} markers dropped",
+                        r.candidates, r.compacted, r.moves, r.recovered, r.markers_dropped
+                    );
+                }
+                if !repeat {
+                    break;
+                }
+                tokio::select! {
+                    () = cancel.cancelled() => break,
+                    () = tokio::time::sleep(Duration::from_millis(interval_ms)) => {}
+                }
+            }
+        }
+        Command::Shards { counter, redis } => {
+            let reader = redis.reader().await?;
+            let ks = reader.keyspace().clone();
+            let mut conn = reader.conn().clone();
+            let shards: Option<f64> = redis::cmd("ZSCORE")
+                .arg(ks.shards_key())
+                .arg(&counter)
+                .query_async(&mut conn)
+                .await?;
+            let read = |mut conn: RedisConn| {
+                let ks = ks.clone();
+                let counter = counter.clone();
+                async move {
+                    let mut values = Vec::new();
+                    for group in 0..ks.groups() {
+                        let v: Option<i64> = redis::cmd("GET")
+                            .arg(ks.counter_key(group, &counter))
+                            .query_async(&mut conn)
+                            .await?;
+                        values.push(v);
+                    }
+                    anyhow::Ok(values)
+                }
+            };
+            let before = read(conn.clone()).await?;
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            let after = read(conn).await?;
+            println!(
+                "{counter}: {} direct-write shard(s); total {}",
+                shards.map_or(1, |s| s as u32),
+                reader.get(&counter).await?
+            );
+            println!(
+                "{:>6} {:>6} {:>20} {:>10}",
+                "group", "shard", "value", "writes/s"
+            );
+            for group in 0..ks.groups() {
+                let Some(value) = after[group as usize] else {
+                    continue;
+                };
+                let shard = (0..ks.groups()).find(|s| ks.shard_group(&counter, *s) == group);
+                let rate = value - before[group as usize].unwrap_or(0);
+                println!(
+                    "{group:>6} {:>6} {value:>20} {rate:>10}",
+                    shard.map_or("-".to_owned(), |s| s.to_string())
+                );
+            }
         }
         Command::Liked {
             counter,

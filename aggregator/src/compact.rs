@@ -1,0 +1,372 @@
+//! Compaction: collapsing the shares of counters that have gone cold back into one key (the
+//! counter's base group, shard 0), so that a spike does not leave a counter with many keys
+//! forever, and resetting their shard counts to one.
+//!
+//! Moving an amount from one group to another crosses slots, so it cannot be one atomic
+//! operation. Each move is three idempotent, fenced steps, each a script in one slot:
+//!
+//! 1. **take** (source slot): the whole share becomes a journal `"<move id>:<amount>"` and the
+//!    share key is deleted. Writes landing afterwards recreate the share; they are not lost.
+//! 2. **give** (base slot): the amount is added to the base share, and a marker records the
+//!    move id, unless the marker already holds it (a retried step).
+//! 3. **done** (source slot, then base slot): the journal, then the marker, are deleted.
+//!
+//! Readers count a journal unless the base group's marker holds its id (see
+//! `tally_common::Reader`), so at every step boundary the total is exact, and a compactor killed
+//! anywhere leaves nothing hidden or doubled. The next compactor first finishes every journal it
+//! finds, and deletes markers whose journal is gone.
+//!
+//! Every step checks the compactor's **fence** (field `compactor` of each group's fence hash):
+//! a compactor takes a new epoch at start and stamps it into every group, so a stale one (paused,
+//! then resumed) has all its steps refused instead of replaying a move whose marker is gone.
+//!
+//! A counter is **cold** when its shares have not changed for `cold_after`: each pass records a
+//! fingerprint of them (`<prefix>:compact:seen`), and compacts counters whose fingerprint is as
+//! old as that (a `cold_after` of zero compacts every counter at once). Counters of namespaces that deduplicate are left alone (their shares live with
+//! their actors' member sets). Finding counters uses `SCAN`, so it needs a standalone Redis.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use tally_common::keyspace::CompactionKey;
+use tally_common::{Keyspace, Namespaces, RedisConn};
+
+use crate::config::Atomicity;
+use crate::sink::{RedisSink, Sink, SinkError, Stamp};
+
+/// The fence field of the compactor.
+const FIELD: &str = "compactor";
+
+/// Why a compaction pass stopped.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum CompactError {
+    /// Redis failed; the next pass picks up where this one stopped.
+    #[error("redis: {0}")]
+    Redis(#[from] redis::RedisError),
+    /// Taking or stamping the compactor's epoch failed.
+    #[error(transparent)]
+    Fence(#[from] SinkError),
+    /// A newer compactor started: this one must stop.
+    #[error("a newer compactor took over")]
+    Fenced,
+    /// Finding counters needs `SCAN`, which a cluster connection does not offer here.
+    #[error("compaction needs a standalone Redis (it finds counters with SCAN)")]
+    Cluster,
+    /// A script answered something it never answers.
+    #[error("unexpected reply from a compaction step: {0}")]
+    Protocol(String),
+}
+
+/// What one pass did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PassReport {
+    /// Counters seen with data outside their base share (or a journal).
+    pub candidates: usize,
+    /// Journals of earlier, interrupted moves finished.
+    pub recovered: usize,
+    /// Counters compacted to one key.
+    pub compacted: usize,
+    /// Moves made.
+    pub moves: usize,
+    /// Applied-move markers deleted after their move was complete.
+    pub markers_dropped: usize,
+}
+
+/// What the keyspace holds for one counter, as far as compaction cares.
+#[derive(Debug, Default)]
+struct Found {
+    shares: Vec<u32>,
+    journals: Vec<u32>,
+    markers: Vec<u32>,
+}
+
+/// A compactor holding its epoch.
+#[derive(Debug)]
+pub struct Compactor {
+    conn: RedisConn,
+    keyspace: Keyspace,
+    namespaces: std::sync::Arc<Namespaces>,
+    /// How long a counter's shares must stay unchanged before it is compacted.
+    cold_after: Duration,
+    epoch: u64,
+    take: redis::Script,
+    give: redis::Script,
+    done: redis::Script,
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+impl Compactor {
+    /// Takes a new compactor epoch and stamps it into every group, fencing off any earlier one.
+    pub async fn start(
+        conn: RedisConn,
+        keyspace: Keyspace,
+        namespaces: std::sync::Arc<Namespaces>,
+        cold_after: Duration,
+    ) -> Result<Self, CompactError> {
+        if conn.is_cluster() {
+            return Err(CompactError::Cluster);
+        }
+        let sink = RedisSink::new(conn.clone(), "", keyspace.clone(), Atomicity::Scripts)?;
+        let mut at_least = 0;
+        let epoch = 'epoch: loop {
+            let epoch = sink.next_epoch(0, FIELD, at_least).await?;
+            for group in 0..keyspace.groups() {
+                if let Stamp::Stale { current } = sink.stamp_fence(group, FIELD, epoch).await? {
+                    at_least = current + 1;
+                    continue 'epoch;
+                }
+            }
+            break epoch;
+        };
+        Ok(Self {
+            conn,
+            keyspace,
+            namespaces,
+            cold_after,
+            epoch,
+            take: redis::Script::new(include_str!("scripts/compact_take.lua")),
+            give: redis::Script::new(include_str!("scripts/compact_give.lua")),
+            done: redis::Script::new(include_str!("scripts/compact_done.lua")),
+        })
+    }
+
+    /// This compactor's epoch.
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// One pass: finish interrupted moves, drop stale markers, compact cold counters.
+    pub async fn pass(&self) -> Result<PassReport, CompactError> {
+        let found = self.scan().await?;
+        let mut report = PassReport {
+            candidates: found.len(),
+            ..PassReport::default()
+        };
+        let mut conn = self.conn.clone();
+        let seen_key = format!("{}:compact:seen", self.keyspace.prefix());
+        for (counter, what) in &found {
+            let base = self.keyspace.shard_group(counter, 0);
+            for &from in &what.journals {
+                let journal: Option<String> = redis::cmd("GET")
+                    .arg(self.keyspace.journal_key(from, counter))
+                    .query_async(&mut conn)
+                    .await?;
+                if let Some((id, amount)) = journal.as_deref().and_then(|j| j.split_once(':')) {
+                    self.finish(counter, from, base, id, amount).await?;
+                    report.recovered += 1;
+                }
+            }
+            for &from in &what.markers {
+                if what.journals.contains(&from) {
+                    continue;
+                }
+                // The journal is gone, so its move is complete: the marker is no longer needed.
+                let marker: Option<String> = redis::cmd("GET")
+                    .arg(self.keyspace.moved_key(base, counter, from))
+                    .query_async(&mut conn)
+                    .await?;
+                if let Some(id) = marker {
+                    self.step_done(base, &self.keyspace.moved_key(base, counter, from), &id)
+                        .await?;
+                    report.markers_dropped += 1;
+                }
+            }
+            let spread = what.shares.iter().any(|&g| g != base);
+            if !spread || self.namespaces.policy(counter).dedup {
+                continue;
+            }
+            if !self.is_cold(&seen_key, counter, &what.shares).await? {
+                continue;
+            }
+            // Writers shrink back to one shard within a second; writes to other shards before
+            // then are recreated shares, moved by a later pass.
+            redis::cmd("ZREM")
+                .arg(self.keyspace.shards_key())
+                .arg(counter)
+                .exec_async(&mut conn)
+                .await?;
+            for &from in what.shares.iter().filter(|&&g| g != base) {
+                if self.move_share(counter, from, base).await? {
+                    report.moves += 1;
+                }
+            }
+            redis::cmd("HDEL")
+                .arg(&seen_key)
+                .arg(counter)
+                .exec_async(&mut conn)
+                .await?;
+            report.compacted += 1;
+        }
+        Ok(report)
+    }
+
+    /// Every counter with a share outside its base group, a journal or a marker.
+    async fn scan(&self) -> Result<BTreeMap<String, Found>, CompactError> {
+        let mut conn = self.conn.clone();
+        let mut found: BTreeMap<String, Found> = BTreeMap::new();
+        let mut cursor: u64 = 0;
+        loop {
+            let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
+                .arg(cursor)
+                .arg("MATCH")
+                .arg(self.keyspace.compaction_pattern())
+                .arg("COUNT")
+                .arg(1000)
+                .query_async(&mut conn)
+                .await?;
+            for key in &keys {
+                if let Some((group, kind, counter)) = self.keyspace.parse_compaction_key(key) {
+                    let entry = found.entry(counter.to_owned()).or_default();
+                    match kind {
+                        CompactionKey::Share => entry.shares.push(group),
+                        CompactionKey::Journal => entry.journals.push(group),
+                        CompactionKey::Moved { from } => entry.markers.push(from),
+                    }
+                }
+            }
+            if next == 0 {
+                break;
+            }
+            cursor = next;
+        }
+        found.retain(|counter, f| {
+            let base = self.keyspace.shard_group(counter, 0);
+            !f.journals.is_empty() || !f.markers.is_empty() || f.shares.iter().any(|&g| g != base)
+        });
+        Ok(found)
+    }
+
+    /// Whether `counter`'s shares have not changed for `cold_after` (recording them if they
+    /// did). With `cold_after` zero every counter counts as cold: compact everything now.
+    async fn is_cold(
+        &self,
+        seen_key: &str,
+        counter: &str,
+        groups: &[u32],
+    ) -> Result<bool, CompactError> {
+        if self.cold_after.is_zero() {
+            return Ok(true);
+        }
+        let mut conn = self.conn.clone();
+        let mut groups = groups.to_vec();
+        groups.sort_unstable();
+        let mut pipe = redis::pipe();
+        for &g in &groups {
+            pipe.get(self.keyspace.counter_key(g, counter));
+        }
+        let values: Vec<Option<String>> = pipe.query_async(&mut conn).await?;
+        let fingerprint: String = groups
+            .iter()
+            .zip(&values)
+            .map(|(g, v)| format!("{g}={}", v.as_deref().unwrap_or("")))
+            .collect::<Vec<_>>()
+            .join(",");
+        let seen: Option<String> = redis::cmd("HGET")
+            .arg(seen_key)
+            .arg(counter)
+            .query_async(&mut conn)
+            .await?;
+        let now = now_ms();
+        if let Some((since, print)) = seen.as_deref().and_then(|s| s.split_once('|'))
+            && print == fingerprint
+        {
+            let since: u64 = since.parse().unwrap_or(now);
+            return Ok(now.saturating_sub(since) >= self.cold_after.as_millis() as u64);
+        }
+        redis::cmd("HSET")
+            .arg(seen_key)
+            .arg(counter)
+            .arg(format!("{now}|{fingerprint}"))
+            .exec_async(&mut conn)
+            .await?;
+        Ok(false)
+    }
+
+    /// Moves `counter`'s share in `from` to its base group; false if there was nothing to move.
+    async fn move_share(&self, counter: &str, from: u32, base: u32) -> Result<bool, CompactError> {
+        let id = format!("{:016x}", rand::random::<u64>());
+        let mut conn = self.conn.clone();
+        let reply: Vec<String> = self
+            .take
+            .key(self.keyspace.fence_key(from))
+            .key(self.keyspace.counter_key(from, counter))
+            .key(self.keyspace.journal_key(from, counter))
+            .arg(self.epoch)
+            .arg(&id)
+            .invoke_async(&mut conn)
+            .await?;
+        match reply.first().map(String::as_str) {
+            Some("taken") => {
+                let amount = reply.get(1).cloned().unwrap_or_default();
+                self.finish(counter, from, base, &id, &amount).await?;
+                Ok(true)
+            }
+            Some("pending") => {
+                let journal = reply.get(1).cloned().unwrap_or_default();
+                let (id, amount) = journal
+                    .split_once(':')
+                    .ok_or_else(|| CompactError::Protocol(journal.clone()))?;
+                self.finish(counter, from, base, id, amount).await?;
+                Ok(true)
+            }
+            Some("empty") => Ok(false),
+            Some("fenced") => Err(CompactError::Fenced),
+            _ => Err(CompactError::Protocol(format!("{reply:?}"))),
+        }
+    }
+
+    /// Steps 2 and 3 of a journaled move.
+    async fn finish(
+        &self,
+        counter: &str,
+        from: u32,
+        base: u32,
+        id: &str,
+        amount: &str,
+    ) -> Result<(), CompactError> {
+        let mut conn = self.conn.clone();
+        let marker = self.keyspace.moved_key(base, counter, from);
+        let given: String = self
+            .give
+            .key(self.keyspace.fence_key(base))
+            .key(self.keyspace.counter_key(base, counter))
+            .key(&marker)
+            .arg(self.epoch)
+            .arg(id)
+            .arg(amount)
+            .invoke_async(&mut conn)
+            .await?;
+        match given.as_str() {
+            "given" | "already" => {}
+            "fenced" => return Err(CompactError::Fenced),
+            other => return Err(CompactError::Protocol(other.to_owned())),
+        }
+        self.step_done(from, &self.keyspace.journal_key(from, counter), id)
+            .await?;
+        self.step_done(base, &marker, id).await
+    }
+
+    /// Deletes a journal or marker of move `id` in `group`.
+    async fn step_done(&self, group: u32, key: &str, id: &str) -> Result<(), CompactError> {
+        let mut conn = self.conn.clone();
+        let reply: String = self
+            .done
+            .key(self.keyspace.fence_key(group))
+            .key(key)
+            .arg(self.epoch)
+            .arg(id)
+            .invoke_async(&mut conn)
+            .await?;
+        match reply.as_str() {
+            "done" | "gone" => Ok(()),
+            "fenced" => Err(CompactError::Fenced),
+            other => Err(CompactError::Protocol(other.to_owned())),
+        }
+    }
+}

@@ -1,0 +1,26 @@
+-- Compaction, step 1 (the source group's slot): take the counter's whole share there into a
+-- journal, so that it is never in two places a reader would both count, nor in none.
+-- KEYS[1] fence hash    KEYS[2] counter share    KEYS[3] journal
+-- ARGV[1] the compactor's epoch    ARGV[2] a new move id
+-- Returns {'fenced'}, {'pending', journal} (a move from here is already under way: finish it
+-- first), {'empty'} (nothing to move; a zero share is deleted) or {'taken', amount}.
+if redis.call('HGET', KEYS[1], 'compactor') ~= ARGV[1] then
+  return {'fenced'}
+end
+local pending = redis.call('GET', KEYS[3])
+if pending then
+  return {'pending', pending}
+end
+local value = redis.call('GET', KEYS[2])
+if not value then
+  return {'empty'}
+end
+if not string.match(value, '^%-?%d+$') then
+  return redis.error_reply('compaction: ' .. KEYS[2] .. ' holds ' .. value)
+end
+redis.call('DEL', KEYS[2])
+if tonumber(value) == 0 then
+  return {'empty'}
+end
+redis.call('SET', KEYS[3], ARGV[2] .. ':' .. value)
+return {'taken', value}
