@@ -173,6 +173,9 @@ pub struct Settings {
     /// Raise a directly written counter's shard count when one shard takes more than this many writes per second; 0 turns the shard monitor off [default: 1000]
     #[arg(long, env = "TALLY_SHARD_THRESHOLD")]
     pub shard_threshold: Option<u64>,
+    /// How often the trending counters seen are published and the hot set (kept warm in the read cache) renewed, in ms; 0 turns trending off [default: 5000]
+    #[arg(long, env = "TALLY_TRENDING_INTERVAL_MS")]
+    pub trending_interval_ms: Option<u64>,
     /// TOML file of namespace policies (docs/namespaces.md): dedup, cache TTL, grouping per namespace [default: none, every namespace gets the defaults]
     #[arg(long, env = "TALLY_NAMESPACES")]
     pub namespaces: Option<PathBuf>,
@@ -252,6 +255,8 @@ pub struct Config {
     pub namespaces: Arc<Namespaces>,
     /// Writes per second per shard above which the shard monitor raises a shard count (0: off).
     pub shard_threshold: u64,
+    /// How often trending counters are published (zero: off).
+    pub trending_interval: Duration,
     /// How exactly-once writes are made atomic.
     pub redis_atomicity: Atomicity,
     /// Log format.
@@ -276,6 +281,7 @@ impl std::fmt::Debug for Config {
             .field("grouping", &self.grouping)
             .field("namespaces", &self.namespaces)
             .field("shard_threshold", &self.shard_threshold)
+            .field("trending_interval", &self.trending_interval)
             .field("redis_atomicity", &self.redis_atomicity)
             .field("max_message_bytes", &self.max_message_bytes)
             .field("shutdown_timeout", &self.shutdown_timeout)
@@ -336,6 +342,7 @@ impl Settings {
             grouping,
             namespaces,
             shard_threshold,
+            trending_interval_ms,
             redis_atomicity,
             log_format
         );
@@ -458,6 +465,7 @@ impl Settings {
             grouping,
             namespaces: Arc::new(namespaces),
             shard_threshold: self.shard_threshold.unwrap_or(1_000),
+            trending_interval: Duration::from_millis(self.trending_interval_ms.unwrap_or(5_000)),
             redis_atomicity,
             log_format: self.log_format.unwrap_or_default(),
             kafka: self.kafka,

@@ -380,6 +380,11 @@ impl<S: Sink> Shared<S> {
         let cancel = self.hard_stop.clone();
         let done_tx = self.done_tx.clone();
         let generation = st.generation;
+        let warm = flusher
+            .trending
+            .as_ref()
+            .map(|t| t.observe(&batch))
+            .unwrap_or_default();
         let handle = tokio::spawn(async move {
             let outcome = flusher.flush(partition, batch, owner, &cancel).await;
             // The loop may be gone (shutdown); the outcome is also the task's output.
@@ -388,6 +393,11 @@ impl<S: Sink> Shared<S> {
                 generation,
                 outcome: outcome.clone(),
             });
+            if let (FlushOutcome::Durable { .. }, Some(trending)) = (&outcome, &flusher.trending)
+                && !warm.is_empty()
+            {
+                trending.warm(&warm).await;
+            }
             outcome
         });
         st.in_flight = Some(InFlight { handle, events });

@@ -63,6 +63,8 @@ pub struct Flusher<S> {
     pub retry_initial: Duration,
     /// Longest retry delay.
     pub retry_max: Duration,
+    /// Trending sketches and the cache warmer, if on.
+    pub trending: Option<Arc<crate::trending::Trending>>,
 }
 
 impl<S: Sink> Flusher<S> {

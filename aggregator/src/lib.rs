@@ -11,6 +11,7 @@
 //! - [`flush`]: making a sealed batch durable, with retries.
 //! - [`fence`]: owning a partition in exactly-once mode (epochs, fences, ledgers, watermark).
 //! - [`sink`]: the [`Sink`] seam and the Redis implementation.
+//! - [`trending`]: heavy-hitter sketches of the fastest-moving counters, and the cache warmer.
 //! - [`transactions`]: the exactly-once operations as `WATCH`/`MULTI`/`EXEC`, for servers that
 //!   refuse scripts.
 //! - [`dead_letter`]: the dead-letter topic for malformed messages.
@@ -38,6 +39,7 @@ pub mod shard_monitor;
 pub mod shutdown;
 pub mod sink;
 pub mod transactions;
+pub mod trending;
 pub mod verify;
 
 use std::sync::Arc;
@@ -102,6 +104,16 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<RunSumma
         };
         tokio::spawn(monitor.run(shutdown.clone()));
     }
+    let trending = (!config.trending_interval.is_zero()).then(|| {
+        let reader = tally_common::Reader::new(conn.clone(), config.keyspace.clone());
+        let trending = Arc::new(trending::Trending::new(reader, config.namespaces.clone()));
+        tokio::spawn(
+            trending
+                .clone()
+                .run(config.trending_interval, shutdown.clone()),
+        );
+        trending
+    });
     let kafka = kafka_client_config(&config);
     let flusher = flush::Flusher {
         sink: RedisSink::new(
@@ -118,6 +130,7 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<RunSumma
         metrics,
         retry_initial: Duration::from_millis(50),
         retry_max: config.retry_max_backoff,
+        trending,
     };
     let settings = LoopSettings {
         topic: config.topic.clone(),

@@ -373,6 +373,38 @@ impl CachedReader {
     }
 }
 
+/// Refreshes the shared cache entries of `counters` from their shards now (the aggregator's
+/// cache warmer: after a flush it warms the trending counters it just wrote, so their readers
+/// keep finding a fresh entry instead of reading shards).
+pub async fn warm(
+    reader: &Reader,
+    namespaces: &Namespaces,
+    counters: &[&str],
+) -> Result<(), ReadError> {
+    if counters.is_empty() {
+        return Ok(());
+    }
+    let totals = reader.get_many(counters).await?;
+    let wall = now_ms();
+    let ks = reader.keyspace();
+    let writes = counters
+        .iter()
+        .zip(totals)
+        .map(|(counter, total)| {
+            let ttl = namespaces.policy(counter).cache_ttl_ms;
+            let mut set = Cmd::new();
+            set.arg("SET")
+                .arg(ks.cache_key(counter))
+                .arg(format!("{total}:{wall}"))
+                .arg("PX")
+                .arg((ttl * SHARED_KEEP_TTLS).max(MIN_SHARED_KEEP_MS));
+            set
+        })
+        .collect();
+    query_each::<redis::Value>(reader.conn(), writes).await?;
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

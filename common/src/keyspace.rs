@@ -277,6 +277,12 @@ impl Keyspace {
         ))
     }
 
+    /// The sorted set of a namespace's trending counters during one time bucket (member:
+    /// counter id, score: its activity, summed over the aggregators that saw it).
+    pub fn top_key(&self, namespace: &str, bucket: u64) -> String {
+        format!("{}:top:{namespace}:{bucket}", self.prefix)
+    }
+
     /// The key caching `counter`'s total for readers: `"<total>:<refreshed at, unix ms>"`. No
     /// hash tag: cache entries spread over a cluster's slots by counter.
     pub fn cache_key(&self, counter: &str) -> String {

@@ -13,6 +13,11 @@ use crate::connection::{RedisConn, query_each};
 use crate::event::{EventError, validate_counter};
 use crate::keyspace::Keyspace;
 
+/// Trending counters are reported into buckets of this many seconds...
+pub const TOP_BUCKET_S: u64 = 10;
+/// ... and `top` reads this many of the latest buckets (the current one included).
+pub const TOP_BUCKETS: u64 = 6;
+
 /// Why a read failed.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -75,6 +80,36 @@ impl Reader {
             .arg(actor)
             .query_async(&mut conn)
             .await?)
+    }
+
+    /// The `k` fastest-moving counters of `namespace` over the last minute, with their activity
+    /// (sum of |delta| seen by the aggregators), busiest first. Approximate: each aggregator
+    /// reports the heavy hitters of its own partitions every few seconds.
+    pub async fn top(&self, namespace: &str, k: usize) -> Result<Vec<(String, f64)>, ReadError> {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs())
+            / TOP_BUCKET_S;
+        let reads = (0..TOP_BUCKETS)
+            .map(|back| {
+                let mut cmd = redis::cmd("ZRANGE");
+                cmd.arg(self.keyspace.top_key(namespace, now.saturating_sub(back)))
+                    .arg(0)
+                    .arg(4 * k.max(1) as i64 - 1)
+                    .arg("REV")
+                    .arg("WITHSCORES");
+                cmd
+            })
+            .collect();
+        let buckets: Vec<Vec<(String, f64)>> = query_each(&self.conn, reads).await?;
+        let mut merged: std::collections::HashMap<String, f64> = std::collections::HashMap::new();
+        for (counter, score) in buckets.into_iter().flatten() {
+            *merged.entry(counter).or_default() += score;
+        }
+        let mut top: Vec<(String, f64)> = merged.into_iter().collect();
+        top.sort_by(|a, b| b.1.total_cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+        top.truncate(k);
+        Ok(top)
     }
 
     /// The exact total of `counter` (0 if it was never written).

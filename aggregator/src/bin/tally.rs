@@ -80,6 +80,16 @@ enum Command {
         #[command(flatten)]
         redis: RedisArgs,
     },
+    /// Print a namespace's fastest-moving counters over the last minute, busiest first.
+    Top {
+        /// The namespace (`likes` for `likes:post:42`).
+        namespace: String,
+        /// How many.
+        #[arg(short, default_value_t = 10)]
+        k: usize,
+        #[command(flatten)]
+        redis: RedisArgs,
+    },
     /// Print whether an actor's like of a counter is counted (exit 1 if not).
     Liked {
         /// The counter.
@@ -306,6 +316,15 @@ async fn main() -> anyhow::Result<std::process::ExitCode> {
                     "{group:>6} {:>6} {value:>20} {rate:>10}",
                     shard.map_or("-".to_owned(), |s| s.to_string())
                 );
+            }
+        }
+        Command::Top {
+            namespace,
+            k,
+            redis,
+        } => {
+            for (counter, activity) in redis.reader().await?.top(&namespace, k).await? {
+                println!("{counter} {activity}");
             }
         }
         Command::Liked {
