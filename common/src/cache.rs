@@ -145,6 +145,11 @@ impl CachedReader {
         self.reader.has_liked(counter, actor).await
     }
 
+    /// The `k` fastest-moving counters of `namespace` over the last minute (never cached).
+    pub async fn top(&self, namespace: &str, k: usize) -> Result<Vec<(String, f64)>, ReadError> {
+        self.reader.top(namespace, k).await
+    }
+
     /// The total of `counter`, fresh within its namespace's TTL.
     pub async fn get(&self, counter: &str) -> Result<i64, ReadError> {
         Ok(self.get_many(&[counter]).await?[0])

@@ -23,9 +23,13 @@
 //! This file: [`ProducerConfig`] and [`Routing`] (what to build), [`Producer`] (sending),
 //! [`Pending`] and [`Delivered`] (acknowledgements), [`ProduceError`].
 //! - [`direct`]: [`DirectWriter`], direct writes to random shards, likes, rate reports.
+//! - [`counts`]: [`Counts`], one handle that writes by each namespace's path and reads through
+//!   the cache: what a service for likes and views uses.
 
+pub mod counts;
 pub mod direct;
 
+pub use counts::{Counts, WriteError};
 pub use direct::{DirectError, DirectWriter};
 
 use std::collections::BTreeMap;
