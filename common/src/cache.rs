@@ -291,20 +291,24 @@ impl CachedReader {
             .collect();
         let shared: Vec<Option<String>> = query_each(conn, gets).await?;
         let (now, wall) = (Instant::now(), now_ms());
+        // A shared entry younger than its TTL: its value and until when it is fresh.
+        let fresh = |entry: Option<&str>, ttl: u64| {
+            let (value, at) = entry.and_then(parse_shared)?;
+            let age = wall.saturating_sub(at);
+            (age < ttl).then(|| Refreshed {
+                value,
+                fresh_until: now + Duration::from_millis(ttl - age),
+            })
+        };
         let mut out: Vec<Option<Refreshed>> = vec![None; counters.len()];
         let mut stale: Vec<(usize, Option<i64>)> = Vec::new();
         for (i, entry) in shared.iter().enumerate() {
-            let parsed = entry.as_deref().and_then(parse_shared);
-            match parsed {
-                Some((value, at)) if wall.saturating_sub(at) < ttls[i] => {
-                    let left = ttls[i] - wall.saturating_sub(at);
-                    out[i] = Some(Refreshed {
-                        value,
-                        fresh_until: now + Duration::from_millis(left),
-                    });
+            match fresh(entry.as_deref(), ttls[i]) {
+                Some(r) => {
+                    out[i] = Some(r);
                     CacheStats::add(&self.stats.shared_hits, 1);
                 }
-                _ => stale.push((i, parsed.map(|(v, _)| v))),
+                None => stale.push((i, entry.as_deref().and_then(parse_shared).map(|(v, _)| v))),
             }
         }
         if !stale.is_empty() {
@@ -323,6 +327,7 @@ impl CachedReader {
                 .collect();
             let taken: Vec<Option<String>> = query_each(conn, locks).await?;
             let mut to_read = Vec::new();
+            let mut ours = Vec::new();
             for ((i, last), lock) in stale.into_iter().zip(taken) {
                 match (lock, last) {
                     (None, Some(value)) => {
@@ -334,9 +339,37 @@ impl CachedReader {
                         });
                         CacheStats::add(&self.stats.stale_served, 1);
                     }
-                    // Ours to refresh, or nothing cached anywhere yet: read the shards.
-                    (lock, _) => to_read.push((i, lock.is_some())),
+                    (Some(_), _) => ours.push(i),
+                    // Nothing cached anywhere yet: read the shards.
+                    (None, None) => to_read.push((i, false)),
                 }
+            }
+            if !ours.is_empty() {
+                // Another process may have refreshed and released the lock between our first
+                // look and our taking it: look again before reading shards.
+                let again = ours
+                    .iter()
+                    .map(|i| {
+                        let mut cmd = Cmd::new();
+                        cmd.arg("GET").arg(ks.cache_key(counters[*i]));
+                        cmd
+                    })
+                    .collect();
+                let again: Vec<Option<String>> = query_each(conn, again).await?;
+                let mut release = Vec::new();
+                for (i, entry) in ours.into_iter().zip(again) {
+                    match fresh(entry.as_deref(), ttls[i]) {
+                        Some(r) => {
+                            out[i] = Some(r);
+                            CacheStats::add(&self.stats.shared_hits, 1);
+                            let mut del = Cmd::new();
+                            del.arg("DEL").arg(ks.refresh_lock_key(counters[i]));
+                            release.push(del);
+                        }
+                        None => to_read.push((i, true)),
+                    }
+                }
+                query_each::<redis::Value>(conn, release).await?;
             }
             if !to_read.is_empty() {
                 let names: Vec<&str> = to_read.iter().map(|(i, _)| counters[*i]).collect();

@@ -23,7 +23,7 @@ cargo build --workspace --bins --locked
 log "running the tests against Kafka 127.0.0.1:$kafka_port"
 out=$state/test-output.txt
 status=0
-TALLY_TEST_BROKERS="127.0.0.1:$kafka_port" cargo test --workspace --locked 2>&1 | tee "$out" || status=$?
+TALLY_TEST_BROKERS="127.0.0.1:$kafka_port" cargo test --workspace --locked --no-fail-fast 2>&1 | tee "$out" || status=$?
 # One closing line for the whole suite (cargo prints one per test binary).
 awk '/^test result:/ { for (i = 1; i <= NF; i++) { if ($(i+1) ~ /^passed/) p += $i; if ($(i+1) ~ /^failed/) f += $i } }
      END { printf "%d passed, %d failed\n", p, f }' "$out"
