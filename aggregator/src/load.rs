@@ -37,6 +37,11 @@ pub struct LoadSpec {
     pub seed: u64,
     /// Most events in flight at once.
     pub window: usize,
+    /// Share of events sent to one counter, `<prefix>hot` (0 = none): a viral post.
+    pub hot_share: f64,
+    /// One event per counter: event `i` goes to `<prefix><i>` (`counters` and `zipf` are
+    /// ignored), for a stream of distinct counters.
+    pub distinct: bool,
 }
 
 impl Default for LoadSpec {
@@ -52,6 +57,8 @@ impl Default for LoadSpec {
             actors: 10_000,
             seed: 42,
             window: 50_000,
+            hot_share: 0.0,
+            distinct: false,
         }
     }
 }
@@ -110,8 +117,13 @@ pub async fn run(producer: &Producer, spec: &LoadSpec) -> Result<LoadReport, Loa
     let mut in_flight: VecDeque<(Pending, String, i64)> = VecDeque::with_capacity(spec.window);
     let started = Instant::now();
     for i in 0..spec.events {
-        let n = zipf.sample(&mut rng) as u64;
-        let counter = format!("{}{n}", spec.counter_prefix);
+        let counter = if spec.distinct {
+            format!("{}{i}", spec.counter_prefix)
+        } else if spec.hot_share > 0.0 && rng.random_bool(spec.hot_share.clamp(0.0, 1.0)) {
+            format!("{}hot", spec.counter_prefix)
+        } else {
+            format!("{}{}", spec.counter_prefix, zipf.sample(&mut rng) as u64)
+        };
         let mut delta = rng.random_range(1..=spec.max_delta);
         if rng.random_bool(spec.negative_share.clamp(0.0, 1.0)) {
             delta = -delta;

@@ -137,6 +137,12 @@ enum Command {
         /// Random seed.
         #[arg(long, default_value_t = 42)]
         seed: u64,
+        /// Share of events sent to one hot counter, `<prefix>hot` (0..1).
+        #[arg(long, default_value_t = 0.0)]
+        hot_share: f64,
+        /// One event per counter (`<prefix><i>` for event i): a stream of distinct counters.
+        #[arg(long)]
+        distinct: bool,
         /// How many top counters to print.
         #[arg(long, default_value_t = 10)]
         top: usize,
@@ -351,6 +357,8 @@ async fn main() -> anyhow::Result<std::process::ExitCode> {
             negative_share,
             actors,
             seed,
+            hot_share,
+            distinct,
             top,
             totals_out,
         } => {
@@ -365,6 +373,8 @@ async fn main() -> anyhow::Result<std::process::ExitCode> {
                 negative_share,
                 actors,
                 seed,
+                hot_share,
+                distinct,
                 ..LoadSpec::default()
             };
             let report = load::run(&producer, &spec).await?;

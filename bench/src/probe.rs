@@ -1,0 +1,195 @@
+//! Measuring what a scenario costs: a process's CPU time and peak RSS from `/proc`, an
+//! aggregator's Prometheus metrics, and Redis's command counts from `INFO commandstats`.
+
+use std::collections::HashMap;
+use std::process::Child;
+use std::time::Duration;
+
+use anyhow::Context;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+/// CPU seconds (user + system) and peak resident memory of a running process.
+#[derive(Debug, Clone, Copy, Default, serde::Serialize)]
+pub struct ProcStats {
+    /// User plus system CPU time, in seconds.
+    pub cpu_seconds: f64,
+    /// Peak resident set size (`VmHWM`), in MiB.
+    pub peak_rss_mib: f64,
+}
+
+/// Clock ticks per second, as `/proc/<pid>/stat` counts CPU time.
+fn clock_ticks() -> f64 {
+    std::process::Command::new("getconf")
+        .arg("CLK_TCK")
+        .output()
+        .ok()
+        .and_then(|o| String::from_utf8(o.stdout).ok())
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(100.0)
+}
+
+/// The process's CPU time and peak RSS so far; `None` once it has exited.
+pub fn proc_stats(pid: u32) -> Option<ProcStats> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after the command name (which may hold spaces) start after the last ')'.
+    let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+    // utime and stime are fields 14 and 15 of the line, 12 and 13 after the name.
+    let ticks: f64 = fields.get(11)?.parse::<f64>().ok()? + fields.get(12)?.parse::<f64>().ok()?;
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let hwm_kib: f64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())?;
+    Some(ProcStats {
+        cpu_seconds: ticks / clock_ticks(),
+        peak_rss_mib: hwm_kib / 1024.0,
+    })
+}
+
+/// Waits for `child` to exit, sampling its stats every 50 ms; returns the last sample taken
+/// while it was alive (CPU time and peak RSS up to its end) and its wall time.
+pub async fn run_to_end(mut child: Child) -> anyhow::Result<(ProcStats, Duration, bool)> {
+    let started = std::time::Instant::now();
+    let pid = child.id();
+    let mut last = ProcStats::default();
+    loop {
+        if let Some(status) = child.try_wait()? {
+            return Ok((last, started.elapsed(), status.success()));
+        }
+        if let Some(s) = proc_stats(pid) {
+            last = s;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Every sample of an un-labelled metric family, summed over its labels, from `/metrics`.
+pub async fn metrics(port: u16) -> anyhow::Result<HashMap<String, f64>> {
+    let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .context("metrics endpoint")?;
+    stream
+        .write_all(b"GET /metrics HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
+        .await?;
+    let mut body = String::new();
+    stream.read_to_string(&mut body).await?;
+    let mut out: HashMap<String, f64> = HashMap::new();
+    for line in body.lines().filter(|l| !l.starts_with('#')) {
+        let Some((series, value)) = line.rsplit_once(' ') else {
+            continue;
+        };
+        let Ok(value) = value.parse::<f64>() else {
+            continue;
+        };
+        // Histogram buckets keep their `le` label; other labels are summed over.
+        let name = if series.contains("_bucket{") {
+            series.to_owned()
+        } else {
+            series.split('{').next().unwrap_or(series).to_owned()
+        };
+        *out.entry(name).or_default() += value;
+    }
+    Ok(out)
+}
+
+/// A histogram's quantile from its cumulative buckets (`<name>_bucket{le="..."}`): the upper
+/// bound of the first bucket holding the quantile.
+pub fn histogram_quantile(metrics: &HashMap<String, f64>, name: &str, q: f64) -> Option<f64> {
+    let prefix = format!("{name}_bucket{{le=\"");
+    let mut buckets: Vec<(f64, f64)> = metrics
+        .iter()
+        .filter_map(|(k, v)| {
+            let le = k.strip_prefix(&prefix)?.strip_suffix("\"}")?;
+            let bound = if le == "+Inf" {
+                f64::INFINITY
+            } else {
+                le.parse().ok()?
+            };
+            Some((bound, *v))
+        })
+        .collect();
+    buckets.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let total = buckets.last()?.1;
+    if total == 0.0 {
+        return None;
+    }
+    buckets
+        .iter()
+        .find(|(_, count)| *count >= q * total)
+        .map(|(bound, _)| *bound)
+}
+
+/// The histogram's buckets as (upper bound, count in that bucket alone).
+pub fn histogram_buckets(metrics: &HashMap<String, f64>, name: &str) -> Vec<(f64, f64)> {
+    let prefix = format!("{name}_bucket{{le=\"");
+    let mut cumulative: Vec<(f64, f64)> = metrics
+        .iter()
+        .filter_map(|(k, v)| {
+            let le = k.strip_prefix(&prefix)?.strip_suffix("\"}")?;
+            (le != "+Inf").then_some((le.parse().ok()?, *v))
+        })
+        .collect();
+    cumulative.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let mut before = 0.0;
+    cumulative
+        .into_iter()
+        .map(|(bound, count)| {
+            let alone = count - before;
+            before = count;
+            (bound, alone)
+        })
+        .collect()
+}
+
+/// Redis's command counts: every command (scripts' inner commands included) and the ones a
+/// client sent (scripts, transactions and plain commands, inner ones excluded as far as
+/// `commandstats` allows: `EVALSHA`/`EVAL` and `EXEC` count once, their contents do too).
+#[derive(Debug, Clone, Default)]
+pub struct CommandStats {
+    /// `calls` per command.
+    pub calls: HashMap<String, u64>,
+}
+
+impl CommandStats {
+    /// Reads `INFO commandstats`.
+    pub async fn read(conn: &mut redis::aio::MultiplexedConnection) -> anyhow::Result<Self> {
+        let info: String = redis::cmd("INFO")
+            .arg("commandstats")
+            .query_async(conn)
+            .await?;
+        let calls = info
+            .lines()
+            .filter_map(|line| {
+                let (name, rest) = line.strip_prefix("cmdstat_")?.split_once(':')?;
+                let calls = rest.split(',').find_map(|kv| kv.strip_prefix("calls="))?;
+                Some((name.to_owned(), calls.parse().ok()?))
+            })
+            .collect();
+        Ok(Self { calls })
+    }
+
+    /// Commands run since `before`, all of them, leaving out `INFO` (this module's own).
+    pub fn since(&self, before: &Self) -> u64 {
+        self.calls
+            .iter()
+            .filter(|(name, _)| name.as_str() != "info")
+            .map(|(name, n)| n - before.calls.get(name).copied().unwrap_or(0))
+            .sum()
+    }
+
+    /// Calls of `name` since `before`.
+    pub fn of(&self, before: &Self, name: &str) -> u64 {
+        self.calls.get(name).copied().unwrap_or(0) - before.calls.get(name).copied().unwrap_or(0)
+    }
+}
+
+/// The `q` quantile of `values` (sorted in place), or 0 if empty.
+pub fn quantile(values: &mut [f64], q: f64) -> f64 {
+    if values.is_empty() {
+        return 0.0;
+    }
+    values.sort_by(f64::total_cmp);
+    let rank = ((values.len() as f64 - 1.0) * q).round() as usize;
+    values[rank.min(values.len() - 1)]
+}

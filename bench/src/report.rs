@@ -1,0 +1,308 @@
+//! Writing the results: `results.json` (everything), `results.md` (the table, with each target
+//! and whether it is met) and SVG plots.
+
+use std::fmt::Write;
+
+use crate::Args;
+use crate::scenarios::{CatchUp, Results, Throughput};
+use crate::svg;
+
+/// One target of the performance issue: its name, the measured value, the bound, and whether
+/// it is met.
+struct Target {
+    name: &'static str,
+    value: Option<f64>,
+    bound: f64,
+    at_least: bool,
+}
+
+impl Target {
+    fn met(&self) -> Option<bool> {
+        self.value.map(|v| {
+            if self.at_least {
+                v >= self.bound
+            } else {
+                v <= self.bound
+            }
+        })
+    }
+}
+
+fn ratio(a: Option<f64>, b: Option<f64>) -> Option<f64> {
+    Some(a? / b.filter(|b| *b > 0.0)?)
+}
+
+fn targets(r: &Results) -> Vec<Target> {
+    let eo = r
+        .catch_up
+        .iter()
+        .find(|(m, _)| m == "exactly-once")
+        .map(|(_, c)| c);
+    let eo_rate = eo.map(|c| c.run.events_per_second);
+    let kcat_c = r.kcat_consume.as_ref().map(|t| t.events_per_second);
+    let kcat_p = r.kcat_produce.as_ref().map(|t| t.events_per_second);
+    let naive = r.naive.as_ref().map(|c| c.run.events_per_second);
+    let micro = r
+        .micro
+        .iter()
+        .find(|(f, _)| f == "bincode")
+        .map(|(_, v)| *v);
+    vec![
+        Target {
+            name: "catch-up (exactly-once) / kcat consume",
+            value: ratio(eo_rate, kcat_c),
+            bound: 0.6,
+            at_least: true,
+        },
+        Target {
+            name: "catch-up (exactly-once) / naive consumer",
+            value: ratio(eo_rate, naive),
+            bound: 30.0,
+            at_least: true,
+        },
+        Target {
+            name: "decode + aggregate, bincode, events/s on one core",
+            value: micro,
+            bound: 10e6,
+            at_least: true,
+        },
+        Target {
+            name: "producer (routing by counter) / kcat produce",
+            value: ratio(r.producer.first().map(|p| p.events_per_second), kcat_p),
+            bound: 0.8,
+            at_least: true,
+        },
+        Target {
+            name: "Redis commands per event, catch-up (exactly-once)",
+            value: eo.map(|c| c.redis_commands_per_event),
+            bound: 0.01,
+            at_least: false,
+        },
+        Target {
+            name: "Redis commands per event, hot counter",
+            value: r.hot.as_ref().map(|c| c.redis_commands_per_event),
+            bound: 0.001,
+            at_least: false,
+        },
+        Target {
+            name: "peak RSS of the aggregator, cardinality (MiB)",
+            value: r.cardinality.as_ref().map(|c| c.run.peak_rss_mib),
+            bound: 300.0,
+            at_least: false,
+        },
+        Target {
+            name: "end-to-end latency p99 (ms), steady state",
+            value: r.steady.as_ref().map(|s| s.p99_ms),
+            bound: r
+                .steady
+                .as_ref()
+                .map_or(1250.0, |s| s.flush_interval_ms + 250.0),
+            at_least: false,
+        },
+    ]
+}
+
+fn throughput_row(out: &mut String, t: &Throughput, vs: Option<(&str, f64)>) {
+    let ratio = vs.map_or(String::new(), |(name, base)| {
+        format!("{:.2} × {name}", t.events_per_second / base.max(1e-9))
+    });
+    let _ = writeln!(
+        out,
+        "| {} | {} | {:.2} | {:.0} | {:.2} | {:.0} | {ratio} |",
+        t.name, t.events, t.seconds, t.events_per_second, t.cpu_seconds_per_million, t.peak_rss_mib
+    );
+}
+
+fn catch_up_rows(out: &mut String, name: &str, c: &CatchUp) {
+    let _ = writeln!(
+        out,
+        "| {name} | {:.0} | {:.2} | {:.0} | {:.4} | {:.5} | {:.0} / {:.0} | {:.1} |",
+        c.run.events_per_second,
+        c.run.cpu_seconds_per_million,
+        c.run.peak_rss_mib,
+        c.redis_commands_per_event,
+        c.redis_requests_per_event,
+        c.flush_p50_ms,
+        c.flush_p99_ms,
+        c.seconds_from_start
+    );
+}
+
+/// The markdown report.
+pub fn markdown(args: &Args, r: &Results) -> String {
+    let mut out = String::new();
+    let _ = writeln!(out, "# tally benchmark\n");
+    let _ = writeln!(
+        out,
+        "Machine: {}. Events: {} over {} counters (Zipf {}), {} partitions, {}-byte payloads.\n",
+        r.machine, args.events, args.counters, args.zipf, args.partitions, r.payload_bytes
+    );
+    let _ = writeln!(
+        out,
+        "## Targets\n\n| target | measured | bound | met |\n|---|---|---|---|"
+    );
+    for t in targets(r) {
+        let (value, met) = match (t.value, t.met()) {
+            (Some(v), Some(m)) => (format!("{v:.4}"), if m { "yes" } else { "**no**" }),
+            _ => ("not run".to_owned(), "-"),
+        };
+        let cmp = if t.at_least { "≥" } else { "≤" };
+        let _ = writeln!(out, "| {} | {value} | {cmp} {} | {met} |", t.name, t.bound);
+    }
+    let _ = writeln!(
+        out,
+        "\n## Throughput\n\n| run | events | seconds | events/s | CPU s per M events | peak RSS MiB | ratio |\n|---|---|---|---|---|---|---|"
+    );
+    let kcat_p = r.kcat_produce.as_ref().map(|t| t.events_per_second);
+    let kcat_c = r.kcat_consume.as_ref().map(|t| t.events_per_second);
+    if let Some(k) = &r.kcat_produce {
+        throughput_row(&mut out, k, None);
+    }
+    for p in &r.producer {
+        throughput_row(&mut out, p, kcat_p.map(|b| ("kcat -P", b)));
+    }
+    if let Some(k) = &r.kcat_consume {
+        throughput_row(&mut out, k, None);
+    }
+    for (mode, c) in &r.catch_up {
+        let mut t = c.run.clone();
+        t.name = format!("tally-aggregator, {mode}");
+        throughput_row(&mut out, &t, kcat_c.map(|b| ("kcat -C", b)));
+    }
+    if let Some(n) = &r.naive {
+        throughput_row(&mut out, &n.run, kcat_c.map(|b| ("kcat -C", b)));
+    }
+    if let Some(ops) = r.redis_incrby_per_second {
+        let _ = writeln!(
+            out,
+            "| redis-benchmark, pipelined INCRBY | | | {ops:.0} | | | |"
+        );
+    }
+    let _ = writeln!(
+        out,
+        "\n## Aggregator scenarios\n\n| scenario | events/s | CPU s per M | peak RSS MiB | Redis commands/event | requests/event | flush p50/p99 ms | s from start |\n|---|---|---|---|---|---|---|---|"
+    );
+    for (mode, c) in &r.catch_up {
+        catch_up_rows(&mut out, &format!("catch-up, {mode}"), c);
+    }
+    if let Some(n) = &r.naive {
+        catch_up_rows(&mut out, "naive consumer (time-boxed)", n);
+    }
+    if let Some(h) = &r.hot {
+        catch_up_rows(&mut out, "hot counter (90% on one)", h);
+    }
+    if let Some(c) = &r.cardinality {
+        catch_up_rows(&mut out, "cardinality (1 event per counter)", c);
+    }
+    if let Some(s) = &r.steady {
+        let _ = writeln!(
+            out,
+            "\n## Steady state\n\nBackground load {:.0} events/s asked, {:.0} reached; flush interval {} ms; {} probes from `send` returning to `get_exact` seeing the count: p50 {:.0} ms, p99 {:.0} ms, max {:.0} ms.",
+            s.target_rate,
+            s.achieved_rate,
+            s.flush_interval_ms,
+            s.probes,
+            s.p50_ms,
+            s.p99_ms,
+            s.max_ms
+        );
+    }
+    if !r.reads.is_empty() {
+        let _ = writeln!(
+            out,
+            "\n## Reads\n\n| read | p50 µs | p99 µs |\n|---|---|---|"
+        );
+        for read in &r.reads {
+            let _ = writeln!(
+                out,
+                "| {} | {:.0} | {:.0} |",
+                read.name, read.p50_us, read.p99_us
+            );
+        }
+    }
+    if !r.micro.is_empty() {
+        let _ = writeln!(
+            out,
+            "\n## Decode + aggregate, one core (criterion)\n\n| format | events/s |\n|---|---|"
+        );
+        for (format, rate) in &r.micro {
+            let _ = writeln!(out, "| {format} | {rate:.0} |");
+        }
+    }
+    let _ = writeln!(
+        out,
+        "\nPlots: `throughput.svg`, `flush-latency.svg`, `e2e-latency.svg`. Everything: `results.json`."
+    );
+    out
+}
+
+/// Writes `results.json`, `results.md` and the plots into `args.out`.
+pub fn write(args: &Args, r: &Results) -> anyhow::Result<()> {
+    std::fs::write(
+        args.out.join("results.json"),
+        serde_json::to_string_pretty(r)?,
+    )?;
+    let md = markdown(args, r);
+    std::fs::write(args.out.join("results.md"), &md)?;
+    println!("{md}");
+    let mut series: Vec<(String, Vec<(f64, f64)>)> = r
+        .catch_up
+        .iter()
+        .map(|(m, c)| (format!("catch-up, {m}"), c.series.clone()))
+        .collect();
+    for (name, c) in [("hot counter", &r.hot), ("cardinality", &r.cardinality)] {
+        if let Some(c) = c {
+            series.push((name.to_owned(), c.series.clone()));
+        }
+    }
+    if !series.is_empty() {
+        std::fs::write(
+            args.out.join("throughput.svg"),
+            svg::line_chart(
+                "Aggregator throughput over time",
+                "seconds since start",
+                "events flushed per second",
+                &series,
+            ),
+        )?;
+    }
+    if let Some((_, c)) = r.catch_up.first() {
+        let bars: Vec<(String, f64)> = c
+            .flush_histogram
+            .iter()
+            .map(|(le, n)| (format!("≤{}ms", le * 1000.0), *n))
+            .collect();
+        std::fs::write(
+            args.out.join("flush-latency.svg"),
+            svg::bar_chart(
+                "Flush duration, catch-up (exactly-once)",
+                "flush took",
+                "flushes",
+                &bars,
+            ),
+        )?;
+    }
+    if let Some(s) = &r.steady {
+        let bounds = [
+            100.0, 250.0, 500.0, 750.0, 1000.0, 1100.0, 1250.0, 1500.0, 2000.0, 5000.0,
+        ];
+        let mut bars: Vec<(String, f64)> = Vec::new();
+        let mut below = 0.0;
+        for b in bounds {
+            let n = s.latencies_ms.iter().filter(|l| **l <= b).count() as f64;
+            bars.push((format!("≤{b}ms"), n - below));
+            below = n;
+        }
+        bars.push((">5000ms".to_owned(), s.latencies_ms.len() as f64 - below));
+        std::fs::write(
+            args.out.join("e2e-latency.svg"),
+            svg::bar_chart(
+                "End-to-end latency, steady state",
+                "send returned → visible in get_exact",
+                "probes",
+                &bars,
+            ),
+        )?;
+    }
+    Ok(())
+}
