@@ -29,12 +29,9 @@ end
 local n = tonumber(ARGV[6])
 local m = (#KEYS - 3 - n) / 2
 
--- Why `delta` cannot be added to the integer at `key`, or nil.
-local function refusal(key, delta)
-  local current = redis.pcall('GET', key)
-  if type(current) == 'table' then
-    return 'wrong_type'
-  elseif current then
+-- Why `delta` cannot be added to `current` (the key's value as MGET returned it), or nil.
+local function refusal(current, delta)
+  if current then
     if not string.match(current, '^%-?%d+$') then
       return 'not_an_integer'
     elseif math.abs(tonumber(current) + delta) > 9.2e18 then
@@ -44,12 +41,57 @@ local function refusal(key, delta)
   return nil
 end
 
+-- The values of KEYS[first .. last], read with one MGET (and one EXISTS) per 1,000 keys rather
+-- than a command per key. MGET answers nil for a key of another type as for a missing key; if
+-- any of those exists, TYPE tells them apart, key by key (rare: only tally writes these keys).
+-- Returns the values, with `true` for a key of another type.
+local function values(first, last)
+  local out = {}
+  for from = first, last, 1000 do
+    local to = math.min(from + 999, last)
+    local keys = {}
+    for k = from, to do
+      keys[#keys + 1] = KEYS[k]
+    end
+    local got = redis.call('MGET', unpack(keys))
+    local absent = {}
+    for i = 1, #keys do
+      out[#out + 1] = got[i]
+      if not got[i] then
+        absent[#absent + 1] = i
+      end
+    end
+    if #absent > 0 then
+      local maybe = {}
+      for _, i in ipairs(absent) do
+        maybe[#maybe + 1] = keys[i]
+      end
+      if redis.call('EXISTS', unpack(maybe)) > 0 then
+        for _, i in ipairs(absent) do
+          if redis.call('TYPE', keys[i])['ok'] ~= 'none' then
+            out[#out - #keys + i] = true
+          end
+        end
+      end
+    end
+  end
+  return out
+end
+
 local rejected = {'rejected'}
-for i = 1, n do
-  local reason = refusal(KEYS[3 + i], tonumber(ARGV[6 + i]))
-  if reason then
-    rejected[#rejected + 1] = tostring(i)
-    rejected[#rejected + 1] = reason
+if n > 0 then
+  local current = values(4, 3 + n)
+  for i = 1, n do
+    local reason
+    if current[i] == true then
+      reason = 'wrong_type'
+    else
+      reason = refusal(current[i], tonumber(ARGV[6 + i]))
+    end
+    if reason then
+      rejected[#rejected + 1] = tostring(i)
+      rejected[#rejected + 1] = reason
+    end
   end
 end
 for j = 1, m do
@@ -59,7 +101,12 @@ for j = 1, m do
   if kind ~= 'none' and kind ~= 'set' then
     reason = 'wrong_type'
   else
-    reason = refusal(KEYS[3 + n + 2 * j], 1)
+    local counter = redis.pcall('GET', KEYS[3 + n + 2 * j])
+    if type(counter) == 'table' then
+      reason = 'wrong_type'
+    else
+      reason = refusal(counter, 1)
+    end
   end
   if reason then
     rejected[#rejected + 1] = tostring(n + j)
