@@ -171,6 +171,12 @@ impl Batch {
         self.events
     }
 
+    /// Whether the batch holds twice a size limit: the next batch has filled up while the
+    /// previous flush was still in flight, and its partition must stop fetching until it lands.
+    pub fn is_overfull(&self, limits: &Limits) -> bool {
+        self.events >= 2 * limits.max_events || self.entries >= 2 * limits.max_counters
+    }
+
     /// Whether the batch hit a size limit and must be flushed now.
     pub fn is_full(&self, limits: &Limits) -> bool {
         self.events >= limits.max_events || self.entries >= limits.max_counters

@@ -134,7 +134,7 @@ pub struct Settings {
     /// Flush a partition's buffer once it holds this many events [default: 200000]
     #[arg(long, env = "TALLY_MAX_BATCH_EVENTS")]
     pub max_batch_events: Option<usize>,
-    /// Flush a partition's buffer once it holds this many distinct (group, counter) pairs; bounds how long one flush script blocks Redis [default: 5000]
+    /// Flush a partition's buffer once it holds this many distinct (group, counter) pairs; bounds how long one flush script blocks Redis: a flush holds at most twice this, as the buffer keeps filling while the previous flush lands [default: 5000]
     #[arg(long, env = "TALLY_MAX_BATCH_COUNTERS")]
     pub max_batch_counters: Option<usize>,
     /// Address serving /metrics and /healthz [default: 127.0.0.1:9464]

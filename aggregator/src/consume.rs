@@ -5,7 +5,7 @@
 //! partition's [`Batch`] (or, if malformed, into the batch's dead letters), and starts a flush as
 //! a separate task when the batch is due, so that polling goes on while Redis is slow or down:
 //! the consumer keeps its group membership (`max.poll.interval.ms` never expires), and a
-//! partition whose buffer fills while its previous flush is still retrying is *paused* until that
+//! partition whose next buffer reaches twice the limits while its previous flush is still in flight is *paused* until that
 //! flush lands. Each partition has at most one flush in flight, so flushes land in offset order.
 //!
 //! # Offsets
@@ -239,7 +239,13 @@ impl<S: Sink> Aggregator<S> {
             .set("enable.auto.commit", "false")
             .set("auto.offset.reset", "earliest")
             .set("enable.partition.eof", "false")
-            .set("statistics.interval.ms", "5000");
+            .set("statistics.interval.ms", "5000")
+            // Fetch more per partition, hold less: librdkafka's defaults (1 MiB per partition per
+            // fetch, 64 MiB queued) caught up at 363,209 events/s with a 160 MiB peak RSS; these at
+            // 506,765 events/s with 280 MiB (3,000,000 events, 8 partitions, 2 cores). 8 MiB
+            // fetches reached 862,161 events/s but peaked at 723 MiB.
+            .set("max.partition.fetch.bytes", "2097152")
+            .set("queued.max.messages.kbytes", "16384");
         for (k, v) in kafka.config_map() {
             config.set(k, v);
         }
@@ -390,7 +396,9 @@ impl<S: Sink> Shared<S> {
         if st.buffer.is_full(limits) {
             if st.in_flight.is_none() {
                 self.start_flush(partition, st);
-            } else if !st.paused {
+            } else if !st.paused && st.buffer.is_overfull(limits) {
+                // Buffering goes on while the previous flush lands, up to twice the limits:
+                // pausing makes librdkafka drop what it prefetched and fetch it again.
                 self.set_paused(consumer, partition, true);
                 st.paused = true;
             }
@@ -568,7 +576,7 @@ impl<S: Sink> Shared<S> {
         if st.buffer.is_due(&self.settings.limits, Instant::now()) {
             self.start_flush(partition, st);
         }
-        if st.paused && !st.buffer.is_full(&self.settings.limits) {
+        if st.paused && !st.buffer.is_overfull(&self.settings.limits) {
             self.set_paused(consumer, partition, false);
             st.paused = false;
         }
