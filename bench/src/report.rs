@@ -215,7 +215,7 @@ pub fn markdown(args: &Args, r: &Results) -> String {
         for read in &r.reads {
             let _ = writeln!(
                 out,
-                "| {} | {:.0} | {:.0} |",
+                "| {} | {:.1} | {:.1} |",
                 read.name, read.p50_us, read.p99_us
             );
         }

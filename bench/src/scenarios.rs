@@ -209,6 +209,39 @@ impl Env<'_> {
         Ok(Throughput::new(name, acked, seconds, stats))
     }
 
+    /// Starts `tally-aggregator` on `topic` with group and key prefix `id`, metrics on `port`.
+    fn aggregator(
+        &self,
+        topic: &str,
+        id: &str,
+        dlq: &str,
+        port: u16,
+        extra: &[&str],
+    ) -> anyhow::Result<std::process::Child> {
+        let metrics = format!("127.0.0.1:{port}");
+        Command::new(self.bin("tally-aggregator"))
+            .args(["--brokers", &self.args.brokers, "--topic", topic])
+            .args([
+                "--dead-letter-topic",
+                dlq,
+                "--group",
+                id,
+                "--key-prefix",
+                id,
+            ])
+            .args([
+                "--redis-url",
+                &self.args.redis_url,
+                "--metrics-addr",
+                &metrics,
+            ])
+            .args(extra)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .context("tally-aggregator (build the release binaries: deploy/local/bench.sh)")
+    }
+
     /// Runs `tally-aggregator` over a preloaded `topic` of `events` events until every one is
     /// flushed.
     async fn catch_up(
@@ -223,29 +256,7 @@ impl Env<'_> {
         let port = free_port()?;
         let before = CommandStats::read(&mut self.redis).await?;
         let started = Instant::now();
-        let mut child = Command::new(self.bin("tally-aggregator"))
-            .args([
-                "--brokers",
-                &self.args.brokers,
-                "--topic",
-                topic,
-                "--dead-letter-topic",
-                &dlq,
-            ])
-            .args([
-                "--group",
-                &id,
-                "--key-prefix",
-                &id,
-                "--redis-url",
-                &self.args.redis_url,
-            ])
-            .args(["--metrics-addr", &format!("127.0.0.1:{port}")])
-            .args(extra)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .context("tally-aggregator")?;
+        let mut child = self.aggregator(topic, &id, &dlq, port, extra)?;
         let pid = child.id();
         let mut series = Vec::new();
         let (mut first, mut last_flushed, mut last_t) = (None, 0.0, 0.0);
@@ -667,29 +678,9 @@ async fn steady(env: &mut Env<'_>, rate: f64) -> anyhow::Result<Steady> {
     env.create_topic(&dlq, 1).await?;
     let port = free_port()?;
     let flush_interval_ms = 1000.0;
-    let mut aggregator = Command::new(env.bin("tally-aggregator"))
-        .args([
-            "--brokers",
-            &env.args.brokers,
-            "--topic",
-            &topic,
-            "--dead-letter-topic",
-            &dlq,
-        ])
-        .args([
-            "--group",
-            &id,
-            "--key-prefix",
-            &id,
-            "--redis-url",
-            &env.args.redis_url,
-        ])
-        .args(["--metrics-addr", &format!("127.0.0.1:{port}")])
-        .args(["--flush-interval-ms", &flush_interval_ms.to_string()])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .context("tally-aggregator")?;
+    let interval = flush_interval_ms.to_string();
+    let mut aggregator =
+        env.aggregator(&topic, &id, &dlq, port, &["--flush-interval-ms", &interval])?;
     let seconds = env.args.steady_seconds;
     let events = (rate * seconds as f64) as u64;
     let background = Command::new(env.bin("tally"))

@@ -439,6 +439,27 @@ impl RedisServer {
         );
     }
 
+    /// Creates an ACL user that may run everything but scripts (`-@scripting`, as on a managed
+    /// Redis that refuses them), and returns a URL logging in as it.
+    pub async fn user_without_scripts(&self) -> String {
+        let mut conn = connect(&self.url()).await;
+        redis::cmd("ACL")
+            .arg(&[
+                "SETUSER",
+                "noscripts",
+                "on",
+                ">secret",
+                "~*",
+                "&*",
+                "+@all",
+                "-@scripting",
+            ])
+            .exec_async(&mut conn)
+            .await
+            .expect("ACL SETUSER");
+        self.url().replace("redis://", "redis://noscripts:secret@")
+    }
+
     /// A reader over this server for `keyspace`.
     pub async fn reader(&self, keyspace: Keyspace) -> Reader {
         reader(&self.url(), keyspace).await

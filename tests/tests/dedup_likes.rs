@@ -11,7 +11,7 @@ use rand::{Rng, SeedableRng};
 use tally_common::CounterEvent;
 use tally_producer::{Producer, ProducerConfig};
 use tally_tests::{
-    AggregatorSetup, RedisServer, TempDir, brokers, connect, kill_repeatedly, reader, seed, unique,
+    AggregatorSetup, RedisServer, TempDir, brokers, kill_repeatedly, reader, seed, unique,
     wait_for_totals,
 };
 
@@ -136,21 +136,6 @@ async fn a_like_storm_with_sigkills_counts_each_actor_once() {
 async fn a_like_storm_without_scripts_counts_each_actor_once() {
     let _serial = tally_tests::serial().await;
     let redis = RedisServer::start().await;
-    let mut conn = connect(&redis.url()).await;
-    redis::cmd("ACL")
-        .arg(&[
-            "SETUSER",
-            "noscripts",
-            "on",
-            ">secret",
-            "~*",
-            "&*",
-            "+@all",
-            "-@scripting",
-        ])
-        .exec_async(&mut conn)
-        .await
-        .expect("ACL SETUSER");
-    let url = redis.url().replace("redis://", "redis://noscripts:secret@");
+    let url = redis.user_without_scripts().await;
     like_storm("likes-noscripts", &redis, &url).await;
 }

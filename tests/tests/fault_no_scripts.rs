@@ -7,26 +7,6 @@
 use tally_tests::scenarios::{sigkill_storm, zombie_is_fenced_off};
 use tally_tests::{RedisServer, connect};
 
-/// Creates an ACL user that may run everything but scripts, and returns a URL logging in as it.
-async fn user_without_scripts(redis: &RedisServer) -> String {
-    let mut conn = connect(&redis.url()).await;
-    redis::cmd("ACL")
-        .arg(&[
-            "SETUSER",
-            "noscripts",
-            "on",
-            ">secret",
-            "~*",
-            "&*",
-            "+@all",
-            "-@scripting",
-        ])
-        .exec_async(&mut conn)
-        .await
-        .expect("ACL SETUSER");
-    redis.url().replace("redis://", "redis://noscripts:secret@")
-}
-
 /// `(calls, rejected_calls)` of `command` from `INFO commandstats`.
 async fn command_stats(redis: &RedisServer, command: &str) -> (u64, u64) {
     let mut conn = connect(&redis.url()).await;
@@ -71,7 +51,7 @@ async fn assert_transactions_did_the_work(redis: &RedisServer) {
 async fn ten_sigkills_without_scripts_count_every_event_once() {
     let _serial = tally_tests::serial().await;
     let redis = RedisServer::start().await;
-    let url = user_without_scripts(&redis).await;
+    let url = redis.user_without_scripts().await;
     sigkill_storm("noscripts-sigkill", &url, "actor", 500_000, 10).await;
     assert_transactions_did_the_work(&redis).await;
 }
@@ -80,7 +60,7 @@ async fn ten_sigkills_without_scripts_count_every_event_once() {
 async fn a_zombie_is_fenced_off_without_scripts() {
     let _serial = tally_tests::serial().await;
     let redis = RedisServer::start().await;
-    let url = user_without_scripts(&redis).await;
+    let url = redis.user_without_scripts().await;
     zombie_is_fenced_off("noscripts-zombie", &url, "actor").await;
     assert_transactions_did_the_work(&redis).await;
 }
