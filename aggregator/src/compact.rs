@@ -31,8 +31,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use tally_common::keyspace::CompactionKey;
 use tally_common::{Keyspace, Namespaces, RedisConn};
 
-use crate::config::Atomicity;
-use crate::sink::{RedisSink, Sink, SinkError, Stamp};
+use crate::fence::take_epoch;
+use crate::sink::{RedisSink, SinkError};
 
 /// The fence field of the compactor.
 const FIELD: &str = "compactor";
@@ -112,18 +112,8 @@ impl Compactor {
         if conn.is_cluster() {
             return Err(CompactError::Cluster);
         }
-        let sink = RedisSink::new(conn.clone(), "", keyspace.clone(), Atomicity::Scripts)?;
-        let mut at_least = 0;
-        let epoch = 'epoch: loop {
-            let epoch = sink.next_epoch(0, FIELD, at_least).await?;
-            for group in 0..keyspace.groups() {
-                if let Stamp::Stale { current } = sink.stamp_fence(group, FIELD, epoch).await? {
-                    at_least = current + 1;
-                    continue 'epoch;
-                }
-            }
-            break epoch;
-        };
+        let sink = RedisSink::scripts_only(conn.clone(), keyspace.clone());
+        let (epoch, _) = take_epoch(&sink, keyspace.groups(), 0, FIELD).await?;
         Ok(Self {
             conn,
             keyspace,

@@ -24,7 +24,6 @@ use tally_common::Keyspace;
 use tally_common::keyspace::partition_field;
 
 use crate::sink::{Applied, Sink, SinkError, Stamp};
-use crate::transactions::fenced;
 
 /// What an owner knows about its partition.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -133,12 +132,39 @@ pub async fn acquire<S: Sink>(
 ) -> Result<(Owner, Resume), SinkError> {
     let field = partition_field(topic, partition);
     let home = keyspace.group_for_partition(partition);
+    let (epoch, ledgers) = take_epoch(sink, keyspace.groups(), home, &field).await?;
+    let watermark = sink
+        .read_watermark(home, &field)
+        .await?
+        .as_deref()
+        .and_then(Watermark::parse);
+    let resume = resume_offset(watermark.as_ref(), &ledgers);
+    Ok((
+        Owner {
+            field,
+            home,
+            epoch,
+            ledgers,
+        },
+        resume,
+    ))
+}
+
+/// Takes a new epoch for `field` (its counter lives in group `home`) and stamps it into the fence
+/// of each of the `groups` groups, reading each group's ledger entry for `field` as it stamps.
+/// Partitions ([`acquire`]) and the compactor (`crate::compact`) own their work this way.
+pub async fn take_epoch<S: Sink>(
+    sink: &S,
+    groups: u32,
+    home: u32,
+    field: &str,
+) -> Result<(u64, Vec<i64>), SinkError> {
     let mut at_least = 0;
     'epoch: loop {
-        let epoch = sink.next_epoch(home, &field, at_least).await?;
-        let mut ledgers = Vec::with_capacity(keyspace.groups() as usize);
-        for group in 0..keyspace.groups() {
-            match sink.stamp_fence(group, &field, epoch).await? {
+        let epoch = sink.next_epoch(home, field, at_least).await?;
+        let mut ledgers = Vec::with_capacity(groups as usize);
+        for group in 0..groups {
+            match sink.stamp_fence(group, field, epoch).await? {
                 Stamp::Stamped { ledger } => ledgers.push(ledger),
                 Stamp::Stale { current } => {
                     // The epoch counter is behind a fence (it rolled back): jump past it.
@@ -147,21 +173,7 @@ pub async fn acquire<S: Sink>(
                 }
             }
         }
-        let watermark = sink
-            .read_watermark(home, &field)
-            .await?
-            .as_deref()
-            .and_then(Watermark::parse);
-        let resume = resume_offset(watermark.as_ref(), &ledgers);
-        return Ok((
-            Owner {
-                field,
-                home,
-                epoch,
-                ledgers,
-            },
-            resume,
-        ));
+        return Ok((epoch, ledgers));
     }
 }
 
@@ -176,7 +188,7 @@ pub async fn verify<S: Sink>(sink: &S, owner: &Owner) -> Result<Applied, SinkErr
             .read_fence_and_ledger(group as u32, &owner.field)
             .await?;
         if fence != Some(owner.epoch) {
-            return Ok(fenced(fence, owner.epoch));
+            return Ok(Applied::from_fence(fence, owner.epoch));
         }
         if ledger.unwrap_or(-1) < expected {
             return Ok(Applied::RolledBack);

@@ -26,7 +26,7 @@ use tally_common::{Keyspace, RedisConn};
 
 use crate::batch::Member;
 use crate::config::Atomicity;
-use crate::transactions::{Transactions, fenced};
+use crate::transactions::Transactions;
 
 /// Why a sink write failed.
 #[derive(Debug, thiserror::Error)]
@@ -128,6 +128,18 @@ pub enum Applied {
     Rejected(Vec<(usize, String)>),
 }
 
+impl Applied {
+    /// What a fence holding another epoch than the writer's means: a newer owner's
+    /// ([`Applied::Fenced`]), or, older or gone, a Redis that lost it ([`Applied::RolledBack`]).
+    pub fn from_fence(current: Option<u64>, epoch: u64) -> Self {
+        if current.unwrap_or(0) > epoch {
+            Applied::Fenced
+        } else {
+            Applied::RolledBack
+        }
+    }
+}
+
 /// What stamping a fence found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Stamp {
@@ -208,6 +220,17 @@ struct Scripts {
     watermark: redis::Script,
 }
 
+impl Scripts {
+    fn new() -> Self {
+        Self {
+            flush: redis::Script::new(include_str!("scripts/flush.lua")),
+            stamp: redis::Script::new(include_str!("scripts/stamp.lua")),
+            epoch: redis::Script::new(include_str!("scripts/epoch.lua")),
+            watermark: redis::Script::new(include_str!("scripts/watermark.lua")),
+        }
+    }
+}
+
 /// The Redis sink.
 #[derive(Debug, Clone)]
 pub struct RedisSink {
@@ -234,12 +257,6 @@ impl RedisSink {
         keyspace: Keyspace,
         atomicity: Atomicity,
     ) -> redis::RedisResult<Self> {
-        let scripts = Scripts {
-            flush: redis::Script::new(include_str!("scripts/flush.lua")),
-            stamp: redis::Script::new(include_str!("scripts/stamp.lua")),
-            epoch: redis::Script::new(include_str!("scripts/epoch.lua")),
-            watermark: redis::Script::new(include_str!("scripts/watermark.lua")),
-        };
         let transactions = match atomicity {
             Atomicity::Scripts => None,
             _ if conn.is_cluster() => None,
@@ -248,11 +265,23 @@ impl RedisSink {
         Ok(Self {
             conn,
             keyspace,
-            scripts: Arc::new(scripts),
+            scripts: Arc::new(Scripts::new()),
             transactions,
             use_scripts: Arc::new(AtomicBool::new(atomicity != Atomicity::Transactions)),
             fall_back: atomicity == Atomicity::Auto,
         })
+    }
+
+    /// A sink that runs the exactly-once operations as scripts only (the compactor's).
+    pub fn scripts_only(conn: RedisConn, keyspace: Keyspace) -> Self {
+        Self {
+            conn,
+            keyspace,
+            scripts: Arc::new(Scripts::new()),
+            transactions: None,
+            use_scripts: Arc::new(AtomicBool::new(true)),
+            fall_back: false,
+        }
     }
 
     /// Runs `script`, or `transaction` when this sink uses transactions; in auto mode a server
@@ -360,7 +389,10 @@ impl RedisSink {
         match reply.first().map(String::as_str) {
             Some("ok") => Ok(Applied::Written),
             Some("duplicate") => Ok(Applied::AlreadyApplied),
-            Some("fenced") => Ok(fenced(parse_number(&reply, 1).ok(), write.epoch)),
+            Some("fenced") => Ok(Applied::from_fence(
+                parse_number(&reply, 1).ok(),
+                write.epoch,
+            )),
             Some("rolled_back") => Ok(Applied::RolledBack),
             Some("rejected") => reply[1..]
                 .chunks(2)
@@ -444,7 +476,7 @@ impl RedisSink {
             .await?;
         match reply.first().map(String::as_str) {
             Some("ok") => Ok(Applied::Written),
-            Some("fenced") => Ok(fenced(parse_number(&reply, 1).ok(), epoch)),
+            Some("fenced") => Ok(Applied::from_fence(parse_number(&reply, 1).ok(), epoch)),
             _ => Err(unexpected(&reply)),
         }
     }

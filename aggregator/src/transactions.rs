@@ -119,7 +119,7 @@ pub fn flush_verdict(
     write: &GroupWrite<'_>,
 ) -> Option<Applied> {
     if fence != Some(write.epoch) {
-        return Some(fenced(fence, write.epoch));
+        return Some(Applied::from_fence(fence, write.epoch));
     }
     let applied = ledger.unwrap_or(-1);
     if applied >= write.next_offset {
@@ -131,15 +131,6 @@ pub fn flush_verdict(
     let mut rejected = rejections(currents, write.deltas);
     rejected.extend(member_rejections(members, write.deltas.len()));
     (!rejected.is_empty()).then_some(Applied::Rejected(rejected))
-}
-
-/// A fence holding another epoch: a newer owner's, or (older or gone) a Redis that lost it.
-pub fn fenced(current: Option<u64>, epoch: u64) -> Applied {
-    if current.unwrap_or(0) > epoch {
-        Applied::Fenced
-    } else {
-        Applied::RolledBack
-    }
 }
 
 fn protocol_error(what: &'static str, value: &Value) -> SinkError {
@@ -438,7 +429,7 @@ impl Transactions {
         self.optimistic(std::slice::from_ref(&fence_key), &reads, |replies| {
             let fence: Option<u64> = number(replies.first().unwrap_or(&Value::Nil))?;
             if fence != Some(epoch) {
-                return Ok(Plan::Done(fenced(fence, epoch)));
+                return Ok(Plan::Done(Applied::from_fence(fence, epoch)));
             }
             let mut writes = redis::pipe();
             writes

@@ -142,9 +142,8 @@ pub fn histogram_buckets(metrics: &HashMap<String, f64>, name: &str) -> Vec<(f64
         .collect()
 }
 
-/// Redis's command counts: every command (scripts' inner commands included) and the ones a
-/// client sent (scripts, transactions and plain commands, inner ones excluded as far as
-/// `commandstats` allows: `EVALSHA`/`EVAL` and `EXEC` count once, their contents do too).
+/// Redis's command counts from `INFO commandstats`, which counts every command run, those run
+/// inside a script or a `MULTI`/`EXEC` included (an `EVALSHA` and each command it runs).
 #[derive(Debug, Clone, Default)]
 pub struct CommandStats {
     /// `calls` per command.

@@ -56,7 +56,8 @@ pub struct CatchUp {
     pub seconds_from_start: f64,
     /// Redis commands per event, scripts' inner commands included (`INFO commandstats`).
     pub redis_commands_per_event: f64,
-    /// Requests the process sent per event (scripts, transactions, plain commands).
+    /// Scripts and transactions the process sent per event (`EVALSHA`, `EVAL`, `EXEC` calls; the
+    /// few plain commands, such as idle partitions' checks, are not counted).
     pub redis_requests_per_event: f64,
     /// Flush duration quantiles, ms (histogram bucket bounds).
     pub flush_p50_ms: f64,
@@ -188,9 +189,7 @@ impl Env<'_> {
             .stderr(Stdio::inherit())
             .spawn()
             .context("tally load (build the release binaries: deploy/local/bench.sh)")?;
-        let pid = child.id();
-        let output_path = self.args.out.join(format!("load-{pid}.txt"));
-        let (stats, _wall, ok, stdout) = run_capturing(child, &output_path).await?;
+        let (stats, _wall, ok, stdout) = run_capturing(child).await?;
         if !ok {
             bail!("tally load failed: {stdout}");
         }
@@ -294,10 +293,9 @@ impl Env<'_> {
         stop(&mut child)?;
         let seconds_from_start = started.elapsed().as_secs_f64();
         let from_first = last_t - first.unwrap_or(0.0);
-        let requests = after.of(&before, "evalsha")
-            + after.of(&before, "eval")
-            + after.of(&before, "exec")
-            + after.of(&before, "hget");
+        // Only top-level calls: commandstats also counts the HGETs, INCRBYs... run inside scripts.
+        let requests =
+            after.of(&before, "evalsha") + after.of(&before, "eval") + after.of(&before, "exec");
         Ok(CatchUp {
             run: Throughput::new(topic, events, from_first, stats),
             seconds_from_start,
@@ -330,11 +328,10 @@ fn stop(child: &mut std::process::Child) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Runs `child` to its end with its stdout going to `path`; returns its stats, wall time,
-/// success and stdout.
+/// Runs `child` to its end, collecting its stdout; returns its stats, wall time, success and
+/// stdout.
 async fn run_capturing(
     mut child: std::process::Child,
-    path: &Path,
 ) -> anyhow::Result<(ProcStats, Duration, bool, String)> {
     let mut stdout = child.stdout.take().context("piped stdout")?;
     let copier = std::thread::spawn(move || {
@@ -344,8 +341,6 @@ async fn run_capturing(
     });
     let (stats, wall, ok) = probe::run_to_end(child).await?;
     let text = copier.join().unwrap_or_default();
-    let _ = std::fs::write(path, &text);
-    let _ = std::fs::remove_file(path);
     Ok((stats, wall, ok, text.trim().to_owned()))
 }
 
@@ -644,8 +639,7 @@ async fn naive(env: &mut Env<'_>, topic: &str) -> anyhow::Result<CatchUp> {
         .stdout(Stdio::piped())
         .spawn()
         .context("tally-naive")?;
-    let path = env.args.out.join("naive.txt");
-    let (stats, _, ok, stdout) = run_capturing(child, &path).await?;
+    let (stats, _, ok, stdout) = run_capturing(child).await?;
     if !ok {
         bail!("tally-naive failed: {stdout}");
     }
@@ -734,8 +728,7 @@ async fn steady(env: &mut Env<'_>, rate: f64) -> anyhow::Result<Steady> {
     for probe in probes {
         latencies.push(probe.await??);
     }
-    let path = env.args.out.join("steady-load.txt");
-    let (_, _, _, load_out) = run_capturing(background, &path).await?;
+    let (_, _, _, load_out) = run_capturing(background).await?;
     stop(&mut aggregator)?;
     let achieved = load_out
         .split(": ")

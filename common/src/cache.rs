@@ -107,6 +107,18 @@ fn now_ms() -> u64 {
         .map_or(0, |d| d.as_millis() as u64)
 }
 
+/// The command storing `counter`'s shared entry, refreshed at `wall` (unix ms), kept
+/// [`SHARED_KEEP_TTLS`] TTLs so that it can be served while another process refreshes it.
+fn store_shared(ks: &crate::Keyspace, counter: &str, total: i64, wall: u64, ttl_ms: u64) -> Cmd {
+    let mut set = Cmd::new();
+    set.arg("SET")
+        .arg(ks.cache_key(counter))
+        .arg(format!("{total}:{wall}"))
+        .arg("PX")
+        .arg((ttl_ms * SHARED_KEEP_TTLS).max(MIN_SHARED_KEEP_MS));
+    set
+}
+
 /// Parses a shared entry: `"<total>:<refreshed at ms>"`.
 fn parse_shared(text: &str) -> Option<(i64, u64)> {
     let (total, at) = text.split_once(':')?;
@@ -378,14 +390,7 @@ impl CachedReader {
                 let wall = now_ms();
                 let mut writes = Vec::new();
                 for ((i, locked), total) in to_read.iter().zip(&totals) {
-                    let keep = (ttls[*i] * SHARED_KEEP_TTLS).max(MIN_SHARED_KEEP_MS);
-                    let mut set = Cmd::new();
-                    set.arg("SET")
-                        .arg(ks.cache_key(counters[*i]))
-                        .arg(format!("{total}:{wall}"))
-                        .arg("PX")
-                        .arg(keep);
-                    writes.push(set);
+                    writes.push(store_shared(ks, counters[*i], *total, wall, ttls[*i]));
                     if *locked {
                         let mut del = Cmd::new();
                         del.arg("DEL").arg(ks.refresh_lock_key(counters[*i]));
@@ -429,14 +434,13 @@ pub async fn warm(
         .iter()
         .zip(totals)
         .map(|(counter, total)| {
-            let ttl = namespaces.policy(counter).cache_ttl_ms;
-            let mut set = Cmd::new();
-            set.arg("SET")
-                .arg(ks.cache_key(counter))
-                .arg(format!("{total}:{wall}"))
-                .arg("PX")
-                .arg((ttl * SHARED_KEEP_TTLS).max(MIN_SHARED_KEEP_MS));
-            set
+            store_shared(
+                ks,
+                counter,
+                total,
+                wall,
+                namespaces.policy(counter).cache_ttl_ms,
+            )
         })
         .collect();
     query_each::<redis::Value>(reader.conn(), writes).await?;
