@@ -93,6 +93,11 @@ pub struct Compactor {
     take: redis::Script,
     give: redis::Script,
     done: redis::Script,
+    /// Test-only failpoint: abort the process right after this many shares were taken into
+    /// journals, before their moves finish (`TALLY_FAILPOINT_COMPACT_ABORT_AFTER_TAKES`).
+    abort_after_takes: Option<u64>,
+    /// Shares taken so far (for the failpoint).
+    takes: std::sync::atomic::AtomicU64,
 }
 
 fn now_ms() -> u64 {
@@ -123,6 +128,10 @@ impl Compactor {
             take: redis::Script::new(include_str!("scripts/compact_take.lua")),
             give: redis::Script::new(include_str!("scripts/compact_give.lua")),
             done: redis::Script::new(include_str!("scripts/compact_done.lua")),
+            abort_after_takes: std::env::var("TALLY_FAILPOINT_COMPACT_ABORT_AFTER_TAKES")
+                .ok()
+                .and_then(|v| v.parse().ok()),
+            takes: std::sync::atomic::AtomicU64::new(0),
         })
     }
 
@@ -293,6 +302,13 @@ impl Compactor {
             .await?;
         match reply.first().map(String::as_str) {
             Some("taken") => {
+                if let Some(limit) = self.abort_after_takes {
+                    let n = self.takes.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+                    if n >= limit {
+                        eprintln!("failpoint: aborting after {n} shares taken, mid-move");
+                        std::process::abort();
+                    }
+                }
                 let amount = reply.get(1).cloned().unwrap_or_default();
                 self.finish(counter, from, base, &id, &amount).await?;
                 Ok(true)

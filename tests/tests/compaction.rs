@@ -1,10 +1,12 @@
-//! Compaction under live writes, with the compactor SIGKILLed at random points: counters written
+//! Compaction under live writes, with the compactor crashing at random points: counters written
 //! both through Kafka (the aggregator, exactly-once) and directly (random shards, their shard
-//! counts raised to 8), a `tally compact --loop` process killed at least 20 times while they
-//! run, then one last compactor. Every total ends exact, and every counter is back to at most
-//! one key, its base share.
+//! counts raised to 8), a `tally compact --loop` process SIGKILLed 20 times at random moments and
+//! aborted 10 more times by a failpoint right after taking shares into journals (mid-move, for
+//! certain), then one last compactor. Every total ends exact, and every counter is back to at
+//! most one key, its base share.
 
 use std::collections::HashMap;
+use std::os::unix::process::ExitStatusExt;
 use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -17,31 +19,67 @@ use tally_common::keyspace::CompactionKey;
 use tally_common::{Keyspace, Namespaces, RedisConn};
 use tally_producer::DirectWriter;
 use tally_tests::{
-    AggregatorSetup, RedisServer, TempDir, binary, connect, finish_load, seed, start_load,
-    wait_for_totals,
+    AggregatorSetup, RedisServer, TempDir, binary, connect, eventually, finish_load, seed,
+    start_load, wait_for_totals,
 };
 
 const COUNTERS: u64 = 40;
-const STREAMED: u64 = 100_000;
-const KILLS: usize = 20;
+const STREAMED: u64 = 150_000;
+/// Compactor incarnations: every third aborts itself mid-move, the others are SIGKILLed.
+const KILLS: usize = 30;
 
 /// A `tally compact --loop` that treats every counter as cold, so that it keeps moving shares
-/// while they are written, and is killed in the middle of moves; its reports go to `log`.
-fn compactor(redis_url: &str, ks: &Keyspace, log: &std::path::Path) -> std::process::Child {
-    Command::new(binary("tally"))
-        .args([
-            "compact",
-            "--loop",
-            "--cold-after-ms",
-            "0",
-            "--interval-ms",
-            "20",
-        ])
+/// while they are written; its reports go to `log`. With `abort_after_takes` it aborts itself
+/// right after taking that many shares into journals: in the middle of a move, every time.
+fn compactor(
+    redis_url: &str,
+    ks: &Keyspace,
+    log: &std::path::Path,
+    abort_after_takes: Option<u32>,
+) -> std::process::Child {
+    let mut command = Command::new(binary("tally"));
+    command
+        .args(["compact", "--loop", "--cold-after-ms", "0"])
+        .args(["--interval-ms", "20"])
         .args(["--redis-url", redis_url, "--key-prefix", ks.prefix()])
         .stdout(std::fs::File::create(log).expect("log file"))
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("tally compact starts")
+        .stderr(Stdio::null());
+    if let Some(n) = abort_after_takes {
+        command.env("TALLY_FAILPOINT_COMPACT_ABORT_AFTER_TAKES", n.to_string());
+    }
+    command.spawn().expect("tally compact starts")
+}
+
+/// Every compaction key of `ks` (shares, journals, markers) by counter.
+async fn compaction_keys(
+    redis_url: &str,
+    ks: &Keyspace,
+) -> HashMap<String, Vec<(u32, CompactionKey)>> {
+    let mut conn = connect(redis_url).await;
+    let mut keys: HashMap<String, Vec<(u32, CompactionKey)>> = HashMap::new();
+    let mut cursor: u64 = 0;
+    loop {
+        let (next, batch): (u64, Vec<String>) = redis::cmd("SCAN")
+            .arg(cursor)
+            .arg("MATCH")
+            .arg(ks.compaction_pattern())
+            .arg("COUNT")
+            .arg(1000)
+            .query_async(&mut conn)
+            .await
+            .expect("SCAN");
+        for key in batch {
+            if let Some((group, kind, counter)) = ks.parse_compaction_key(&key) {
+                keys.entry(counter.to_owned())
+                    .or_default()
+                    .push((group, kind));
+            }
+        }
+        if next == 0 {
+            return keys;
+        }
+        cursor = next;
+    }
 }
 
 /// Direct writes of +1..+3 to random counters until `stop` is set, returning what was written.
@@ -105,21 +143,49 @@ async fn compaction_under_live_writes_survives_twenty_sigkills() {
     );
 
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    // Two incarnations in three are SIGKILLed at a random moment (20 in all); every third aborts
+    // itself right after taking a random number of shares into journals, so that some crashes
+    // certainly fall in the middle of a move, and the journal they leave is checked for.
+    let (mut aborted, mut journals_left) = (0, 0);
     for kill in 1..=KILLS {
-        let mut child = compactor(
-            &redis.url(),
-            &ks,
-            &dir.path().join(format!("compactor-{kill}.log")),
-        );
-        let after = Duration::from_millis(rng.random_range(50..600));
-        tokio::time::sleep(after).await;
+        let log = dir.path().join(format!("compactor-{kill}.log"));
+        if kill % 3 == 0 {
+            let takes = rng.random_range(1..40);
+            let mut child = compactor(&redis.url(), &ks, &log, Some(takes));
+            let status = eventually(Duration::from_secs(10), "the compactor's failpoint", || {
+                let status = child.try_wait().expect("try_wait");
+                async move { status }
+            })
+            .await;
+            assert_eq!(
+                status.signal(),
+                Some(6),
+                "incarnation {kill} did not abort at its failpoint: {status}"
+            );
+            aborted += 1;
+            let left = compaction_keys(&redis.url(), &ks)
+                .await
+                .values()
+                .flatten()
+                .filter(|(_, kind)| *kind == CompactionKey::Journal)
+                .count();
+            assert!(left > 0, "an abort mid-move left no journal");
+            journals_left += left;
+            eprintln!(
+                "compactor {kill}/{KILLS} aborted after {takes} takes, leaving {left} journal(s)"
+            );
+        } else {
+            let mut child = compactor(&redis.url(), &ks, &log, None);
+            let after = Duration::from_millis(rng.random_range(50..600));
+            tokio::time::sleep(after).await;
+            child.kill().expect("SIGKILL");
+            child.wait().expect("reaped");
+            eprintln!("compactor {kill}/{KILLS} SIGKILLed after {after:?}");
+        }
         assert!(
             !load.is_finished(),
-            "the writes ended before kill {kill} of {KILLS}"
+            "the writes ended before crash {kill} of {KILLS}"
         );
-        child.kill().expect("SIGKILL");
-        child.wait().expect("reaped");
-        eprintln!("compactor SIGKILL {kill}/{KILLS} after {after:?}");
     }
     let streamed = finish_load(load, STREAMED).await;
     stop.store(true, Ordering::Relaxed);
@@ -174,36 +240,11 @@ async fn compaction_under_live_writes_survives_twenty_sigkills() {
         }
     }
     eprintln!(
-        "the killed compactors made at least {moves} moves under live writes and finished {recovered} moves (or their last step) that a predecessor was killed in"
+        "the crashed compactors reported at least {moves} moves under live writes, and {recovered} moves (or last steps) finished after a predecessor crashed in them; {aborted} aborted mid-move, leaving {journals_left} journal(s) in all"
     );
-    assert!(moves > 0, "the killed compactors never moved anything");
-    assert!(recovered > 0, "no kill ever interrupted a move");
     wait_for_totals(&reader, &expected, Duration::from_secs(5)).await;
 
-    let mut keys: HashMap<String, Vec<(u32, CompactionKey)>> = HashMap::new();
-    let mut cursor: u64 = 0;
-    loop {
-        let (next, batch): (u64, Vec<String>) = redis::cmd("SCAN")
-            .arg(cursor)
-            .arg("MATCH")
-            .arg(ks.compaction_pattern())
-            .arg("COUNT")
-            .arg(1000)
-            .query_async(&mut connect(&redis.url()).await)
-            .await
-            .expect("SCAN");
-        for key in batch {
-            if let Some((group, kind, counter)) = ks.parse_compaction_key(&key) {
-                keys.entry(counter.to_owned())
-                    .or_default()
-                    .push((group, kind));
-            }
-        }
-        if next == 0 {
-            break;
-        }
-        cursor = next;
-    }
+    let keys = compaction_keys(&redis.url(), &ks).await;
     for counter in expected.keys() {
         let held = keys.get(counter).cloned().unwrap_or_default();
         let base = ks.shard_group(counter, 0);
@@ -213,7 +254,7 @@ async fn compaction_under_live_writes_survives_twenty_sigkills() {
         );
     }
     eprintln!(
-        "{} counters, each at one key; {KILLS} compactor kills survived",
+        "{} counters, each at one key, after 20 compactor SIGKILLs and {aborted} aborts mid-move",
         expected.len()
     );
 }
