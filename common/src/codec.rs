@@ -157,15 +157,35 @@ fn bincode_config() -> impl bincode::config::Config {
 
 /// Appends the binary form of `event` to `out`.
 pub fn encode_into(event: &CounterEvent, out: &mut Vec<u8>) {
+    encode_body(
+        &BinaryOut {
+            counter: event.counter(),
+            delta: event.delta(),
+            actor: event.actor(),
+            ts_ms: event.ts_ms(),
+            event_id: event.event_id(),
+        },
+        out,
+    );
+}
+
+/// Appends the binary form of a borrowed event to `out` (it does not validate: the caller has).
+pub fn encode_ref_into(event: &EventRef<'_>, out: &mut Vec<u8>) {
+    encode_body(
+        &BinaryOut {
+            counter: &event.counter,
+            delta: event.delta,
+            actor: event.actor.as_deref(),
+            ts_ms: event.ts_ms,
+            event_id: event.event_id.as_deref(),
+        },
+        out,
+    );
+}
+
+fn encode_body(body: &BinaryOut<'_>, out: &mut Vec<u8>) {
     out.push(BINARY_V1);
-    let body = BinaryOut {
-        counter: event.counter(),
-        delta: event.delta(),
-        actor: event.actor(),
-        ts_ms: event.ts_ms(),
-        event_id: event.event_id(),
-    };
-    bincode::serde::encode_into_std_write(&body, out, bincode_config())
+    bincode::serde::encode_into_std_write(body, out, bincode_config())
         .expect("bincode writes strings and integers into a Vec without failing");
 }
 

@@ -14,7 +14,8 @@
 //! producer), or with a typed [`ProduceError`]. For high throughput, [`Producer::enqueue`] hands
 //! the event to librdkafka and returns a [`Pending`] acknowledgement to await later, so that many
 //! events are in flight at once. When librdkafka's local queue is full the caller waits for room:
-//! nothing is dropped silently.
+//! nothing is dropped silently. For bulk jobs (backfills, imports, load generation),
+//! [`BulkProducer`] skips the per-event future: each outcome goes to one callback instead.
 //!
 //! For a namespace whose write path is `direct` (`docs/namespaces.md`), [`DirectWriter`] writes
 //! straight to Redis instead: visible at once, no Kafka.
@@ -22,13 +23,16 @@
 //! # Layout
 //! This file: [`ProducerConfig`] and [`Routing`] (what to build), [`Producer`] (sending),
 //! [`Pending`] and [`Delivered`] (acknowledgements), [`ProduceError`].
+//! - [`bulk`]: [`BulkProducer`], sends with a delivery callback and no future per event.
 //! - [`direct`]: [`DirectWriter`], direct writes to random shards, likes, rate reports.
 //! - [`counts`]: [`Counts`], one handle that writes by each namespace's path and reads through
 //!   the cache: what a service for likes and views uses.
 
+pub mod bulk;
 pub mod counts;
 pub mod direct;
 
+pub use bulk::BulkProducer;
 pub use counts::{Counts, WriteError};
 pub use direct::{DirectError, DirectWriter};
 

@@ -25,7 +25,7 @@ use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::{Offset, TopicPartitionList};
 use tally_aggregator::load::{self, LoadError, LoadReport, LoadSpec};
 use tally_common::{Keyspace, Reader, RedisConn};
-use tally_producer::{Producer, ProducerConfig};
+use tally_producer::ProducerConfig;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::task::JoinHandle;
 
@@ -223,9 +223,8 @@ pub async fn below_and_above(reader: &Reader, expected: &HashMap<String, i64>) -
 
 /// Starts sending `spec` to `topic` through the producer crate in the background.
 pub fn start_load(topic: &str, spec: LoadSpec) -> JoinHandle<Result<LoadReport, LoadError>> {
-    let producer =
-        Producer::new(&ProducerConfig::new(brokers(), topic)).expect("producer is created");
-    tokio::spawn(async move { load::run(&producer, &spec).await })
+    let config = ProducerConfig::new(brokers(), topic);
+    tokio::spawn(async move { load::run(&config, &spec).await })
 }
 
 /// Waits for a load started by [`start_load`] and checks that Kafka acknowledged every event.
@@ -255,16 +254,34 @@ pub struct SeenDeadLetter {
     pub error: String,
 }
 
-/// Reads the dead-letter `topic` from the start until `n` messages arrived (or 30 s passed).
-pub fn read_dead_letters(topic: &str, n: usize) -> Vec<SeenDeadLetter> {
-    use rdkafka::message::{Headers, Message};
+/// Reads `topic` from the start, handing each message to `each`, until `n` messages arrived (or
+/// 30 s passed); returns how many arrived.
+fn read_from_start(
+    topic: &str,
+    n: usize,
+    mut each: impl FnMut(&rdkafka::message::BorrowedMessage<'_>),
+) -> usize {
     let consumer: BaseConsumer = ClientConfig::new()
         .set("bootstrap.servers", brokers())
-        .set("group.id", unique("dlq-reader"))
+        .set("group.id", unique("reader"))
         .set("auto.offset.reset", "earliest")
         .create()
         .expect("consumer");
     consumer.subscribe(&[topic]).expect("subscribe");
+    let mut seen = 0;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while seen < n && Instant::now() < deadline {
+        if let Some(message) = consumer.poll(Duration::from_millis(500)) {
+            each(&message.expect("message"));
+            seen += 1;
+        }
+    }
+    seen
+}
+
+/// Reads the dead-letter `topic` from the start until `n` messages arrived (or 30 s passed).
+pub fn read_dead_letters(topic: &str, n: usize) -> Vec<SeenDeadLetter> {
+    use rdkafka::message::{Headers, Message};
     let header = |m: &rdkafka::message::BorrowedMessage<'_>, name: &str| {
         m.headers()
             .and_then(|h| h.iter().find(|h| h.key == name))
@@ -273,19 +290,32 @@ pub fn read_dead_letters(topic: &str, n: usize) -> Vec<SeenDeadLetter> {
             .unwrap_or_else(|| panic!("dead letter without a {name} header"))
     };
     let mut seen = Vec::new();
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while seen.len() < n && Instant::now() < deadline {
-        if let Some(message) = consumer.poll(Duration::from_millis(500)) {
-            let message = message.expect("dead letter");
-            seen.push(SeenDeadLetter {
-                key: message.key().unwrap_or_default().to_vec(),
-                payload: message.payload().unwrap_or_default().to_vec(),
-                reason: header(&message, "tally-reason"),
-                error: header(&message, "tally-error"),
-            });
-        }
-    }
+    read_from_start(topic, n, |message| {
+        seen.push(SeenDeadLetter {
+            key: message.key().unwrap_or_default().to_vec(),
+            payload: message.payload().unwrap_or_default().to_vec(),
+            reason: header(message, "tally-reason"),
+            error: header(message, "tally-error"),
+        });
+    });
     seen
+}
+
+/// Reads the `n` events of `topic` and sums them per counter; panics if fewer arrive in 30 s or
+/// one does not decode.
+pub fn topic_totals(topic: &str, n: usize) -> HashMap<String, i64> {
+    use rdkafka::message::Message;
+    let mut totals = HashMap::new();
+    let read = read_from_start(topic, n, |message| {
+        let event = tally_common::codec::decode(
+            message.payload().unwrap_or_default(),
+            tally_common::codec::DEFAULT_MAX_MESSAGE_BYTES,
+        )
+        .expect("the producer writes valid events");
+        *totals.entry(event.counter.into_owned()).or_default() += event.delta;
+    });
+    assert_eq!(read, n, "events read back from {topic}");
+    totals
 }
 
 /// Where a test keeps its files; removed when dropped.

@@ -362,7 +362,7 @@ async fn main() -> anyhow::Result<std::process::ExitCode> {
             top,
             totals_out,
         } => {
-            let producer = Producer::new(&ProducerConfig::new(brokers, &topic).routing(routing))?;
+            let config = ProducerConfig::new(brokers, &topic).routing(routing);
             let spec = LoadSpec {
                 events,
                 counters,
@@ -377,8 +377,7 @@ async fn main() -> anyhow::Result<std::process::ExitCode> {
                 distinct,
                 ..LoadSpec::default()
             };
-            let report = load::run(&producer, &spec).await?;
-            producer.flush().await?;
+            let report = load::run(&config, &spec).await?;
             println!(
                 "sent {} events ({} failed) over {} counters to {topic} in {:.2}s: {:.0} events/s",
                 report.acked,
