@@ -283,6 +283,7 @@ impl<S: Sink> Aggregator<S> {
             }
         }
         drop(stream);
+        shared.metrics.group_membership(false);
         tracing::info!("shutting down: draining every partition");
         let taken: Vec<(i32, Partition)> = lock(&shared.partitions).map.drain().collect();
         let deadline = Instant::now() + shared.settings.shutdown_timeout;
@@ -595,6 +596,7 @@ impl<S: Sink> Shared<S> {
             }
         }
         self.commit(consumer, &[(partition, next_offset)], CommitMode::Async);
+        self.metrics.durable(partition, next_offset);
     }
 
     /// Starts acquiring exactly-once ownership of `partition`, retrying until it succeeds; the

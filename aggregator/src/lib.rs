@@ -15,7 +15,7 @@
 //! - [`transactions`]: the exactly-once operations as `WATCH`/`MULTI`/`EXEC`, for servers that
 //!   refuse scripts.
 //! - [`dead_letter`]: the dead-letter topic for malformed messages.
-//! - [`metrics`] and [`http`]: Prometheus metrics on `/metrics`, and `/healthz`.
+//! - [`metrics`] and [`http`]: Prometheus metrics on `/metrics`, `/healthz` and `/readyz`.
 //! - [`backoff`]: capped exponential backoff.
 //! - [`compact`]: collapsing cold counters' shares into one key, crash-safe (`tally compact`).
 //! - [`shard_monitor`]: raises the shard counts of directly written counters that run hot.
@@ -84,17 +84,53 @@ pub fn kafka_client_config(config: &Config) -> ClientConfig {
     kafka
 }
 
+/// The delivery, grouping and atomicity settings as `tally_build_info` labels them.
+fn settings_labels(config: &Config) -> [&'static str; 3] {
+    use config::{Atomicity, Delivery};
+    use tally_common::keyspace::GroupingRule;
+    [
+        match config.delivery {
+            Delivery::ExactlyOnce => "exactly-once",
+            Delivery::AtLeastOnce => "at-least-once",
+        },
+        match config.grouping {
+            GroupingRule::ByPartition => "partition",
+            GroupingRule::ByActor => "actor",
+        },
+        match config.redis_atomicity {
+            Atomicity::Auto => "auto",
+            Atomicity::Scripts => "scripts",
+            Atomicity::Transactions => "transactions",
+        },
+    ]
+}
+
 /// Runs the aggregator until `shutdown` fires: serves metrics, consumes, flushes, and drains.
 pub async fn run(config: Config, shutdown: CancellationToken) -> Result<RunSummary, StartError> {
     let metrics = Arc::new(metrics::Metrics::new());
-    let (addr, server) = http::serve(config.metrics_addr, metrics.clone(), shutdown.clone())
+    metrics.started(settings_labels(&config), 2 * config.limits.max_events);
+    let probes = Arc::new(http::Probes {
+        metrics: metrics.clone(),
+        redis: std::sync::OnceLock::new(),
+        shutdown: shutdown.clone(),
+    });
+    let (addr, server) = http::serve(config.metrics_addr, probes.clone())
         .await
         .map_err(|source| StartError::Metrics {
             addr: config.metrics_addr,
             source,
         })?;
-    tracing::info!(%addr, "serving /metrics and /healthz");
-    let conn = tally_common::RedisConn::connect(&config.redis_url).await?;
+    tracing::info!(%addr, "serving /metrics, /healthz and /readyz");
+    let conn = tally_common::RedisConn::connect(&config.redis_url).await;
+    let conn = match conn {
+        Ok(conn) => conn,
+        Err(e) => {
+            server.abort();
+            return Err(e.into());
+        }
+    };
+    let _ = probes.redis.set(conn.clone());
+    tokio::spawn(http::watch_redis(probes.clone(), shutdown.clone()));
     if config.shard_threshold > 0 {
         let monitor = shard_monitor::ShardMonitor {
             conn: conn.clone(),
@@ -106,7 +142,10 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<RunSumma
     }
     let trending = (!config.trending_interval.is_zero()).then(|| {
         let reader = tally_common::Reader::new(conn.clone(), config.keyspace.clone());
-        let trending = Arc::new(trending::Trending::new(reader, config.namespaces.clone()));
+        let trending = Arc::new(
+            trending::Trending::new(reader, config.namespaces.clone())
+                .with_metrics(metrics.clone()),
+        );
         tokio::spawn(
             trending
                 .clone()

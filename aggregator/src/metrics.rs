@@ -45,7 +45,40 @@ pub struct Metrics {
     consumer_lag: IntGaugeVec,
     /// Shard counts raised by the shard monitor.
     shard_raises: IntCounter,
+    /// 1 while this instance is a member of its consumer group (it got an assignment, possibly
+    /// empty, and has not lost it), else 0.
+    group_member: IntGauge,
+    /// Always 1, labelled with the version and the settings that change what a flush means.
+    build_info: IntGaugeVec,
+    /// Buffered messages per partition at which its fetching pauses.
+    buffer_limit: IntGauge,
+    /// The offset up to which each owned partition is durable in Redis.
+    durable_offset: IntGaugeVec,
+    /// Activity (summed |delta|) of the hottest counters in the last trending window, by rank.
+    trending_top: IntGaugeVec,
+    /// 1 if Redis answered the last periodic `PING`, else 0.
+    redis_up: IntGauge,
 }
+
+/// Every reason a message is dead-lettered for: the codec's (`DecodeError::reason`), the consume
+/// loop's (`missing_actor`) and Redis's refusals of a delta (`overflow`, `wrong_type`,
+/// `not_an_integer`, `rejected`). Each series starts at 0, so that the first dead letter of a
+/// reason is an increase Prometheus can see (a series born at 1 has no increase).
+pub const DEAD_LETTER_REASONS: [&str; 10] = [
+    "oversized",
+    "undecodable",
+    "invalid_counter",
+    "invalid_delta",
+    "invalid_field",
+    "missing_actor",
+    "overflow",
+    "wrong_type",
+    "not_an_integer",
+    "rejected",
+];
+
+/// How many ranks of hot counters [`Metrics::trending`] exports.
+pub const TRENDING_RANKS: usize = 5;
 
 impl Metrics {
     /// Creates and registers every metric.
@@ -116,6 +149,40 @@ impl Metrics {
             "tally_shard_raises_total",
             "Shard counts of directly written counters raised by the shard monitor.",
         );
+        let group_member = IntGauge::new(
+            "tally_group_member",
+            "1 while this instance holds membership of its consumer group, else 0.",
+        );
+        let build_info = IntGaugeVec::new(
+            Opts::new(
+                "tally_build_info",
+                "Always 1: the version and the delivery settings of this instance.",
+            ),
+            &["version", "delivery", "grouping", "redis_atomicity"],
+        );
+        let buffer_limit = IntGauge::new(
+            "tally_buffer_limit_events",
+            "Buffered messages per partition at which fetching that partition pauses.",
+        );
+        let durable_offset = IntGaugeVec::new(
+            Opts::new(
+                "tally_durable_offset",
+                "The offset up to which each owned partition is durable in Redis.",
+            ),
+            &["partition"],
+        );
+        let trending_top = IntGaugeVec::new(
+            Opts::new(
+                "tally_trending_top_activity",
+                "Summed |delta| of the hottest counters in the last trending window, by rank \
+                 (1 = hottest); `tally top` names them.",
+            ),
+            &["rank"],
+        );
+        let redis_up = IntGauge::new(
+            "tally_redis_up",
+            "1 if Redis answered the aggregator's last periodic PING, else 0.",
+        );
         // Metric names and label sets are fixed above; building them cannot fail.
         let metrics = Self {
             registry,
@@ -134,8 +201,20 @@ impl Metrics {
             paused_partitions: paused_partitions.expect("valid metric"),
             consumer_lag: consumer_lag.expect("valid metric"),
             shard_raises: shard_raises.expect("valid metric"),
+            group_member: group_member.expect("valid metric"),
+            build_info: build_info.expect("valid metric"),
+            buffer_limit: buffer_limit.expect("valid metric"),
+            durable_offset: durable_offset.expect("valid metric"),
+            trending_top: trending_top.expect("valid metric"),
+            redis_up: redis_up.expect("valid metric"),
         };
-        let collectors: [Box<dyn prometheus::core::Collector>; 15] = [
+        let collectors: [Box<dyn prometheus::core::Collector>; 21] = [
+            Box::new(metrics.redis_up.clone()),
+            Box::new(metrics.group_member.clone()),
+            Box::new(metrics.build_info.clone()),
+            Box::new(metrics.buffer_limit.clone()),
+            Box::new(metrics.durable_offset.clone()),
+            Box::new(metrics.trending_top.clone()),
             Box::new(metrics.shard_raises.clone()),
             Box::new(metrics.rollbacks.clone()),
             Box::new(metrics.fenced_writes.clone()),
@@ -157,6 +236,9 @@ impl Metrics {
                 .registry
                 .register(c)
                 .expect("metric names are unique");
+        }
+        for reason in DEAD_LETTER_REASONS {
+            metrics.events_dead_lettered.with_label_values(&[reason]);
         }
         metrics
     }
@@ -221,6 +303,55 @@ impl Metrics {
         }
     }
 
+    /// Whether this instance holds membership of its consumer group.
+    pub fn group_membership(&self, member: bool) {
+        self.group_member.set(i64::from(member));
+    }
+
+    /// Whether this instance holds membership of its consumer group (what `/readyz` asks).
+    pub fn is_group_member(&self) -> bool {
+        self.group_member.get() == 1
+    }
+
+    /// Records the version and delivery settings, and the per-partition pause threshold.
+    pub fn started(&self, settings: [&str; 3], buffer_limit: usize) {
+        let [delivery, grouping, atomicity] = settings;
+        self.build_info
+            .with_label_values(&[env!("CARGO_PKG_VERSION"), delivery, grouping, atomicity])
+            .set(1);
+        self.buffer_limit.set(buffer_limit as i64);
+    }
+
+    /// `partition` is durable up to `next_offset`.
+    pub fn durable(&self, partition: i32, next_offset: i64) {
+        self.durable_offset
+            .with_label_values(&[&partition.to_string()])
+            .set(next_offset);
+    }
+
+    /// `partition` is no longer owned here.
+    pub fn released(&self, partition: i32) {
+        let _ = self
+            .durable_offset
+            .remove_label_values(&[&partition.to_string()]);
+    }
+
+    /// The activity of the hottest counters of the last trending window, hottest first; ranks
+    /// with no counter read 0.
+    pub fn trending(&self, activity: &[u64]) {
+        for rank in 0..TRENDING_RANKS {
+            let value = activity.get(rank).copied().unwrap_or(0);
+            self.trending_top
+                .with_label_values(&[&(rank + 1).to_string()])
+                .set(i64::try_from(value).unwrap_or(i64::MAX));
+        }
+    }
+
+    /// Whether Redis answered the last periodic `PING`.
+    pub fn redis_answered(&self, up: bool) {
+        self.redis_up.set(i64::from(up));
+    }
+
     /// The metrics in Prometheus's text format.
     pub fn render(&self) -> String {
         let mut out = Vec::new();
@@ -247,6 +378,13 @@ mod tests {
         m.dead_lettered("undecodable");
         m.batch_flushed(2, 1, Duration::from_millis(3));
         m.consumer_lag([(0, 5)]);
+        m.group_membership(true);
+        m.started(["exactly-once", "partition", "auto"], 400_000);
+        m.durable(3, 42);
+        m.durable(4, 7);
+        m.released(4);
+        m.trending(&[9, 8, 7, 6, 5, 4]);
+        m.trending(&[9, 8]);
         let text = m.render();
         for name in [
             "tally_events_consumed_total 3",
@@ -256,8 +394,20 @@ mod tests {
             "tally_flush_duration_seconds_count 1",
             "tally_consumer_lag{partition=\"0\"} 5",
             "tally_redis_errors_total 0",
+            "tally_events_dead_lettered_total{reason=\"overflow\"} 0",
+            "tally_group_member 1",
+            "tally_buffer_limit_events 400000",
+            "tally_durable_offset{partition=\"3\"} 42",
+            "tally_trending_top_activity{rank=\"2\"} 8",
+            "tally_trending_top_activity{rank=\"5\"} 0",
         ] {
             assert!(text.contains(name), "missing {name} in\n{text}");
         }
+        assert!(text.contains("tally_build_info{delivery=\"exactly-once\""));
+        assert!(
+            !text.contains("partition=\"4\"} 7"),
+            "a released partition stays"
+        );
+        assert!(!text.contains("rank=\"6\""), "more ranks than exported");
     }
 }

@@ -154,6 +154,9 @@ impl<S: Sink> Shared<S> {
         if taken.is_empty() {
             return;
         }
+        for (partition, _) in &taken {
+            self.metrics.released(*partition);
+        }
         let count = taken.len();
         let deadline = Instant::now() + self.settings.revoke_timeout;
         let durable =
@@ -247,10 +250,23 @@ impl<S: Sink> ConsumerContext for AggregatorContext<S> {
     }
 
     fn post_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        let metrics = &self.shared.metrics;
         match rebalance {
-            Rebalance::Assign(assigned) => self.shared.assign(consumer, assigned),
-            Rebalance::Revoke(_) => {}
-            Rebalance::Error(error) => tracing::error!(%error, "rebalance failed"),
+            Rebalance::Assign(assigned) => {
+                self.shared.assign(consumer, assigned);
+                metrics.group_membership(true);
+            }
+            // A revoke in a rebalance keeps the membership; a lost assignment (session timeout,
+            // max.poll.interval.ms exceeded) does not.
+            Rebalance::Revoke(_) => {
+                if consumer.assignment_lost() {
+                    metrics.group_membership(false);
+                }
+            }
+            Rebalance::Error(error) => {
+                metrics.group_membership(false);
+                tracing::error!(%error, "rebalance failed");
+            }
         }
     }
 }

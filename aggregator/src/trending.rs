@@ -22,6 +22,7 @@ use tally_common::{Namespaces, Reader};
 use tokio_util::sync::CancellationToken;
 
 use crate::batch::SealedBatch;
+use crate::metrics::Metrics;
 
 /// Entries per namespace sketch.
 pub const SKETCH_CAPACITY: usize = 64;
@@ -91,6 +92,8 @@ pub struct Trending {
     reader: Reader,
     /// Cache TTLs.
     namespaces: Arc<Namespaces>,
+    /// Where the hottest counters' activity is exported (never their ids).
+    metrics: Option<Arc<Metrics>>,
 }
 
 impl Trending {
@@ -101,7 +104,14 @@ impl Trending {
             hot: RwLock::new(Arc::new(HashSet::new())),
             reader,
             namespaces,
+            metrics: None,
         }
+    }
+
+    /// Also exports the activity of the hottest counters to `metrics` at each publish.
+    pub fn with_metrics(mut self, metrics: Arc<Metrics>) -> Self {
+        self.metrics = Some(metrics);
+        self
     }
 
     /// Feeds a sealed batch's counters to the sketches, and returns those of them that are hot
@@ -160,6 +170,7 @@ impl Trending {
             .map_or(0, |d| d.as_secs())
             / TOP_BUCKET_S;
         let mut hot = HashSet::new();
+        let mut activity = Vec::new();
         let ks = self.reader.keyspace();
         for (namespace, sketch) in &sketches {
             let top = sketch.top(TOP_K);
@@ -168,9 +179,10 @@ impl Trending {
             }
             let key = ks.top_key(namespace, bucket);
             let mut pipe = redis::pipe();
-            for (counter, activity) in &top {
-                pipe.zincr(&key, counter, *activity).ignore();
+            for (counter, weight) in &top {
+                pipe.zincr(&key, counter, *weight).ignore();
                 hot.insert(counter.clone());
+                activity.push(*weight);
             }
             pipe.expire(&key, BUCKET_TTL_S).ignore();
             // One key per pipeline: single-slot on a cluster too.
@@ -178,6 +190,10 @@ impl Trending {
                 .await?;
         }
         *self.hot.write().unwrap_or_else(PoisonError::into_inner) = Arc::new(hot);
+        if let Some(metrics) = &self.metrics {
+            activity.sort_unstable_by(|a, b| b.cmp(a));
+            metrics.trending(&activity);
+        }
         Ok(())
     }
 

@@ -437,12 +437,21 @@ pub async fn run_all(args: &Args) -> anyhow::Result<Results> {
         results.naive = Some(naive(&mut env, &preloaded).await?);
     }
     if args.runs("steady") {
-        let max = results
-            .producer
-            .first()
-            .map_or(200_000.0, |p| p.events_per_second);
+        // Half of what the pipeline sustains: its slower stage, the producer or the
+        // aggregator catching up in exactly-once mode (both measured above in this run).
+        let producer = results.producer.first().map(|p| p.events_per_second);
+        let aggregator = results
+            .catch_up
+            .iter()
+            .find(|(mode, _)| mode == "exactly-once")
+            .map(|(_, c)| c.run.events_per_second);
+        let max = [producer, aggregator]
+            .into_iter()
+            .flatten()
+            .reduce(f64::min)
+            .unwrap_or(200_000.0);
         println!(
-            "steady state at {:.0} events/s, with latency probes",
+            "steady state at {:.0} events/s (half of the slower of producer and catch-up), with latency probes",
             max / 2.0
         );
         results.steady = Some(steady(&mut env, max / 2.0).await?);

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs what the local services and the build need, skipping whatever is already there:
-# redis-server, kcat and a JRE + Maven from Debian's packages, and Apache Kafka's jars from Maven Central.
+# redis-server, kcat, Prometheus (promtool, for the monitoring tests), OpenSSL headers and a JRE +
+# Maven from Debian's packages, and Apache Kafka's jars from Maven Central.
 # Safe to run any number of times.
 set -euo pipefail
 source "$(dirname "$0")/common.sh"
@@ -13,6 +14,9 @@ command -v java >/dev/null || missing+=(openjdk-17-jre-headless)
 command -v mvn >/dev/null || missing+=(maven)
 command -v cc >/dev/null || missing+=(build-essential)
 command -v perl >/dev/null || missing+=(perl)
+command -v promtool >/dev/null || missing+=(prometheus)
+command -v pkg-config >/dev/null || missing+=(pkg-config)
+dpkg -s libssl-dev >/dev/null 2>&1 || missing+=(libssl-dev)
 if ((${#missing[@]})); then
   log "installing ${missing[*]} from Debian's packages"
   export DEBIAN_FRONTEND=noninteractive
