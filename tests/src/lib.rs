@@ -9,6 +9,7 @@
 //! The binaries must be built first (`cargo build --workspace --bins`); the README's test command
 //! does that.
 
+pub mod kafka_cluster;
 pub mod prometheus;
 pub mod scenarios;
 
@@ -224,7 +225,16 @@ pub async fn below_and_above(reader: &Reader, expected: &HashMap<String, i64>) -
 
 /// Starts sending `spec` to `topic` through the producer crate in the background.
 pub fn start_load(topic: &str, spec: LoadSpec) -> JoinHandle<Result<LoadReport, LoadError>> {
-    let config = ProducerConfig::new(brokers(), topic);
+    start_load_on(&brokers(), topic, spec)
+}
+
+/// Like [`start_load`], on the Kafka at `bootstrap`.
+pub fn start_load_on(
+    bootstrap: &str,
+    topic: &str,
+    spec: LoadSpec,
+) -> JoinHandle<Result<LoadReport, LoadError>> {
+    let config = ProducerConfig::new(bootstrap, topic);
     tokio::spawn(async move { load::run(&config, &spec).await })
 }
 
@@ -667,6 +677,8 @@ pub struct AggregatorProcess {
 /// What an aggregator under test is pointed at.
 #[derive(Debug, Clone)]
 pub struct AggregatorSetup {
+    /// Kafka bootstrap servers.
+    pub brokers: String,
     /// Events topic.
     pub topic: String,
     /// Dead-letter topic.
@@ -686,6 +698,7 @@ impl AggregatorSetup {
     /// events, 1 for dead letters).
     pub async fn create(name: &str, redis_url: &str, partitions: i32) -> Self {
         let setup = Self {
+            brokers: brokers(),
             topic: unique(&format!("{name}.events")),
             dead_letter_topic: unique(&format!("{name}.dlq")),
             group: unique(&format!("{name}-group")),
@@ -754,7 +767,7 @@ impl AggregatorSetup {
     ) -> AggregatorProcess {
         let metrics_port = free_port();
         let child = Command::new(binary("tally-aggregator"))
-            .args(["--brokers", &brokers()])
+            .args(["--brokers", &self.brokers])
             .args(["--topic", &self.topic])
             .args(["--dead-letter-topic", &self.dead_letter_topic])
             .args(["--group", &self.group])

@@ -1,0 +1,173 @@
+#!/usr/bin/env bash
+# A 3-broker Apache Kafka 4.x cluster in KRaft mode on loopback, beside the single node of
+# start.sh: three combined broker+controller nodes (a 3-voter quorum), replication factor 3 and
+# min.insync.replicas=2 by default, so one node can be down without losing an acknowledged write.
+#
+#   deploy/local/kafka-cluster.sh start            # format (first time) and start all three
+#   deploy/local/kafka-cluster.sh topic NAME N     # create a topic (N partitions, RF 3, min ISR 2)
+#   deploy/local/kafka-cluster.sh kill I           # SIGKILL node I (1-3): a crash
+#   deploy/local/kafka-cluster.sh start-node I     # start node I again from its data
+#   deploy/local/kafka-cluster.sh restart-node I   # SIGTERM node I, wait, start it, wait until it is back in sync
+#   deploy/local/kafka-cluster.sh wait-in-sync     # wait until no partition is under-replicated
+#   deploy/local/kafka-cluster.sh bootstrap        # print the bootstrap servers
+#   deploy/local/kafka-cluster.sh stop             # stop all three
+#
+# Ports: TALLY_CLUSTER_BROKER_PORTS (default 19192,19193,19194) and
+# TALLY_CLUSTER_CONTROLLER_PORTS (default 19292,19293,19294); state in TALLY_CLUSTER_DIR
+# (default .local/kafka-cluster). Installs what is missing first.
+set -euo pipefail
+source "$(dirname "$0")/common.sh"
+
+cluster_dir=${TALLY_CLUSTER_DIR:-$state/kafka-cluster}
+IFS=, read -r -a broker_ports <<<"${TALLY_CLUSTER_BROKER_PORTS:-19192,19193,19194}"
+IFS=, read -r -a controller_ports <<<"${TALLY_CLUSTER_CONTROLLER_PORTS:-19292,19293,19294}"
+bootstrap="127.0.0.1:${broker_ports[0]},127.0.0.1:${broker_ports[1]},127.0.0.1:${broker_ports[2]}"
+voters="1@127.0.0.1:${controller_ports[0]},2@127.0.0.1:${controller_ports[1]},3@127.0.0.1:${controller_ports[2]}"
+
+node_dir() { echo "$cluster_dir/node$1"; }
+pid_of() { cat "$(node_dir "$1")/kafka.pid" 2>/dev/null || true; }
+running() { local pid; pid=$(pid_of "$1"); [[ -n $pid ]] && kill -0 "$pid" 2>/dev/null; }
+
+check_node() {
+  [[ $1 =~ ^[123]$ ]] || { log "node must be 1, 2 or 3, not '$1'"; exit 2; }
+}
+
+write_props() {
+  local i=$1 dir port cport
+  dir=$(node_dir "$i")
+  port=${broker_ports[$((i - 1))]}
+  cport=${controller_ports[$((i - 1))]}
+  mkdir -p "$dir"
+  cat >"$dir/server.properties" <<PROPS
+process.roles=broker,controller
+node.id=$i
+controller.quorum.voters=$voters
+listeners=PLAINTEXT://127.0.0.1:$port,CONTROLLER://127.0.0.1:$cport
+advertised.listeners=PLAINTEXT://127.0.0.1:$port
+controller.listener.names=CONTROLLER
+inter.broker.listener.name=PLAINTEXT
+listener.security.protocol.map=CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT
+log.dirs=$dir/data
+num.partitions=1
+default.replication.factor=3
+min.insync.replicas=2
+offsets.topic.replication.factor=3
+offsets.topic.num.partitions=8
+transaction.state.log.replication.factor=3
+transaction.state.log.min.isr=2
+share.coordinator.state.topic.replication.factor=3
+share.coordinator.state.topic.min.isr=2
+unclean.leader.election.enable=false
+group.initial.rebalance.delay.ms=0
+auto.create.topics.enable=false
+log.retention.hours=168
+PROPS
+}
+
+format_all() {
+  [[ -f $cluster_dir/cluster.id ]] && return
+  mkdir -p "$cluster_dir"
+  local id
+  id=$(kafka_java kafka.tools.StorageTool random-uuid)
+  for i in 1 2 3; do
+    write_props "$i"
+    kafka_java kafka.tools.StorageTool format -t "$id" -c "$(node_dir "$i")/server.properties" >/dev/null
+  done
+  echo "$id" >"$cluster_dir/cluster.id"
+  log "formatted a 3-node KRaft cluster ($id) in $cluster_dir"
+}
+
+start_node() {
+  local i=$1 dir
+  dir=$(node_dir "$i")
+  if running "$i"; then
+    log "node $i already runs (pid $(pid_of "$i"))"
+    return
+  fi
+  write_props "$i"
+  log "starting node $i on 127.0.0.1:${broker_ports[$((i - 1))]}"
+  nohup java -Xms128m -Xmx512m -XX:+UseG1GC \
+    -Dlog4j2.configurationFile="$root/deploy/kafka/log4j2.properties" -Dkafka.logs.dir="$dir" \
+    -cp "$libs/*" kafka.Kafka "$dir/server.properties" >>"$dir/kafka.log" 2>&1 &
+  echo $! >"$dir/kafka.pid"
+}
+
+wait_node() {
+  local i=$1
+  wait_for 120 "node $i on port ${broker_ports[$((i - 1))]}" port_open "${broker_ports[$((i - 1))]}" ||
+    { tail -20 "$(node_dir "$i")/kafka.log" >&2; exit 1; }
+}
+
+stop_node() {
+  local i=$1 pid
+  pid=$(pid_of "$i")
+  if [[ -n $pid ]] && kill "$pid" 2>/dev/null; then
+    log "stopping node $i (pid $pid)"
+    for _ in $(seq 1 120); do kill -0 "$pid" 2>/dev/null || break; sleep 0.5; done
+    kill -9 "$pid" 2>/dev/null || true
+  fi
+  rm -f "$(node_dir "$i")/kafka.pid"
+}
+
+topics() { kafka_java org.apache.kafka.tools.TopicCommand --bootstrap-server "$bootstrap" "$@"; }
+
+# Succeeds when every broker is registered and no partition is under-replicated.
+in_sync() {
+  local out
+  out=$(topics --describe --under-replicated-partitions 2>/dev/null) || return 1
+  [[ -z $out ]]
+}
+
+create() {
+  topics --create --if-not-exists --topic "$1" --partitions "$2" --replication-factor 3 \
+    --config min.insync.replicas=2
+}
+
+"$here/install.sh"
+case ${1:-} in
+  start)
+    format_all
+    for i in 1 2 3; do start_node "$i"; done
+    for i in 1 2 3; do wait_node "$i"; done
+    # A topic with replication factor 3 can only be created once all three brokers registered.
+    wait_for 120 "all three brokers to register" create __tally_cluster_probe 1
+    log "ready: 3-broker cluster at $bootstrap"
+    ;;
+  topic)
+    wait_for 60 "topic $2" create "$2" "$3"
+    ;;
+  kill)
+    check_node "$2"
+    pid=$(pid_of "$2")
+    [[ -n $pid ]] || { log "node $2 is not running"; exit 1; }
+    log "SIGKILL node $2 (pid $pid)"
+    kill -9 "$pid"
+    while kill -0 "$pid" 2>/dev/null; do sleep 0.1; done
+    rm -f "$(node_dir "$2")/kafka.pid"
+    ;;
+  start-node)
+    check_node "$2"
+    start_node "$2"
+    wait_node "$2"
+    ;;
+  restart-node)
+    check_node "$2"
+    stop_node "$2"
+    start_node "$2"
+    wait_node "$2"
+    wait_for 180 "every partition back in sync" in_sync
+    ;;
+  wait-in-sync)
+    wait_for 180 "every partition back in sync" in_sync
+    ;;
+  bootstrap)
+    echo "$bootstrap"
+    ;;
+  stop)
+    for i in 1 2 3; do stop_node "$i"; done
+    ;;
+  *)
+    sed -n '2,16p' "$0" >&2
+    exit 2
+    ;;
+esac

@@ -1,0 +1,98 @@
+//! A private 3-broker KRaft cluster for a test, run by `deploy/local/kafka-cluster.sh` on free
+//! loopback ports in a temporary directory; stopped when dropped.
+
+use std::path::Path;
+use std::process::Command;
+
+use crate::{TempDir, free_port};
+
+/// A running 3-broker cluster (replication factor 3, `min.insync.replicas=2`).
+#[derive(Debug)]
+pub struct KafkaCluster {
+    dir: TempDir,
+    broker_ports: Vec<u16>,
+    controller_ports: Vec<u16>,
+}
+
+impl KafkaCluster {
+    /// Formats and starts the three nodes; returns once all three brokers registered.
+    pub fn start() -> Self {
+        let cluster = Self {
+            dir: TempDir::new("kafka-cluster"),
+            broker_ports: (0..3).map(|_| free_port()).collect(),
+            controller_ports: (0..3).map(|_| free_port()).collect(),
+        };
+        cluster.script(&["start"]);
+        cluster
+    }
+
+    /// The bootstrap servers.
+    pub fn bootstrap(&self) -> String {
+        let brokers: Vec<String> = self
+            .broker_ports
+            .iter()
+            .map(|p| format!("127.0.0.1:{p}"))
+            .collect();
+        brokers.join(",")
+    }
+
+    /// Creates `topic` with `partitions` partitions, replication factor 3, min ISR 2.
+    pub fn topic(&self, topic: &str, partitions: i32) {
+        self.script(&["topic", topic, &partitions.to_string()]);
+    }
+
+    /// SIGKILLs node `i` (1-3).
+    pub fn kill(&self, i: usize) {
+        self.script(&["kill", &i.to_string()]);
+    }
+
+    /// Starts node `i` again from its data.
+    pub fn start_node(&self, i: usize) {
+        self.script(&["start-node", &i.to_string()]);
+    }
+
+    /// Stops node `i` (SIGTERM), starts it, and waits until every partition is in sync again.
+    pub fn restart_node(&self, i: usize) {
+        self.script(&["restart-node", &i.to_string()]);
+    }
+
+    /// Waits until no partition is under-replicated.
+    pub fn wait_in_sync(&self) {
+        self.script(&["wait-in-sync"]);
+    }
+
+    fn script(&self, args: &[&str]) {
+        let status = self.command(args).status().expect("kafka-cluster.sh runs");
+        assert!(
+            status.success(),
+            "kafka-cluster.sh {args:?} failed: {status}"
+        );
+    }
+
+    fn command(&self, args: &[&str]) -> Command {
+        let join = |ports: &[u16]| {
+            ports
+                .iter()
+                .map(u16::to_string)
+                .collect::<Vec<_>>()
+                .join(",")
+        };
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/local/kafka-cluster.sh");
+        let mut command = Command::new(script);
+        command
+            .args(args)
+            .env("TALLY_CLUSTER_DIR", self.dir.path())
+            .env("TALLY_CLUSTER_BROKER_PORTS", join(&self.broker_ports))
+            .env(
+                "TALLY_CLUSTER_CONTROLLER_PORTS",
+                join(&self.controller_ports),
+            );
+        command
+    }
+}
+
+impl Drop for KafkaCluster {
+    fn drop(&mut self) {
+        let _ = self.command(&["stop"]).status();
+    }
+}

@@ -1,0 +1,105 @@
+//! On a real 3-broker KRaft cluster (replication factor 3, `min.insync.replicas=2`): a broker
+//! SIGKILLed under load and later restarted, and separately a rolling restart of all three, lose
+//! no acknowledged event and count none twice, and the aggregator rides through both without
+//! being restarted.
+
+use std::time::Duration;
+
+use tally_aggregator::load::LoadSpec;
+use tally_tests::kafka_cluster::KafkaCluster;
+use tally_tests::{
+    AggregatorProcess, AggregatorSetup, RedisServer, TempDir, finish_load, serial, start_load_on,
+    unique, wait_for_totals,
+};
+
+const EVENTS: u64 = 150_000;
+
+/// An aggregator on `cluster`, with its topics created there.
+fn setup_on(cluster: &KafkaCluster, name: &str, redis_url: &str) -> AggregatorSetup {
+    let setup = AggregatorSetup {
+        brokers: cluster.bootstrap(),
+        topic: unique(&format!("{name}.events")),
+        dead_letter_topic: unique(&format!("{name}.dlq")),
+        group: unique(&format!("{name}-group")),
+        redis_url: redis_url.to_owned(),
+        key_prefix: unique(name),
+        flush_interval_ms: 200,
+    };
+    cluster.topic(&setup.topic, 8);
+    cluster.topic(&setup.dead_letter_topic, 1);
+    setup
+}
+
+fn spec(rate: u64, seed: u64) -> LoadSpec {
+    LoadSpec {
+        events: EVENTS,
+        counters: 2_000,
+        rate,
+        seed,
+        ..LoadSpec::default()
+    }
+}
+
+/// Waits until `aggregator` has made at least `events` events durable.
+async fn flushed(aggregator: &AggregatorProcess, events: u64) {
+    aggregator
+        .wait_metric(
+            "tally_events_flushed_total",
+            events as f64,
+            Duration::from_secs(120),
+        )
+        .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_killed_under_load_loses_and_repeats_nothing() {
+    let _serial = serial().await;
+    let dir = TempDir::new("tally-cluster-kill");
+    let cluster = tokio::task::block_in_place(KafkaCluster::start);
+    let redis = RedisServer::start().await;
+    let setup = tokio::task::block_in_place(|| setup_on(&cluster, "cluster-kill", &redis.url()));
+    let mut aggregator = setup.spawn(dir.path(), &[]);
+
+    let load = start_load_on(&cluster.bootstrap(), &setup.topic, spec(15_000, 61));
+    flushed(&aggregator, EVENTS / 5).await;
+    tokio::task::block_in_place(|| cluster.kill(2));
+    flushed(&aggregator, EVENTS * 3 / 5).await;
+    tokio::task::block_in_place(|| cluster.start_node(2));
+    let report = finish_load(load, EVENTS).await;
+
+    wait_for_totals(
+        &redis.reader(setup.keyspace()).await,
+        &report.totals,
+        Duration::from_secs(120),
+    )
+    .await;
+    assert!(aggregator.is_running(), "the aggregator must ride through");
+    tokio::task::block_in_place(|| cluster.wait_in_sync());
+    aggregator.stop_gracefully().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rolling_restart_of_every_broker_loses_and_repeats_nothing() {
+    let _serial = serial().await;
+    let dir = TempDir::new("tally-cluster-roll");
+    let cluster = tokio::task::block_in_place(KafkaCluster::start);
+    let redis = RedisServer::start().await;
+    let setup = tokio::task::block_in_place(|| setup_on(&cluster, "cluster-roll", &redis.url()));
+    let mut aggregator = setup.spawn(dir.path(), &[]);
+
+    let load = start_load_on(&cluster.bootstrap(), &setup.topic, spec(4_000, 62));
+    flushed(&aggregator, EVENTS / 10).await;
+    for node in 1..=3 {
+        tokio::task::block_in_place(|| cluster.restart_node(node));
+    }
+    let report = finish_load(load, EVENTS).await;
+
+    wait_for_totals(
+        &redis.reader(setup.keyspace()).await,
+        &report.totals,
+        Duration::from_secs(120),
+    )
+    .await;
+    assert!(aggregator.is_running(), "the aggregator must ride through");
+    aggregator.stop_gracefully().await;
+}
