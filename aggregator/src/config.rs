@@ -5,7 +5,8 @@
 //! `TALLY_FLUSH_INTERVAL_MS`) and a key of the same name in the file (`flush_interval_ms = 500`).
 //! Raw librdkafka options pass through from the file's `[kafka]` table or repeated
 //! `--kafka-option key=value` flags (`TALLY_KAFKA_OPTIONS=k=v,k=v`), applied over tally's own
-//! consumer settings. Cross-field checks run in [`Settings::resolve`].
+//! consumer settings. Cross-field checks run in [`Settings::resolve`]. Credentials come from the
+//! environment or files, never flags: see [`crate::secrets`].
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -19,6 +20,7 @@ use tally_common::namespace::NamespaceError;
 use tally_common::{GroupingRule, Keyspace, Namespaces, Policy};
 
 use crate::batch::Limits;
+use crate::secrets::{self, Secrets};
 
 /// Why the configuration is unusable.
 #[derive(Debug, thiserror::Error)]
@@ -474,15 +476,44 @@ impl Settings {
 }
 
 impl Cli {
-    /// Resolves the command line (with the file it names, if any) into a [`Config`].
+    /// Parses the process's command line (exiting with clap's message on a usage error), and
+    /// refuses secrets given as flags (see [`crate::secrets`]).
+    pub fn from_command_line() -> Result<Self, ConfigError> {
+        let matches = <Self as clap::CommandFactory>::command().get_matches();
+        Self::from_matches(&matches)
+    }
+
+    /// Builds the command line from parsed `matches`, refusing secrets given as flags.
+    pub fn from_matches(matches: &clap::ArgMatches) -> Result<Self, ConfigError> {
+        let cli =
+            <Self as clap::FromArgMatches>::from_arg_matches(matches).unwrap_or_else(|e| e.exit());
+        secrets::refuse_secret_flags(
+            &cli.kafka_options,
+            cli.settings.redis_url.as_deref(),
+            |id| matches.value_source(id) == Some(clap::parser::ValueSource::CommandLine),
+        )?;
+        Ok(cli)
+    }
+
+    /// Resolves the command line (with the file it names, if any) and the secrets in the
+    /// environment into a [`Config`].
     pub fn into_config(self) -> Result<Config, ConfigError> {
+        self.into_config_with(Secrets::from_env()?)
+    }
+
+    /// Resolves the command line (with the file it names, if any) and `secrets` into a
+    /// [`Config`]. Secrets override the same options from the file or flags.
+    pub fn into_config_with(self, secrets: Secrets) -> Result<Config, ConfigError> {
         let base = match &self.config {
             Some(path) => Settings::from_file(path)?,
             None => Settings::default(),
         };
         let mut over = self.settings;
         over.kafka.extend(self.kafka_options);
-        base.overridden_by(over).resolve()
+        over.kafka.extend(secrets.kafka.clone());
+        let mut config = base.overridden_by(over).resolve()?;
+        config.redis_url = secrets.redis_url(&config.redis_url)?;
+        Ok(config)
     }
 }
 
@@ -491,6 +522,47 @@ mod tests {
     use clap::Parser;
 
     use super::*;
+
+    #[test]
+    fn secrets_given_as_flags_are_refused_and_from_the_environment_taken() {
+        let parse = |args: &[&str]| {
+            let matches = <Cli as clap::CommandFactory>::command()
+                .try_get_matches_from(args)
+                .expect("parses");
+            Cli::from_matches(&matches)
+        };
+        let refused = parse(&[
+            "tally-aggregator",
+            "--kafka-option",
+            "sasl.password=hunter2",
+        ]);
+        assert!(matches!(
+            refused,
+            Err(ConfigError::Invalid {
+                name: "kafka-option",
+                ..
+            })
+        ));
+        let refused = parse(&["tally-aggregator", "--redis-url", "redis://u:hunter2@h:1"]);
+        assert!(matches!(
+            refused,
+            Err(ConfigError::Invalid {
+                name: "redis-url",
+                ..
+            })
+        ));
+        let cli = parse(&["tally-aggregator", "--kafka-option", "sasl.username=u"]).expect("fine");
+        let secrets = Secrets::from_lookup(|name| {
+            (name == "TALLY_KAFKA_SASL_PASSWORD").then(|| "hunter2".to_owned())
+        })
+        .expect("secrets");
+        let config = cli.into_config_with(secrets).expect("config");
+        assert_eq!(
+            config.kafka.get("sasl.password").map(String::as_str),
+            Some("hunter2")
+        );
+        assert!(!format!("{config:?}").contains("hunter2"));
+    }
 
     #[test]
     fn defaults_match_the_documented_values() {

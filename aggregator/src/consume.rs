@@ -234,20 +234,25 @@ impl<S: Sink> Aggregator<S> {
             hard_stop: CancellationToken::new(),
             runtime: tokio::runtime::Handle::current(),
         });
-        let mut config = ClientConfig::new();
-        config
-            .set("enable.auto.commit", "false")
-            .set("auto.offset.reset", "earliest")
-            .set("enable.partition.eof", "false")
-            .set("statistics.interval.ms", "5000")
-            // Fetch more per partition, hold less: librdkafka's defaults (1 MiB per partition per
-            // fetch, 64 MiB queued) caught up at 363,209 events/s with a 160 MiB peak RSS; these at
-            // 506,765 events/s with 280 MiB (3,000,000 events, 8 partitions, 2 cores). 8 MiB
-            // fetches reached 862,161 events/s but peaked at 723 MiB.
-            .set("max.partition.fetch.bytes", "2097152")
-            .set("queued.max.messages.kbytes", "16384");
-        for (k, v) in kafka.config_map() {
-            config.set(k, v);
+        // tally's consumer settings under the operator's: start from the operator's (copying the
+        // config, never its `config_map()`, which masks secrets such as `sasl.password`).
+        let mut config = kafka.clone();
+        let defaults = [
+            ("enable.auto.commit", "false"),
+            ("auto.offset.reset", "earliest"),
+            ("enable.partition.eof", "false"),
+            ("statistics.interval.ms", "5000"),
+            // Fetch more per partition, hold less: librdkafka's defaults (1 MiB per partition
+            // per fetch, 64 MiB queued) caught up at 363,209 events/s with a 160 MiB peak RSS;
+            // these at 506,765 events/s with 280 MiB (3,000,000 events, 8 partitions, 2 cores).
+            // 8 MiB fetches reached 862,161 events/s but peaked at 723 MiB.
+            ("max.partition.fetch.bytes", "2097152"),
+            ("queued.max.messages.kbytes", "16384"),
+        ];
+        for (key, value) in defaults {
+            if config.get(key).is_none() {
+                config.set(key, value);
+            }
         }
         let consumer: AggConsumer<S> = config.create_with_context(AggregatorContext {
             shared: shared.clone(),

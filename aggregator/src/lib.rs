@@ -4,6 +4,7 @@
 //!
 //! # Layout
 //! - [`config`]: the typed [`Config`] and the command line that builds it.
+//! - [`secrets`]: where credentials come from (environment, files) and where they are refused (flags).
 //! - [`consume`]: the consume loop and its per-partition state ([`Aggregator`]).
 //! - [`rebalance`]: the consumer's context: revoke and assign callbacks, the drain they and
 //!   shutdown share, statistics and logs.
@@ -35,6 +36,7 @@ pub mod http;
 pub mod load;
 pub mod metrics;
 pub mod rebalance;
+pub mod secrets;
 pub mod shard_monitor;
 pub mod shutdown;
 pub mod sink;

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite, from a fresh machine: installs and starts Kafka and Redis (start.sh),
-# checks formatting and lints, builds the binaries the end-to-end tests run, and runs every test.
+# checks formatting and lints, validates the deployment files (deploy/validate.sh), builds the
+# binaries the end-to-end tests run, and runs every test.
 # Services are left running for the next run; deploy/local/stop.sh stops them.
 set -euo pipefail
 source "$(dirname "$0")/common.sh"
@@ -16,6 +17,9 @@ if cargo clippy --version >/dev/null 2>&1; then
 else
   log "clippy is not installed with this toolchain: lint step skipped"
 fi
+
+log "validating the deployment files (deploy/validate.sh)"
+"$root/deploy/validate.sh"
 
 log "building the binaries the end-to-end tests run"
 cargo build --workspace --bins --locked

@@ -75,8 +75,9 @@ impl std::str::FromStr for Routing {
     }
 }
 
-/// What a [`Producer`] is built from.
-#[derive(Debug, Clone)]
+/// What a [`Producer`] is built from. Its `Debug` shows the names of the raw options, never their
+/// values (they may be credentials such as `sasl.password`).
+#[derive(Clone)]
 pub struct ProducerConfig {
     /// Kafka bootstrap servers, `host:port[,host:port]`.
     pub brokers: String,
@@ -87,6 +88,17 @@ pub struct ProducerConfig {
     /// Raw librdkafka options, applied last so they override tally's defaults
     /// (e.g. `security.protocol`, `sasl.mechanisms`, `linger.ms`).
     pub options: BTreeMap<String, String>,
+}
+
+impl std::fmt::Debug for ProducerConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ProducerConfig")
+            .field("brokers", &self.brokers)
+            .field("topic", &self.topic)
+            .field("routing", &self.routing)
+            .field("options", &self.options.keys().collect::<Vec<_>>())
+            .finish()
+    }
 }
 
 impl ProducerConfig {
@@ -310,6 +322,16 @@ mod tests {
         assert_eq!(config.get("linger.ms"), Some("50"));
         assert_eq!(config.get("enable.idempotence"), Some("true"));
         assert_eq!(config.get("acks"), Some("all"));
+    }
+
+    #[test]
+    fn debug_output_names_options_without_their_values() {
+        let config = ProducerConfig::new("b:1", "t").option("sasl.password", "hunter2");
+        let shown = format!("{config:?}");
+        assert!(
+            shown.contains("sasl.password") && !shown.contains("hunter2"),
+            "{shown}"
+        );
     }
 
     #[tokio::test]

@@ -130,8 +130,14 @@ where
 
 /// Creates `topic` with `partitions` partitions; fails loudly if Kafka is not reachable.
 pub async fn create_topic(topic: &str, partitions: i32) {
+    create_topic_on(&brokers(), topic, partitions).await;
+}
+
+/// Creates `topic` with `partitions` partitions (replication factor 1) on the Kafka at
+/// `bootstrap`; fails loudly if it is not reachable.
+pub async fn create_topic_on(bootstrap: &str, topic: &str, partitions: i32) {
     let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
-        .set("bootstrap.servers", brokers())
+        .set("bootstrap.servers", bootstrap)
         .create()
         .expect("admin client");
     let results = admin
@@ -142,8 +148,7 @@ pub async fn create_topic(topic: &str, partitions: i32) {
         .await
         .unwrap_or_else(|e| {
             panic!(
-                "Kafka is not reachable at {} ({e}): start it with deploy/local/start.sh",
-                brokers()
+                "Kafka is not reachable at {bootstrap} ({e}): start it with deploy/local/start.sh"
             )
         });
     for r in results {
@@ -234,7 +239,14 @@ pub fn start_load_on(
     topic: &str,
     spec: LoadSpec,
 ) -> JoinHandle<Result<LoadReport, LoadError>> {
-    let config = ProducerConfig::new(bootstrap, topic);
+    start_load_with(ProducerConfig::new(bootstrap, topic), spec)
+}
+
+/// Like [`start_load`], through a producer built from `config`.
+pub fn start_load_with(
+    config: ProducerConfig,
+    spec: LoadSpec,
+) -> JoinHandle<Result<LoadReport, LoadError>> {
     tokio::spawn(async move { load::run(&config, &spec).await })
 }
 

@@ -1,6 +1,5 @@
 //! `tally-aggregator`: the daemon. See `tally_aggregator::config` for its settings.
 
-use clap::Parser;
 use tally_aggregator::config::{Cli, LogFormat};
 
 fn init_logs(format: LogFormat) {
@@ -31,7 +30,7 @@ fn abort_on_panic() {
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> anyhow::Result<std::process::ExitCode> {
-    let config = Cli::parse().into_config()?;
+    let config = Cli::from_command_line()?.into_config()?;
     init_logs(config.log_format);
     abort_on_panic();
     tracing::info!(?config, "starting");

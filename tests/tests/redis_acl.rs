@@ -1,0 +1,224 @@
+//! The aggregator and a reader under exactly the least-privilege Redis ACL users of
+//! `deploy/redis/users.acl`, with their passwords from the environment and a file, never flags:
+//! every total exact, likes deduplicated, reads through the shared cache and `top`, no
+//! permission error in the aggregator's log, and neither password in its log or metrics. The
+//! users can do nothing else: the reader cannot write a counter, the aggregator cannot touch
+//! another prefix's keys or run admin commands.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tally_aggregator::load::LoadSpec;
+use tally_common::{CachedReader, Namespaces, Reader, RedisConn};
+use tally_producer::{Producer, ProducerConfig};
+use tally_tests::{
+    AggregatorSetup, RedisServer, TempDir, brokers, connect, eventually, finish_load, serial,
+    start_load, wait_for_totals,
+};
+
+const AGGREGATOR_PASSWORD: &str = "aggregator-Pa55:word/with@signs";
+const READER_PASSWORD: &str = "reader-pa55word";
+
+/// Creates the users of `deploy/redis/users.acl` on `redis`, for keys under `prefix`.
+async fn create_users(redis: &RedisServer, prefix: &str) {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../deploy/redis/users.acl");
+    let text = std::fs::read_to_string(path).expect("users.acl");
+    let mut admin = connect(&redis.url()).await;
+    let mut created = 0;
+    for line in text.lines().filter(|l| l.starts_with("user ")) {
+        let mut words = line.split_whitespace().skip(1);
+        let name = words.next().expect("user name");
+        let password = match name {
+            "tally-aggregator" => AGGREGATOR_PASSWORD,
+            "tally-reader" => READER_PASSWORD,
+            other => panic!("unexpected user {other}"),
+        };
+        let mut command = redis::cmd("ACL");
+        command.arg("SETUSER").arg(name);
+        for rule in words {
+            let rule = rule
+                .replace(">CHANGE-ME", &format!(">{password}"))
+                .replace("~tally:", &format!("~{prefix}:"));
+            command.arg(rule);
+        }
+        command
+            .query_async::<()>(&mut admin)
+            .await
+            .unwrap_or_else(|e| panic!("ACL SETUSER {name}: {e}"));
+        created += 1;
+    }
+    assert_eq!(
+        created, 2,
+        "users.acl defines the aggregator and the reader"
+    );
+}
+
+/// Whether Redis refused the command for lack of permission (NOPERM).
+fn is_noperm(result: redis::RedisResult<redis::Value>) -> bool {
+    match result {
+        Err(e) => e.to_string().to_ascii_uppercase().contains("NOPERM"),
+        Ok(v) => panic!("allowed, answered {v:?}"),
+    }
+}
+
+async fn run_under_acl(atomicity: &str) {
+    let _serial = serial().await;
+    let dir = TempDir::new("tally-acl");
+    let redis = RedisServer::start().await;
+    let setup = AggregatorSetup::create("acl", &redis.url(), 4).await;
+    create_users(&redis, &setup.key_prefix).await;
+    let password_file = dir.path().join("redis-password");
+    std::fs::write(&password_file, format!("{AGGREGATOR_PASSWORD}\n")).expect("written");
+    let namespaces = dir.path().join("namespaces.toml");
+    std::fs::write(&namespaces, "[namespaces.likes]\ndedup = true\n").expect("written");
+    let aggregator = setup.spawn_with_env(
+        dir.path(),
+        &[
+            "--namespaces",
+            namespaces.to_str().expect("utf-8"),
+            "--redis-atomicity",
+            atomicity,
+            "--trending-interval-ms",
+            "500",
+        ],
+        &[
+            ("TALLY_REDIS_USERNAME", "tally-aggregator"),
+            (
+                "TALLY_REDIS_PASSWORD_FILE",
+                password_file.to_str().expect("utf-8"),
+            ),
+        ],
+    );
+
+    // Plain counts, and likes that deduplicate (SADD/SREM in the flush).
+    let spec = LoadSpec {
+        events: 30_000,
+        counters: 300,
+        counter_prefix: "views:video:".to_owned(),
+        ..LoadSpec::default()
+    };
+    let report = finish_load(start_load(&setup.topic, spec), 30_000).await;
+    let producer = Producer::new(&ProducerConfig::new(brokers(), &setup.topic)).expect("producer");
+    for (like, actor) in [
+        (true, "u1"),
+        (true, "u1"),
+        (true, "u2"),
+        (false, "u2"),
+        (true, "u3"),
+    ] {
+        if like {
+            producer.like("likes:post:1", actor).await.expect("sent");
+        } else {
+            producer.unlike("likes:post:1", actor).await.expect("sent");
+        }
+    }
+
+    // Reads as the reader user.
+    let reader_url = redis.url().replace(
+        "redis://",
+        &format!("redis://tally-reader:{READER_PASSWORD}@"),
+    );
+    let reader = Reader::new(
+        RedisConn::connect(&reader_url)
+            .await
+            .expect("reader connects"),
+        setup.keyspace(),
+    );
+    let mut expected = report.totals.clone();
+    expected.insert("likes:post:1".to_owned(), 2);
+    wait_for_totals(&reader, &expected, Duration::from_secs(60)).await;
+    assert!(
+        reader
+            .has_liked("likes:post:1", "u1")
+            .await
+            .expect("has_liked")
+    );
+    assert!(
+        !reader
+            .has_liked("likes:post:1", "u2")
+            .await
+            .expect("has_liked")
+    );
+    let cached = CachedReader::new(reader.clone(), Arc::new(Namespaces::default()));
+    let (hot, _) = report.top(1)[0];
+    assert_eq!(
+        cached.get(hot).await.expect("cached get"),
+        report.totals[hot]
+    );
+    let counters: Vec<&String> = report.totals.keys().collect();
+    let many = cached.get_many(&counters).await.expect("get_many");
+    assert_eq!(
+        many.iter().sum::<i64>(),
+        report.totals.values().sum::<i64>()
+    );
+    eventually(
+        Duration::from_secs(30),
+        "a trending top for views",
+        || async {
+            let top = reader.top("views", 3).await.expect("top");
+            (!top.is_empty()).then_some(())
+        },
+    )
+    .await;
+
+    // Nothing else is allowed.
+    let mut as_reader = connect(&reader_url).await;
+    let counter_key = format!("{}:{{g0}}:c:views:video:1", setup.key_prefix);
+    assert!(is_noperm(
+        redis::cmd("INCRBY")
+            .arg(&counter_key)
+            .arg(1)
+            .query_async(&mut as_reader)
+            .await
+    ));
+    let aggregator_url = redis.url().replace(
+        "redis://",
+        "redis://tally-aggregator:aggregator-Pa55%3Aword%2Fwith%40signs@",
+    );
+    let mut as_aggregator = connect(&aggregator_url).await;
+    assert!(is_noperm(
+        redis::cmd("SET")
+            .arg("someone-else:key")
+            .arg(1)
+            .query_async(&mut as_aggregator)
+            .await
+    ));
+    assert!(is_noperm(
+        redis::cmd("FLUSHALL").query_async(&mut as_aggregator).await
+    ));
+    assert!(is_noperm(
+        redis::cmd("CONFIG")
+            .arg("GET")
+            .arg("*")
+            .query_async(&mut as_aggregator)
+            .await
+    ));
+
+    // The aggregator never hit a permission error, and never showed its password.
+    let log = aggregator.log();
+    assert!(
+        !log.contains("NOPERM"),
+        "a permission error in the log:\n{log}"
+    );
+    assert_eq!(
+        aggregator.metric("tally_redis_errors_total").await,
+        Some(0.0)
+    );
+    let metrics = tally_tests::http_get(aggregator.metrics_port(), "/metrics")
+        .await
+        .expect("metrics");
+    for secret in [AGGREGATOR_PASSWORD, "aggregator-Pa55", "Pa55%3Aword"] {
+        assert!(!log.contains(secret), "the password is in the log");
+        assert!(!metrics.contains(secret), "the password is in /metrics");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_documented_acl_is_enough_for_scripts_and_nothing_more() {
+    run_under_acl("scripts").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_documented_acl_is_enough_for_transactions_and_nothing_more() {
+    run_under_acl("transactions").await;
+}
