@@ -177,6 +177,25 @@ impl CommandStats {
             .sum()
     }
 
+    /// Calls per command since `before`, most first (without `INFO`): what the commands per
+    /// event are made of.
+    pub fn breakdown(&self, before: &Self) -> Vec<(String, u64)> {
+        let mut all: Vec<(String, u64)> = self
+            .calls
+            .iter()
+            .filter(|(name, _)| name.as_str() != "info")
+            .map(|(name, n)| {
+                (
+                    name.clone(),
+                    n - before.calls.get(name).copied().unwrap_or(0),
+                )
+            })
+            .filter(|(_, n)| *n > 0)
+            .collect();
+        all.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+        all
+    }
+
     /// Calls of `name` since `before`.
     pub fn of(&self, before: &Self, name: &str) -> u64 {
         self.calls.get(name).copied().unwrap_or(0) - before.calls.get(name).copied().unwrap_or(0)

@@ -128,6 +128,52 @@ fn catch_up_rows(out: &mut String, name: &str, c: &CatchUp) {
     );
 }
 
+/// Where the Redis commands per event come from: calls per command, per event, in the catch-up
+/// (exactly-once) and hot-counter runs. Commands run inside a script count in `INFO
+/// commandstats` like any other.
+fn command_breakdown(out: &mut String, r: &Results) {
+    let eo = r
+        .catch_up
+        .iter()
+        .find(|(mode, _)| mode == "exactly-once")
+        .map(|(_, c)| c);
+    let runs: Vec<(&str, &CatchUp)> = [
+        ("catch-up, exactly-once", eo),
+        ("hot counter", r.hot.as_ref()),
+    ]
+    .into_iter()
+    .filter_map(|(name, c)| Some((name, c?)))
+    .filter(|(_, c)| !c.redis_commands.is_empty())
+    .collect();
+    if runs.is_empty() {
+        return;
+    }
+    let _ = writeln!(
+        out,
+        "\n## Redis commands by kind\n\nCalls per event (`INFO commandstats`, whose counts include the commands scripts run); top-level requests are `evalsha`, `eval` and `exec`.\n"
+    );
+    for (name, c) in runs {
+        let events = c.run.events.max(1) as f64;
+        let parts: Vec<String> = c
+            .redis_commands
+            .iter()
+            .take(8)
+            .map(|(command, n)| format!("{command} {:.5}", *n as f64 / events))
+            .collect();
+        let floor = if c.distinct_counters > 0 {
+            format!(
+                " (floor: {} distinct counters / {} events = {:.4} counter writes per event, each counter needing at least one `INCRBY`)",
+                c.distinct_counters,
+                c.run.events,
+                c.distinct_counters as f64 / events
+            )
+        } else {
+            String::new()
+        };
+        let _ = writeln!(out, "- {name}: {}{floor}", parts.join(", "));
+    }
+}
+
 /// The markdown report.
 pub fn markdown(args: &Args, r: &Results) -> String {
     let mut out = String::new();
@@ -194,6 +240,7 @@ pub fn markdown(args: &Args, r: &Results) -> String {
     if let Some(c) = &r.cardinality {
         catch_up_rows(&mut out, "cardinality (1 event per counter)", c);
     }
+    command_breakdown(&mut out, r);
     if let Some(s) = &r.steady {
         let _ = writeln!(
             out,

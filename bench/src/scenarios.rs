@@ -32,6 +32,8 @@ pub struct Throughput {
     pub cpu_seconds_per_million: f64,
     /// Peak RSS of the process, MiB.
     pub peak_rss_mib: f64,
+    /// Distinct counters the events went to (loads only; 0 when not known).
+    pub distinct_counters: u64,
 }
 
 impl Throughput {
@@ -43,6 +45,7 @@ impl Throughput {
             events_per_second: events as f64 / seconds.max(1e-9),
             cpu_seconds_per_million: stats.cpu_seconds / (events as f64 / 1e6).max(1e-9),
             peak_rss_mib: stats.peak_rss_mib,
+            distinct_counters: 0,
         }
     }
 }
@@ -59,6 +62,11 @@ pub struct CatchUp {
     /// Scripts and transactions the process sent per event (`EVALSHA`, `EVAL`, `EXEC` calls; the
     /// few plain commands, such as idle partitions' checks, are not counted).
     pub redis_requests_per_event: f64,
+    /// Redis calls per command during the run, most first (`INFO commandstats`).
+    pub redis_commands: Vec<(String, u64)>,
+    /// Distinct counters in the topic (0 when not known): each needs at least one write, so
+    /// `distinct_counters / events` is the floor of counter writes per event.
+    pub distinct_counters: u64,
     /// Flush duration quantiles, ms (histogram bucket bounds).
     pub flush_p50_ms: f64,
     /// The 99th percentile.
@@ -205,7 +213,16 @@ impl Env<'_> {
             .and_then(|s| s.split(' ').next())
             .and_then(|s| s.parse().ok())
             .context("tally load's summary")?;
-        Ok(Throughput::new(name, acked, seconds, stats))
+        let distinct_counters = stdout
+            .split(" over ")
+            .nth(1)
+            .and_then(|s| s.split(' ').next())
+            .and_then(|s| s.parse().ok())
+            .context("tally load's summary")?;
+        Ok(Throughput {
+            distinct_counters,
+            ..Throughput::new(name, acked, seconds, stats)
+        })
     }
 
     /// Starts `tally-aggregator` on `topic` with group and key prefix `id`, metrics on `port`.
@@ -301,6 +318,8 @@ impl Env<'_> {
             seconds_from_start,
             redis_commands_per_event: after.since(&before) as f64 / events as f64,
             redis_requests_per_event: requests as f64 / events as f64,
+            redis_commands: after.breakdown(&before),
+            distinct_counters: 0,
             flush_p50_ms: probe::histogram_quantile(&metrics, "tally_flush_duration_seconds", 0.5)
                 .unwrap_or(0.0)
                 * 1000.0,
@@ -425,9 +444,11 @@ pub async fn run_all(args: &Args) -> anyhow::Result<Results> {
                 "catch-up: the aggregator, {mode}, over {} events",
                 args.events
             );
-            let run = env
+            let mut run = env
                 .catch_up(&preloaded, args.events, &["--delivery", mode])
                 .await?;
+            // The preload is the producer run routing by counter (same seed, same counters).
+            run.distinct_counters = results.producer.first().map_or(0, |p| p.distinct_counters);
             println!("  {:.0} events/s", run.run.events_per_second);
             results.catch_up.push((mode.to_owned(), run));
         }
@@ -463,21 +484,24 @@ pub async fn run_all(args: &Args) -> anyhow::Result<Results> {
             "hot counter: {} events, 90% on one counter",
             args.hot_events
         );
-        env.load(
-            &topic,
-            "hot",
-            args.hot_events,
-            &[
-                "--counters",
-                &counters,
-                "--zipf",
-                &zipf,
-                "--hot-share",
-                "0.9",
-            ],
-        )
-        .await?;
-        results.hot = Some(env.catch_up(&topic, args.hot_events, &[]).await?);
+        let load = env
+            .load(
+                &topic,
+                "hot",
+                args.hot_events,
+                &[
+                    "--counters",
+                    &counters,
+                    "--zipf",
+                    &zipf,
+                    "--hot-share",
+                    "0.9",
+                ],
+            )
+            .await?;
+        let mut hot = env.catch_up(&topic, args.hot_events, &[]).await?;
+        hot.distinct_counters = load.distinct_counters;
+        results.hot = Some(hot);
     }
     if args.runs("cardinality") {
         let topic = env.name("distinct");

@@ -783,7 +783,8 @@ impl AggregatorSetup {
             .args(["--topic", &self.topic])
             .args(["--dead-letter-topic", &self.dead_letter_topic])
             .args(["--group", &self.group])
-            .args(["--redis-url", &self.redis_url])
+            // From the environment, not a flag: a URL with a password is refused as a flag.
+            .env("TALLY_REDIS_URL", &self.redis_url)
             .args(["--key-prefix", &self.key_prefix])
             .args(["--flush-interval-ms", &self.flush_interval_ms.to_string()])
             .args(["--metrics-addr", &format!("127.0.0.1:{metrics_port}")])
