@@ -106,10 +106,10 @@ impl Secrets {
         let user = self
             .redis_username
             .as_deref()
-            .map(encode)
+            .map(percent_encode)
             .unwrap_or_default();
         let userinfo = match &self.redis_password {
-            Some(password) => format!("{user}:{}", encode(password)),
+            Some(password) => format!("{user}:{}", percent_encode(password)),
             None => user,
         };
         Ok(format!("{scheme}://{userinfo}@{rest}"))
@@ -146,8 +146,9 @@ fn value_or_file(
     }
 }
 
-/// Percent-encodes everything but unreserved characters (for a URL's user info).
-fn encode(text: &str) -> String {
+/// Percent-encodes everything but RFC 3986's unreserved characters (for a URL's user info or
+/// query string).
+pub fn percent_encode(text: &str) -> String {
     text.bytes()
         .map(|b| match b {
             b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'.' | b'_' | b'~' => {

@@ -118,6 +118,17 @@ fn default_delta() -> i64 {
 }
 
 impl EventRef<'_> {
+    /// Checks every field against the event rules (what [`CounterEvent::new`] and its builders
+    /// check for an owned event).
+    pub fn validate(&self) -> Result<(), EventError> {
+        event::validate(
+            &self.counter,
+            self.delta,
+            self.actor.as_deref(),
+            self.event_id.as_deref(),
+        )
+    }
+
     /// Copies the event into an owned [`CounterEvent`].
     pub fn to_owned_event(&self) -> Result<CounterEvent, EventError> {
         let mut e = CounterEvent::new(self.counter.as_ref(), self.delta)?.with_ts_ms(self.ts_ms);
@@ -232,12 +243,7 @@ pub fn decode(payload: &[u8], max_bytes: usize) -> Result<EventRef<'_>, DecodeEr
             })?,
         _ => return Err(DecodeError::UnknownFormat { first }),
     };
-    event::validate(
-        &event.counter,
-        event.delta,
-        event.actor.as_deref(),
-        event.event_id.as_deref(),
-    )?;
+    event.validate()?;
     Ok(event)
 }
 

@@ -20,7 +20,6 @@ use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::Message;
 use rdkafka::producer::{BaseProducer, BaseRecord, DeliveryResult, Producer as _, ProducerContext};
 use tally_common::codec::{self, EventRef};
-use tally_common::event;
 
 use crate::{Delivered, ProduceError, ProducerConfig, Routing};
 
@@ -112,12 +111,7 @@ where
     /// stays bounded and nothing is dropped. An `Err` means the event was not handed over (and
     /// will not be reported).
     pub fn send(&mut self, event: &EventRef<'_>, token: usize) -> Result<(), ProduceError> {
-        event::validate(
-            &event.counter,
-            event.delta,
-            event.actor.as_deref(),
-            event.event_id.as_deref(),
-        )?;
+        event.validate()?;
         self.payload.clear();
         codec::encode_ref_into(event, &mut self.payload);
         let key = match self.routing {

@@ -709,18 +709,24 @@ impl AggregatorSetup {
     /// A setup with unique topic, group and prefix names, and topics created (`partitions` for
     /// events, 1 for dead letters).
     pub async fn create(name: &str, redis_url: &str, partitions: i32) -> Self {
-        let setup = Self {
-            brokers: brokers(),
+        let setup = Self::named(&brokers(), name, redis_url);
+        create_topic(&setup.topic, partitions).await;
+        create_topic(&setup.dead_letter_topic, 1).await;
+        setup
+    }
+
+    /// A setup on the Kafka at `bootstrap` with unique topic, group and prefix names derived from
+    /// `name`; creates no topic (the caller does, where its Kafka wants it).
+    pub fn named(bootstrap: &str, name: &str, redis_url: &str) -> Self {
+        Self {
+            brokers: bootstrap.to_owned(),
             topic: unique(&format!("{name}.events")),
             dead_letter_topic: unique(&format!("{name}.dlq")),
             group: unique(&format!("{name}-group")),
             redis_url: redis_url.to_owned(),
             key_prefix: unique(name),
             flush_interval_ms: 200,
-        };
-        create_topic(&setup.topic, partitions).await;
-        create_topic(&setup.dead_letter_topic, 1).await;
-        setup
+        }
     }
 
     /// The keyspace the aggregator writes.

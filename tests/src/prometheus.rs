@@ -6,6 +6,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use serde_json::Value;
+use tally_aggregator::secrets::percent_encode;
 
 use crate::{TempDir, eventually, free_port, http_get_status};
 
@@ -102,7 +103,7 @@ impl Prometheus {
     /// An instant query: its result vector (`[{metric, value: [t, "v"]}]`).
     pub async fn query(&self, expr: &str) -> Result<Vec<Value>, String> {
         let data = self
-            .api(&format!("query?query={}", url_encode(expr)))
+            .api(&format!("query?query={}", percent_encode(expr)))
             .await?;
         Ok(data["result"].as_array().cloned().unwrap_or_default())
     }
@@ -122,16 +123,4 @@ impl Drop for Prometheus {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
-}
-
-/// Percent-encodes everything but unreserved characters, for a query string.
-fn url_encode(text: &str) -> String {
-    text.bytes()
-        .map(|b| match b {
-            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'.' | b'_' | b'~' => {
-                (b as char).to_string()
-            }
-            _ => format!("%{b:02X}"),
-        })
-        .collect()
 }

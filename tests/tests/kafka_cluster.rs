@@ -9,22 +9,14 @@ use tally_aggregator::load::LoadSpec;
 use tally_tests::kafka_cluster::KafkaCluster;
 use tally_tests::{
     AggregatorProcess, AggregatorSetup, RedisServer, TempDir, finish_load, serial, start_load_on,
-    unique, wait_for_totals,
+    wait_for_totals,
 };
 
 const EVENTS: u64 = 150_000;
 
 /// An aggregator on `cluster`, with its topics created there.
 fn setup_on(cluster: &KafkaCluster, name: &str, redis_url: &str) -> AggregatorSetup {
-    let setup = AggregatorSetup {
-        brokers: cluster.bootstrap(),
-        topic: unique(&format!("{name}.events")),
-        dead_letter_topic: unique(&format!("{name}.dlq")),
-        group: unique(&format!("{name}-group")),
-        redis_url: redis_url.to_owned(),
-        key_prefix: unique(name),
-        flush_interval_ms: 200,
-    };
+    let setup = AggregatorSetup::named(&cluster.bootstrap(), name, redis_url);
     cluster.topic(&setup.topic, 8);
     cluster.topic(&setup.dead_letter_topic, 1);
     setup

@@ -157,15 +157,7 @@ impl Drop for TlsRedis {
 
 /// An aggregator setup on the secure broker and the TLS Redis, with its topics created.
 async fn setup(kafka: &SecureKafka, redis: &TlsRedis, name: &str) -> AggregatorSetup {
-    let setup = AggregatorSetup {
-        brokers: format!("127.0.0.1:{}", kafka.port),
-        topic: unique(&format!("{name}.events")),
-        dead_letter_topic: unique(&format!("{name}.dlq")),
-        group: unique(&format!("{name}-group")),
-        redis_url: redis.url(),
-        key_prefix: unique(name),
-        flush_interval_ms: 200,
-    };
+    let setup = AggregatorSetup::named(&format!("127.0.0.1:{}", kafka.port), name, &redis.url());
     let admin = format!("127.0.0.1:{}", kafka.admin_port);
     create_topic_on(&admin, &setup.topic, 4).await;
     create_topic_on(&admin, &setup.dead_letter_topic, 1).await;
