@@ -101,12 +101,30 @@ pub fn assert_no_crossslot(log_dir: &Path) {
     }
 }
 
-/// A free TCP port on loopback.
+/// Ports handed out by [`free_port`]: below Linux's ephemeral range (32768-60999 by default),
+/// and low enough that a Redis Cluster bus port (`port + 10000`) stays below it too.
+const TEST_PORTS: std::ops::Range<u32> = 20_000..22_768;
+
+/// Ports already handed out by this process.
+static PORTS_HANDED_OUT: AtomicU32 = AtomicU32::new(0);
+
+/// A free TCP port on loopback, never the same one twice in a process.
+///
+/// Not `bind(0)`: that returns an ephemeral port, which the kernel may also give to any outgoing
+/// connection (a client of another test running in parallel) between our check and the server's
+/// own bind; a Kafka node then fails to start with "Address already in use".
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("no free port on 127.0.0.1")
+    let span = TEST_PORTS.end - TEST_PORTS.start;
+    // Processes started one after another begin at different places in the range.
+    let start = std::process::id().wrapping_mul(97) % span;
+    for _ in 0..span {
+        let n = PORTS_HANDED_OUT.fetch_add(1, Ordering::Relaxed);
+        let port = u16::try_from(TEST_PORTS.start + (start + n) % span).expect("range fits u16");
+        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free port on 127.0.0.1 in {TEST_PORTS:?}");
 }
 
 /// Polls `check` every 50 ms until it returns `Some`, or panics after `timeout` with `what`.
