@@ -3,12 +3,13 @@
 //! up to the offset of the last message added.
 //!
 //! A [`Batch`] grows as messages arrive and is *sealed* into a [`SealedBatch`] when a flush
-//! starts. The flush triggers live here too ([`Limits`]): a batch is due when it is older than
-//! the flush interval, and full when it holds too many events or too many distinct counters, so
-//! memory stays bounded whatever the traffic.
+//! starts. The flush triggers live here too ([`Limits`], [`FlushClock`]): a batch is due at its
+//! partition's next flush time, at most one flush interval after its oldest message arrived, and
+//! full when it holds too many events or too many distinct counters, so memory stays bounded
+//! whatever the traffic.
 
 use std::collections::HashMap;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use crate::dead_letter::DeadLetter;
 
@@ -21,6 +22,51 @@ pub struct Limits {
     pub max_events: usize,
     /// Flush once this many distinct counters are buffered.
     pub max_counters: usize,
+}
+
+/// When one partition's batches are due: at the points `origin + k × interval`.
+///
+/// A batch is due at the first of those points after its oldest message arrived, so no message
+/// waits longer than one interval. Each partition has its own phase within the interval
+/// (partition × the golden ratio, modulo 1, of wall-clock time), so the partitions of every
+/// aggregator in the group flush at spread-out moments rather than all at once: flushes started
+/// together queue behind each other at Redis, and the last one's events wait for all of them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FlushClock {
+    /// A flush time.
+    origin: Instant,
+    /// Between flush times.
+    interval: Duration,
+}
+
+impl FlushClock {
+    /// The clock of `partition`; `now` and `wall` are the same moment on the monotonic and the
+    /// wall clock.
+    pub fn new(interval: Duration, partition: i32, now: Instant, wall: SystemTime) -> Self {
+        let interval_ns = interval.as_nanos().max(1);
+        let phase = (f64::from(partition) * 0.618_033_988_749_895).fract();
+        let phase_ns = (phase * interval_ns as f64) as u128;
+        let wall_ns = wall
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        // How long ago the last flush time was (wall time minus phase, modulo the interval).
+        let since = (wall_ns + interval_ns - phase_ns) % interval_ns;
+        let since = Duration::from_nanos(u64::try_from(since).unwrap_or(0));
+        Self {
+            origin: now.checked_sub(since).unwrap_or(now),
+            interval,
+        }
+    }
+
+    /// How many flush times passed from the origin to `t`.
+    fn points_until(&self, t: Instant) -> u128 {
+        t.saturating_duration_since(self.origin).as_nanos() / self.interval.as_nanos().max(1)
+    }
+
+    /// Whether a flush time passed after `since`, up to `now`.
+    fn passed(&self, since: Instant, now: Instant) -> bool {
+        self.points_until(now) > self.points_until(since)
+    }
 }
 
 /// A like (`like == true`) or unlike of `counter` by `actor`, in a deduplicating namespace: the
@@ -182,13 +228,10 @@ impl Batch {
         self.events >= limits.max_events || self.entries >= limits.max_counters
     }
 
-    /// Whether the batch must be flushed at `now`: full, or holding a message older than the
-    /// flush interval.
-    pub fn is_due(&self, limits: &Limits, now: Instant) -> bool {
-        self.is_full(limits)
-            || self
-                .started
-                .is_some_and(|t| now.saturating_duration_since(t) >= limits.flush_interval)
+    /// Whether the batch must be flushed at `now`: full, or its partition's flush time came
+    /// since its oldest message arrived.
+    pub fn is_due(&self, limits: &Limits, clock: &FlushClock, now: Instant) -> bool {
+        self.is_full(limits) || self.started.is_some_and(|t| clock.passed(t, now))
     }
 
     /// Takes the contents for flushing, leaving an empty batch. `None` if there is nothing.
@@ -326,20 +369,73 @@ mod tests {
     }
 
     #[test]
-    fn due_once_the_oldest_message_is_older_than_the_interval() {
+    fn due_at_the_partitions_next_flush_time_at_most_one_interval_after_the_oldest_message() {
+        let interval = Duration::from_millis(100);
         let limits = Limits {
-            flush_interval: Duration::from_millis(100),
+            flush_interval: interval,
             ..limits()
         };
+        let start = Instant::now();
+        let clock = FlushClock::new(interval, 3, start, SystemTime::now());
         let mut b = Batch::default();
-        let now = Instant::now();
         assert!(
-            !b.is_due(&limits, now + Duration::from_secs(10)),
+            !b.is_due(&limits, &clock, start + Duration::from_secs(10)),
             "empty is never due"
         );
         b.add(0, "a", 1, 0);
-        assert!(!b.is_due(&limits, Instant::now()));
-        assert!(b.is_due(&limits, Instant::now() + Duration::from_millis(100)));
+        let added = b.started.expect("started");
+        let due_at = (0..=100u64)
+            .map(|ms| added + Duration::from_millis(ms))
+            .find(|&t| b.is_due(&limits, &clock, t))
+            .expect("due within the interval");
+        assert!(due_at > added, "not due the moment it starts");
+        assert!(due_at - added <= interval);
+        // The next flush time is one interval later, whenever the next batch starts.
+        assert!(clock.passed(due_at - Duration::from_millis(1), due_at));
+        assert!(clock.passed(due_at, due_at + interval));
+        assert!(!clock.passed(due_at, due_at + interval - Duration::from_millis(1)));
+    }
+
+    #[test]
+    fn partitions_flush_at_spread_out_moments() {
+        let interval = Duration::from_millis(1000);
+        let (now, wall) = (Instant::now(), SystemTime::now());
+        let reference = FlushClock::new(interval, 0, now, wall).origin;
+        let mut phases: Vec<u128> = (0..8)
+            .map(|p| {
+                let origin = FlushClock::new(interval, p, now, wall).origin;
+                let ms = if origin >= reference {
+                    (origin - reference).as_millis()
+                } else {
+                    1000 - (reference - origin).as_millis() % 1000
+                };
+                ms % 1000
+            })
+            .collect();
+        phases.sort_unstable();
+        phases.push(phases[0] + 1000);
+        let closest = phases.windows(2).map(|w| w[1] - w[0]).min();
+        assert!(closest >= Some(80), "phases {phases:?}");
+    }
+
+    #[test]
+    fn every_aggregator_gives_a_partition_the_same_flush_times() {
+        let interval = Duration::from_millis(1000);
+        let wall = SystemTime::now();
+        let now = Instant::now();
+        let a = FlushClock::new(interval, 5, now, wall);
+        // Another process, 1.3 s later on both clocks.
+        let later = FlushClock::new(
+            interval,
+            5,
+            now + Duration::from_millis(1300),
+            wall + Duration::from_millis(1300),
+        );
+        let apart = (later.origin - a.origin).as_nanos() % interval.as_nanos();
+        assert!(
+            apart < 1_000 || interval.as_nanos() - apart < 1_000,
+            "{apart} ns"
+        );
     }
 
     #[test]

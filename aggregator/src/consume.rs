@@ -40,7 +40,7 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use crate::backoff::Backoff;
-use crate::batch::{Batch, Limits};
+use crate::batch::{Batch, FlushClock, Limits};
 use crate::config::Delivery;
 use crate::dead_letter::DeadLetter;
 use crate::fence::{self, Owner, Resume};
@@ -121,6 +121,8 @@ pub(crate) struct Partition {
     pub(crate) state: Ownership,
     /// Events not yet handed to a flush.
     pub(crate) buffer: Batch,
+    /// When its buffer is due.
+    pub(crate) clock: FlushClock,
     /// The flush (or check of an idle partition) in progress, if any.
     pub(crate) in_flight: Option<InFlight>,
     /// Whether fetching is paused because the buffer is full.
@@ -270,9 +272,9 @@ impl<S: Sink> Aggregator<S> {
     pub async fn run(mut self, shutdown: CancellationToken) -> RunSummary {
         let shared = self.shared.clone();
         let interval = shared.settings.limits.flush_interval;
-        // A batch is due within a twentieth of the interval after its oldest message turns the
-        // interval old: that slack is part of the end-to-end latency.
-        let period = (interval / 20).clamp(Duration::from_millis(5), Duration::from_millis(50));
+        // A batch is flushed within one period after its flush time: that slack is part of the
+        // end-to-end latency.
+        let period = (interval / 100).clamp(Duration::from_millis(1), Duration::from_millis(10));
         let mut tick = tokio::time::interval(period);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
         let mut stream = self.consumer.stream();
@@ -417,7 +419,7 @@ impl<S: Sink> Shared<S> {
         let mut parts = lock(&self.partitions);
         let (mut buffered, mut paused) = (0, 0);
         for (&partition, st) in parts.map.iter_mut() {
-            if st.in_flight.is_none() && st.buffer.is_due(&self.settings.limits, now) {
+            if st.in_flight.is_none() && st.buffer.is_due(&self.settings.limits, &st.clock, now) {
                 self.start_flush(partition, st);
             }
             if st.in_flight.is_none()
@@ -579,7 +581,10 @@ impl<S: Sink> Shared<S> {
         if let Some(next_offset) = next_offset {
             self.durable(consumer, partition, next_offset);
         }
-        if st.buffer.is_due(&self.settings.limits, Instant::now()) {
+        if st
+            .buffer
+            .is_due(&self.settings.limits, &st.clock, Instant::now())
+        {
             self.start_flush(partition, st);
         }
         if st.paused && !st.buffer.is_overfull(&self.settings.limits) {

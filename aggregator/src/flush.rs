@@ -115,6 +115,7 @@ impl<S: Sink> Flusher<S> {
             events = batch.events,
             writes,
             next_offset = batch.next_offset,
+            ms = started.elapsed().as_millis(),
             "flushed"
         );
         FlushOutcome::Durable {

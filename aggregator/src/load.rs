@@ -242,7 +242,12 @@ fn run_blocking(config: &ProducerConfig, spec: &LoadSpec) -> Result<LoadReport, 
         if spec.rate > 0 && i % 100 == 0 {
             let due = started + Duration::from_secs_f64(i as f64 / spec.rate as f64);
             while let Some(wait) = due.checked_duration_since(Instant::now()) {
-                producer.poll(wait);
+                // librdkafka's poll takes whole milliseconds: a shorter wait would spin.
+                if wait >= Duration::from_millis(1) {
+                    producer.poll(wait);
+                } else {
+                    std::thread::sleep(wait);
+                }
             }
         }
         while i % 64 == 0 && producer.in_flight() >= window {

@@ -8,7 +8,7 @@
 //! `Shared::drain`. On assignment, exactly-once partitions start paused while their fences are
 //! stamped; at-least-once ones start fetching at once.
 
-use std::time::Instant;
+use std::time::{Instant, SystemTime};
 
 use rdkafka::TopicPartitionList;
 use rdkafka::client::ClientContext;
@@ -18,7 +18,7 @@ use rdkafka::error::KafkaError;
 use rdkafka::statistics::Statistics;
 use tokio::task::JoinSet;
 
-use crate::batch::Batch;
+use crate::batch::{Batch, FlushClock};
 use crate::config::Delivery;
 use crate::consume::{Ownership, Partition, Shared, lock};
 use crate::flush::FlushOutcome;
@@ -198,6 +198,12 @@ impl<S: Sink> Shared<S> {
                     generation,
                     state,
                     buffer: Batch::default(),
+                    clock: FlushClock::new(
+                        self.settings.limits.flush_interval,
+                        partition,
+                        Instant::now(),
+                        SystemTime::now(),
+                    ),
                     in_flight: None,
                     paused: false,
                     confirmed: Instant::now(),

@@ -67,6 +67,11 @@ pub struct Args {
     /// How long the steady-state scenario runs.
     #[arg(long, default_value_t = 20)]
     pub steady_seconds: u64,
+    /// Background rate of the steady-state scenario, events/s; by default half of the slower of
+    /// the producer and the exactly-once catch-up measured in the same run (200,000 when
+    /// neither ran).
+    #[arg(long)]
+    pub steady_rate: Option<f64>,
     /// Events of the hot-counter scenario (90% on one counter).
     #[arg(long, default_value_t = 2_000_000)]
     pub hot_events: u64,

@@ -253,7 +253,10 @@ impl Env<'_> {
             ])
             .args(extra)
             .stdout(Stdio::null())
-            .stderr(Stdio::null())
+            // Kept for a look afterwards (RUST_LOG=tally_aggregator=debug logs every flush).
+            .stderr(std::fs::File::create(
+                self.args.out.join(format!("aggregator-{id}.log")),
+            )?)
             .spawn()
             .context("tally-aggregator (build the release binaries: deploy/local/bench.sh)")
     }
@@ -470,12 +473,10 @@ pub async fn run_all(args: &Args) -> anyhow::Result<Results> {
             .into_iter()
             .flatten()
             .reduce(f64::min)
-            .unwrap_or(200_000.0);
-        println!(
-            "steady state at {:.0} events/s (half of the slower of producer and catch-up), with latency probes",
-            max / 2.0
-        );
-        results.steady = Some(steady(&mut env, max / 2.0).await?);
+            .unwrap_or(400_000.0);
+        let rate = args.steady_rate.unwrap_or(max / 2.0);
+        println!("steady state at {rate:.0} events/s, with latency probes");
+        results.steady = Some(steady(&mut env, rate).await?);
     }
     if args.runs("hot") {
         let topic = env.name("hot");
