@@ -27,6 +27,13 @@ use crate::{Delivered, ProduceError, ProducerConfig, Routing};
 /// short, rarely enough that polling costs nothing per event.
 const POLL_EVERY_SENDS: u32 = 1024;
 
+/// librdkafka's `linger.ms` for bulk traffic. Events routed by key spread over every partition,
+/// so each partition's batch fills a partition-count times slower than the stream; 20 ms rather
+/// than [`Producer`](crate::Producer)'s 5 ms makes batches 4 times larger and produced 2,000,000
+/// events routed by counter over 8 partitions 10-30% faster here (`tally-bench --only producer`,
+/// runs alternated: 637-787 vs 570-617 thousand events/s; 50 ms was no better than 20).
+pub const BULK_LINGER_MS: &str = "20";
+
 /// How long a send waits for room in a full librdkafka queue before trying again.
 const QUEUE_FULL_WAIT: Duration = Duration::from_millis(1);
 
@@ -91,10 +98,14 @@ where
     F: Fn(usize, Result<Delivered, ProduceError>) + Send + Sync + 'static,
 {
     /// Creates a bulk producer with the same librdkafka settings as [`Producer`](crate::Producer)
-    /// (idempotent, `acks=all`); `on_delivery` hears about every event sent.
+    /// (idempotent, `acks=all`) except a longer linger, [`BULK_LINGER_MS`] unless the config sets
+    /// `linger.ms`; `on_delivery` hears about every event sent.
     pub fn new(config: &ProducerConfig, on_delivery: F) -> Result<Self, ProduceError> {
-        let inner = config
-            .client_config()
+        let mut client = config.client_config();
+        if !config.options.contains_key("linger.ms") {
+            client.set("linger.ms", BULK_LINGER_MS);
+        }
+        let inner = client
             .create_with_context(Reports { on_delivery })
             .map_err(ProduceError::Config)?;
         Ok(Self {
