@@ -103,9 +103,15 @@ fn targets(r: &Results) -> Vec<Target> {
 }
 
 fn throughput_row(out: &mut String, t: &Throughput, vs: Option<(&str, f64)>) {
-    let ratio = vs.map_or(String::new(), |(name, base)| {
-        format!("{:.2} × {name}", t.events_per_second / base.max(1e-9))
-    });
+    throughput_row_vs(out, t, &vs.into_iter().collect::<Vec<_>>());
+}
+
+fn throughput_row_vs(out: &mut String, t: &Throughput, vs: &[(&str, f64)]) {
+    let ratio = vs
+        .iter()
+        .map(|(name, base)| format!("{:.2} × {name}", t.events_per_second / base.max(1e-9)))
+        .collect::<Vec<_>>()
+        .join("; ");
     let _ = writeln!(
         out,
         "| {} | {} | {:.2} | {:.0} | {:.2} | {:.0} | {ratio} |",
@@ -204,8 +210,17 @@ pub fn markdown(args: &Args, r: &Results) -> String {
     if let Some(k) = &r.kcat_produce {
         throughput_row(&mut out, k, None);
     }
+    let kcat_keyed = r.kcat_produce_keyed.as_ref();
+    if let Some(k) = kcat_keyed {
+        throughput_row(&mut out, k, None);
+    }
     for p in &r.producer {
-        throughput_row(&mut out, p, kcat_p.map(|b| ("kcat -P", b)));
+        let mut vs: Vec<(&str, f64)> = kcat_p.map(|b| ("kcat -P", b)).into_iter().collect();
+        // Routing by key is compared with keyed kcat too: librdkafka's own cost of such traffic.
+        if !p.name.ends_with("random") {
+            vs.extend(kcat_keyed.map(|k| (k.name.as_str(), k.events_per_second)));
+        }
+        throughput_row_vs(&mut out, p, &vs);
     }
     if let Some(k) = &r.kcat_consume {
         throughput_row(&mut out, k, None);

@@ -7,6 +7,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
 use rdkafka::ClientConfig;
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use rdkafka::client::DefaultClientContext;
@@ -120,6 +122,9 @@ pub struct Results {
     pub kcat_consume: Option<Throughput>,
     /// `kcat` producing as many same-sized messages.
     pub kcat_produce: Option<Throughput>,
+    /// The same with keys: the counter ids of `tally load` (same Zipf), spread over the
+    /// partitions by key as routing by counter does; what librdkafka itself makes of keyed traffic.
+    pub kcat_produce_keyed: Option<Throughput>,
     /// `redis-benchmark`: pipelined `INCRBY` over random keys, per second.
     pub redis_incrby_per_second: Option<f64>,
     /// `tally load` per routing.
@@ -438,7 +443,8 @@ pub async fn run_all(args: &Args) -> anyhow::Result<Results> {
     }
     if args.runs("yardsticks") {
         results.kcat_consume = Some(kcat_consume(&env, &preloaded).await?);
-        results.kcat_produce = Some(kcat_produce(&env, results.payload_bytes).await?);
+        results.kcat_produce = Some(kcat_produce(&env, results.payload_bytes, false).await?);
+        results.kcat_produce_keyed = Some(kcat_produce(&env, results.payload_bytes, true).await?);
         results.redis_incrby_per_second = Some(redis_benchmark(&env)?);
     }
     if args.runs("catch-up") {
@@ -572,33 +578,46 @@ async fn kcat_consume(env: &Env<'_>, topic: &str) -> anyhow::Result<Throughput> 
     ))
 }
 
-async fn kcat_produce(env: &Env<'_>, payload: usize) -> anyhow::Result<Throughput> {
-    let topic = env.name("kcat");
+async fn kcat_produce(env: &Env<'_>, payload: usize, keyed: bool) -> anyhow::Result<Throughput> {
+    let name = if keyed { "kcat -P, keyed" } else { "kcat -P" };
+    let topic = env.name(if keyed { "kcat-keyed" } else { "kcat" });
     env.create_topic(&topic, env.args.partitions).await?;
     let file = env.args.out.join("kcat-input.txt");
     {
         use std::io::Write;
         let mut out = std::io::BufWriter::new(std::fs::File::create(&file)?);
-        let line = format!("{}\n", "x".repeat(payload));
+        let value = "x".repeat(payload);
+        let mut rng = StdRng::seed_from_u64(42);
+        let zipf = rand_distr::Zipf::new(env.args.counters as f64, env.args.zipf)?;
         for _ in 0..env.args.events {
-            out.write_all(line.as_bytes())?;
+            if keyed {
+                let n = rng.sample(zipf) as u64;
+                writeln!(out, "likes:post:{n}\t{value}")?;
+            } else {
+                writeln!(out, "{value}")?;
+            }
         }
         out.flush()?;
     }
     println!(
-        "yardstick: kcat producing {} messages of {payload} bytes",
+        "yardstick: {name} producing {} messages of {payload} bytes",
         env.args.events
     );
-    // The producer crate's own settings, so that the comparison is like for like.
-    let child = Command::new("kcat")
-        .args(["-P", "-b", &env.args.brokers, "-t", &topic, "-l"])
+    // The bulk producer's own settings, so that the comparison is like for like.
+    let linger = format!("linger.ms={}", tally_producer::bulk::BULK_LINGER_MS);
+    let mut kcat = Command::new("kcat");
+    kcat.args(["-P", "-b", &env.args.brokers, "-t", &topic, "-l"]);
+    if keyed {
+        kcat.args(["-K", "\t"]);
+    }
+    let child = kcat
         .args([
             "-X",
             "enable.idempotence=true",
             "-X",
             "acks=all",
             "-X",
-            "linger.ms=5",
+            &linger,
         ])
         .args([
             "-X",
@@ -621,10 +640,10 @@ async fn kcat_produce(env: &Env<'_>, payload: usize) -> anyhow::Result<Throughpu
     let (stats, wall, ok) = probe::run_to_end(child).await?;
     let _ = std::fs::remove_file(&file);
     if !ok {
-        bail!("kcat -P failed");
+        bail!("{name} failed");
     }
     Ok(Throughput::new(
-        "kcat -P",
+        name,
         env.args.events,
         wall.as_secs_f64(),
         stats,
