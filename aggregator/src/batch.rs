@@ -16,7 +16,7 @@ use crate::dead_letter::DeadLetter;
 /// When a partition's buffer must be flushed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Limits {
-    /// Flush once the oldest buffered message is this old.
+    /// Flush at most this long after the oldest buffered message arrived (see [`FlushClock`]).
     pub flush_interval: Duration,
     /// Flush once this many messages are buffered.
     pub max_events: usize,

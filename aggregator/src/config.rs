@@ -130,7 +130,8 @@ pub struct Settings {
     /// [default: redis://127.0.0.1:6379]
     #[arg(long, env = "TALLY_REDIS_URL", hide_env_values = true)]
     pub redis_url: Option<String>,
-    /// Flush a partition's buffer once its oldest event is this old, in ms [default: 1000]
+    /// Flush each partition's buffer every this many ms (partitions at staggered moments), so
+    /// no event waits longer [default: 1000]
     #[arg(long, env = "TALLY_FLUSH_INTERVAL_MS")]
     pub flush_interval_ms: Option<u64>,
     /// Flush a partition's buffer once it holds this many events [default: 200000]

@@ -242,6 +242,10 @@ impl Namespaces {
 
     /// The policy of `counter`'s namespace.
     pub fn policy(&self, counter: &str) -> &Policy {
+        if self.listed.is_empty() {
+            // No namespace file, or one with defaults only: nothing to look up.
+            return &self.defaults;
+        }
         self.listed
             .get(namespace_of(counter))
             .unwrap_or(&self.defaults)
