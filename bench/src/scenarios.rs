@@ -258,7 +258,12 @@ impl Env<'_> {
             ])
             .args(extra)
             .stdout(Stdio::null())
-            // Kept for a look afterwards (RUST_LOG=tally_aggregator=debug logs every flush).
+            // Kept for a look afterwards, with every flush's events, writes and duration.
+            .env(
+                "RUST_LOG",
+                std::env::var("RUST_LOG")
+                    .unwrap_or_else(|_| "info,tally_aggregator::flush=debug".into()),
+            )
             .stderr(std::fs::File::create(
                 self.args.out.join(format!("aggregator-{id}.log")),
             )?)
