@@ -81,6 +81,10 @@ pub struct Args {
     /// Operations per read measurement.
     #[arg(long, default_value_t = 2_000)]
     pub reads: usize,
+    /// An extra argument for every tally-aggregator the scenarios start (repeat it), e.g.
+    /// `--aggregator-arg=--max-batch-counters=20000`: to see what a setting does to the figures.
+    #[arg(long = "aggregator-arg", allow_hyphen_values = true)]
+    pub aggregator_args: Vec<String>,
     /// Run only these scenarios (producer, catch-up, naive, yardsticks, steady, hot,
     /// cardinality, reads, micro); all when empty.
     #[arg(long, value_delimiter = ',')]

@@ -257,6 +257,7 @@ impl Env<'_> {
                 &metrics,
             ])
             .args(extra)
+            .args(&self.args.aggregator_args)
             .stdout(Stdio::null())
             // Kept for a look afterwards, with every flush's events, writes and duration.
             .env(
