@@ -82,8 +82,8 @@ pub struct Member {
     pub like: bool,
 }
 
-/// The batch maps' hasher: foldhash, several times faster than the standard library's SipHash
-/// on short counter ids, seeded at random per map. Its DoS resistance is "minimal"; a batch map
+/// The batch maps' hasher: foldhash, seeded at random per map; with it decode + aggregate runs
+/// 15% fewer instructions per event than with the standard library's SipHash. Its DoS resistance is "minimal"; a batch map
 /// lives for one flush interval and holds at most twice `max_counters` entries, so colliding ids
 /// crafted against a seed would slow one flush, not grow without bound.
 type Hasher = foldhash::fast::RandomState;
