@@ -33,11 +33,7 @@ fn ratio(a: Option<f64>, b: Option<f64>) -> Option<f64> {
 }
 
 fn targets(r: &Results) -> Vec<Target> {
-    let eo = r
-        .catch_up
-        .iter()
-        .find(|(m, _)| m == "exactly-once")
-        .map(|(_, c)| c);
+    let eo = r.exactly_once();
     let eo_rate = eo.map(|c| c.run.events_per_second);
     let kcat_c = r.kcat_consume.as_ref().map(|t| t.events_per_second);
     let kcat_p = r.kcat_produce.as_ref().map(|t| t.events_per_second);
@@ -102,11 +98,8 @@ fn targets(r: &Results) -> Vec<Target> {
     ]
 }
 
-fn throughput_row(out: &mut String, t: &Throughput, vs: Option<(&str, f64)>) {
-    throughput_row_vs(out, t, &vs.into_iter().collect::<Vec<_>>());
-}
-
-fn throughput_row_vs(out: &mut String, t: &Throughput, vs: &[(&str, f64)]) {
+/// One row of the throughput table, with its ratio to each yardstick in `vs`.
+fn throughput_row(out: &mut String, t: &Throughput, vs: &[(&str, f64)]) {
     let ratio = vs
         .iter()
         .map(|(name, base)| format!("{:.2} × {name}", t.events_per_second / base.max(1e-9)))
@@ -138,13 +131,8 @@ fn catch_up_rows(out: &mut String, name: &str, c: &CatchUp) {
 /// (exactly-once) and hot-counter runs. Commands run inside a script count in `INFO
 /// commandstats` like any other.
 fn command_breakdown(out: &mut String, r: &Results) {
-    let eo = r
-        .catch_up
-        .iter()
-        .find(|(mode, _)| mode == "exactly-once")
-        .map(|(_, c)| c);
     let runs: Vec<(&str, &CatchUp)> = [
-        ("catch-up, exactly-once", eo),
+        ("catch-up, exactly-once", r.exactly_once()),
         ("hot counter", r.hot.as_ref()),
     ]
     .into_iter()
@@ -206,13 +194,17 @@ pub fn markdown(args: &Args, r: &Results) -> String {
         "\n## Throughput\n\n| run | events | seconds | events/s | CPU s per M events | peak RSS MiB | ratio |\n|---|---|---|---|---|---|---|"
     );
     let kcat_p = r.kcat_produce.as_ref().map(|t| t.events_per_second);
-    let kcat_c = r.kcat_consume.as_ref().map(|t| t.events_per_second);
+    let vs_kcat_c: Vec<(&str, f64)> = r
+        .kcat_consume
+        .iter()
+        .map(|t| ("kcat -C", t.events_per_second))
+        .collect();
     if let Some(k) = &r.kcat_produce {
-        throughput_row(&mut out, k, None);
+        throughput_row(&mut out, k, &[]);
     }
     let kcat_keyed = r.kcat_produce_keyed.as_ref();
     if let Some(k) = kcat_keyed {
-        throughput_row(&mut out, k, None);
+        throughput_row(&mut out, k, &[]);
     }
     for p in &r.producer {
         let mut vs: Vec<(&str, f64)> = kcat_p.map(|b| ("kcat -P", b)).into_iter().collect();
@@ -220,18 +212,18 @@ pub fn markdown(args: &Args, r: &Results) -> String {
         if !p.name.ends_with("random") {
             vs.extend(kcat_keyed.map(|k| (k.name.as_str(), k.events_per_second)));
         }
-        throughput_row_vs(&mut out, p, &vs);
+        throughput_row(&mut out, p, &vs);
     }
     if let Some(k) = &r.kcat_consume {
-        throughput_row(&mut out, k, None);
+        throughput_row(&mut out, k, &[]);
     }
     for (mode, c) in &r.catch_up {
         let mut t = c.run.clone();
         t.name = format!("tally-aggregator, {mode}");
-        throughput_row(&mut out, &t, kcat_c.map(|b| ("kcat -C", b)));
+        throughput_row(&mut out, &t, &vs_kcat_c);
     }
     if let Some(n) = &r.naive {
-        throughput_row(&mut out, &n.run, kcat_c.map(|b| ("kcat -C", b)));
+        throughput_row(&mut out, &n.run, &vs_kcat_c);
     }
     if let Some(ops) = r.redis_incrby_per_second {
         let _ = writeln!(

@@ -145,6 +145,16 @@ pub struct Results {
     pub micro: Vec<(String, f64)>,
 }
 
+impl Results {
+    /// The aggregator's catch-up in exactly-once mode, if it ran.
+    pub fn exactly_once(&self) -> Option<&CatchUp> {
+        self.catch_up
+            .iter()
+            .find(|(mode, _)| mode == "exactly-once")
+            .map(|(_, c)| c)
+    }
+}
+
 /// The run's shared state: names, connections.
 struct Env<'a> {
     args: &'a Args,
@@ -476,11 +486,7 @@ pub async fn run_all(args: &Args) -> anyhow::Result<Results> {
         // Half of what the pipeline sustains: its slower stage, the producer or the
         // aggregator catching up in exactly-once mode (both measured above in this run).
         let producer = results.producer.first().map(|p| p.events_per_second);
-        let aggregator = results
-            .catch_up
-            .iter()
-            .find(|(mode, _)| mode == "exactly-once")
-            .map(|(_, c)| c.run.events_per_second);
+        let aggregator = results.exactly_once().map(|c| c.run.events_per_second);
         let max = [producer, aggregator]
             .into_iter()
             .flatten()
