@@ -3,25 +3,88 @@
 //! up to the offset of the last message added.
 //!
 //! A [`Batch`] grows as messages arrive and is *sealed* into a [`SealedBatch`] when a flush
-//! starts. The flush triggers live here too ([`Limits`], [`FlushClock`]): a batch is due at its
-//! partition's next flush time, at most one flush interval after its oldest message arrived, and
-//! full when it holds too many events or too many distinct counters, so memory stays bounded
-//! whatever the traffic.
+//! starts. The flush triggers live here too ([`Limits`], [`FlushClock`], [`Pace`]): a live
+//! partition's batch is due at its partition's next flush time, at most one flush interval after
+//! its oldest message arrived; a partition catching up (the log holds more than it has read) is
+//! flushed by size instead, with larger limits, so that each counter is written about once per
+//! catch-up rather than once per interval. Either way a batch is full when it holds too many
+//! events or too many distinct counters, so memory stays bounded whatever the traffic.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant, SystemTime};
 
 use crate::dead_letter::DeadLetter;
 
+/// How much a batch may hold before it must be flushed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Size {
+    /// Flush once this many messages are buffered.
+    pub max_events: usize,
+    /// Flush once this many distinct (group, counter) entries are buffered: bounds how long one
+    /// flush script runs.
+    pub max_counters: usize,
+}
+
 /// When a partition's buffer must be flushed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Limits {
-    /// Flush at most this long after the oldest buffered message arrived (see [`FlushClock`]).
+    /// A live partition flushes at most this long after the oldest buffered message arrived
+    /// (see [`FlushClock`]).
     pub flush_interval: Duration,
-    /// Flush once this many messages are buffered.
-    pub max_events: usize,
-    /// Flush once this many distinct counters are buffered.
-    pub max_counters: usize,
+    /// A live partition's batch size.
+    pub live: Size,
+    /// A catching-up partition's batch size.
+    pub catch_up: Size,
+    /// A catching-up partition flushes at least this often, so that its offsets move and its
+    /// counts show during a long catch-up.
+    pub catch_up_interval: Duration,
+}
+
+impl Limits {
+    /// The batch size at `pace`.
+    pub fn size(&self, pace: Pace) -> &Size {
+        match pace {
+            Pace::Live => &self.live,
+            Pace::CatchingUp => &self.catch_up,
+        }
+    }
+}
+
+/// Whether a partition batches by the flush clock or by size.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pace {
+    /// At the end of its log, or not known to be behind: batches go by the flush clock.
+    Live,
+    /// Its log holds events it has not read yet: batches go by size, since more events are
+    /// waiting anyway and writing each counter once per batch is what a flush costs.
+    CatchingUp,
+}
+
+/// How far behind the end of its log a partition that receives nothing must be to count as
+/// catching up (waiting for its next fetch). Not 1: a transactional topic ends in a commit
+/// marker that is never delivered.
+pub const CATCH_UP_MIN_LAG: i64 = 1_000;
+
+impl Pace {
+    /// The pace of a partition that has read up to `read_to` (the offset after the last message
+    /// it handled) of a log that ended at `log_end` at the last statistics report, `reading`
+    /// whether messages reached it since the last tick.
+    ///
+    /// A partition still receiving messages catches up until it has read to the end of its log,
+    /// so that a catch-up ends with one flush of everything, not a flush and a straggler; one
+    /// that receives nothing catches up only while it is [`CATCH_UP_MIN_LAG`] events behind.
+    /// The end of the log is a report up to a second old: a live partition reads past it within
+    /// milliseconds of each report, so a stale end never holds it back for long.
+    pub fn of(read_to: Option<i64>, log_end: Option<i64>, reading: bool) -> Self {
+        match (read_to, log_end) {
+            (Some(read_to), Some(end))
+                if end - read_to >= CATCH_UP_MIN_LAG || (reading && end > read_to) =>
+            {
+                Pace::CatchingUp
+            }
+            _ => Pace::Live,
+        }
+    }
 }
 
 /// When one partition's batches are due: at the points `origin + k × interval`.
@@ -225,19 +288,29 @@ impl Batch {
 
     /// Whether the batch holds twice a size limit: the next batch has filled up while the
     /// previous flush was still in flight, and its partition must stop fetching until it lands.
-    pub fn is_overfull(&self, limits: &Limits) -> bool {
-        self.events >= 2 * limits.max_events || self.entries >= 2 * limits.max_counters
+    pub fn is_overfull(&self, size: &Size) -> bool {
+        self.events >= 2 * size.max_events || self.entries >= 2 * size.max_counters
     }
 
     /// Whether the batch hit a size limit and must be flushed now.
-    pub fn is_full(&self, limits: &Limits) -> bool {
-        self.events >= limits.max_events || self.entries >= limits.max_counters
+    pub fn is_full(&self, size: &Size) -> bool {
+        self.events >= size.max_events || self.entries >= size.max_counters
     }
 
-    /// Whether the batch must be flushed at `now`: full, or its partition's flush time came
-    /// since its oldest message arrived.
-    pub fn is_due(&self, limits: &Limits, clock: &FlushClock, now: Instant) -> bool {
-        self.is_full(limits) || self.started.is_some_and(|t| clock.passed(t, now))
+    /// Whether the batch must be flushed at `now`. Live: full, or its partition's flush time
+    /// came since its oldest message arrived. Catching up: full at the catch-up size, or its
+    /// oldest message arrived a catch-up interval ago.
+    pub fn is_due(&self, limits: &Limits, pace: Pace, clock: &FlushClock, now: Instant) -> bool {
+        if self.is_full(limits.size(pace)) {
+            return true;
+        }
+        let Some(started) = self.started else {
+            return false;
+        };
+        match pace {
+            Pace::Live => clock.passed(started, now),
+            Pace::CatchingUp => now.saturating_duration_since(started) >= limits.catch_up_interval,
+        }
     }
 
     /// Takes the contents for flushing, leaving an empty batch. `None` if there is nothing.
@@ -315,8 +388,15 @@ mod tests {
     fn limits() -> Limits {
         Limits {
             flush_interval: Duration::from_secs(3600),
-            max_events: 5,
-            max_counters: 3,
+            live: Size {
+                max_events: 5,
+                max_counters: 3,
+            },
+            catch_up: Size {
+                max_events: 50,
+                max_counters: 30,
+            },
+            catch_up_interval: Duration::from_secs(7200),
         }
     }
 
@@ -358,9 +438,9 @@ mod tests {
         for offset in 0..4 {
             b.add(0, "a", 1, offset);
         }
-        assert!(!b.is_full(&limits()));
+        assert!(!b.is_full(&limits().live));
         b.add(0, "a", 1, 4);
-        assert!(b.is_full(&limits()));
+        assert!(b.is_full(&limits().live));
     }
 
     #[test]
@@ -368,10 +448,10 @@ mod tests {
         let mut b = Batch::default();
         b.add(0, "a", 1, 0);
         b.add(0, "b", 1, 1);
-        assert!(!b.is_full(&limits()));
+        assert!(!b.is_full(&limits().live));
         // The same counter in another group is another entry.
         b.add(1, "a", 1, 2);
-        assert!(b.is_full(&limits()));
+        assert!(b.is_full(&limits().live));
     }
 
     #[test]
@@ -385,14 +465,14 @@ mod tests {
         let clock = FlushClock::new(interval, 3, start, SystemTime::now());
         let mut b = Batch::default();
         assert!(
-            !b.is_due(&limits, &clock, start + Duration::from_secs(10)),
+            !b.is_due(&limits, Pace::Live, &clock, start + Duration::from_secs(10)),
             "empty is never due"
         );
         b.add(0, "a", 1, 0);
         let added = b.started.expect("started");
         let due_at = (0..=100u64)
             .map(|ms| added + Duration::from_millis(ms))
-            .find(|&t| b.is_due(&limits, &clock, t))
+            .find(|&t| b.is_due(&limits, Pace::Live, &clock, t))
             .expect("due within the interval");
         assert!(due_at > added, "not due the moment it starts");
         assert!(due_at - added <= interval);
@@ -442,6 +522,63 @@ mod tests {
             apart < 1_000 || interval.as_nanos() - apart < 1_000,
             "{apart} ns"
         );
+    }
+
+    #[test]
+    fn a_partition_catches_up_until_it_reads_to_the_end_of_its_log() {
+        for reading in [false, true] {
+            assert_eq!(
+                Pace::of(None, Some(1_000_000), reading),
+                Pace::Live,
+                "nothing read"
+            );
+            assert_eq!(
+                Pace::of(Some(10), None, reading),
+                Pace::Live,
+                "end not known yet"
+            );
+            assert_eq!(Pace::of(Some(10), Some(1_010), reading), Pace::CatchingUp);
+            // A stale end of log, already passed.
+            assert_eq!(Pace::of(Some(5_000), Some(1_010), reading), Pace::Live);
+            assert_eq!(Pace::of(Some(1_010), Some(1_010), reading), Pace::Live);
+        }
+        // Near the end: still catching up while messages come, live once they stop (the end
+        // of a transactional topic is a commit marker that never arrives).
+        assert_eq!(Pace::of(Some(1_009), Some(1_010), true), Pace::CatchingUp);
+        assert_eq!(Pace::of(Some(1_009), Some(1_010), false), Pace::Live);
+    }
+
+    #[test]
+    fn a_catching_up_batch_waits_past_the_clock_for_its_size_or_the_catch_up_interval() {
+        let interval = Duration::from_millis(100);
+        let limits = Limits {
+            flush_interval: interval,
+            catch_up_interval: Duration::from_secs(5),
+            ..limits()
+        };
+        let start = Instant::now();
+        let clock = FlushClock::new(interval, 0, start, SystemTime::now());
+        let mut b = Batch::default();
+        for offset in 0..6 {
+            b.add(0, "a", 1, offset);
+        }
+        let added = b.started.expect("started");
+        let later = added + Duration::from_secs(1);
+        // Full at the live size (6 events >= 5), not at the catch-up size.
+        assert!(b.is_due(&limits, Pace::Live, &clock, added));
+        assert!(!b.is_due(&limits, Pace::CatchingUp, &clock, later));
+        assert!(b.is_due(
+            &limits,
+            Pace::CatchingUp,
+            &clock,
+            added + Duration::from_secs(5)
+        ));
+        for offset in 6..50 {
+            b.add(0, "a", 1, offset);
+        }
+        assert!(b.is_due(&limits, Pace::CatchingUp, &clock, later));
+        // Overfull (the partition pauses) at twice the size of its pace.
+        assert!(b.is_overfull(&limits.live) && !b.is_overfull(&limits.catch_up));
     }
 
     #[test]

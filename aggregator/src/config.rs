@@ -19,7 +19,7 @@ use tally_common::keyspace::KeyspaceError;
 use tally_common::namespace::NamespaceError;
 use tally_common::{GroupingRule, Keyspace, Namespaces, Policy};
 
-use crate::batch::Limits;
+use crate::batch::{Limits, Size};
 use crate::secrets::{self, Secrets};
 
 /// Why the configuration is unusable.
@@ -140,6 +140,15 @@ pub struct Settings {
     /// Flush a partition's buffer once it holds this many distinct (group, counter) pairs; bounds how long one flush script blocks Redis: a flush holds at most twice this, as the buffer keeps filling while the previous flush lands [default: 5000]
     #[arg(long, env = "TALLY_MAX_BATCH_COUNTERS")]
     pub max_batch_counters: Option<usize>,
+    /// While a partition catches up (its log holds at least 1,000 events more than it has read), flush its buffer once it holds this many events, not by the clock [default: 1000000]
+    #[arg(long, env = "TALLY_CATCH_UP_MAX_BATCH_EVENTS")]
+    pub catch_up_max_batch_events: Option<usize>,
+    /// While a partition catches up, flush its buffer once it holds this many distinct (group, counter) pairs; bounds a catch-up flush script as --max-batch-counters bounds a live one [default: 10000]
+    #[arg(long, env = "TALLY_CATCH_UP_MAX_BATCH_COUNTERS")]
+    pub catch_up_max_batch_counters: Option<usize>,
+    /// While a partition catches up, flush its buffer at least this often, in ms, so its offsets move and its counts show [default: 10000]
+    #[arg(long, env = "TALLY_CATCH_UP_FLUSH_INTERVAL_MS")]
+    pub catch_up_flush_interval_ms: Option<u64>,
     /// Address serving /metrics and /healthz [default: 127.0.0.1:9464]
     #[arg(long, env = "TALLY_METRICS_ADDR")]
     pub metrics_addr: Option<SocketAddr>,
@@ -332,6 +341,9 @@ impl Settings {
             flush_interval_ms,
             max_batch_events,
             max_batch_counters,
+            catch_up_max_batch_events,
+            catch_up_max_batch_counters,
+            catch_up_flush_interval_ms,
             metrics_addr,
             dead_letter_topic,
             key_prefix,
@@ -374,6 +386,18 @@ impl Settings {
         let max_counters = positive(
             "max_batch_counters",
             self.max_batch_counters.unwrap_or(5_000) as u64,
+        )?;
+        let catch_up_max_events = positive(
+            "catch_up_max_batch_events",
+            self.catch_up_max_batch_events.unwrap_or(1_000_000) as u64,
+        )?;
+        let catch_up_max_counters = positive(
+            "catch_up_max_batch_counters",
+            self.catch_up_max_batch_counters.unwrap_or(10_000) as u64,
+        )?;
+        let catch_up_interval_ms = positive(
+            "catch_up_flush_interval_ms",
+            self.catch_up_flush_interval_ms.unwrap_or(10_000),
         )?;
         let max_message_bytes = positive(
             "max_message_bytes",
@@ -448,8 +472,15 @@ impl Settings {
             redis_url,
             limits: Limits {
                 flush_interval: Duration::from_millis(flush_interval_ms),
-                max_events: max_events as usize,
-                max_counters: max_counters as usize,
+                live: Size {
+                    max_events: max_events as usize,
+                    max_counters: max_counters as usize,
+                },
+                catch_up: Size {
+                    max_events: catch_up_max_events as usize,
+                    max_counters: catch_up_max_counters as usize,
+                },
+                catch_up_interval: Duration::from_millis(catch_up_interval_ms),
             },
             metrics_addr: self
                 .metrics_addr

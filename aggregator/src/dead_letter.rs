@@ -13,10 +13,12 @@
 //! The copy travels with its partition's batch: the flush waits for Kafka to acknowledge it before
 //! the partition's offset moves past the message, so a crash cannot lose it.
 
+use std::time::Duration;
+
 use rdkafka::ClientConfig;
 use rdkafka::error::KafkaError;
 use rdkafka::message::{Header, OwnedHeaders};
-use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
 use rdkafka::util::Timeout;
 
 /// Header names, shared with tests and tools that read the dead-letter topic.
@@ -135,6 +137,28 @@ impl DeadLetterQueue {
             .await
             .map(|_| ())
             .map_err(|(e, _)| e)
+    }
+
+    /// Where `partition` of the consumed topic starts and ends (its low and high watermarks),
+    /// asked of the brokers: the dead-letter producer is also the aggregator's client for such
+    /// questions, off the consume loop. `None` if the brokers did not answer within 5 s.
+    pub async fn watermarks(&self, partition: i32) -> Option<(i64, i64)> {
+        let producer = self.producer.clone();
+        let topic = self.source_topic.clone();
+        let asked = tokio::task::spawn_blocking(move || {
+            producer
+                .client()
+                .fetch_watermarks(&topic, partition, Duration::from_secs(5))
+        })
+        .await;
+        match asked {
+            Ok(Ok(watermarks)) => Some(watermarks),
+            Ok(Err(error)) => {
+                tracing::debug!(partition, %error, "could not read the partition's watermarks");
+                None
+            }
+            Err(_) => None,
+        }
     }
 }
 

@@ -110,7 +110,14 @@ fn settings_labels(config: &Config) -> [&'static str; 3] {
 /// Runs the aggregator until `shutdown` fires: serves metrics, consumes, flushes, and drains.
 pub async fn run(config: Config, shutdown: CancellationToken) -> Result<RunSummary, StartError> {
     let metrics = Arc::new(metrics::Metrics::new());
-    metrics.started(settings_labels(&config), 2 * config.limits.max_events);
+    metrics.started(
+        settings_labels(&config),
+        2 * config
+            .limits
+            .live
+            .max_events
+            .max(config.limits.catch_up.max_events),
+    );
     let probes = Arc::new(http::Probes {
         metrics: metrics.clone(),
         redis: std::sync::OnceLock::new(),

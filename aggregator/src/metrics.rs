@@ -41,6 +41,8 @@ pub struct Metrics {
     assigned_partitions: IntGauge,
     /// Partitions paused because their buffer is full while a flush is in flight.
     paused_partitions: IntGauge,
+    /// Partitions batching by size because their log holds more than they have read.
+    catching_up_partitions: IntGauge,
     /// Consumer lag per partition, from librdkafka's statistics.
     consumer_lag: IntGaugeVec,
     /// Shard counts raised by the shard monitor.
@@ -138,6 +140,10 @@ impl Metrics {
             "tally_paused_partitions",
             "Partitions paused because their buffer is full while a flush is in flight.",
         );
+        let catching_up_partitions = IntGauge::new(
+            "tally_catching_up_partitions",
+            "Partitions batching by size, not by the flush clock, because their log holds at least 1,000 events more than they have read.",
+        );
         let consumer_lag = IntGaugeVec::new(
             Opts::new(
                 "tally_consumer_lag",
@@ -199,6 +205,7 @@ impl Metrics {
             buffered_events: buffered_events.expect("valid metric"),
             assigned_partitions: assigned_partitions.expect("valid metric"),
             paused_partitions: paused_partitions.expect("valid metric"),
+            catching_up_partitions: catching_up_partitions.expect("valid metric"),
             consumer_lag: consumer_lag.expect("valid metric"),
             shard_raises: shard_raises.expect("valid metric"),
             group_member: group_member.expect("valid metric"),
@@ -208,7 +215,7 @@ impl Metrics {
             trending_top: trending_top.expect("valid metric"),
             redis_up: redis_up.expect("valid metric"),
         };
-        let collectors: [Box<dyn prometheus::core::Collector>; 21] = [
+        let collectors: [Box<dyn prometheus::core::Collector>; 22] = [
             Box::new(metrics.redis_up.clone()),
             Box::new(metrics.group_member.clone()),
             Box::new(metrics.build_info.clone()),
@@ -229,6 +236,7 @@ impl Metrics {
             Box::new(metrics.buffered_events.clone()),
             Box::new(metrics.assigned_partitions.clone()),
             Box::new(metrics.paused_partitions.clone()),
+            Box::new(metrics.catching_up_partitions.clone()),
             Box::new(metrics.consumer_lag.clone()),
         ];
         for c in collectors {
@@ -287,10 +295,17 @@ impl Metrics {
     }
 
     /// The current state of the buffers.
-    pub fn buffers(&self, buffered_events: usize, assigned: usize, paused: usize) {
+    pub fn buffers(
+        &self,
+        buffered_events: usize,
+        assigned: usize,
+        paused: usize,
+        catching_up: usize,
+    ) {
         self.buffered_events.set(buffered_events as i64);
         self.assigned_partitions.set(assigned as i64);
         self.paused_partitions.set(paused as i64);
+        self.catching_up_partitions.set(catching_up as i64);
     }
 
     /// Replaces the per-partition lag with `lags`.

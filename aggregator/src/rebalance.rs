@@ -207,6 +207,9 @@ impl<S: Sink> Shared<S> {
                     in_flight: None,
                     paused: false,
                     confirmed: Instant::now(),
+                    read_to: None,
+                    log_end: None,
+                    reading: false,
                 },
             );
         }
@@ -219,14 +222,28 @@ impl<S: Sink> Shared<S> {
 
 impl<S: Sink> ClientContext for AggregatorContext<S> {
     fn stats(&self, statistics: Statistics) {
-        let lags = statistics
-            .topics
-            .get(&self.shared.settings.topic)
-            .into_iter()
-            .flat_map(|t| t.partitions.iter())
+        let Some(topic) = statistics.topics.get(&self.shared.settings.topic) else {
+            return;
+        };
+        let lags = topic
+            .partitions
+            .iter()
             .filter(|(p, s)| **p >= 0 && s.consumer_lag >= 0)
             .map(|(p, s)| (*p, s.consumer_lag));
         self.shared.metrics.consumer_lag(lags);
+        // Where each owned partition's log ends, for its pace: the last stable offset (what a
+        // read_committed consumer can read), the high watermark where that is unknown.
+        let mut parts = lock(&self.shared.partitions);
+        for (partition, stats) in &topic.partitions {
+            if let Some(st) = parts.map.get_mut(partition) {
+                let end = if stats.ls_offset >= 0 {
+                    stats.ls_offset
+                } else {
+                    stats.hi_offset
+                };
+                st.log_end = (end >= 0).then_some(end);
+            }
+        }
     }
 
     fn log(&self, level: RDKafkaLogLevel, fac: &str, log_message: &str) {

@@ -5,7 +5,8 @@
 //! Yardsticks, measured in the same run: `kcat` consuming and producing the same number of
 //! same-sized messages (librdkafka's own ceilings here), `redis-benchmark` with pipelined
 //! `INCRBY`s over random keys, and `tally-naive` (one `INCRBY` and one commit per event).
-//! Scenarios: catch-up (both delivery modes, and the naive consumer), producer (each routing),
+//! Scenarios: catch-up (both delivery modes, and the naive consumer), catch-up of JSON written
+//! by an independent producer (`kcat -P -K`), producer (each routing),
 //! steady state with end-to-end latency, a hot counter, a million distinct counters, reads.
 //! Every figure comes with its ratio to a yardstick where one applies. Output: `results.json`,
 //! `results.md` and SVG plots in `--out`.
@@ -85,7 +86,7 @@ pub struct Args {
     /// `--aggregator-arg=--max-batch-counters=20000`: to see what a setting does to the figures.
     #[arg(long = "aggregator-arg", allow_hyphen_values = true)]
     pub aggregator_args: Vec<String>,
-    /// Run only these scenarios (producer, catch-up, naive, yardsticks, steady, hot,
+    /// Run only these scenarios (producer, catch-up, json, naive, yardsticks, steady, hot,
     /// cardinality, reads, micro); all when empty.
     #[arg(long, value_delimiter = ',')]
     pub only: Vec<String>,

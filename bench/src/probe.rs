@@ -47,6 +47,38 @@ pub fn proc_stats(pid: u32) -> Option<ProcStats> {
     })
 }
 
+/// The machine's idle and total CPU time so far, in clock ticks, from `/proc/stat` (idle counts
+/// `idle` and `iowait`).
+pub fn machine_ticks() -> Option<(u64, u64)> {
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    let ticks: Vec<u64> = stat
+        .lines()
+        .next()?
+        .strip_prefix("cpu ")?
+        .split_whitespace()
+        .filter_map(|v| v.parse().ok())
+        .collect();
+    let idle = ticks.get(3)? + ticks.get(4)?;
+    Some((idle, ticks.iter().sum()))
+}
+
+/// CPU seconds so far of every process whose command line contains `needle` (the Kafka broker:
+/// `kafka.Kafka`; Redis: `redis-server`).
+pub fn cpu_seconds_matching(needle: &str) -> f64 {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return 0.0;
+    };
+    entries
+        .filter_map(Result::ok)
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/cmdline"))
+                .is_ok_and(|c| String::from_utf8_lossy(&c).contains(needle))
+        })
+        .filter_map(|pid| proc_stats(pid).map(|s| s.cpu_seconds))
+        .sum()
+}
+
 /// Waits for `child` to exit, sampling its stats every 50 ms; returns the last sample taken
 /// while it was alive (CPU time and peak RSS up to its end) and its wall time.
 pub async fn run_to_end(mut child: Child) -> anyhow::Result<(ProcStats, Duration, bool)> {

@@ -34,10 +34,19 @@ fn ratio(a: Option<f64>, b: Option<f64>) -> Option<f64> {
 
 fn targets(r: &Results) -> Vec<Target> {
     let eo = r.exactly_once();
-    let eo_rate = eo.map(|c| c.run.events_per_second);
-    let kcat_c = r.kcat_consume.as_ref().map(|t| t.events_per_second);
-    let kcat_p = r.kcat_produce.as_ref().map(|t| t.events_per_second);
-    let naive = r.naive.as_ref().map(|c| c.run.events_per_second);
+    let json = r.catch_up_json.as_ref();
+    let from_launch = |c: Option<&CatchUp>| c.map(|c| c.events_per_second_from_launch);
+    let rate = |t: &Option<Throughput>| t.as_ref().map(|t| t.events_per_second);
+    let producer = |routing: &str| {
+        r.producer
+            .iter()
+            .find(|p| p.name.ends_with(routing))
+            .map(|p| p.events_per_second)
+    };
+    let writes_over_floor = |c: Option<&CatchUp>| {
+        let c = c.filter(|c| c.distinct_counters > 0)?;
+        Some(c.counter_writes_per_event / (c.distinct_counters as f64 / c.run.events as f64))
+    };
     let micro = r
         .micro
         .iter()
@@ -45,14 +54,41 @@ fn targets(r: &Results) -> Vec<Target> {
         .map(|(_, v)| *v);
     vec![
         Target {
-            name: "catch-up (exactly-once) / kcat consume",
-            value: ratio(eo_rate, kcat_c),
-            bound: 0.6,
+            name: "catch-up JSON (exactly-once, from launch) / kcat -C on the same topic",
+            value: ratio(from_launch(json), rate(&r.kcat_consume_json)),
+            bound: 1.0,
             at_least: true,
         },
         Target {
+            name: "catch-up bincode (exactly-once, from launch) / kcat -C on the same topic",
+            value: ratio(from_launch(eo), rate(&r.kcat_consume)),
+            bound: 1.3,
+            at_least: true,
+        },
+        Target {
+            name: "aggregator CPU s per million JSON events (catch-up)",
+            value: json.map(|c| c.run.cpu_seconds_per_million),
+            bound: 0.46,
+            at_least: false,
+        },
+        Target {
+            name: "counter writes per event / floor, JSON catch-up",
+            value: writes_over_floor(json),
+            bound: 1.5,
+            at_least: false,
+        },
+        Target {
+            name: "counter writes per event / floor, bincode catch-up",
+            value: writes_over_floor(eo),
+            bound: 1.5,
+            at_least: false,
+        },
+        Target {
             name: "catch-up (exactly-once) / naive consumer",
-            value: ratio(eo_rate, naive),
+            value: ratio(
+                eo.map(|c| c.run.events_per_second),
+                rate(&r.naive.as_ref().map(|c| c.run.clone())),
+            ),
             bound: 30.0,
             at_least: true,
         },
@@ -63,16 +99,16 @@ fn targets(r: &Results) -> Vec<Target> {
             at_least: true,
         },
         Target {
-            name: "producer (routing by counter) / kcat produce",
-            value: ratio(r.producer.first().map(|p| p.events_per_second), kcat_p),
+            name: "producer (routing by counter) / kcat produce keyed",
+            value: ratio(producer("counter"), rate(&r.kcat_produce_keyed)),
             bound: 0.8,
             at_least: true,
         },
         Target {
-            name: "Redis commands per event, catch-up (exactly-once)",
-            value: eo.map(|c| c.redis_commands_per_event),
-            bound: 0.01,
-            at_least: false,
+            name: "producer (routing at random) / kcat produce",
+            value: ratio(producer("random"), rate(&r.kcat_produce)),
+            bound: 0.8,
+            at_least: true,
         },
         Target {
             name: "Redis commands per event, hot counter",
@@ -113,18 +149,42 @@ fn throughput_row(out: &mut String, t: &Throughput, vs: &[(&str, f64)]) {
 }
 
 fn catch_up_rows(out: &mut String, name: &str, c: &CatchUp) {
+    let floor = if c.distinct_counters > 0 {
+        format!(
+            "{:.4} ({:.2} × floor)",
+            c.counter_writes_per_event,
+            c.counter_writes_per_event * c.run.events as f64 / c.distinct_counters as f64
+        )
+    } else {
+        format!("{:.4}", c.counter_writes_per_event)
+    };
     let _ = writeln!(
         out,
-        "| {name} | {:.0} | {:.2} | {:.0} | {:.4} | {:.5} | {:.0} / {:.0} | {:.1} |",
+        "| {name} | {:.0} | {:.0} | {:.1} | {:.2} / {:.2} / {:.2} | {:.0}% | {:.0} | {floor} | {:.4} | {:.5} | {:.0} / {:.0} |",
+        c.events_per_second_from_launch,
         c.run.events_per_second,
+        c.seconds_from_start,
         c.run.cpu_seconds_per_million,
+        c.broker_cpu_seconds_per_million,
+        c.redis_cpu_seconds_per_million,
+        c.idle_share * 100.0,
         c.run.peak_rss_mib,
         c.redis_commands_per_event,
         c.redis_requests_per_event,
         c.flush_p50_ms,
         c.flush_p99_ms,
-        c.seconds_from_start
     );
+}
+
+/// A catch-up as a throughput row: from launch to the last flush, like the kcat yardsticks
+/// (which are timed from their launch too).
+fn from_launch(name: &str, c: &CatchUp) -> Throughput {
+    Throughput {
+        name: name.to_owned(),
+        seconds: c.seconds_from_start,
+        events_per_second: c.events_per_second_from_launch,
+        ..c.run.clone()
+    }
 }
 
 /// Where the Redis commands per event come from: calls per command, per event, in the catch-up
@@ -133,6 +193,7 @@ fn catch_up_rows(out: &mut String, name: &str, c: &CatchUp) {
 fn command_breakdown(out: &mut String, r: &Results) {
     let runs: Vec<(&str, &CatchUp)> = [
         ("catch-up, exactly-once", r.exactly_once()),
+        ("catch-up, JSON", r.catch_up_json.as_ref()),
         ("hot counter", r.hot.as_ref()),
     ]
     .into_iter()
@@ -156,7 +217,7 @@ fn command_breakdown(out: &mut String, r: &Results) {
             .collect();
         let floor = if c.distinct_counters > 0 {
             format!(
-                " (floor: {} distinct counters / {} events = {:.4} counter writes per event, each counter needing at least one `INCRBY`)",
+                " (floor: {} distinct counters / {} events = {:.4} counter writes per event, each counter needing at least one write)",
                 c.distinct_counters,
                 c.run.events,
                 c.distinct_counters as f64 / events
@@ -218,9 +279,21 @@ pub fn markdown(args: &Args, r: &Results) -> String {
         throughput_row(&mut out, k, &[]);
     }
     for (mode, c) in &r.catch_up {
-        let mut t = c.run.clone();
-        t.name = format!("tally-aggregator, {mode}");
-        throughput_row(&mut out, &t, &vs_kcat_c);
+        throughput_row(
+            &mut out,
+            &from_launch(&format!("tally-aggregator, {mode}"), c),
+            &vs_kcat_c,
+        );
+    }
+    for k in [&r.kcat_produce_json, &r.kcat_consume_json]
+        .into_iter()
+        .flatten()
+    {
+        throughput_row(&mut out, k, &[]);
+    }
+    if let (Some(c), Some(k)) = (&r.catch_up_json, &r.kcat_consume_json) {
+        let t = from_launch("tally-aggregator, exactly-once, JSON", c);
+        throughput_row(&mut out, &t, &[(k.name.as_str(), k.events_per_second)]);
     }
     if let Some(n) = &r.naive {
         throughput_row(&mut out, &n.run, &vs_kcat_c);
@@ -233,10 +306,13 @@ pub fn markdown(args: &Args, r: &Results) -> String {
     }
     let _ = writeln!(
         out,
-        "\n## Aggregator scenarios\n\n| scenario | events/s | CPU s per M | peak RSS MiB | Redis commands/event | requests/event | flush p50/p99 ms | s from start |\n|---|---|---|---|---|---|---|---|"
+        "\n## Aggregator scenarios\n\nEvents/s from launch (joining the group included) to the last flush, and from the first event consumed; CPU seconds per million events of the aggregator / the Kafka broker / redis-server, and the machine's idle share, from launch to the last flush; counter writes per event against their floor (distinct counters / events).\n\n| scenario | events/s from launch | events/s | s from launch | CPU s per M: aggregator / broker / redis | idle | peak RSS MiB | counter writes/event | Redis commands/event | requests/event | flush p50/p99 ms |\n|---|---|---|---|---|---|---|---|---|---|---|"
     );
     for (mode, c) in &r.catch_up {
         catch_up_rows(&mut out, &format!("catch-up, {mode}"), c);
+    }
+    if let Some(c) = &r.catch_up_json {
+        catch_up_rows(&mut out, "catch-up, JSON from kcat, exactly-once", c);
     }
     if let Some(n) = &r.naive {
         catch_up_rows(&mut out, "naive consumer (time-boxed)", n);
@@ -303,6 +379,11 @@ pub fn write(args: &Args, r: &Results) -> anyhow::Result<()> {
         .catch_up
         .iter()
         .map(|(m, c)| (format!("catch-up, {m}"), c.series.clone()))
+        .chain(
+            r.catch_up_json
+                .iter()
+                .map(|c| ("catch-up, JSON".to_owned(), c.series.clone())),
+        )
         .collect();
     for (name, c) in [("hot counter", &r.hot), ("cardinality", &r.cardinality)] {
         if let Some(c) = c {

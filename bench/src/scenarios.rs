@@ -57,8 +57,22 @@ impl Throughput {
 pub struct CatchUp {
     /// Rate, CPU and memory, timed from the first event consumed to the last one flushed.
     pub run: Throughput,
-    /// Wall time from process start (joining the group included), seconds.
+    /// Wall time from the process's launch to its last flush (joining the group and acquiring
+    /// the partitions included), seconds: what an operator waits.
     pub seconds_from_start: f64,
+    /// Events per second over that time.
+    pub events_per_second_from_launch: f64,
+    /// CPU seconds per million events over that time, of the Kafka broker and of redis-server
+    /// (the aggregator's own is in `run`).
+    pub broker_cpu_seconds_per_million: f64,
+    /// The same for redis-server.
+    pub redis_cpu_seconds_per_million: f64,
+    /// Share of the machine's CPU time left idle over that time: a consumer that waits on its
+    /// fetches (rather than on CPU) shows here.
+    pub idle_share: f64,
+    /// Counters written per event (`tally_counter_writes_total` / events): each distinct
+    /// counter needs at least one write, so `distinct_counters / events` is its floor.
+    pub counter_writes_per_event: f64,
     /// Redis commands per event, scripts' inner commands included (`INFO commandstats`).
     pub redis_commands_per_event: f64,
     /// Scripts and transactions the process sent per event (`EVALSHA`, `EVAL`, `EXEC` calls; the
@@ -120,6 +134,12 @@ pub struct Results {
     pub payload_bytes: usize,
     /// `kcat` consuming the preloaded topic to /dev/null.
     pub kcat_consume: Option<Throughput>,
+    /// `kcat` consuming the JSON topic to /dev/null.
+    pub kcat_consume_json: Option<Throughput>,
+    /// `kcat -P -K` writing the JSON topic from a file (an independent producer).
+    pub kcat_produce_json: Option<Throughput>,
+    /// The aggregator (exactly-once) catching up on the JSON topic.
+    pub catch_up_json: Option<CatchUp>,
     /// `kcat` producing as many same-sized messages.
     pub kcat_produce: Option<Throughput>,
     /// The same with keys: the counter ids of `tally load` (same Zipf), spread over the
@@ -295,6 +315,11 @@ impl Env<'_> {
         self.create_topic(&dlq, 1).await?;
         let port = free_port()?;
         let before = CommandStats::read(&mut self.redis).await?;
+        let (broker_cpu, redis_cpu) = (
+            probe::cpu_seconds_matching("kafka.Kafka"),
+            probe::cpu_seconds_matching("redis-server"),
+        );
+        let machine = probe::machine_ticks();
         let started = Instant::now();
         let mut child = self.aggregator(topic, &id, &dlq, port, extra)?;
         let pid = child.id();
@@ -302,7 +327,7 @@ impl Env<'_> {
         let (mut first, mut last_flushed, mut last_t) = (None, 0.0, 0.0);
         let mut stats = ProcStats::default();
         let metrics = loop {
-            tokio::time::sleep(Duration::from_millis(250)).await;
+            tokio::time::sleep(Duration::from_millis(50)).await;
             if let Some(status) = child.try_wait()? {
                 bail!("tally-aggregator exited early: {status}");
             }
@@ -322,24 +347,43 @@ impl Env<'_> {
             if first.is_none() && consumed > 0.0 {
                 first = Some(t);
             }
-            if t > last_t {
+            // One point per quarter second at most: the samples come every 50 ms.
+            if t >= last_t + 0.25 || flushed >= events as f64 {
                 series.push((t, (flushed - last_flushed) / (t - last_t)));
+                (last_flushed, last_t) = (flushed, t);
             }
-            (last_flushed, last_t) = (flushed, t);
             if flushed >= events as f64 {
                 break m;
             }
         };
+        let from_launch = started.elapsed().as_secs_f64();
+        let millions = events as f64 / 1e6;
+        let broker_cpu = (probe::cpu_seconds_matching("kafka.Kafka") - broker_cpu) / millions;
+        let redis_cpu = (probe::cpu_seconds_matching("redis-server") - redis_cpu) / millions;
+        let idle_share = match (machine, probe::machine_ticks()) {
+            (Some((idle0, total0)), Some((idle1, total1))) if total1 > total0 => {
+                (idle1 - idle0) as f64 / (total1 - total0) as f64
+            }
+            _ => 0.0,
+        };
         let after = CommandStats::read(&mut self.redis).await?;
         stop(&mut child)?;
-        let seconds_from_start = started.elapsed().as_secs_f64();
         let from_first = last_t - first.unwrap_or(0.0);
+        let counters = metrics
+            .get("tally_counter_writes_total")
+            .copied()
+            .unwrap_or(0.0);
         // Only top-level calls: commandstats also counts the HGETs, INCRBYs... run inside scripts.
         let requests =
             after.of(&before, "evalsha") + after.of(&before, "eval") + after.of(&before, "exec");
         Ok(CatchUp {
             run: Throughput::new(topic, events, from_first, stats),
-            seconds_from_start,
+            seconds_from_start: from_launch,
+            events_per_second_from_launch: events as f64 / from_launch,
+            broker_cpu_seconds_per_million: broker_cpu,
+            redis_cpu_seconds_per_million: redis_cpu,
+            idle_share,
+            counter_writes_per_event: counters / events as f64,
             redis_commands_per_event: after.since(&before) as f64 / events as f64,
             redis_requests_per_event: requests as f64 / events as f64,
             redis_commands: after.breakdown(&before),
@@ -458,7 +502,7 @@ pub async fn run_all(args: &Args) -> anyhow::Result<Results> {
         }
     }
     if args.runs("yardsticks") {
-        results.kcat_consume = Some(kcat_consume(&env, &preloaded).await?);
+        results.kcat_consume = Some(kcat_consume(&env, &preloaded, "kcat -C").await?);
         results.kcat_produce = Some(kcat_produce(&env, results.payload_bytes, false).await?);
         results.kcat_produce_keyed = Some(kcat_produce(&env, results.payload_bytes, true).await?);
         results.redis_incrby_per_second = Some(redis_benchmark(&env)?);
@@ -474,9 +518,15 @@ pub async fn run_all(args: &Args) -> anyhow::Result<Results> {
                 .await?;
             // The preload is the producer run routing by counter (same seed, same counters).
             run.distinct_counters = results.producer.first().map_or(0, |p| p.distinct_counters);
-            println!("  {:.0} events/s", run.run.events_per_second);
+            println!(
+                "  {:.0} events/s from launch",
+                run.events_per_second_from_launch
+            );
             results.catch_up.push((mode.to_owned(), run));
         }
+    }
+    if args.runs("json") {
+        json_catch_up(&mut env, &mut results).await?;
     }
     if args.runs("naive") {
         println!("catch-up: the naive consumer, for {} s", args.naive_seconds);
@@ -560,8 +610,8 @@ fn machine() -> String {
     format!("{cores} cores, {cpu}")
 }
 
-async fn kcat_consume(env: &Env<'_>, topic: &str) -> anyhow::Result<Throughput> {
-    println!("yardstick: kcat consuming {topic}");
+async fn kcat_consume(env: &Env<'_>, topic: &str, name: &str) -> anyhow::Result<Throughput> {
+    println!("yardstick: {name} consuming {topic}");
     let child = Command::new("kcat")
         .args([
             "-C",
@@ -583,7 +633,7 @@ async fn kcat_consume(env: &Env<'_>, topic: &str) -> anyhow::Result<Throughput> 
         bail!("kcat -C failed");
     }
     Ok(Throughput::new(
-        "kcat -C",
+        name,
         env.args.events,
         wall.as_secs_f64(),
         stats,
@@ -615,10 +665,23 @@ async fn kcat_produce(env: &Env<'_>, payload: usize, keyed: bool) -> anyhow::Res
         "yardstick: {name} producing {} messages of {payload} bytes",
         env.args.events
     );
-    // The bulk producer's own settings, so that the comparison is like for like.
+    let run = kcat_produce_file(env, name, &topic, &file, keyed).await;
+    let _ = std::fs::remove_file(&file);
+    run
+}
+
+/// `kcat -P` sending every line of `file` (`key<TAB>value` when `keyed`) to `topic`, with the
+/// bulk producer's own settings, so that comparisons are like for like.
+async fn kcat_produce_file(
+    env: &Env<'_>,
+    name: &str,
+    topic: &str,
+    file: &Path,
+    keyed: bool,
+) -> anyhow::Result<Throughput> {
     let linger = format!("linger.ms={}", tally_producer::bulk::BULK_LINGER_MS);
     let mut kcat = Command::new("kcat");
-    kcat.args(["-P", "-b", &env.args.brokers, "-t", &topic, "-l"]);
+    kcat.args(["-P", "-b", &env.args.brokers, "-t", topic, "-l"]);
     if keyed {
         kcat.args(["-K", "\t"]);
     }
@@ -645,12 +708,11 @@ async fn kcat_produce(env: &Env<'_>, payload: usize, keyed: bool) -> anyhow::Res
             "-X",
             "queue.buffering.max.kbytes=262144",
         ])
-        .arg(&file)
+        .arg(file)
         .stderr(Stdio::inherit())
         .spawn()
         .context("kcat")?;
     let (stats, wall, ok) = probe::run_to_end(child).await?;
-    let _ = std::fs::remove_file(&file);
     if !ok {
         bail!("{name} failed");
     }
@@ -660,6 +722,74 @@ async fn kcat_produce(env: &Env<'_>, payload: usize, keyed: bool) -> anyhow::Res
         wall.as_secs_f64(),
         stats,
     ))
+}
+
+/// Writes `events` JSON events in the documented wire format as `key<TAB>value` lines, keyed by
+/// counter id (Zipf over `counters`), a quarter each with every field, an actor only, a delta
+/// and a time, and the counter alone; returns how many distinct counters they name.
+fn write_json_events(path: &Path, args: &Args) -> anyhow::Result<u64> {
+    use std::io::Write;
+    let mut out = std::io::BufWriter::new(std::fs::File::create(path)?);
+    let mut rng = StdRng::seed_from_u64(7);
+    let zipf = rand_distr::Zipf::new(args.counters as f64, args.zipf)?;
+    let mut seen = vec![false; args.counters as usize + 1];
+    let ts = 1_764_460_800_000u64;
+    for i in 0..args.events {
+        let n = rng.sample(zipf) as usize;
+        seen[n.min(args.counters as usize)] = true;
+        let actor = i % 9_973;
+        let counter = format!("likes:post:{n}");
+        match i % 4 {
+            0 => writeln!(
+                out,
+                r#"{counter}	{{"counter":"{counter}","delta":1,"actor":"u{actor}","ts_ms":{}}}"#,
+                ts + i
+            )?,
+            1 => writeln!(
+                out,
+                r#"{counter}	{{"counter":"{counter}","actor":"u{actor}"}}"#
+            )?,
+            2 => writeln!(
+                out,
+                r#"{counter}	{{"counter":"{counter}","delta":2,"ts_ms":{}}}"#,
+                ts + i
+            )?,
+            _ => writeln!(out, r#"{counter}	{{"counter":"{counter}"}}"#)?,
+        }
+    }
+    out.flush()?;
+    Ok(seen.iter().filter(|s| **s).count() as u64)
+}
+
+/// JSON from an independent producer: `kcat -P -K` writes a topic of JSON events, `kcat -C`
+/// reads it (the yardstick), then the aggregator (exactly-once, default settings) catches up.
+async fn json_catch_up(env: &mut Env<'_>, results: &mut Results) -> anyhow::Result<()> {
+    let topic = env.name("events-json");
+    env.create_topic(&topic, env.args.partitions).await?;
+    let file = env.args.out.join("json-events.txt");
+    let distinct = write_json_events(&file, env.args)?;
+    println!(
+        "JSON: kcat -P -K writing {} JSON events over {distinct} counters",
+        env.args.events
+    );
+    let produced = kcat_produce_file(env, "kcat -P, JSON keyed", &topic, &file, true).await;
+    let _ = std::fs::remove_file(&file);
+    results.kcat_produce_json = Some(produced?);
+    results.kcat_consume_json = Some(kcat_consume(env, &topic, "kcat -C, JSON").await?);
+    println!(
+        "catch-up: the aggregator, exactly-once, over {} JSON events",
+        env.args.events
+    );
+    let mut run = env
+        .catch_up(&topic, env.args.events, &["--delivery", "exactly-once"])
+        .await?;
+    run.distinct_counters = distinct;
+    println!(
+        "  {:.0} events/s from launch",
+        run.events_per_second_from_launch
+    );
+    results.catch_up_json = Some(run);
+    Ok(())
 }
 
 fn redis_benchmark(env: &Env<'_>) -> anyhow::Result<f64> {

@@ -174,6 +174,24 @@ pub async fn create_topic_on(bootstrap: &str, topic: &str, partitions: i32) {
     }
 }
 
+/// Raises `topic`'s partition count to `partitions` on the Kafka the tests use.
+pub async fn add_partitions(topic: &str, partitions: usize) {
+    let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
+        .set("bootstrap.servers", brokers())
+        .create()
+        .expect("admin client");
+    let results = admin
+        .create_partitions(
+            &[rdkafka::admin::NewPartitions::new(topic, partitions)],
+            &AdminOptions::new().request_timeout(Some(Duration::from_secs(20))),
+        )
+        .await
+        .expect("Kafka answers CreatePartitions");
+    for r in results {
+        r.unwrap_or_else(|(t, e)| panic!("cannot add partitions to {t}: {e}"));
+    }
+}
+
 /// Partitions of `topic` (`0..partitions`) whose committed offset for `group` is not the
 /// partition's end, as `(partition, committed, end)`.
 pub fn uncommitted(group: &str, topic: &str, partitions: i32) -> Vec<(i32, Option<Offset>, i64)> {
@@ -902,6 +920,16 @@ impl AggregatorProcess {
             }
         }
         found
+    }
+
+    /// The value of one series of a labelled metric, `labels` as Prometheus prints them
+    /// (`partition="3"`).
+    pub async fn series(&self, name: &str, labels: &str) -> Option<f64> {
+        let text = http_get(self.metrics_port, "/metrics").await?;
+        let wanted = format!("{name}{{{labels}}} ");
+        text.lines()
+            .find_map(|l| l.strip_prefix(&wanted))
+            .and_then(|v| v.parse().ok())
     }
 
     /// Waits until the metric reaches at least `at_least`; on timeout, panics with the end of
