@@ -142,6 +142,13 @@ impl Partition {
     pub(crate) fn pace(&self) -> Pace {
         Pace::of(self.read_to, self.log_end, self.reading)
     }
+
+    /// Whether its buffer must be flushed at `now`: due at its pace, or so full that fetching
+    /// was paused (whatever the pace is now: a partition paused at the live limits may look
+    /// behind since it stopped reading).
+    fn flush_due(&self, limits: &Limits, pace: Pace, now: Instant) -> bool {
+        self.paused || self.buffer.is_due(limits, pace, &self.clock, now)
+    }
 }
 
 /// Where a partition's ownership stands.
@@ -191,7 +198,7 @@ pub(crate) enum Report {
 /// The owned partitions.
 #[derive(Debug, Default)]
 pub(crate) struct Partitions {
-    pub(crate) map: HashMap<i32, Partition>,
+    pub(crate) map: HashMap<i32, Partition, foldhash::fast::RandomState>,
     pub(crate) next_generation: u64,
 }
 
@@ -457,11 +464,7 @@ impl<S: Sink> Shared<S> {
             let pace = st.pace();
             st.reading = false;
             catching_up += usize::from(pace == Pace::CatchingUp);
-            if st.in_flight.is_none()
-                && st
-                    .buffer
-                    .is_due(&self.settings.limits, pace, &st.clock, now)
-            {
+            if st.in_flight.is_none() && st.flush_due(&self.settings.limits, pace, now) {
                 self.start_flush(partition, st);
             }
             if st.in_flight.is_none()
@@ -493,12 +496,13 @@ impl<S: Sink> Shared<S> {
         let cancel = self.hard_stop.clone();
         let done_tx = self.done_tx.clone();
         let generation = st.generation;
-        let warm = flusher
-            .trending
-            .as_ref()
-            .map(|t| t.observe(&batch))
-            .unwrap_or_default();
         let handle = tokio::spawn(async move {
+            // In the task, not the consume loop: feeding the sketches costs a hash per counter.
+            let warm = flusher
+                .trending
+                .as_ref()
+                .map(|t| t.observe(&batch))
+                .unwrap_or_default();
             let outcome = flusher.flush(partition, batch, owner, &cancel).await;
             // The loop may be gone (shutdown); the outcome is also the task's output.
             let _ = done_tx.send(Report::Flushed {
@@ -632,10 +636,7 @@ impl<S: Sink> Shared<S> {
             self.durable(consumer, partition, next_offset);
         }
         let pace = st.pace();
-        if st
-            .buffer
-            .is_due(&self.settings.limits, pace, &st.clock, Instant::now())
-        {
+        if st.flush_due(&self.settings.limits, pace, Instant::now()) {
             self.start_flush(partition, st);
         }
         if st.paused && !st.buffer.is_overfull(self.settings.limits.size(pace)) {

@@ -10,8 +10,11 @@
 //!   misspelt `"detla": 5` must not silently count as 1).
 //!
 //! [`decode`] tells the two apart by the first byte and returns a borrowed, validated
-//! [`EventRef`]; bincode is used only inside this module, so it can be swapped for another
+//! [`EventRef`] (JSON in the common shape through a fast reader of our own, `json`, anything
+//! else through serde_json); bincode is used only inside this module, so it can be swapped for another
 //! encoding behind a new envelope version. The format is documented in `docs/wire-format.md`.
+
+mod json;
 
 use std::borrow::Cow;
 
@@ -237,10 +240,14 @@ pub fn decode(payload: &[u8], max_bytes: usize) -> Result<EventRef<'_>, DecodeEr
                 version: first & 0x0F,
             });
         }
-        b'{' | b' ' | b'\t' | b'\r' | b'\n' => serde_json::from_slice::<EventRef<'_>>(payload)
-            .map_err(|e| DecodeError::Json {
-                message: e.to_string(),
-            })?,
+        b'{' | b' ' | b'\t' | b'\r' | b'\n' => match json::parse(payload) {
+            Some(event) => event,
+            None => {
+                serde_json::from_slice::<EventRef<'_>>(payload).map_err(|e| DecodeError::Json {
+                    message: e.to_string(),
+                })?
+            }
+        },
         _ => return Err(DecodeError::UnknownFormat { first }),
     };
     event.validate()?;
