@@ -143,7 +143,7 @@ pub struct Settings {
     /// While a partition catches up (its log holds at least 1,000 events more than it has read), flush its buffer once it holds this many events, not by the clock [default: 1000000]
     #[arg(long, env = "TALLY_CATCH_UP_MAX_BATCH_EVENTS")]
     pub catch_up_max_batch_events: Option<usize>,
-    /// While a partition catches up, flush its buffer once it holds this many distinct (group, counter) pairs; bounds a catch-up flush script as --max-batch-counters bounds a live one [default: 10000]
+    /// While a partition catches up, flush its buffer once it holds this many distinct (group, counter) pairs; bounds a catch-up flush script as --max-batch-counters bounds a live one [default: 15000]
     #[arg(long, env = "TALLY_CATCH_UP_MAX_BATCH_COUNTERS")]
     pub catch_up_max_batch_counters: Option<usize>,
     /// While a partition catches up, flush its buffer at least this often, in ms, so its offsets move and its counts show [default: 10000]
@@ -393,7 +393,7 @@ impl Settings {
         )?;
         let catch_up_max_counters = positive(
             "catch_up_max_batch_counters",
-            self.catch_up_max_batch_counters.unwrap_or(10_000) as u64,
+            self.catch_up_max_batch_counters.unwrap_or(15_000) as u64,
         )?;
         let catch_up_interval_ms = positive(
             "catch_up_flush_interval_ms",

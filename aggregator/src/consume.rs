@@ -5,8 +5,8 @@
 //! partition's [`Batch`] (or, if malformed, into the batch's dead letters), and starts a flush as
 //! a separate task when the batch is due, so that polling goes on while Redis is slow or down:
 //! the consumer keeps its group membership (`max.poll.interval.ms` never expires), and a
-//! partition whose next buffer reaches twice the limits while its previous flush is still in flight is *paused* until that
-//! flush lands. Each partition has at most one flush in flight, so flushes land in offset order.
+//! partition whose next buffer reaches its pause size (`Limits::pause_size`) while its previous
+//! flush is still in flight is *paused* until that flush lands. Each partition has at most one flush in flight, so flushes land in offset order.
 //!
 //! # Offsets
 //! **An offset is committed only after everything before it is durable**: the loop commits a
@@ -442,13 +442,12 @@ impl<S: Sink> Shared<S> {
                 );
             }
         }
-        let size = self.settings.limits.size(st.pace());
-        if st.buffer.is_full(size) {
+        let limits = &self.settings.limits;
+        let pace = st.pace();
+        if st.buffer.is_full(limits.size(pace)) {
             if st.in_flight.is_none() {
                 self.start_flush(partition, st);
-            } else if !st.paused && st.buffer.is_overfull(size) {
-                // Buffering goes on while the previous flush lands, up to twice the limits:
-                // pausing makes librdkafka drop what it prefetched and fetch it again.
+            } else if !st.paused && st.buffer.is_full(&limits.pause_size(pace)) {
                 self.set_paused(consumer, partition, true);
                 st.paused = true;
             }
@@ -639,7 +638,7 @@ impl<S: Sink> Shared<S> {
         if st.flush_due(&self.settings.limits, pace, Instant::now()) {
             self.start_flush(partition, st);
         }
-        if st.paused && !st.buffer.is_overfull(self.settings.limits.size(pace)) {
+        if st.paused && !st.buffer.is_full(&self.settings.limits.pause_size(pace)) {
             self.set_paused(consumer, partition, false);
             st.paused = false;
         }

@@ -110,13 +110,10 @@ fn settings_labels(config: &Config) -> [&'static str; 3] {
 /// Runs the aggregator until `shutdown` fires: serves metrics, consumes, flushes, and drains.
 pub async fn run(config: Config, shutdown: CancellationToken) -> Result<RunSummary, StartError> {
     let metrics = Arc::new(metrics::Metrics::new());
+    // The most a partition buffers: its pause size, live or catching up.
     metrics.started(
         settings_labels(&config),
-        2 * config
-            .limits
-            .live
-            .max_events
-            .max(config.limits.catch_up.max_events),
+        (2 * config.limits.live.max_events).max(config.limits.catch_up.max_events),
     );
     let probes = Arc::new(http::Probes {
         metrics: metrics.clone(),
