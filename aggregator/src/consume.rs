@@ -6,7 +6,8 @@
 //! a separate task when the batch is due, so that polling goes on while Redis is slow or down:
 //! the consumer keeps its group membership (`max.poll.interval.ms` never expires), and a
 //! partition whose next buffer reaches its pause size (`Limits::pause_size`) while its previous
-//! flush is still in flight is *paused* until that flush lands. Each partition has at most one flush in flight, so flushes land in offset order.
+//! flush is still in flight is *paused* until that flush lands. Each partition has at most one
+//! flush in flight, so flushes land in offset order.
 //!
 //! # Offsets
 //! **An offset is committed only after everything before it is durable**: the loop commits a
@@ -131,7 +132,8 @@ pub(crate) struct Partition {
     pub(crate) confirmed: Instant,
     /// The offset after the last message handled in this position (`None` until the first).
     pub(crate) read_to: Option<i64>,
-    /// Where the partition's log ended (its last stable offset) at the last statistics report.
+    /// Where the partition's log ended: its high watermark when it was acquired, then its last
+    /// stable offset at each statistics report.
     pub(crate) log_end: Option<i64>,
     /// Whether messages reached it since the last tick.
     pub(crate) reading: bool,
@@ -281,12 +283,6 @@ impl<S: Sink> Aggregator<S> {
             // last flush on the same topic, two runs each: 1 ms 622-623k, 10 ms 633-667k,
             // 50 ms 608-621k, 200 ms 475-518k events/s.
             ("fetch.queue.backoff.ms", "10"),
-            // How long librdkafka waits before fetching a partition whose last fetch failed,
-            // and (seen here) before the first fetch of a partition resumed after a pause:
-            // exactly-once partitions start paused while their fences are stamped, and with the
-            // default 500 ms the first events of a 2 M catch-up arrived 620 ms after launch
-            // (110 ms with 10 ms). 100 ms is the Java consumer's retry backoff.
-            ("fetch.error.backoff.ms", "100"),
             // Partitions added to the topic are noticed at the next metadata refresh (which
             // starts the rebalance that assigns them): librdkafka's default is 5 minutes.
             ("topic.metadata.refresh.interval.ms", "5000"),
