@@ -222,26 +222,30 @@ impl<S: Sink> Shared<S> {
 
 impl<S: Sink> ClientContext for AggregatorContext<S> {
     fn stats(&self, statistics: Statistics) {
-        let Some(topic) = statistics.topics.get(&self.shared.settings.topic) else {
-            return;
-        };
-        let lags = topic
-            .partitions
-            .iter()
-            .filter(|(p, s)| **p >= 0 && s.consumer_lag >= 0)
+        let partitions = statistics
+            .topics
+            .get(&self.shared.settings.topic)
+            .into_iter()
+            .flat_map(|t| t.partitions.iter())
+            .filter(|(p, _)| **p >= 0);
+        // A report without the topic (no partition owned) clears the lag gauge.
+        let lags = partitions
+            .clone()
+            .filter(|(_, s)| s.consumer_lag >= 0)
             .map(|(p, s)| (*p, s.consumer_lag));
         self.shared.metrics.consumer_lag(lags);
         // Where each owned partition's log ends, for its pace: the last stable offset (what a
-        // read_committed consumer can read), the high watermark where that is unknown.
+        // read_committed consumer can read), the high watermark where that is unknown. A
+        // partition not fetched yet reports neither; it keeps the end read at its acquisition.
         let mut parts = lock(&self.shared.partitions);
-        for (partition, stats) in &topic.partitions {
-            if let Some(st) = parts.map.get_mut(partition) {
-                let end = if stats.ls_offset >= 0 {
-                    stats.ls_offset
-                } else {
-                    stats.hi_offset
-                };
-                st.log_end = (end >= 0).then_some(end);
+        for (partition, stats) in partitions {
+            let end = if stats.ls_offset >= 0 {
+                stats.ls_offset
+            } else {
+                stats.hi_offset
+            };
+            if let Some(st) = parts.map.get_mut(partition).filter(|_| end >= 0) {
+                st.log_end = Some(end);
             }
         }
     }

@@ -87,7 +87,7 @@ fn targets(r: &Results) -> Vec<Target> {
             name: "catch-up (exactly-once) / naive consumer",
             value: ratio(
                 eo.map(|c| c.run.events_per_second),
-                rate(&r.naive.as_ref().map(|c| c.run.clone())),
+                r.naive.as_ref().map(|c| c.run.events_per_second),
             ),
             bound: 30.0,
             at_least: true,
