@@ -452,6 +452,21 @@ impl Settings {
                 why: "namespaces that deduplicate need exactly-once delivery".to_owned(),
             });
         }
+        // Exactly-once resumes a partition by seeking to an absolute offset (the ledger's, or the
+        // log's low watermark). If retention deletes past it before the fetch, librdkafka applies
+        // `auto.offset.reset`: `latest` would then skip every event in between, silently.
+        if let Some(reset) = self.kafka.get("auto.offset.reset")
+            && delivery == Delivery::ExactlyOnce
+            && !matches!(reset.as_str(), "earliest" | "smallest" | "beginning" | "error")
+        {
+            return Err(ConfigError::Invalid {
+                name: "kafka.auto.offset.reset",
+                why: format!(
+                    "{reset:?} would skip events whose offsets retention deleted under a resuming \
+                     partition; exactly-once needs earliest (the default) or error"
+                ),
+            });
+        }
         let redis_url = self
             .redis_url
             .unwrap_or_else(|| "redis://127.0.0.1:6379".to_owned());
@@ -719,6 +734,25 @@ mod tests {
             })
         ));
         std::fs::remove_dir_all(dir).ok();
+    }
+
+    #[test]
+    fn exactly_once_refuses_an_offset_reset_that_skips_events() {
+        let with = |delivery, reset: &str| Settings {
+            delivery: Some(delivery),
+            kafka: [("auto.offset.reset".to_owned(), reset.to_owned())].into(),
+            ..Settings::default()
+        };
+        assert!(matches!(
+            with(Delivery::ExactlyOnce, "latest").resolve(),
+            Err(ConfigError::Invalid {
+                name: "kafka.auto.offset.reset",
+                ..
+            })
+        ));
+        assert!(with(Delivery::ExactlyOnce, "earliest").resolve().is_ok());
+        assert!(with(Delivery::ExactlyOnce, "error").resolve().is_ok());
+        assert!(with(Delivery::AtLeastOnce, "latest").resolve().is_ok());
     }
 
     #[test]

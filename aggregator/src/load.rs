@@ -8,7 +8,6 @@
 
 use std::borrow::Cow;
 use std::collections::HashMap;
-use std::fmt::Write as _;
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
@@ -65,7 +64,7 @@ impl Default for LoadSpec {
             negative_share: 0.0,
             actors: 10_000,
             seed: 42,
-            window: 50_000,
+            window: 400_000,
             hot_share: 0.0,
             distinct: false,
         }
@@ -185,11 +184,97 @@ impl Acks {
     }
 }
 
+/// One event's random choices: its counter, delta and actor (`u32::MAX`: none).
+#[derive(Debug, Clone, Copy)]
+struct Draw {
+    /// The counter index.
+    counter: CounterIndex,
+    /// The delta.
+    delta: i32,
+    /// The actor index, `NO_ACTOR` when the event carries none.
+    actor: u32,
+}
+
+/// [`Draw::actor`] of an event without an actor.
+const NO_ACTOR: u32 = u32::MAX;
+
+/// Most events an unpaced load draws before its clock starts (12 bytes each: 1.2 GB); a larger
+/// load draws each event as it sends it.
+const MAX_PREDRAWN: u64 = 100_000_000;
+
+/// Draws events from a seeded generator, the same sequence for the same spec.
+struct Generator<'a> {
+    spec: &'a LoadSpec,
+    rng: StdRng,
+    zipf: Zipf<f64>,
+}
+
+impl<'a> Generator<'a> {
+    fn new(spec: &'a LoadSpec) -> Result<Self, LoadError> {
+        let zipf = Zipf::new(spec.counters as f64, spec.zipf)
+            .map_err(|_| LoadError::Spec("the Zipf exponent must be 0 or more"))?;
+        if spec.actors >= u64::from(NO_ACTOR) {
+            return Err(LoadError::Spec("at most 2^32 - 2 actors"));
+        }
+        Ok(Self {
+            spec,
+            rng: StdRng::seed_from_u64(spec.seed),
+            zipf,
+        })
+    }
+
+    /// Event `i`'s draw.
+    fn draw(&mut self, i: u64) -> Draw {
+        let spec = self.spec;
+        let counter: CounterIndex = if spec.distinct {
+            i as CounterIndex + 1
+        } else if spec.hot_share > 0.0 && self.rng.random_bool(spec.hot_share.clamp(0.0, 1.0)) {
+            0
+        } else {
+            self.zipf.sample(&mut self.rng) as CounterIndex
+        };
+        let mut delta = self.rng.random_range(1..=spec.max_delta);
+        if self.rng.random_bool(spec.negative_share.clamp(0.0, 1.0)) {
+            delta = -delta;
+        }
+        let actor = if spec.actors > 0 {
+            self.rng.random_range(0..spec.actors) as u32
+        } else {
+            NO_ACTOR
+        };
+        Draw {
+            counter,
+            delta: i32::try_from(delta).expect("LoadSpec::check bounds deltas to i32"),
+            actor,
+        }
+    }
+}
+
+/// A counter index's id: index 0 is `<prefix>hot`, any other `n` is `<prefix><n>` (`<prefix><n -
+/// 1>` for a load of distinct counters, whose event `i` goes to index `i + 1`).
+fn counter_name(spec: &LoadSpec, index: usize) -> String {
+    if index == 0 {
+        format!("{}hot", spec.counter_prefix)
+    } else if spec.distinct {
+        format!("{}{}", spec.counter_prefix, index - 1)
+    } else {
+        format!("{}{index}", spec.counter_prefix)
+    }
+}
+
 fn run_blocking(config: &ProducerConfig, spec: &LoadSpec) -> Result<LoadReport, LoadError> {
     let slots = spec.check()?;
-    let mut rng = StdRng::seed_from_u64(spec.seed);
-    let zipf = Zipf::new(spec.counters as f64, spec.zipf)
-        .map_err(|_| LoadError::Spec("the Zipf exponent must be 0 or more"))?;
+    let mut generator = Generator::new(spec)?;
+    // Every counter and actor id is formatted once, not once per event.
+    let counters: Vec<String> = (0..slots).map(|index| counter_name(spec, index)).collect();
+    let actors: Vec<String> = (0..spec.actors).map(|n| format!("u{n}")).collect();
+    // An unpaced load measures the producer, so its events are drawn before the clock starts,
+    // as a yardstick's input file is written before it starts; a paced one draws as it goes.
+    let predrawn: Vec<Draw> = if spec.rate == 0 && spec.events <= MAX_PREDRAWN {
+        (0..spec.events).map(|i| generator.draw(i)).collect()
+    } else {
+        Vec::new()
+    };
     let acks = Arc::new(Acks {
         totals: (0..slots).map(|_| AtomicI64::new(0)).collect(),
         seen: (0..slots).map(|_| AtomicBool::new(false)).collect(),
@@ -206,7 +291,6 @@ fn run_blocking(config: &ProducerConfig, spec: &LoadSpec) -> Result<LoadReport, 
         Err(e) => reports.fail(&e),
     })
     .map_err(LoadError::Producer)?;
-    let (mut counter, mut actor) = (String::new(), String::new());
     let window = spec.window.max(1);
     let started = Instant::now();
     let mut ts_ms = now_ms();
@@ -215,52 +299,28 @@ fn run_blocking(config: &ProducerConfig, spec: &LoadSpec) -> Result<LoadReport, 
         if i % 256 == 0 {
             ts_ms = now_ms();
         }
-        let index: CounterIndex = if spec.distinct {
-            i as CounterIndex + 1
-        } else if spec.hot_share > 0.0 && rng.random_bool(spec.hot_share.clamp(0.0, 1.0)) {
-            0
-        } else {
-            zipf.sample(&mut rng) as CounterIndex
+        let draw = match predrawn.get(i as usize) {
+            Some(draw) => *draw,
+            None => generator.draw(i),
         };
-        counter.clear();
-        counter.push_str(&spec.counter_prefix);
-        if index == 0 {
-            counter.push_str("hot");
-        } else {
-            let n = if spec.distinct { i } else { u64::from(index) };
-            let _ = write!(counter, "{n}");
-        }
-        let mut delta = rng.random_range(1..=spec.max_delta);
-        if rng.random_bool(spec.negative_share.clamp(0.0, 1.0)) {
-            delta = -delta;
-        }
-        let has_actor = spec.actors > 0;
-        if has_actor {
-            actor.clear();
-            let _ = write!(actor, "u{}", rng.random_range(0..spec.actors));
-        }
         if spec.rate > 0 && i % 100 == 0 {
             let due = started + Duration::from_secs_f64(i as f64 / spec.rate as f64);
             while let Some(wait) = due.checked_duration_since(Instant::now()) {
-                // librdkafka's poll takes whole milliseconds: a shorter wait would spin.
-                if wait >= Duration::from_millis(1) {
-                    producer.poll(wait);
-                } else {
-                    std::thread::sleep(wait);
-                }
+                producer.poll(wait);
             }
         }
         while i % 64 == 0 && producer.in_flight() >= window {
             producer.poll(Duration::from_millis(1));
         }
         let event = EventRef {
-            counter: Cow::Borrowed(&counter),
-            delta,
-            actor: has_actor.then_some(Cow::Borrowed(actor.as_str())),
+            counter: Cow::Borrowed(&counters[draw.counter as usize]),
+            delta: i64::from(draw.delta),
+            actor: (draw.actor != NO_ACTOR)
+                .then(|| Cow::Borrowed(actors[draw.actor as usize].as_str())),
             ts_ms,
             event_id: None,
         };
-        if let Err(e) = producer.send(&event, token(index, delta)) {
+        if let Err(e) = producer.send(&event, token(draw.counter, i64::from(draw.delta))) {
             acks.fail(&e);
         }
     }
@@ -270,18 +330,9 @@ fn run_blocking(config: &ProducerConfig, spec: &LoadSpec) -> Result<LoadReport, 
     if let Err(e) = flushed {
         acks.fail(&e);
     }
-    let name = |index: usize| {
-        if index == 0 {
-            format!("{}hot", spec.counter_prefix)
-        } else if spec.distinct {
-            format!("{}{}", spec.counter_prefix, index - 1)
-        } else {
-            format!("{}{index}", spec.counter_prefix)
-        }
-    };
     let totals = (acks.totals.iter().zip(&acks.seen).enumerate())
         .filter(|(_, (_, seen))| seen.load(Ordering::Relaxed))
-        .map(|(index, (total, _))| (name(index), total.load(Ordering::Relaxed)))
+        .map(|(index, (total, _))| (counters[index].clone(), total.load(Ordering::Relaxed)))
         .collect();
     let acked = acks.acked.load(Ordering::Relaxed);
     let first_error = acks

@@ -37,6 +37,10 @@ pub const BULK_LINGER_MS: &str = "20";
 /// How long a send waits for room in a full librdkafka queue before trying again.
 const QUEUE_FULL_WAIT: Duration = Duration::from_millis(1);
 
+/// Most reports served by one [`BulkProducer::serve_reports`] call, so that a stream of reports
+/// cannot keep the sending thread from sending.
+const MAX_REPORT_EVENTS: u32 = 64;
+
 /// The librdkafka context that hands each delivery report to the owner's callback.
 struct Reports<F> {
     /// The callback.
@@ -140,7 +144,7 @@ where
             match self.inner.send(record) {
                 Ok(()) => break,
                 Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), _)) => {
-                    self.inner.poll(QUEUE_FULL_WAIT);
+                    self.poll(QUEUE_FULL_WAIT);
                 }
                 Err((e, _)) => return Err(ProduceError::Kafka(e)),
             }
@@ -148,14 +152,39 @@ where
         self.unpolled += 1;
         if self.unpolled >= POLL_EVERY_SENDS {
             self.unpolled = 0;
-            self.inner.poll(Duration::ZERO);
+            self.serve_reports();
         }
         Ok(())
     }
 
-    /// Handles delivery reports for `timeout` (also a way to wait while pacing sends).
+    /// Handles the delivery reports librdkafka has ready, then sleeps for `timeout` unless one
+    /// was handled (a way to wait for room, or to pace sends).
+    ///
+    /// It never hands `timeout` to librdkafka: rust-rdkafka's `poll` loops until its deadline and
+    /// asks librdkafka to wait in whole milliseconds rounded down, so the last millisecond of
+    /// every wait (all of a 1 ms wait) was a busy loop of clock reads and empty polls, taking a
+    /// core from the broker thread. Measured with `perf record -e cpu-clock` on `tally load
+    /// --routing random`: 19% of the samples were `clock_gettime`, half of them in that loop.
     pub fn poll(&self, timeout: Duration) {
-        self.inner.poll(timeout);
+        if self.serve_reports() == 0 && !timeout.is_zero() {
+            std::thread::sleep(timeout);
+        }
+    }
+
+    /// Handles the delivery reports librdkafka has ready, without waiting, and returns how many
+    /// events they freed (reports arrive one produce request at a time, many events each).
+    fn serve_reports(&self) -> u32 {
+        let mut freed = 0;
+        for _ in 0..MAX_REPORT_EVENTS {
+            let before = self.inner.in_flight_count();
+            self.inner.poll(Duration::ZERO);
+            let after = self.inner.in_flight_count();
+            if after >= before {
+                break;
+            }
+            freed += u32::try_from(before - after).unwrap_or(0);
+        }
+        freed
     }
 
     /// Events handed over and not yet reported.
