@@ -15,6 +15,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use serde::Deserialize;
+use tally_common::defaults;
 use tally_common::keyspace::KeyspaceError;
 use tally_common::namespace::NamespaceError;
 use tally_common::{GroupingRule, Keyspace, Namespaces, Policy};
@@ -419,10 +420,10 @@ impl Settings {
             "check_idle_interval_ms",
             self.check_idle_interval_ms.unwrap_or(5_000),
         )?;
-        let topic = self.topic.unwrap_or_else(|| "tally.events".to_owned());
+        let topic = self.topic.unwrap_or_else(|| defaults::TOPIC.to_owned());
         let dead_letter_topic = self
             .dead_letter_topic
-            .unwrap_or_else(|| "tally.events.dlq".to_owned());
+            .unwrap_or_else(|| defaults::DEAD_LETTER_TOPIC.to_owned());
         if topic == dead_letter_topic {
             return Err(ConfigError::Invalid {
                 name: "dead_letter_topic",
@@ -457,7 +458,10 @@ impl Settings {
         // `auto.offset.reset`: `latest` would then skip every event in between, silently.
         if let Some(reset) = self.kafka.get("auto.offset.reset")
             && delivery == Delivery::ExactlyOnce
-            && !matches!(reset.as_str(), "earliest" | "smallest" | "beginning" | "error")
+            && !matches!(
+                reset.as_str(),
+                "earliest" | "smallest" | "beginning" | "error"
+            )
         {
             return Err(ConfigError::Invalid {
                 name: "kafka.auto.offset.reset",
@@ -469,7 +473,7 @@ impl Settings {
         }
         let redis_url = self
             .redis_url
-            .unwrap_or_else(|| "redis://127.0.0.1:6379".to_owned());
+            .unwrap_or_else(|| defaults::REDIS_URL.to_owned());
         let redis_atomicity = self.redis_atomicity.unwrap_or_default();
         if redis_atomicity == Atomicity::Transactions
             && tally_common::connection::is_cluster_url(&redis_url)
@@ -481,9 +485,9 @@ impl Settings {
             });
         }
         Ok(Config {
-            brokers: self.brokers.unwrap_or_else(|| "127.0.0.1:9092".to_owned()),
+            brokers: self.brokers.unwrap_or_else(|| defaults::BROKERS.to_owned()),
             topic,
-            group: self.group.unwrap_or_else(|| "tally-aggregator".to_owned()),
+            group: self.group.unwrap_or_else(|| defaults::GROUP.to_owned()),
             redis_url,
             limits: Limits {
                 flush_interval: Duration::from_millis(flush_interval_ms),
@@ -502,8 +506,9 @@ impl Settings {
                 .unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 9464))),
             dead_letter_topic,
             keyspace: Keyspace::new(
-                self.key_prefix.unwrap_or_else(|| "tally".to_owned()),
-                self.shard_groups.unwrap_or(16),
+                self.key_prefix
+                    .unwrap_or_else(|| defaults::KEY_PREFIX.to_owned()),
+                self.shard_groups.unwrap_or(defaults::SHARD_GROUPS),
             )?,
             max_message_bytes: max_message_bytes as usize,
             shutdown_timeout: Duration::from_millis(shutdown_timeout_ms),
@@ -612,15 +617,27 @@ mod tests {
     }
 
     #[test]
-    fn defaults_match_the_documented_values() {
+    fn the_help_documents_the_defaults_applied() {
         let c = Settings::default().resolve().expect("valid");
-        assert_eq!(c.brokers, "127.0.0.1:9092");
-        assert_eq!(c.topic, "tally.events");
-        assert_eq!(c.group, "tally-aggregator");
-        assert_eq!(c.redis_url, "redis://127.0.0.1:6379");
-        assert_eq!(c.limits.flush_interval, Duration::from_millis(1000));
-        assert_eq!(c.metrics_addr.to_string(), "127.0.0.1:9464");
-        assert_eq!(c.dead_letter_topic, "tally.events.dlq");
+        let command = <Cli as clap::CommandFactory>::command();
+        let documented = |id: &str| {
+            let arg = command.get_arguments().find(|a| a.get_id() == id);
+            let help = arg.and_then(|a| a.get_help()).expect(id).to_string();
+            let (_, default) = help.rsplit_once("[default: ").expect(id);
+            default.strip_suffix(']').expect(id).to_owned()
+        };
+        assert_eq!(documented("brokers"), c.brokers);
+        assert_eq!(documented("topic"), c.topic);
+        assert_eq!(documented("group"), c.group);
+        assert_eq!(documented("redis_url"), c.redis_url);
+        assert_eq!(documented("dead_letter_topic"), c.dead_letter_topic);
+        assert_eq!(documented("key_prefix"), c.keyspace.prefix());
+        assert_eq!(documented("shard_groups"), c.keyspace.groups().to_string());
+        assert_eq!(documented("metrics_addr"), c.metrics_addr.to_string());
+        assert_eq!(
+            documented("flush_interval_ms"),
+            c.limits.flush_interval.as_millis().to_string()
+        );
         assert_eq!(c.keyspace, Keyspace::default());
         assert_eq!(c.delivery, Delivery::ExactlyOnce);
         assert_eq!(c.grouping, GroupingRule::ByPartition);

@@ -21,8 +21,6 @@
 //! - [`compact`]: collapsing cold counters' shares into one key, crash-safe (`tally compact`).
 //! - [`shard_monitor`]: raises the shard counts of directly written counters that run hot.
 //! - [`shutdown`]: signals into a cancellation token.
-//! - [`load`]: the traffic generator behind `tally load`.
-//! - [`verify`]: waiting until Redis holds known totals (`tally verify`, demo, tests).
 
 pub mod backoff;
 pub mod batch;
@@ -33,7 +31,6 @@ pub mod dead_letter;
 pub mod fence;
 pub mod flush;
 pub mod http;
-pub mod load;
 pub mod metrics;
 pub mod rebalance;
 pub mod secrets;
@@ -42,7 +39,6 @@ pub mod shutdown;
 pub mod sink;
 pub mod transactions;
 pub mod trending;
-pub mod verify;
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -10,6 +10,7 @@
 //! - [`namespace`]: [`Namespaces`], each namespace's [`Policy`] (dedup, write path, cache TTL,
 //!   grouping, display), read from one TOML file.
 //! - [`connection`]: [`RedisConn`], a standalone or cluster Redis connection.
+//! - [`defaults`]: the default brokers, topics, group, Redis URL, key prefix and shard groups.
 //! - [`reader`]: [`Reader`], exact counter totals by summing shards (`MGET`, pipelines).
 //! - [`cache`]: [`CachedReader`], totals cached per namespace TTL in the process and in Redis,
 //!   with one refresh per counter in flight (no stampede).
@@ -18,6 +19,7 @@
 pub mod cache;
 pub mod codec;
 pub mod connection;
+pub mod defaults;
 pub mod display;
 pub mod event;
 pub mod keyspace;

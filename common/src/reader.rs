@@ -112,6 +112,37 @@ impl Reader {
         Ok(top)
     }
 
+    /// `counter`'s share in each shard group, by group (`None` where it has no key), as
+    /// flushed so far; amounts in a compaction journal are not included.
+    pub async fn shares(&self, counter: &str) -> Result<Vec<Option<i64>>, ReadError> {
+        validate_counter(counter)?;
+        let ks = &self.keyspace;
+        let gets = (0..ks.groups())
+            .map(|group| {
+                let mut get = redis::cmd("GET");
+                get.arg(ks.counter_key(group, counter));
+                get
+            })
+            .collect();
+        let values: Vec<Option<String>> = query_each(&self.conn, gets).await?;
+        values
+            .iter()
+            .map(|v| v.as_deref().map(|v| parse_integer(counter, v)).transpose())
+            .collect()
+    }
+
+    /// How many shards a directly written counter is spread over (1 unless the shard monitor
+    /// raised it).
+    pub async fn direct_shards(&self, counter: &str) -> Result<u32, ReadError> {
+        validate_counter(counter)?;
+        let score: Option<f64> = redis::cmd("ZSCORE")
+            .arg(self.keyspace.shards_key())
+            .arg(counter)
+            .query_async(&mut self.conn.clone())
+            .await?;
+        Ok((score.unwrap_or(1.0) as u32).clamp(1, self.keyspace.groups()))
+    }
+
     /// The exact total of `counter` (0 if it was never written).
     pub async fn get(&self, counter: &str) -> Result<i64, ReadError> {
         Ok(self.get_many(&[counter]).await?[0])

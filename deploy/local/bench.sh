@@ -14,7 +14,7 @@ out=${BENCH_OUT:-bench-results}
 
 "$here/start.sh"
 log "building the release binaries (the first build takes a few minutes)"
-cargo build --release --locked --quiet --bins -p tally-aggregator -p tally-bench
+cargo build --release --locked --quiet --bins -p tally-aggregator -p tally-cli -p tally-bench
 mkdir -p "$out"
 if [[ " $* " != *" --only "* || " $* " == *micro* ]]; then
   log "criterion: decode + aggregate on one core"

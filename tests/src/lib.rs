@@ -25,7 +25,7 @@ use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use rdkafka::client::DefaultClientContext;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::{Offset, TopicPartitionList};
-use tally_aggregator::load::{self, LoadError, LoadReport, LoadSpec};
+use tally_cli::load::{self, LoadError, LoadReport, LoadSpec};
 use tally_common::{Keyspace, Reader, RedisConn};
 use tally_producer::ProducerConfig;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -1015,9 +1015,7 @@ fn dechunk(mut body: &str) -> Option<String> {
 /// Waits until every counter in `expected` reads exactly its expected total, or panics after
 /// `timeout` listing the first differences.
 pub async fn wait_for_totals(reader: &Reader, expected: &HashMap<String, i64>, timeout: Duration) {
-    if let Err(mismatch) =
-        tally_aggregator::verify::wait_for_totals(reader, expected, timeout).await
-    {
+    if let Err(mismatch) = tally_cli::verify::wait_for_totals(reader, expected, timeout).await {
         panic!("{mismatch}");
     }
 }

@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use tally_aggregator::load::LoadSpec;
+use tally_cli::load::LoadSpec;
 
 use crate::{
     AggregatorSetup, TempDir, assert_no_crossslot, finish_load, kill_repeatedly, reader, seed,

@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use tally_aggregator::load::LoadSpec;
+use tally_cli::load::LoadSpec;
 use tally_tests::scenarios::{scale_one_three_one, sigkill_storm, zombie_is_fenced_off};
 use tally_tests::{
     AggregatorSetup, RedisCluster, TempDir, assert_no_crossslot, finish_load, seed, start_load,

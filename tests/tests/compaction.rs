@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use rand::{Rng, SeedableRng};
 use tally_aggregator::compact::Compactor;
-use tally_aggregator::load::LoadSpec;
+use tally_cli::load::LoadSpec;
 use tally_common::keyspace::CompactionKey;
 use tally_common::{Keyspace, Namespaces, RedisConn};
 use tally_producer::DirectWriter;

@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use tally_aggregator::load::LoadSpec;
+use tally_cli::load::LoadSpec;
 use tally_tests::{
     AggregatorSetup, RedisServer, TempDir, below_and_above, finish_load, kill_repeatedly, seed,
     start_load, unique, wait_committed_to_end,

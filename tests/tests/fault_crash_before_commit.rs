@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use tally_aggregator::load::LoadSpec;
+use tally_cli::load::LoadSpec;
 use tally_tests::{
     AggregatorProcess, AggregatorSetup, RedisServer, TempDir, below_and_above, finish_load, seed,
     start_load, unique, wait_committed_to_end, wait_for_totals,
@@ -18,7 +18,7 @@ async fn crash_five_times(
     delivery: &str,
 ) -> (
     AggregatorSetup,
-    tally_aggregator::load::LoadReport,
+    tally_cli::load::LoadReport,
     RedisServer,
     AggregatorProcess,
     TempDir,

@@ -6,7 +6,7 @@
 
 use std::time::Duration;
 
-use tally_aggregator::load::LoadSpec;
+use tally_cli::load::LoadSpec;
 use tally_tests::{
     AggregatorSetup, RedisServer, TempDir, finish_load, seed, start_load, wait_for_totals,
 };

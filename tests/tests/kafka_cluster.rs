@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use tally_aggregator::load::LoadSpec;
+use tally_cli::load::LoadSpec;
 use tally_tests::kafka_cluster::KafkaCluster;
 use tally_tests::{
     AggregatorProcess, AggregatorSetup, RedisServer, TempDir, finish_load, serial, start_load_on,

@@ -8,7 +8,7 @@ use std::time::Duration;
 use rdkafka::ClientConfig;
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use serde_json::Value;
-use tally_aggregator::load::LoadSpec;
+use tally_cli::load::LoadSpec;
 use tally_tests::prometheus::{Prometheus, promtool};
 use tally_tests::{
     AggregatorSetup, RedisServer, TempDir, eventually, finish_load, http_get_status, serial,

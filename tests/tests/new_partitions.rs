@@ -6,7 +6,7 @@
 
 use std::time::{Duration, Instant};
 
-use tally_aggregator::load::LoadSpec;
+use tally_cli::load::LoadSpec;
 use tally_producer::ProducerConfig;
 use tally_tests::{
     AggregatorSetup, RedisServer, TempDir, add_partitions, brokers, finish_load, start_load_with,

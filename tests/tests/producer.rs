@@ -7,7 +7,7 @@ use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use tally_aggregator::load::{self, LoadSpec};
+use tally_cli::load::{self, LoadSpec};
 use tally_common::CounterEvent;
 use tally_common::codec::EventRef;
 use tally_producer::{BulkProducer, Delivered, ProduceError, Producer, ProducerConfig, Routing};

@@ -8,7 +8,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use tally_aggregator::load::LoadSpec;
+use tally_cli::load::LoadSpec;
 use tally_common::{CachedReader, Namespaces, Reader, RedisConn};
 use tally_producer::{Producer, ProducerConfig};
 use tally_tests::{

@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use tally_aggregator::load::LoadSpec;
+use tally_cli::load::LoadSpec;
 use tally_tests::{
     AggregatorSetup, RedisServer, TempDir, finish_load, start_load, wait_for_totals,
 };

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use tally_aggregator::load::LoadSpec;
+use tally_cli::load::LoadSpec;
 use tally_tests::{
     AggregatorSetup, RedisServer, TempDir, assert_committed_to_end, counters_in_redis, finish_load,
     start_load, wait_for_totals,

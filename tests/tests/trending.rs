@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use tally_aggregator::load::LoadSpec;
+use tally_cli::load::LoadSpec;
 use tally_common::{CachedReader, Namespaces, Policy};
 use tally_tests::{
     AggregatorSetup, RedisServer, TempDir, finish_load, reader, seed, start_load, wait_for_totals,

@@ -1,0 +1,441 @@
+//! `tally`: the command line for people. `tally get` reads totals (exact, or through the cache,
+//! or as displayed); `tally like`/`unlike`/`liked` act on one like per user; `tally shards` and
+//! `tally top` inspect; `tally compact` collapses cold counters; `tally load` generates traffic
+//! through the producer crate; `tally verify` waits for known totals. Each subcommand is one
+//! function below, reading and writing through the library types.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+use tally_aggregator::compact::Compactor;
+use tally_cli::load::{self, LoadSpec};
+use tally_cli::verify;
+use tally_common::{CachedReader, Keyspace, Namespaces, Reader, RedisConn, defaults};
+use tally_producer::{Producer, ProducerConfig, Routing};
+
+#[derive(Debug, Parser)]
+#[command(name = "tally", version, about = "Read and generate tally counters")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Print `<counter> <total>` for each counter: the exact sum of its shards, or with
+    /// `--cached` the total readers are served (cached for the namespace's TTL).
+    Get(GetArgs),
+    /// Like a counter as an actor (through Kafka): counted once in a namespace that deduplicates.
+    Like(LikeArgs),
+    /// Take back an actor's like of a counter (through Kafka).
+    Unlike(LikeArgs),
+    /// Collapse the shares of cold counters into one key each, crash-safe; once, or in a loop.
+    Compact(CompactArgs),
+    /// Show a counter's shard count, its share in each group, and each share's writes per
+    /// second over one second.
+    Shards(CounterArgs),
+    /// Print a namespace's fastest-moving counters over the last minute, busiest first.
+    Top(TopArgs),
+    /// Print whether an actor's like of a counter is counted (exit 1 if not).
+    Liked(LikedArgs),
+    /// Send generated counter events through the producer crate and print what was acknowledged.
+    Load(LoadArgs),
+    /// Wait until Redis holds exactly the totals in a file of `<counter> <total>` lines (as
+    /// written by `tally load --totals-out`), then print the largest; exit 1 on a mismatch.
+    Verify(VerifyArgs),
+}
+
+#[derive(Debug, clap::Args)]
+struct GetArgs {
+    /// Counter ids.
+    #[arg(required = true)]
+    counters: Vec<String>,
+    /// Read through the cache, as a service does.
+    #[arg(long)]
+    cached: bool,
+    /// Print the count as displayed to people (`10.2K`), in the namespace's style.
+    #[arg(long)]
+    display: bool,
+    #[command(flatten)]
+    redis: RedisArgs,
+}
+
+#[derive(Debug, clap::Args)]
+struct LikeArgs {
+    /// The counter.
+    counter: String,
+    /// Whose like.
+    actor: String,
+    #[command(flatten)]
+    kafka: KafkaArgs,
+}
+
+#[derive(Debug, clap::Args)]
+struct CompactArgs {
+    /// Keep compacting, one pass every --interval-ms, until SIGTERM/SIGINT.
+    #[arg(long = "loop")]
+    repeat: bool,
+    /// A counter is cold once its shares have not changed for this long, in ms (0: compact
+    /// every counter now).
+    #[arg(long, default_value_t = 60_000)]
+    cold_after_ms: u64,
+    /// Time between passes with --loop, in ms.
+    #[arg(long, default_value_t = 5_000)]
+    interval_ms: u64,
+    #[command(flatten)]
+    redis: RedisArgs,
+}
+
+#[derive(Debug, clap::Args)]
+struct CounterArgs {
+    /// The counter.
+    counter: String,
+    #[command(flatten)]
+    redis: RedisArgs,
+}
+
+#[derive(Debug, clap::Args)]
+struct TopArgs {
+    /// The namespace (`likes` for `likes:post:42`).
+    namespace: String,
+    /// How many.
+    #[arg(short, default_value_t = 10)]
+    k: usize,
+    #[command(flatten)]
+    redis: RedisArgs,
+}
+
+#[derive(Debug, clap::Args)]
+struct LikedArgs {
+    /// The counter.
+    counter: String,
+    /// Who.
+    actor: String,
+    #[command(flatten)]
+    redis: RedisArgs,
+}
+
+#[derive(Debug, clap::Args)]
+struct LoadArgs {
+    #[command(flatten)]
+    kafka: KafkaArgs,
+    /// Events to send.
+    #[arg(long, default_value_t = 100_000)]
+    events: u64,
+    /// Distinct counters.
+    #[arg(long, default_value_t = 1_000)]
+    counters: u64,
+    /// Zipf exponent of counter popularity (0 = uniform).
+    #[arg(long, default_value_t = 1.1)]
+    zipf: f64,
+    /// Events per second (0 = as fast as possible).
+    #[arg(long, default_value_t = 0)]
+    rate: u64,
+    /// Partitioning: counter, actor or random.
+    #[arg(long, default_value = "counter")]
+    routing: Routing,
+    /// Counter ids are `<prefix><n>`.
+    #[arg(long, default_value = "likes:post:")]
+    counter_prefix: String,
+    /// Deltas are drawn from 1..=max-delta.
+    #[arg(long, default_value_t = 1)]
+    max_delta: i64,
+    /// Share of events whose delta is negated (0..1).
+    #[arg(long, default_value_t = 0.0)]
+    negative_share: f64,
+    /// Distinct actors (0 = events carry no actor).
+    #[arg(long, default_value_t = 10_000)]
+    actors: u64,
+    /// Random seed.
+    #[arg(long, default_value_t = 42)]
+    seed: u64,
+    /// Share of events sent to one hot counter, `<prefix>hot` (0..1).
+    #[arg(long, default_value_t = 0.0)]
+    hot_share: f64,
+    /// One event per counter (`<prefix><i>` for event i): a stream of distinct counters.
+    #[arg(long)]
+    distinct: bool,
+    /// How many top counters to print.
+    #[arg(long, default_value_t = 10)]
+    top: usize,
+    /// Write every `<counter> <total>` sent to this file.
+    #[arg(long)]
+    totals_out: Option<PathBuf>,
+}
+
+#[derive(Debug, clap::Args)]
+struct VerifyArgs {
+    /// The totals file.
+    #[arg(long)]
+    totals: PathBuf,
+    /// Give up after this many seconds.
+    #[arg(long, default_value_t = 60)]
+    timeout_s: u64,
+    /// How many top counters to print.
+    #[arg(long, default_value_t = 10)]
+    top: usize,
+    #[command(flatten)]
+    redis: RedisArgs,
+}
+
+#[derive(Debug, clap::Args)]
+struct KafkaArgs {
+    /// Kafka bootstrap servers.
+    #[arg(long, env = "TALLY_BROKERS", default_value = defaults::BROKERS)]
+    brokers: String,
+    /// Topic to send to.
+    #[arg(long, env = "TALLY_TOPIC", default_value = defaults::TOPIC)]
+    topic: String,
+}
+
+#[derive(Debug, clap::Args)]
+struct RedisArgs {
+    /// Namespace policies (cache TTL, display style), as given to the aggregator.
+    #[arg(long, env = "TALLY_NAMESPACES")]
+    namespaces: Option<PathBuf>,
+    /// Redis URL.
+    #[arg(long, env = "TALLY_REDIS_URL", default_value = defaults::REDIS_URL)]
+    redis_url: String,
+    /// Key prefix.
+    #[arg(long, env = "TALLY_KEY_PREFIX", default_value = defaults::KEY_PREFIX)]
+    key_prefix: String,
+    /// Shard groups.
+    #[arg(long, env = "TALLY_SHARD_GROUPS", default_value_t = defaults::SHARD_GROUPS)]
+    shard_groups: u32,
+}
+
+impl RedisArgs {
+    fn namespaces(&self) -> anyhow::Result<Namespaces> {
+        Ok(match &self.namespaces {
+            Some(path) => Namespaces::from_file(path)?,
+            None => Namespaces::default(),
+        })
+    }
+
+    async fn reader(&self) -> anyhow::Result<Reader> {
+        let conn = RedisConn::connect(&self.redis_url).await?;
+        Ok(Reader::new(
+            conn,
+            Keyspace::new(self.key_prefix.clone(), self.shard_groups)?,
+        ))
+    }
+}
+
+impl KafkaArgs {
+    fn producer(&self) -> anyhow::Result<Producer> {
+        Ok(Producer::new(&ProducerConfig::new(
+            &self.brokers,
+            &self.topic,
+        ))?)
+    }
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<ExitCode> {
+    match Cli::parse().command {
+        Command::Get(args) => get(args).await,
+        Command::Like(args) => like(args, true).await,
+        Command::Unlike(args) => like(args, false).await,
+        Command::Compact(args) => compact(args).await,
+        Command::Shards(args) => shards(args).await,
+        Command::Top(args) => top(args).await,
+        Command::Liked(args) => liked(args).await,
+        Command::Load(args) => run_load(args).await,
+        Command::Verify(args) => run_verify(args).await,
+    }
+}
+
+async fn get(args: GetArgs) -> anyhow::Result<ExitCode> {
+    let namespaces = args.redis.namespaces()?;
+    let reader = CachedReader::new(args.redis.reader().await?, Arc::new(namespaces));
+    let totals = if args.cached {
+        reader.get_many(&args.counters).await?
+    } else {
+        let mut exact = Vec::with_capacity(args.counters.len());
+        for counter in &args.counters {
+            exact.push(reader.get_exact(counter).await?);
+        }
+        exact
+    };
+    let mut out = std::io::stdout().lock();
+    for (counter, total) in args.counters.iter().zip(totals) {
+        if args.display {
+            let style = reader.namespaces().policy(counter).display;
+            writeln!(out, "{counter} {}", tally_common::display(total, style))?;
+        } else {
+            writeln!(out, "{counter} {total}")?;
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `tally like` (`add`) and `tally unlike`.
+async fn like(args: LikeArgs, add: bool) -> anyhow::Result<ExitCode> {
+    let producer = args.kafka.producer()?;
+    if add {
+        producer.like(&args.counter, &args.actor).await?;
+    } else {
+        producer.unlike(&args.counter, &args.actor).await?;
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn compact(args: CompactArgs) -> anyhow::Result<ExitCode> {
+    let namespaces = Arc::new(args.redis.namespaces()?);
+    let reader = args.redis.reader().await?;
+    let compactor = Compactor::start(
+        reader.conn().clone(),
+        reader.keyspace().clone(),
+        namespaces,
+        Duration::from_millis(args.cold_after_ms),
+    )
+    .await?;
+    let cancel = tally_aggregator::shutdown::on_signals()?;
+    loop {
+        let r = compactor.pass().await?;
+        if !args.repeat || r.compacted + r.recovered + r.markers_dropped > 0 {
+            println!(
+                "{} candidates: {} compacted in {} moves, {} interrupted moves finished, {} markers dropped",
+                r.candidates, r.compacted, r.moves, r.recovered, r.markers_dropped
+            );
+        }
+        if !args.repeat {
+            return Ok(ExitCode::SUCCESS);
+        }
+        tokio::select! {
+            () = cancel.cancelled() => return Ok(ExitCode::SUCCESS),
+            () = tokio::time::sleep(Duration::from_millis(args.interval_ms)) => {}
+        }
+    }
+}
+
+async fn shards(args: CounterArgs) -> anyhow::Result<ExitCode> {
+    let counter = &args.counter;
+    let reader = args.redis.reader().await?;
+    let ks = reader.keyspace();
+    let before = reader.shares(counter).await?;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let after = reader.shares(counter).await?;
+    println!(
+        "{counter}: {} direct-write shard(s); total {}",
+        reader.direct_shards(counter).await?,
+        reader.get(counter).await?
+    );
+    println!(
+        "{:>6} {:>6} {:>20} {:>10}",
+        "group", "shard", "value", "writes/s"
+    );
+    for (group, (value, earlier)) in (0..ks.groups()).zip(after.iter().zip(&before)) {
+        let Some(value) = value else {
+            continue;
+        };
+        let shard = (0..ks.groups()).find(|s| ks.shard_group(counter, *s) == group);
+        let rate = value - earlier.unwrap_or(0);
+        println!(
+            "{group:>6} {:>6} {value:>20} {rate:>10}",
+            shard.map_or("-".to_owned(), |s| s.to_string())
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn top(args: TopArgs) -> anyhow::Result<ExitCode> {
+    let reader = args.redis.reader().await?;
+    for (counter, activity) in reader.top(&args.namespace, args.k).await? {
+        println!("{counter} {activity}");
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn liked(args: LikedArgs) -> anyhow::Result<ExitCode> {
+    let reader = args.redis.reader().await?;
+    let liked = reader.has_liked(&args.counter, &args.actor).await?;
+    println!("{liked}");
+    Ok(if liked {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}
+
+async fn run_load(args: LoadArgs) -> anyhow::Result<ExitCode> {
+    let topic = &args.kafka.topic;
+    let config = ProducerConfig::new(&args.kafka.brokers, topic).routing(args.routing);
+    let spec = LoadSpec {
+        events: args.events,
+        counters: args.counters,
+        zipf: args.zipf,
+        rate: args.rate,
+        counter_prefix: args.counter_prefix,
+        max_delta: args.max_delta,
+        negative_share: args.negative_share,
+        actors: args.actors,
+        seed: args.seed,
+        hot_share: args.hot_share,
+        distinct: args.distinct,
+        ..LoadSpec::default()
+    };
+    let report = load::run(&config, &spec).await?;
+    println!(
+        "sent {} events ({} failed) over {} counters to {topic} in {:.2}s: {:.0} events/s",
+        report.acked,
+        report.failed,
+        report.totals.len(),
+        report.elapsed.as_secs_f64(),
+        report.events_per_second()
+    );
+    if args.top > 0 {
+        println!("top counters (as sent):");
+        for (counter, total) in report.top(args.top) {
+            println!("  {counter} {total}");
+        }
+    }
+    if let Some(path) = args.totals_out {
+        let mut lines: Vec<String> = (report.totals.iter())
+            .map(|(c, t)| format!("{c} {t}\n"))
+            .collect();
+        lines.sort();
+        std::fs::write(&path, lines.concat())
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    if let Some(error) = report.first_error {
+        eprintln!("{} events failed; first error: {error}", report.failed);
+        return Ok(ExitCode::FAILURE);
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn run_verify(args: VerifyArgs) -> anyhow::Result<ExitCode> {
+    let text = std::fs::read_to_string(&args.totals)
+        .with_context(|| format!("reading {}", args.totals.display()))?;
+    let expected = verify::parse_totals(&text).map_err(anyhow::Error::msg)?;
+    let reader = args.redis.reader().await?;
+    let timeout = Duration::from_secs(args.timeout_s);
+    let waited = match verify::wait_for_totals(&reader, &expected, timeout).await {
+        Ok(waited) => waited,
+        Err(mismatch) => {
+            eprintln!("{mismatch}");
+            return Ok(ExitCode::FAILURE);
+        }
+    };
+    println!(
+        "all {} counters match what was sent (waited {:.2}s)",
+        expected.len(),
+        waited.as_secs_f64()
+    );
+    let mut largest: Vec<(&String, &i64)> = expected.iter().collect();
+    largest.sort_by(|a, b| b.1.cmp(a.1).then(a.0.cmp(b.0)));
+    largest.truncate(args.top);
+    let names: Vec<&String> = largest.iter().map(|(c, _)| *c).collect();
+    let read = reader.get_many(&names).await?;
+    println!("{:<28} {:>12} {:>12}", "counter", "sent", "in redis");
+    for ((counter, sent), got) in largest.iter().zip(read) {
+        println!("{counter:<28} {sent:>12} {got:>12}");
+    }
+    Ok(ExitCode::SUCCESS)
+}
