@@ -602,7 +602,10 @@ mod tests {
     #[test]
     fn dead_letters_move_the_offset_and_count_as_events() {
         let mut b = Batch::default();
-        b.add_dead_letter(DeadLetter::for_test("undecodable"), 7);
+        b.add_dead_letter(
+            DeadLetter::for_test(tally_common::DeadLetterReason::Undecodable),
+            7,
+        );
         let sealed = b.seal().expect("not empty");
         assert!(sealed.groups.is_empty());
         assert_eq!(sealed.dead_letters.len(), 1);

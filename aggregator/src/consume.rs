@@ -35,7 +35,7 @@ use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
 use rdkafka::error::{KafkaError, KafkaResult};
 use rdkafka::message::{BorrowedMessage, Message};
 use rdkafka::{ClientConfig, Offset, TopicPartitionList};
-use tally_common::{Keyspace, Namespaces, codec};
+use tally_common::{DeadLetterReason, Keyspace, Namespaces, codec};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -411,7 +411,7 @@ impl<S: Sink> Shared<S> {
                         DeadLetter {
                             key: message.key().map(<[u8]>::to_vec),
                             payload: message.payload().map(<[u8]>::to_vec),
-                            reason: "missing_actor",
+                            reason: DeadLetterReason::MissingActor,
                             error: format!(
                                 "{} is in a namespace that counts one per actor, and the event names no actor",
                                 event.counter

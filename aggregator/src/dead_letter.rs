@@ -6,7 +6,7 @@
 //!
 //! | header | value |
 //! |---|---|
-//! | `tally-reason` | `undecodable`, `oversized`, `invalid_counter`, `invalid_delta` or `invalid_field` |
+//! | `tally-reason` | the [`DeadLetterReason`]: `undecodable`, `oversized`, `invalid_counter`, `invalid_delta`, `invalid_field`, `missing_actor`, or Redis's refusal of a summed delta (`overflow`, `wrong_type`, `not_an_integer`, `rejected`) |
 //! | `tally-error` | the full error message |
 //! | `tally-source-topic`, `tally-source-partition`, `tally-source-offset` | where it was read |
 //!
@@ -20,6 +20,7 @@ use rdkafka::error::KafkaError;
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
 use rdkafka::util::Timeout;
+use tally_common::DeadLetterReason;
 
 /// Header names, shared with tests and tools that read the dead-letter topic.
 pub mod headers {
@@ -42,8 +43,8 @@ pub struct DeadLetter {
     pub key: Option<Vec<u8>>,
     /// The original payload.
     pub payload: Option<Vec<u8>>,
-    /// The fixed reason label (see [`tally_common::DecodeError::reason`]).
-    pub reason: &'static str,
+    /// Why.
+    pub reason: DeadLetterReason,
     /// The full error message.
     pub error: String,
     /// Where it came from.
@@ -54,7 +55,7 @@ pub struct DeadLetter {
 
 impl DeadLetter {
     #[cfg(test)]
-    pub(crate) fn for_test(reason: &'static str) -> Self {
+    pub(crate) fn for_test(reason: DeadLetterReason) -> Self {
         Self {
             key: None,
             payload: Some(b"junk".to_vec()),
@@ -120,7 +121,7 @@ impl DeadLetterQueue {
         let partition = letter.partition.to_string();
         let offset = letter.offset.to_string();
         let headers = OwnedHeaders::new()
-            .insert(header(headers::REASON, letter.reason))
+            .insert(header(headers::REASON, letter.reason.as_str()))
             .insert(header(headers::ERROR, &letter.error))
             .insert(header(headers::SOURCE_TOPIC, &self.source_topic))
             .insert(header(headers::SOURCE_PARTITION, &partition))

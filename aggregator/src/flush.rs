@@ -25,7 +25,7 @@ use crate::batch::{GroupBatch, Member, SealedBatch};
 use crate::dead_letter::{DeadLetter, DeadLetterQueue};
 use crate::fence::{Owner, Watermark};
 use crate::metrics::Metrics;
-use crate::sink::{Applied, GroupWrite, Sink, SinkError, SinkErrorKind};
+use crate::sink::{Applied, GroupWrite, Refused, Rejection, Sink, SinkError, SinkErrorKind};
 
 /// How a flush ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -178,16 +178,20 @@ impl<S: Sink> Flusher<S> {
                         if !self.send_dead_letters(partition, &letters, cancel).await {
                             return Err(FlushOutcome::Cancelled);
                         }
-                        // Indexes past the deltas are memberships.
-                        let mut indexes: Vec<usize> = rejected.iter().map(|(i, _)| *i).collect();
-                        indexes.sort_unstable_by(|a, b| b.cmp(a));
-                        indexes.dedup();
-                        let n = deltas.len();
-                        for i in indexes {
-                            if i < n {
-                                deltas.swap_remove(i);
-                            } else {
-                                members.swap_remove(i - n);
+                        // Highest index first in each list, so that a removal never moves an
+                        // entry still to be removed.
+                        let mut refused: Vec<Refused> =
+                            rejected.iter().map(|r| r.refused).collect();
+                        refused.sort_unstable_by(|a, b| b.cmp(a));
+                        refused.dedup();
+                        for r in refused {
+                            match r {
+                                Refused::Delta(i) => {
+                                    deltas.swap_remove(i);
+                                }
+                                Refused::Member(i) => {
+                                    members.swap_remove(i);
+                                }
                             }
                         }
                     }
@@ -326,39 +330,32 @@ fn rejected_letters(
     next_offset: i64,
     deltas: &[(String, i64)],
     members: &[Member],
-    rejected: &[(usize, String)],
+    rejected: &[Rejection],
 ) -> Vec<DeadLetter> {
     rejected
         .iter()
-        .map(|(i, reason)| {
-            let (counter, payload, delta) = match deltas.get(*i) {
-                Some((counter, delta)) => (
-                    counter,
-                    serde_json::json!({ "counter": counter, "delta": delta }),
-                    *delta,
-                ),
-                None => {
-                    let m = &members[*i - deltas.len()];
+        .map(|rejection| {
+            let (counter, payload, delta) = match rejection.refused {
+                Refused::Delta(i) => {
+                    let (counter, delta) = &deltas[i];
+                    let payload = serde_json::json!({ "counter": counter, "delta": delta });
+                    (counter, payload, *delta)
+                }
+                Refused::Member(i) => {
+                    let m = &members[i];
                     let delta = if m.like { 1 } else { -1 };
-                    (
-                        &m.counter,
-                        serde_json::json!({ "counter": m.counter, "actor": m.actor, "delta": delta }),
-                        delta,
-                    )
+                    let payload = serde_json::json!({ "counter": m.counter, "actor": m.actor, "delta": delta });
+                    (&m.counter, payload, delta)
                 }
             };
             DeadLetter {
                 key: Some(counter.clone().into_bytes()),
                 payload: Some(payload.to_string().into_bytes()),
-                reason: match reason.as_str() {
-                    "overflow" => "overflow",
-                    "wrong_type" => "wrong_type",
-                    "not_an_integer" => "not_an_integer",
-                    _ => "rejected",
-                },
+                reason: rejection.reason,
                 error: format!(
-                    "the summed delta {delta} of {counter} (messages up to offset {}) cannot be added in group {group}: {reason}",
-                    next_offset - 1
+                    "the summed delta {delta} of {counter} (messages up to offset {}) cannot be added in group {group}: {}",
+                    next_offset - 1,
+                    rejection.reason
                 ),
                 partition,
                 offset: next_offset - 1,

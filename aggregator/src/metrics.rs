@@ -5,6 +5,8 @@
 
 use std::time::Duration;
 
+use tally_common::DeadLetterReason;
+
 use prometheus::{
     Encoder, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
     Registry, TextEncoder,
@@ -61,23 +63,6 @@ pub struct Metrics {
     /// 1 if Redis answered the last periodic `PING`, else 0.
     redis_up: IntGauge,
 }
-
-/// Every reason a message is dead-lettered for: the codec's (`DecodeError::reason`), the consume
-/// loop's (`missing_actor`) and Redis's refusals of a delta (`overflow`, `wrong_type`,
-/// `not_an_integer`, `rejected`). Each series starts at 0, so that the first dead letter of a
-/// reason is an increase Prometheus can see (a series born at 1 has no increase).
-pub const DEAD_LETTER_REASONS: [&str; 10] = [
-    "oversized",
-    "undecodable",
-    "invalid_counter",
-    "invalid_delta",
-    "invalid_field",
-    "missing_actor",
-    "overflow",
-    "wrong_type",
-    "not_an_integer",
-    "rejected",
-];
 
 /// How many ranks of hot counters [`Metrics::trending`] exports.
 pub const TRENDING_RANKS: usize = 5;
@@ -245,8 +230,12 @@ impl Metrics {
                 .register(c)
                 .expect("metric names are unique");
         }
-        for reason in DEAD_LETTER_REASONS {
-            metrics.events_dead_lettered.with_label_values(&[reason]);
+        // Every reason's series starts at 0, so that the first dead letter of a reason is an
+        // increase Prometheus can see (a series born at 1 has no increase).
+        for reason in DeadLetterReason::ALL {
+            metrics
+                .events_dead_lettered
+                .with_label_values(&[reason.as_str()]);
         }
         metrics
     }
@@ -257,8 +246,10 @@ impl Metrics {
     }
 
     /// A malformed message is safely in the dead-letter topic.
-    pub fn dead_lettered(&self, reason: &'static str) {
-        self.events_dead_lettered.with_label_values(&[reason]).inc();
+    pub fn dead_lettered(&self, reason: DeadLetterReason) {
+        self.events_dead_lettered
+            .with_label_values(&[reason.as_str()])
+            .inc();
     }
 
     /// A batch of `events` messages over `counters` counters became durable after `elapsed`.
@@ -390,7 +381,7 @@ mod tests {
     fn renders_every_metric_without_counter_ids() {
         let m = Metrics::new();
         m.consumed(3);
-        m.dead_lettered("undecodable");
+        m.dead_lettered(DeadLetterReason::Undecodable);
         m.batch_flushed(2, 1, Duration::from_millis(3));
         m.consumer_lag([(0, 5)]);
         m.group_membership(true);

@@ -22,7 +22,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use redis::ErrorKind;
-use tally_common::{Keyspace, RedisConn};
+use tally_common::{DeadLetterReason, Keyspace, RedisConn};
 
 use crate::batch::Member;
 use crate::config::Atomicity;
@@ -122,10 +122,39 @@ pub enum Applied {
     /// The group lost writes the writer had seen land (its ledger entry, or its fence, is older
     /// than the writer's): Redis came back from a crash with an older state. Nothing written.
     RolledBack,
-    /// Nothing written, because these deltas (by index; indexes past the deltas are
-    /// memberships) cannot be applied, with the reason (`overflow`, `wrong_type`,
-    /// `not_an_integer`).
-    Rejected(Vec<(usize, String)>),
+    /// Nothing written, because these deltas or memberships cannot be applied.
+    Rejected(Vec<Rejection>),
+}
+
+/// What a refused write could not apply, by its index in [`GroupWrite`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Refused {
+    /// `deltas[i]`.
+    Delta(usize),
+    /// `members[i]`.
+    Member(usize),
+}
+
+/// One delta or membership Redis cannot take, and why (`overflow`, `wrong_type`,
+/// `not_an_integer`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Rejection {
+    /// Which.
+    pub refused: Refused,
+    /// Why.
+    pub reason: DeadLetterReason,
+}
+
+impl GroupWrite<'_> {
+    /// What the script's 1-based `index` names: the deltas come first, then the memberships.
+    fn refused(&self, index: usize) -> Option<Refused> {
+        let deltas = self.deltas.len();
+        match index.checked_sub(1)? {
+            i if i < deltas => Some(Refused::Delta(i)),
+            i if i - deltas < self.members.len() => Some(Refused::Member(i - deltas)),
+            _ => None,
+        }
+    }
 }
 
 impl Applied {
@@ -397,11 +426,12 @@ impl RedisSink {
             Some("rejected") => reply[1..]
                 .chunks(2)
                 .map(|pair| match pair {
-                    [index, reason] => index
-                        .parse::<usize>()
-                        .ok()
-                        .filter(|i| (1..=write.deltas.len() + write.members.len()).contains(i))
-                        .map(|i| (i - 1, reason.clone()))
+                    [index, reason] => (index.parse().ok())
+                        .and_then(|i| write.refused(i))
+                        .map(|refused| Rejection {
+                            refused,
+                            reason: DeadLetterReason::from_script(reason),
+                        })
                         .ok_or_else(|| unexpected(&reply)),
                     _ => Err(unexpected(&reply)),
                 })
@@ -552,5 +582,67 @@ impl Sink for RedisSink {
             .arg(field)
             .query_async(&mut conn)
             .await?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeSet;
+
+    use super::*;
+
+    #[test]
+    fn every_reason_the_flush_script_gives_is_a_dead_letter_reason() {
+        // The refusals are `reason = '<label>'` and, in `refusal`, `return '<label>'`.
+        let script = include_str!("scripts/flush.lua");
+        let labels: BTreeSet<&str> = (script.lines().map(str::trim))
+            .filter_map(|line| {
+                let rest =
+                    (line.strip_prefix("reason = '")).or_else(|| line.strip_prefix("return '"))?;
+                rest.split('\'').next()
+            })
+            .collect();
+        let reasons: BTreeSet<DeadLetterReason> = (labels.iter())
+            .map(|label| label.parse().expect("a DeadLetterReason label"))
+            .collect();
+        assert_eq!(
+            reasons,
+            BTreeSet::from([
+                DeadLetterReason::Overflow,
+                DeadLetterReason::NotAnInteger,
+                DeadLetterReason::WrongType,
+            ])
+        );
+    }
+
+    #[test]
+    fn script_indexes_name_the_deltas_then_the_memberships() {
+        let deltas = [("a".to_owned(), 1), ("b".to_owned(), 2)];
+        let members = [Member {
+            counter: "c".to_owned(),
+            actor: "u".to_owned(),
+            like: true,
+        }];
+        let write = GroupWrite {
+            group: 0,
+            field: "t/0",
+            epoch: 1,
+            expected_ledger: -1,
+            next_offset: 1,
+            deltas: &deltas,
+            members: &members,
+            watermark: None,
+        };
+        let refused: Vec<Option<Refused>> = (0..5).map(|i| write.refused(i)).collect();
+        assert_eq!(
+            refused,
+            [
+                None,
+                Some(Refused::Delta(0)),
+                Some(Refused::Delta(1)),
+                Some(Refused::Member(0)),
+                None
+            ]
+        );
     }
 }

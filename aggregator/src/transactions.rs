@@ -20,10 +20,10 @@ use std::sync::Mutex;
 
 use redis::aio::MultiplexedConnection;
 use redis::{AsyncConnectionConfig, ErrorKind, Pipeline, ServerErrorKind, Value};
-use tally_common::Keyspace;
 use tally_common::connection::{DEFAULT_CONNECT_TIMEOUT, DEFAULT_RESPONSE_TIMEOUT};
+use tally_common::{DeadLetterReason, Keyspace};
 
-use crate::sink::{Applied, GroupWrite, SinkError, SinkErrorKind, Stamp};
+use crate::sink::{Applied, GroupWrite, Refused, Rejection, SinkError, SinkErrorKind, Stamp};
 
 /// How many times one operation starts over after a conflicting write before it reports a
 /// retryable error (the flush's own retry then backs off).
@@ -64,20 +64,29 @@ pub enum Current {
     WrongType,
 }
 
-/// Why these deltas cannot be applied, by index, with the reason the script gives.
-pub fn rejections(currents: &[Current], deltas: &[(String, i64)]) -> Vec<(usize, String)> {
-    currents
-        .iter()
-        .zip(deltas)
-        .enumerate()
+impl Current {
+    /// Why adding `delta` to this value is refused, the same as `scripts/flush.lua`'s `refusal`.
+    fn refusal(&self, delta: i64) -> Option<DeadLetterReason> {
+        match self {
+            Current::Missing => None,
+            Current::Integer(v) => v
+                .checked_add(delta)
+                .is_none()
+                .then_some(DeadLetterReason::Overflow),
+            Current::NotAnInteger => Some(DeadLetterReason::NotAnInteger),
+            Current::WrongType => Some(DeadLetterReason::WrongType),
+        }
+    }
+}
+
+/// Why these deltas cannot be applied, as the script gives it.
+pub fn rejections(currents: &[Current], deltas: &[(String, i64)]) -> Vec<Rejection> {
+    (currents.iter().zip(deltas).enumerate())
         .filter_map(|(i, (current, (_, delta)))| {
-            let reason = match current {
-                Current::Missing => None,
-                Current::Integer(v) => v.checked_add(*delta).is_none().then_some("overflow"),
-                Current::NotAnInteger => Some("not_an_integer"),
-                Current::WrongType => Some("wrong_type"),
-            }?;
-            Some((i, reason.to_owned()))
+            Some(Rejection {
+                refused: Refused::Delta(i),
+                reason: current.refusal(*delta)?,
+            })
         })
         .collect()
 }
@@ -91,21 +100,18 @@ pub struct MemberState {
     pub counter: Current,
 }
 
-/// Why these memberships cannot be applied, by index (after the `deltas` deltas).
-fn member_rejections(states: &[MemberState], deltas: usize) -> Vec<(usize, String)> {
-    states
-        .iter()
-        .enumerate()
+/// Why these memberships cannot be applied, as the script gives it.
+fn member_rejections(states: &[MemberState]) -> Vec<Rejection> {
+    (states.iter().enumerate())
         .filter_map(|(j, state)| {
-            let reason = match (&state.member, &state.counter) {
-                (None, _) => "wrong_type".to_owned(),
-                (Some(_), counter) => {
-                    rejections(std::slice::from_ref(counter), &[(String::new(), 1)])
-                        .pop()?
-                        .1
-                }
+            let reason = match state.member {
+                None => DeadLetterReason::WrongType,
+                Some(_) => state.counter.refusal(1)?,
             };
-            Some((deltas + j, reason))
+            Some(Rejection {
+                refused: Refused::Member(j),
+                reason,
+            })
         })
         .collect()
 }
@@ -129,7 +135,7 @@ pub fn flush_verdict(
         return Some(Applied::RolledBack);
     }
     let mut rejected = rejections(currents, write.deltas);
-    rejected.extend(member_rejections(members, write.deltas.len()));
+    rejected.extend(member_rejections(members));
     (!rejected.is_empty()).then_some(Applied::Rejected(rejected))
 }
 
@@ -445,6 +451,10 @@ impl Transactions {
 mod tests {
     use super::*;
 
+    fn rejection(refused: Refused, reason: DeadLetterReason) -> Rejection {
+        Rejection { refused, reason }
+    }
+
     fn write<'a>(deltas: &'a [(String, i64)]) -> GroupWrite<'a> {
         GroupWrite {
             group: 0,
@@ -501,8 +511,8 @@ mod tests {
         assert_eq!(
             flush_verdict(Some(3), Some(10), &bad, &[], &w),
             Some(Applied::Rejected(vec![
-                (0, "wrong_type".to_owned()),
-                (1, "overflow".to_owned())
+                rejection(Refused::Delta(0), DeadLetterReason::WrongType),
+                rejection(Refused::Delta(1), DeadLetterReason::Overflow),
             ]))
         );
     }
@@ -524,10 +534,10 @@ mod tests {
             },
         ];
         assert_eq!(
-            member_rejections(&states, 2),
+            member_rejections(&states),
             [
-                (3, "wrong_type".to_owned()),
-                (4, "not_an_integer".to_owned())
+                rejection(Refused::Member(1), DeadLetterReason::WrongType),
+                rejection(Refused::Member(2), DeadLetterReason::NotAnInteger),
             ]
         );
     }
@@ -548,7 +558,10 @@ mod tests {
         ];
         assert_eq!(
             rejections(&currents, &deltas),
-            [(0, "overflow".to_owned()), (1, "not_an_integer".to_owned())]
+            [
+                rejection(Refused::Delta(0), DeadLetterReason::Overflow),
+                rejection(Refused::Delta(1), DeadLetterReason::NotAnInteger),
+            ]
         );
     }
 

@@ -10,6 +10,7 @@
 //! - [`namespace`]: [`Namespaces`], each namespace's [`Policy`] (dedup, write path, cache TTL,
 //!   grouping, display), read from one TOML file.
 //! - [`connection`]: [`RedisConn`], a standalone or cluster Redis connection.
+//! - [`dead_letter`]: [`DeadLetterReason`], why a message went to the dead-letter topic.
 //! - [`defaults`]: the default brokers, topics, group, Redis URL, key prefix and shard groups.
 //! - [`reader`]: [`Reader`], exact counter totals by summing shards (`MGET`, pipelines).
 //! - [`cache`]: [`CachedReader`], totals cached per namespace TTL in the process and in Redis,
@@ -19,6 +20,7 @@
 pub mod cache;
 pub mod codec;
 pub mod connection;
+pub mod dead_letter;
 pub mod defaults;
 pub mod display;
 pub mod event;
@@ -29,6 +31,7 @@ pub mod reader;
 pub use cache::{CacheStats, CachedReader};
 pub use codec::{DecodeError, EventRef};
 pub use connection::RedisConn;
+pub use dead_letter::DeadLetterReason;
 pub use display::display;
 pub use event::{CounterEvent, EventError};
 pub use keyspace::{GroupingRule, Keyspace};

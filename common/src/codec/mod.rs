@@ -20,6 +20,7 @@ use std::borrow::Cow;
 
 use serde::{Deserialize, Serialize};
 
+use crate::dead_letter::DeadLetterReason;
 use crate::event::{self, CounterEvent, EventError};
 
 /// The envelope byte of binary version 1.
@@ -74,22 +75,24 @@ pub enum DecodeError {
 }
 
 impl DecodeError {
-    /// A short, fixed label for metrics and dead-letter headers: one of `oversized`,
-    /// `undecodable`, `invalid_counter`, `invalid_delta`, `invalid_field`.
-    pub fn reason(&self) -> &'static str {
+    /// Why the message goes to the dead-letter topic: oversized, undecodable, or the rule the
+    /// event broke.
+    pub fn reason(&self) -> DeadLetterReason {
         match self {
-            DecodeError::Oversized { .. } => "oversized",
+            DecodeError::Oversized { .. } => DeadLetterReason::Oversized,
             DecodeError::Empty
             | DecodeError::UnknownFormat { .. }
             | DecodeError::UnsupportedVersion { .. }
             | DecodeError::Binary { .. }
-            | DecodeError::Json { .. } => "undecodable",
+            | DecodeError::Json { .. } => DeadLetterReason::Undecodable,
             DecodeError::Invalid(e) => match e {
                 EventError::EmptyCounter
                 | EventError::CounterTooLong { .. }
-                | EventError::CounterCharacter { .. } => "invalid_counter",
-                EventError::ZeroDelta | EventError::DeltaOutOfRange { .. } => "invalid_delta",
-                _ => "invalid_field",
+                | EventError::CounterCharacter { .. } => DeadLetterReason::InvalidCounter,
+                EventError::ZeroDelta | EventError::DeltaOutOfRange { .. } => {
+                    DeadLetterReason::InvalidDelta
+                }
+                _ => DeadLetterReason::InvalidField,
             },
         }
     }
@@ -363,7 +366,7 @@ mod tests {
         ];
         for (payload, reason) in cases {
             let err = decode(&payload, MAX).expect_err("must be rejected");
-            assert_eq!(err.reason(), reason, "{err}");
+            assert_eq!(err.reason().as_str(), reason, "{err}");
         }
     }
 
