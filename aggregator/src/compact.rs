@@ -32,7 +32,8 @@ use tally_common::keyspace::CompactionKey;
 use tally_common::{Keyspace, Namespaces, RedisConn};
 
 use crate::fence::take_epoch;
-use crate::sink::{RedisSink, SinkError};
+use crate::redis_sink::RedisSink;
+use crate::sink::SinkError;
 
 /// The fence field of the compactor.
 const FIELD: &str = "compactor";

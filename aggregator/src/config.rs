@@ -16,48 +16,11 @@ use std::time::Duration;
 
 use serde::Deserialize;
 use tally_common::defaults;
-use tally_common::keyspace::KeyspaceError;
-use tally_common::namespace::NamespaceError;
 use tally_common::{GroupingRule, Keyspace, Namespaces, Policy};
 
 use crate::batch::{Limits, Size};
+pub use crate::config_error::ConfigError;
 use crate::secrets::{self, Secrets};
-
-/// Why the configuration is unusable.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum ConfigError {
-    /// The file could not be read.
-    #[error("cannot read config file {path}: {source}")]
-    Read {
-        /// The file.
-        path: PathBuf,
-        /// Why.
-        source: std::io::Error,
-    },
-    /// The file is not valid TOML for these settings.
-    #[error("invalid config file {path}: {source}")]
-    Parse {
-        /// The file.
-        path: PathBuf,
-        /// What was wrong.
-        source: Box<toml::de::Error>,
-    },
-    /// A setting has a value it cannot take.
-    #[error("invalid setting {name}: {why}")]
-    Invalid {
-        /// The setting.
-        name: &'static str,
-        /// Why.
-        why: String,
-    },
-    /// The key prefix or shard group count is invalid.
-    #[error(transparent)]
-    Keyspace(#[from] KeyspaceError),
-    /// The namespace file is unusable.
-    #[error(transparent)]
-    Namespaces(#[from] NamespaceError),
-}
 
 /// How logs are written.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, clap::ValueEnum)]

@@ -4,6 +4,7 @@
 //!
 //! # Layout
 //! - [`config`]: the typed [`Config`] and the command line that builds it.
+//! - [`config_error`]: [`config::ConfigError`], what both report.
 //! - [`secrets`]: where credentials come from (environment, files) and where they are refused (flags).
 //! - [`consume`]: the consume loop and its per-partition state ([`Aggregator`]).
 //! - [`rebalance`]: the consumer's context: revoke and assign callbacks, the drain they and
@@ -11,7 +12,8 @@
 //! - [`batch`]: one partition's buffer and the flush triggers.
 //! - [`flush`]: making a sealed batch durable, with retries.
 //! - [`fence`]: owning a partition in exactly-once mode (epochs, fences, ledgers, watermark).
-//! - [`sink`]: the [`Sink`] seam and the Redis implementation.
+//! - [`sink`]: the [`Sink`] seam: what a write is and what became of it.
+//! - [`redis_sink`]: [`RedisSink`], the Redis implementation (Lua scripts, or transactions).
 //! - [`trending`]: heavy-hitter sketches of the fastest-moving counters, and the cache warmer.
 //! - [`transactions`]: the exactly-once operations as `WATCH`/`MULTI`/`EXEC`, for servers that
 //!   refuse scripts.
@@ -26,6 +28,7 @@ pub mod backoff;
 pub mod batch;
 pub mod compact;
 pub mod config;
+pub mod config_error;
 pub mod consume;
 pub mod dead_letter;
 pub mod fence;
@@ -33,6 +36,7 @@ pub mod flush;
 pub mod http;
 pub mod metrics;
 pub mod rebalance;
+pub mod redis_sink;
 pub mod secrets;
 pub mod shard_monitor;
 pub mod shutdown;
@@ -48,7 +52,8 @@ use tokio_util::sync::CancellationToken;
 
 pub use config::Config;
 pub use consume::{Aggregator, LoopSettings, RunSummary};
-pub use sink::{RedisSink, Sink};
+pub use redis_sink::RedisSink;
+pub use sink::Sink;
 
 /// Why the aggregator could not start.
 #[derive(Debug, thiserror::Error)]

@@ -22,7 +22,7 @@
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
-use crate::config::ConfigError;
+use crate::config_error::ConfigError;
 
 /// librdkafka options whose values are secrets, and the variables that set them.
 pub const KAFKA_SECRET_VARIABLES: [(&str, &str); 4] = [

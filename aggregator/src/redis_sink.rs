@@ -1,0 +1,397 @@
+//! [`RedisSink`]: the [`Sink`] that writes to Redis, standalone or cluster.
+//!
+//! - at-least-once: a group's `INCRBY`s inside one `MULTI`/`EXEC`;
+//! - exactly-once: one Lua script per group (`scripts/flush.lua`) that checks the writer's fence,
+//!   recognises a write the group already applied, validates every counter, and only then
+//!   writes. The other scripts take epochs, stamp fences and store watermarks (see
+//!   `crate::fence`). For servers that refuse scripts the same operations run as optimistic
+//!   `WATCH`/`MULTI`/`EXEC` transactions (`crate::transactions`), chosen by the
+//!   `redis_atomicity` setting: `auto` (the default) tries scripts and switches for good on the
+//!   first refusal (`NOPERM`, or an unknown `EVALSHA`).
+
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use redis::ErrorKind;
+use tally_common::{DeadLetterReason, Keyspace, RedisConn};
+
+use crate::config::Atomicity;
+use crate::sink::{Applied, GroupWrite, Rejection, Sink, SinkError, SinkErrorKind, Stamp};
+use crate::transactions::Transactions;
+
+/// The Lua scripts, hashed once.
+#[derive(Debug)]
+struct Scripts {
+    flush: redis::Script,
+    stamp: redis::Script,
+    epoch: redis::Script,
+    watermark: redis::Script,
+}
+
+impl Scripts {
+    fn new() -> Self {
+        Self {
+            flush: redis::Script::new(include_str!("scripts/flush.lua")),
+            stamp: redis::Script::new(include_str!("scripts/stamp.lua")),
+            epoch: redis::Script::new(include_str!("scripts/epoch.lua")),
+            watermark: redis::Script::new(include_str!("scripts/watermark.lua")),
+        }
+    }
+}
+
+/// The Redis sink.
+#[derive(Debug, Clone)]
+pub struct RedisSink {
+    /// The connection (standalone or cluster).
+    conn: RedisConn,
+    /// Which keys to write.
+    keyspace: Keyspace,
+    /// The exactly-once scripts.
+    scripts: Arc<Scripts>,
+    /// The same operations as transactions, on a standalone server unless set to scripts only.
+    transactions: Option<Arc<Transactions>>,
+    /// Whether the exactly-once operations run as scripts (else as transactions).
+    use_scripts: Arc<AtomicBool>,
+    /// Whether a server refusing scripts switches this sink to transactions (else it is an error).
+    fall_back: bool,
+}
+
+impl RedisSink {
+    /// A sink writing through `conn` (which reaches `url`) into `keyspace`, making exactly-once
+    /// writes atomic as `atomicity` says.
+    pub fn new(
+        conn: RedisConn,
+        url: &str,
+        keyspace: Keyspace,
+        atomicity: Atomicity,
+    ) -> redis::RedisResult<Self> {
+        let transactions = match atomicity {
+            Atomicity::Scripts => None,
+            _ if conn.is_cluster() => None,
+            _ => Some(Arc::new(Transactions::new(url, keyspace.clone())?)),
+        };
+        Ok(Self {
+            conn,
+            keyspace,
+            scripts: Arc::new(Scripts::new()),
+            transactions,
+            use_scripts: Arc::new(AtomicBool::new(atomicity != Atomicity::Transactions)),
+            fall_back: atomicity == Atomicity::Auto,
+        })
+    }
+
+    /// A sink that runs the exactly-once operations as scripts only (the compactor's).
+    pub fn scripts_only(conn: RedisConn, keyspace: Keyspace) -> Self {
+        Self {
+            conn,
+            keyspace,
+            scripts: Arc::new(Scripts::new()),
+            transactions: None,
+            use_scripts: Arc::new(AtomicBool::new(true)),
+            fall_back: false,
+        }
+    }
+
+    /// Runs `script`, or `transaction` when this sink uses transactions; in auto mode a server
+    /// refusing the script switches the sink to transactions for good.
+    async fn either<'a, T, B>(
+        &'a self,
+        script: impl Future<Output = Result<T, SinkError>>,
+        transaction: impl FnOnce(&'a Transactions) -> B,
+    ) -> Result<T, SinkError>
+    where
+        B: Future<Output = Result<T, SinkError>>,
+    {
+        if self.use_scripts.load(Ordering::Relaxed) {
+            match script.await {
+                Err(e) if refuses_scripts(&e.source) => {
+                    if !self.fall_back {
+                        return Err(e);
+                    }
+                    if self.use_scripts.swap(false, Ordering::Relaxed) {
+                        tracing::warn!(
+                            error = %e.source,
+                            "Redis refuses scripts: exactly-once writes switch to WATCH/MULTI/EXEC transactions"
+                        );
+                    }
+                }
+                other => return other,
+            }
+        }
+        match &self.transactions {
+            Some(transactions) => transaction(transactions).await,
+            None => Err(SinkError {
+                kind: SinkErrorKind::Fatal,
+                source: redis::RedisError::from((
+                    ErrorKind::InvalidClientConfig,
+                    "Redis refuses scripts, and transactions are not supported on Redis Cluster",
+                )),
+            }),
+        }
+    }
+}
+
+/// Whether `e` is a server refusing to run scripts: an ACL without `@scripting` (`NOPERM`) or
+/// `EVAL`/`EVALSHA` renamed or disabled (`unknown command`).
+fn refuses_scripts(e: &redis::RedisError) -> bool {
+    let detail = e.detail().unwrap_or("").to_ascii_lowercase();
+    let about_scripts = detail.contains("eval") || detail.contains("script");
+    match e.code() {
+        Some("NOPERM") => about_scripts,
+        Some("ERR") => detail.contains("unknown command") && about_scripts,
+        _ => false,
+    }
+}
+
+/// A script reply the scripts never give.
+fn unexpected(reply: &[String]) -> SinkError {
+    SinkError {
+        kind: SinkErrorKind::Fatal,
+        source: redis::RedisError::from((
+            ErrorKind::UnexpectedReturnType,
+            "unexpected script reply",
+            format!("{reply:?}"),
+        )),
+    }
+}
+
+fn parse_number<T: std::str::FromStr>(reply: &[String], at: usize) -> Result<T, SinkError> {
+    reply
+        .get(at)
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| unexpected(reply))
+}
+
+/// The exactly-once operations as Lua scripts.
+impl RedisSink {
+    async fn script_apply_fenced(&self, write: GroupWrite<'_>) -> Result<Applied, SinkError> {
+        let ks = &self.keyspace;
+        let mut invocation = self.scripts.flush.prepare_invoke();
+        invocation
+            .key(ks.fence_key(write.group))
+            .key(ks.ledger_key(write.group))
+            .key(ks.watermark_key(write.group))
+            .arg(write.field)
+            .arg(write.epoch)
+            .arg(write.expected_ledger)
+            .arg(write.next_offset)
+            .arg(write.watermark.unwrap_or(""))
+            .arg(write.deltas.len());
+        let mut key = String::new();
+        for (counter, _) in write.deltas {
+            ks.write_counter_key(&mut key, write.group, counter);
+            invocation.key(&key);
+        }
+        for (_, delta) in write.deltas {
+            invocation.arg(*delta);
+        }
+        for member in write.members {
+            invocation
+                .key(ks.member_key(write.group, &member.counter))
+                .key(ks.counter_key(write.group, &member.counter))
+                .arg(&member.actor)
+                .arg(if member.like { "1" } else { "0" });
+        }
+        let mut conn = self.conn.clone();
+        let reply: Vec<String> = invocation.invoke_async(&mut conn).await?;
+        match reply.first().map(String::as_str) {
+            Some("ok") => Ok(Applied::Written),
+            Some("duplicate") => Ok(Applied::AlreadyApplied),
+            Some("fenced") => Ok(Applied::from_fence(
+                parse_number(&reply, 1).ok(),
+                write.epoch,
+            )),
+            Some("rolled_back") => Ok(Applied::RolledBack),
+            Some("rejected") => reply[1..]
+                .chunks(2)
+                .map(|pair| match pair {
+                    [index, reason] => (index.parse().ok())
+                        .and_then(|i| write.refused(i))
+                        .map(|refused| Rejection {
+                            refused,
+                            reason: DeadLetterReason::from_script(reason),
+                        })
+                        .ok_or_else(|| unexpected(&reply)),
+                    _ => Err(unexpected(&reply)),
+                })
+                .collect::<Result<_, _>>()
+                .map(Applied::Rejected),
+            _ => Err(unexpected(&reply)),
+        }
+    }
+
+    async fn script_next_epoch(
+        &self,
+        home: u32,
+        field: &str,
+        at_least: u64,
+    ) -> Result<u64, SinkError> {
+        let mut conn = self.conn.clone();
+        let reply: String = self
+            .scripts
+            .epoch
+            .key(self.keyspace.epoch_key(home))
+            .arg(field)
+            .arg(at_least)
+            .invoke_async(&mut conn)
+            .await?;
+        parse_number(&[reply], 0)
+    }
+
+    async fn script_stamp_fence(
+        &self,
+        group: u32,
+        field: &str,
+        epoch: u64,
+    ) -> Result<Stamp, SinkError> {
+        let mut conn = self.conn.clone();
+        let reply: Vec<String> = self
+            .scripts
+            .stamp
+            .key(self.keyspace.fence_key(group))
+            .key(self.keyspace.ledger_key(group))
+            .arg(field)
+            .arg(epoch)
+            .invoke_async(&mut conn)
+            .await?;
+        match reply.first().map(String::as_str) {
+            Some("stamped") => Ok(Stamp::Stamped {
+                ledger: parse_number(&reply, 1)?,
+            }),
+            Some("stale") => Ok(Stamp::Stale {
+                current: parse_number(&reply, 1)?,
+            }),
+            _ => Err(unexpected(&reply)),
+        }
+    }
+
+    async fn script_write_watermark(
+        &self,
+        home: u32,
+        field: &str,
+        epoch: u64,
+        watermark: &str,
+    ) -> Result<Applied, SinkError> {
+        let mut conn = self.conn.clone();
+        let reply: Vec<String> = self
+            .scripts
+            .watermark
+            .key(self.keyspace.fence_key(home))
+            .key(self.keyspace.watermark_key(home))
+            .arg(field)
+            .arg(epoch)
+            .arg(watermark)
+            .invoke_async(&mut conn)
+            .await?;
+        match reply.first().map(String::as_str) {
+            Some("ok") => Ok(Applied::Written),
+            Some("fenced") => Ok(Applied::from_fence(parse_number(&reply, 1).ok(), epoch)),
+            _ => Err(unexpected(&reply)),
+        }
+    }
+}
+
+impl Sink for RedisSink {
+    async fn apply(&self, group: u32, deltas: &[(String, i64)]) -> Result<(), SinkError> {
+        if deltas.is_empty() {
+            return Ok(());
+        }
+        let mut pipe = redis::pipe();
+        pipe.atomic();
+        let mut key = String::new();
+        for (counter, delta) in deltas {
+            self.keyspace.write_counter_key(&mut key, group, counter);
+            pipe.cmd("INCRBY").arg(&key).arg(*delta).ignore();
+        }
+        let mut conn = self.conn.clone();
+        pipe.query_async::<()>(&mut conn).await?;
+        Ok(())
+    }
+
+    async fn apply_fenced(&self, write: GroupWrite<'_>) -> Result<Applied, SinkError> {
+        self.either(self.script_apply_fenced(write), |t| t.apply_fenced(write))
+            .await
+    }
+
+    async fn next_epoch(&self, home: u32, field: &str, at_least: u64) -> Result<u64, SinkError> {
+        self.either(self.script_next_epoch(home, field, at_least), |t| {
+            t.next_epoch(home, field, at_least)
+        })
+        .await
+    }
+
+    async fn stamp_fence(&self, group: u32, field: &str, epoch: u64) -> Result<Stamp, SinkError> {
+        self.either(self.script_stamp_fence(group, field, epoch), |t| {
+            t.stamp_fence(group, field, epoch)
+        })
+        .await
+    }
+
+    async fn write_watermark(
+        &self,
+        home: u32,
+        field: &str,
+        epoch: u64,
+        watermark: &str,
+    ) -> Result<Applied, SinkError> {
+        self.either(
+            self.script_write_watermark(home, field, epoch, watermark),
+            |t| t.write_watermark(home, field, epoch, watermark),
+        )
+        .await
+    }
+
+    async fn read_fence_and_ledger(
+        &self,
+        group: u32,
+        field: &str,
+    ) -> Result<(Option<u64>, Option<i64>), SinkError> {
+        let mut conn = self.conn.clone();
+        Ok(redis::pipe()
+            .hget(self.keyspace.fence_key(group), field)
+            .hget(self.keyspace.ledger_key(group), field)
+            .query_async(&mut conn)
+            .await?)
+    }
+
+    async fn read_watermark(&self, home: u32, field: &str) -> Result<Option<String>, SinkError> {
+        let mut conn = self.conn.clone();
+        Ok(redis::cmd("HGET")
+            .arg(self.keyspace.watermark_key(home))
+            .arg(field)
+            .query_async(&mut conn)
+            .await?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeSet;
+
+    use super::*;
+
+    #[test]
+    fn every_reason_the_flush_script_gives_is_a_dead_letter_reason() {
+        // The refusals are `reason = '<label>'` and, in `refusal`, `return '<label>'`.
+        let script = include_str!("scripts/flush.lua");
+        let labels: BTreeSet<&str> = (script.lines().map(str::trim))
+            .filter_map(|line| {
+                let rest =
+                    (line.strip_prefix("reason = '")).or_else(|| line.strip_prefix("return '"))?;
+                rest.split('\'').next()
+            })
+            .collect();
+        let reasons: BTreeSet<DeadLetterReason> = (labels.iter())
+            .map(|label| label.parse().expect("a DeadLetterReason label"))
+            .collect();
+        assert_eq!(
+            reasons,
+            BTreeSet::from([
+                DeadLetterReason::Overflow,
+                DeadLetterReason::NotAnInteger,
+                DeadLetterReason::WrongType,
+            ])
+        );
+    }
+}
