@@ -1,80 +1,50 @@
-//! The consume loop: Kafka messages into per-partition buffers, buffers into flushes, durable
-//! flushes into committed offsets.
+//! The Kafka side of the partitions' state machines: messages decoded and routed into their
+//! partition's [`Partition`], ticks, task reports, and the [`Action`]s these return carried out
+//! (flush and check tasks, acquisitions, seeks, pauses, offset commits); rebalances (the
+//! assignment and the revoke, called by `crate::rebalance`'s callbacks) and the drain that
+//! revokes and shutdown share.
 //!
-//! One task owns the consumer and runs [`Aggregator::run`]. It decodes each message into its
-//! partition's [`Batch`] (or, if malformed, into the batch's dead letters), and starts a flush as
-//! a separate task when the batch is due, so that polling goes on while Redis is slow or down:
-//! the consumer keeps its group membership (`max.poll.interval.ms` never expires), and a
-//! partition whose next buffer reaches its pause size (`Limits::pause_size`) while its previous
-//! flush is still in flight is *paused* until that flush lands. Each partition has at most one
-//! flush in flight, so flushes land in offset order.
+//! Decisions are the state machine's (`crate::partition`); this module does the I/O. A flush
+//! runs as its own task, so that polling goes on while Redis is slow or down: the consumer keeps
+//! its group membership (`max.poll.interval.ms` never expires).
 //!
 //! # Offsets
-//! **An offset is committed only after everything before it is durable**: the loop commits a
-//! partition's offset when that partition's flush reports [`FlushOutcome::Durable`], and never
-//! otherwise. Auto-commit is off.
-//!
-//! In exactly-once mode ([`Delivery::ExactlyOnce`]) the committed offset is only a progress hint
-//! for lag monitoring: the truth is in Redis. A newly assigned partition is paused while
-//! [`fence::acquire`] stamps a new epoch into every group's fence and reads where to resume; the
-//! loop then seeks there and resumes, and while rebuilding its first batch skips every message
-//! whose shard group had already applied it (offset below that group's ledger entry).
+//! **An offset is committed only after everything before it is durable**: the commit is the
+//! state machine's [`Action::Commit`], which only a [`FlushOutcome::Durable`] produces. Auto-commit
+//! is off. In exactly-once mode ([`Delivery::ExactlyOnce`]) the committed offset is only a
+//! progress hint for lag monitoring: the truth is in Redis. A newly assigned partition is paused
+//! while [`fence::acquire`] stamps a new epoch into every group's fence and reads where to
+//! resume; then it seeks there and resumes.
 //!
 //! # Rebalances and shutdown
-//! The rebalance callbacks live in [`crate::rebalance`]; they run inside this loop's poll and
-//! share its state (`Shared`). Shutdown drains every partition the way a revoke drains
-//! the revoked ones (bounded by `shutdown_timeout`), then closes the consumer.
+//! The revoke runs synchronously inside the consumer's poll: before it returns it waits for the
+//! revoked partitions' in-flight flushes, flushes what is left in their buffers, and commits
+//! their offsets, bounded by `revoke_timeout`; what is not durable by then is not committed and
+//! is read again by the next owner. Shutdown drains every partition the same way (bounded by
+//! `shutdown_timeout`).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
-use futures_core::Stream;
-use rdkafka::consumer::stream_consumer::MessageStream;
-use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
-use rdkafka::error::{KafkaError, KafkaResult};
+use rdkafka::consumer::{CommitMode, Consumer, ConsumerContext};
+use rdkafka::error::KafkaResult;
 use rdkafka::message::{BorrowedMessage, Message};
-use rdkafka::{ClientConfig, Offset, TopicPartitionList};
+use rdkafka::{Offset, TopicPartitionList};
 use tally_common::{DeadLetterReason, Keyspace, Namespaces, codec};
 use tokio::sync::mpsc;
-use tokio::task::JoinHandle;
+use tokio::task::{JoinHandle, JoinSet};
 use tokio_util::sync::CancellationToken;
 
 use crate::backoff::Backoff;
-use crate::batch::{Batch, FlushClock, Limits, Pace};
+use crate::batch::{Limits, Pace};
 use crate::config::Delivery;
 use crate::dead_letter::DeadLetter;
 use crate::fence::{self, Owner, Resume};
-use crate::flush::{FlushOutcome, Flusher};
+use crate::flush::{FlushOutcome, Flusher, Standing};
 use crate::metrics::Metrics;
-use crate::rebalance::AggregatorContext;
+use crate::partition::{Action, Drain, Entry, Handled, NotDrained, Partition};
 use crate::sink::Sink;
-
-/// Most messages taken from librdkafka's queue in one go (one lock of the partitions, one
-/// trip through the loop).
-const MAX_DRAIN: usize = 1_024;
-
-/// Waits for the next message, then takes every message already waiting behind it, up to
-/// [`MAX_DRAIN`]: one wake-up and one lock per run of messages instead of per message.
-async fn ready_messages<'a, C: rdkafka::consumer::ConsumerContext>(
-    stream: &mut MessageStream<'a, C>,
-) -> Vec<KafkaResult<BorrowedMessage<'a>>> {
-    std::future::poll_fn(|cx| {
-        let mut messages = Vec::new();
-        while messages.len() < MAX_DRAIN {
-            match std::pin::Pin::new(&mut *stream).poll_next(cx) {
-                std::task::Poll::Ready(Some(message)) => messages.push(message),
-                std::task::Poll::Ready(None) | std::task::Poll::Pending => break,
-            }
-        }
-        if messages.is_empty() {
-            std::task::Poll::Pending
-        } else {
-            std::task::Poll::Ready(messages)
-        }
-    })
-    .await
-}
 
 /// What the consume loop needs to know.
 #[derive(Debug, Clone)]
@@ -113,68 +83,24 @@ pub struct RunSummary {
     pub not_drained: Vec<i32>,
 }
 
-/// One owned partition.
+/// A partition in the loop: its state machine, and the tasks carrying out its actions.
 #[derive(Debug)]
-pub(crate) struct Partition {
-    /// Distinguishes this ownership from an earlier or later one of the same partition.
-    pub(crate) generation: u64,
-    /// Where its exactly-once ownership stands.
-    pub(crate) state: Ownership,
-    /// Events not yet handed to a flush.
-    pub(crate) buffer: Batch,
-    /// When its buffer is due.
-    pub(crate) clock: FlushClock,
-    /// The flush (or check of an idle partition) in progress, if any.
-    pub(crate) in_flight: Option<InFlight>,
-    /// Whether fetching is paused because the buffer is full.
-    pub(crate) paused: bool,
-    /// When Redis last confirmed this owner's standing (a durable flush or a check).
-    pub(crate) confirmed: Instant,
-    /// The offset after the last message handled in this position (`None` until the first).
-    pub(crate) read_to: Option<i64>,
-    /// Where the partition's log ended: its high watermark when it was acquired, then its last
-    /// stable offset at each statistics report.
-    pub(crate) log_end: Option<i64>,
-    /// Whether messages reached it since the last tick.
-    pub(crate) reading: bool,
+pub(crate) struct Slot {
+    /// The decisions.
+    machine: Partition,
+    /// The flush or check running for it.
+    task: Option<Task>,
+    /// The acquisition running for it.
+    acquiring: Option<JoinHandle<()>>,
 }
 
-impl Partition {
-    /// Whether the partition batches by clock or by size.
-    pub(crate) fn pace(&self) -> Pace {
-        Pace::of(self.read_to, self.log_end, self.reading)
-    }
-
-    /// Whether its buffer must be flushed at `now`: due at its pace, or so full that fetching
-    /// was paused (whatever the pace is now: a partition paused at the live limits may look
-    /// behind since it stopped reading).
-    fn flush_due(&self, limits: &Limits, pace: Pace, now: Instant) -> bool {
-        self.paused || self.buffer.is_due(limits, pace, &self.clock, now)
-    }
-}
-
-/// Where a partition's ownership stands.
+/// A flush or a check, running as its own task.
 #[derive(Debug)]
-pub(crate) enum Ownership {
-    /// At-least-once mode: no fences, no ledgers.
-    Unfenced,
-    /// Exactly-once: taking an epoch and stamping fences (this task); the partition is paused and
-    /// its messages are dropped until it is positioned.
-    Acquiring(JoinHandle<()>),
-    /// Exactly-once: owned under an epoch, with the groups' ledger entries.
-    Owned(Owner),
-    /// Exactly-once: a write was refused by a fence; a newer owner has the partition, so nothing
-    /// more is consumed or flushed here.
-    Fenced,
-}
-
-/// A flush running as its own task.
-#[derive(Debug)]
-pub(crate) struct InFlight {
-    /// The task; its output is the outcome.
-    pub(crate) handle: JoinHandle<FlushOutcome>,
-    /// Messages in the flushed batch.
-    pub(crate) events: usize,
+enum Task {
+    /// A flush; its output is the outcome.
+    Flush(JoinHandle<FlushOutcome>),
+    /// A check of an idle owner's standing.
+    Check(JoinHandle<Standing>),
 }
 
 /// A task's report to the loop.
@@ -185,6 +111,12 @@ pub(crate) enum Report {
         partition: i32,
         generation: u64,
         outcome: FlushOutcome,
+    },
+    /// A check of an idle partition ended.
+    Checked {
+        partition: i32,
+        generation: u64,
+        standing: Standing,
     },
     /// Exactly-once ownership was acquired: seek and resume.
     Acquired {
@@ -199,55 +131,46 @@ pub(crate) enum Report {
 
 /// The owned partitions.
 #[derive(Debug, Default)]
-pub(crate) struct Partitions {
-    pub(crate) map: HashMap<i32, Partition, foldhash::fast::RandomState>,
-    pub(crate) next_generation: u64,
+struct Partitions {
+    map: HashMap<i32, Slot, foldhash::fast::RandomState>,
+    next_generation: u64,
+}
+
+/// What a drain achieved.
+#[derive(Debug, Default)]
+pub(crate) struct Drained {
+    /// Partitions whose buffered work all became durable (or that had none).
+    pub(crate) drained: usize,
+    /// The offsets to commit for them: `(partition, next_offset)`, for those that flushed anything.
+    pub(crate) commit: Vec<(i32, i64)>,
+    /// Partitions left with work that is not durable: nothing is committed for them.
+    pub(crate) not_drained: Vec<i32>,
 }
 
 /// State shared by the loop and the rebalance callbacks (which run inside the loop's poll).
 pub(crate) struct Shared<S> {
     pub(crate) settings: LoopSettings,
-    pub(crate) partitions: Mutex<Partitions>,
-    pub(crate) flusher: Flusher<S>,
+    partitions: Mutex<Partitions>,
+    flusher: Flusher<S>,
     pub(crate) metrics: Arc<Metrics>,
-    pub(crate) done_tx: mpsc::UnboundedSender<Report>,
+    done_tx: mpsc::UnboundedSender<Report>,
     /// Durable flushes so far (for the crash failpoint).
-    pub(crate) flushes: std::sync::atomic::AtomicU64,
+    flushes: std::sync::atomic::AtomicU64,
     /// Cancels every flush still retrying: fired when the shutdown deadline passes.
-    pub(crate) hard_stop: CancellationToken,
-    pub(crate) runtime: tokio::runtime::Handle,
+    hard_stop: CancellationToken,
+    runtime: tokio::runtime::Handle,
 }
 
-pub(crate) type AggConsumer<S> = StreamConsumer<AggregatorContext<S>>;
-
-/// The aggregator: a consumer, its partitions' buffers, and the flusher.
-pub struct Aggregator<S: Sink> {
-    shared: Arc<Shared<S>>,
-    consumer: AggConsumer<S>,
-    done_rx: mpsc::UnboundedReceiver<Report>,
-}
-
-impl<S: Sink> std::fmt::Debug for Aggregator<S> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Aggregator")
-            .field("settings", &self.shared.settings)
-            .finish_non_exhaustive()
-    }
-}
-
-pub(crate) fn lock(m: &Mutex<Partitions>) -> MutexGuard<'_, Partitions> {
+fn lock(m: &Mutex<Partitions>) -> MutexGuard<'_, Partitions> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
-impl<S: Sink> Aggregator<S> {
-    /// Creates the consumer from `kafka` (tally's consumer settings are applied first, `kafka`'s
-    /// own entries override them) and subscribes to the topic. Must run inside a multi-threaded
-    /// Tokio runtime.
-    pub fn new(
-        kafka: &ClientConfig,
+impl<S: Sink> Shared<S> {
+    /// The shared state, and the receiver of its tasks' reports. Must run inside a Tokio runtime.
+    pub(crate) fn new(
         settings: LoopSettings,
         flusher: Flusher<S>,
-    ) -> Result<Self, KafkaError> {
+    ) -> (Arc<Self>, mpsc::UnboundedReceiver<Report>) {
         let (done_tx, done_rx) = mpsc::unbounded_channel();
         let metrics = flusher.metrics.clone();
         let shared = Arc::new(Shared {
@@ -260,94 +183,13 @@ impl<S: Sink> Aggregator<S> {
             hard_stop: CancellationToken::new(),
             runtime: tokio::runtime::Handle::current(),
         });
-        // tally's consumer settings under the operator's: start from the operator's (copying the
-        // config, never its `config_map()`, which masks secrets such as `sasl.password`).
-        let mut config = kafka.clone();
-        let defaults = [
-            ("enable.auto.commit", "false"),
-            ("auto.offset.reset", "earliest"),
-            ("enable.partition.eof", "false"),
-            // Each report tells every partition where its log ends (its pace, see
-            // `batch::Pace`) and feeds the lag gauge.
-            ("statistics.interval.ms", "1000"),
-            // Fetch more per partition, hold less: librdkafka's defaults (1 MiB per partition
-            // per fetch, 64 MiB queued) caught up at 363,209 events/s with a 160 MiB peak RSS;
-            // these at 506,765 events/s with 280 MiB (3,000,000 events, 8 partitions, 2 cores).
-            // 8 MiB fetches reached 862,161 events/s but peaked at 723 MiB.
-            ("max.partition.fetch.bytes", "2097152"),
-            ("queued.max.messages.kbytes", "16384"),
-            // Once a partition's prefetched messages pass the queue limits above, librdkafka
-            // waits this long before fetching it again. Its default, 1,000 ms, starved a
-            // catch-up: every partition got one burst a second and the machine sat 63-76% idle
-            // (2 M JSON events, 8 partitions: 149,000 events/s). Measured from launch to the
-            // last flush on the same topic, two runs each: 1 ms 622-623k, 10 ms 633-667k,
-            // 50 ms 608-621k, 200 ms 475-518k events/s.
-            ("fetch.queue.backoff.ms", "10"),
-            // Partitions added to the topic are noticed at the next metadata refresh (which
-            // starts the rebalance that assigns them): librdkafka's default is 5 minutes.
-            ("topic.metadata.refresh.interval.ms", "5000"),
-        ];
-        for (key, value) in defaults {
-            if config.get(key).is_none() {
-                config.set(key, value);
-            }
-        }
-        let consumer: AggConsumer<S> = config.create_with_context(AggregatorContext {
-            shared: shared.clone(),
-        })?;
-        consumer.subscribe(&[&shared.settings.topic])?;
-        Ok(Self {
-            shared,
-            consumer,
-            done_rx,
-        })
+        (shared, done_rx)
     }
 
-    /// Consumes until `shutdown` fires, then drains every partition (bounded by the shutdown
-    /// timeout), commits, and closes the consumer.
-    pub async fn run(mut self, shutdown: CancellationToken) -> RunSummary {
-        let shared = self.shared.clone();
-        let interval = shared.settings.limits.flush_interval;
-        // A batch is flushed within one period after its flush time: that slack is part of the
-        // end-to-end latency.
-        let period = (interval / 100).clamp(Duration::from_millis(1), Duration::from_millis(10));
-        let mut tick = tokio::time::interval(period);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
-        let mut stream = self.consumer.stream();
-        loop {
-            tokio::select! {
-                biased;
-                () = shutdown.cancelled() => break,
-                Some(report) = self.done_rx.recv() => shared.report(&self.consumer, report),
-                _ = tick.tick() => shared.tick(),
-                messages = ready_messages(&mut stream) => {
-                    shared.handle_messages(&self.consumer, &messages);
-                }
-            }
-        }
-        drop(stream);
-        shared.metrics.group_membership(false);
-        tracing::info!("shutting down: draining every partition");
-        let taken: Vec<(i32, Partition)> = lock(&shared.partitions).map.drain().collect();
-        let deadline = Instant::now() + shared.settings.shutdown_timeout;
-        let drained = shared.drain(taken, deadline).await;
-        shared.commit(&self.consumer, &drained.commit, CommitMode::Sync);
-        // Nothing may keep retrying past this point.
-        shared.hard_stop.cancel();
-        shared.metrics.buffers(0, 0, 0, 0);
-        self.consumer.unsubscribe();
-        RunSummary {
-            drained: drained.drained,
-            not_drained: drained.not_drained,
-        }
-    }
-}
-
-impl<S: Sink> Shared<S> {
     /// Handles a run of messages under one lock of the partitions.
-    fn handle_messages(
+    pub(crate) fn handle_messages<X: ConsumerContext, K: Consumer<X>>(
         &self,
-        consumer: &AggConsumer<S>,
+        consumer: &K,
         messages: &[KafkaResult<BorrowedMessage<'_>>],
     ) {
         let mut parts = lock(&self.partitions);
@@ -364,183 +206,120 @@ impl<S: Sink> Shared<S> {
         self.metrics.consumed(read);
     }
 
-    /// Adds one message to its partition's buffer, starting a flush or pausing if it is full.
-    fn handle_message(
+    /// Decodes one message and routes it to its partition's state machine.
+    fn handle_message<X: ConsumerContext, K: Consumer<X>>(
         &self,
         parts: &mut Partitions,
-        consumer: &AggConsumer<S>,
+        consumer: &K,
         message: &BorrowedMessage<'_>,
     ) {
         let partition = message.partition();
         let offset = message.offset();
-        let Some(st) = parts.map.get_mut(&partition) else {
-            // Not (or no longer) ours: whoever owns it will read it from the committed offset.
+        // Not (or no longer) ours: whoever owns it will read it from the committed offset. Not
+        // positioned yet (it will be re-read after the seek), or fenced off: not decoded.
+        let Some(slot) = parts
+            .map
+            .get_mut(&partition)
+            .filter(|s| s.machine.accepts())
+        else {
             return;
         };
-        let ledgers = match &st.state {
-            Ownership::Unfenced => None,
-            Ownership::Owned(owner) => Some(&owner.ledgers),
-            // Not positioned yet (it will be re-read after the seek), or fenced off.
-            Ownership::Acquiring(_) | Ownership::Fenced => return,
+        let dead_letter = |reason: DeadLetterReason, error: String| DeadLetter {
+            key: message.key().map(<[u8]>::to_vec),
+            payload: message.payload().map(<[u8]>::to_vec),
+            reason,
+            error,
+            partition,
+            offset,
         };
-        st.read_to = Some(offset + 1);
-        st.reading = true;
-        match codec::decode(
-            message.payload().unwrap_or_default(),
-            self.settings.max_message_bytes,
-        ) {
+        let payload = message.payload().unwrap_or_default();
+        let decoded = codec::decode(payload, self.settings.max_message_bytes);
+        let limits = &self.settings.limits;
+        let (handled, action) = match &decoded {
             Ok(event) => {
                 let policy = self.settings.namespaces.policy(&event.counter);
                 let actor = event.actor.as_deref();
-                let group =
-                    self.settings
-                        .keyspace
-                        .group_for_event(policy.grouping, partition, actor);
-                if ledgers.is_some_and(|l| offset < l[group as usize]) {
-                    // Applied by this group before a restart: count it once, not twice.
-                    st.buffer.skip(offset);
-                    self.metrics.skipped();
-                } else if !policy.dedup {
-                    st.buffer.add(group, &event.counter, event.delta, offset);
-                } else if let Some(actor) = actor {
-                    st.buffer
-                        .add_member(group, &event.counter, actor, event.delta > 0, offset);
-                } else {
-                    tracing::debug!(partition, offset, "dead-lettering a like without an actor");
-                    st.buffer.add_dead_letter(
-                        DeadLetter {
-                            key: message.key().map(<[u8]>::to_vec),
-                            payload: message.payload().map(<[u8]>::to_vec),
-                            reason: DeadLetterReason::MissingActor,
-                            error: format!(
-                                "{} is in a namespace that counts one per actor, and the event names no actor",
-                                event.counter
-                            ),
+                let keyspace = &self.settings.keyspace;
+                let group = keyspace.group_for_event(policy.grouping, partition, actor);
+                let entry = match actor {
+                    _ if !policy.dedup => Entry::Delta {
+                        group,
+                        counter: &event.counter,
+                        delta: event.delta,
+                    },
+                    Some(actor) => Entry::Member {
+                        group,
+                        counter: &event.counter,
+                        actor,
+                        like: event.delta > 0,
+                    },
+                    None => {
+                        tracing::debug!(
                             partition,
                             offset,
-                        },
-                        offset,
-                    );
-                }
+                            "dead-lettering a like without an actor"
+                        );
+                        let why = format!(
+                            "{} is in a namespace that counts one per actor, and the event names no actor",
+                            event.counter
+                        );
+                        Entry::DeadLetter {
+                            group: Some(group),
+                            letter: dead_letter(DeadLetterReason::MissingActor, why),
+                        }
+                    }
+                };
+                slot.machine.on_message(offset, entry, limits)
             }
             Err(error) => {
                 tracing::debug!(partition, offset, %error, "dead-lettering a malformed message");
-                st.buffer.add_dead_letter(
-                    DeadLetter {
-                        key: message.key().map(<[u8]>::to_vec),
-                        payload: message.payload().map(<[u8]>::to_vec),
-                        reason: error.reason(),
-                        error: error.to_string(),
-                        partition,
-                        offset,
-                    },
-                    offset,
-                );
+                let letter = dead_letter(error.reason(), error.to_string());
+                let entry = Entry::DeadLetter {
+                    group: None,
+                    letter,
+                };
+                slot.machine.on_message(offset, entry, limits)
             }
+        };
+        if handled == Handled::Skipped {
+            self.metrics.skipped();
         }
-        let limits = &self.settings.limits;
-        let pace = st.pace();
-        if st.buffer.is_full(limits.size(pace)) {
-            if st.in_flight.is_none() {
-                self.start_flush(partition, st);
-            } else if !st.paused && st.buffer.is_full(&limits.pause_size(pace)) {
-                self.set_paused(consumer, partition, true);
-                st.paused = true;
-            }
+        if let Some(action) = action {
+            self.execute(consumer, partition, slot, action);
         }
     }
 
-    /// Starts flushes of due buffers and refreshes the buffer gauges.
-    fn tick(&self) {
+    /// Starts flushes of due buffers and checks of idle owners, and refreshes the buffer gauges.
+    pub(crate) fn tick<X: ConsumerContext, K: Consumer<X>>(&self, consumer: &K) {
         let now = Instant::now();
         let mut parts = lock(&self.partitions);
         let (mut buffered, mut paused, mut catching_up) = (0, 0, 0);
-        for (&partition, st) in parts.map.iter_mut() {
-            let pace = st.pace();
-            st.reading = false;
+        for (&partition, slot) in parts.map.iter_mut() {
+            let (pace, action) = (slot.machine).on_tick(
+                &self.settings.limits,
+                self.settings.check_idle_interval,
+                now,
+            );
+            if let Some(action) = action {
+                self.execute(consumer, partition, slot, action);
+            }
             catching_up += usize::from(pace == Pace::CatchingUp);
-            if st.in_flight.is_none() && st.flush_due(&self.settings.limits, pace, now) {
-                self.start_flush(partition, st);
-            }
-            if st.in_flight.is_none()
-                && st.buffer.events() == 0
-                && now.duration_since(st.confirmed) >= self.settings.check_idle_interval
-            {
-                self.start_check(partition, st, now);
-            }
-            buffered += st.buffer.events() + st.in_flight.as_ref().map_or(0, |f| f.events);
-            paused += usize::from(st.paused);
+            buffered += slot.machine.pending_events();
+            paused += usize::from(slot.machine.paused);
         }
         self.metrics
             .buffers(buffered, parts.map.len(), paused, catching_up);
     }
 
-    /// Hands the partition's buffer to a new flush task.
-    fn start_flush(&self, partition: i32, st: &mut Partition) {
-        debug_assert!(st.in_flight.is_none(), "one flush per partition at a time");
-        let owner = match &st.state {
-            Ownership::Unfenced => None,
-            Ownership::Owned(owner) => Some(owner.clone()),
-            Ownership::Acquiring(_) | Ownership::Fenced => return,
-        };
-        let Some(batch) = st.buffer.seal() else {
-            return;
-        };
-        let events = batch.events;
-        let flusher = self.flusher.clone();
-        let cancel = self.hard_stop.clone();
-        let done_tx = self.done_tx.clone();
-        let generation = st.generation;
-        let handle = tokio::spawn(async move {
-            // In the task, not the consume loop: feeding the sketches costs a hash per counter.
-            let warm = flusher
-                .trending
-                .as_ref()
-                .map(|t| t.observe(&batch))
-                .unwrap_or_default();
-            let outcome = flusher.flush(partition, batch, owner, &cancel).await;
-            // The loop may be gone (shutdown); the outcome is also the task's output.
-            let _ = done_tx.send(Report::Flushed {
-                partition,
-                generation,
-                outcome: outcome.clone(),
-            });
-            if let (FlushOutcome::Durable { .. }, Some(trending)) = (&outcome, &flusher.trending)
-                && !warm.is_empty()
-            {
-                trending.warm(&warm).await;
-            }
-            outcome
-        });
-        st.in_flight = Some(InFlight { handle, events });
-    }
-
-    /// Checks an idle owned partition's standing in Redis, as its in-flight task.
-    fn start_check(&self, partition: i32, st: &mut Partition, now: Instant) {
-        let Ownership::Owned(owner) = &st.state else {
-            return;
-        };
-        st.confirmed = now;
-        let owner = owner.clone();
-        let flusher = self.flusher.clone();
-        let done_tx = self.done_tx.clone();
-        let generation = st.generation;
-        let handle = tokio::spawn(async move {
-            let outcome = flusher.verify(partition, &owner).await;
-            let _ = done_tx.send(Report::Flushed {
-                partition,
-                generation,
-                outcome: outcome.clone(),
-            });
-            outcome
-        });
-        st.in_flight = Some(InFlight { handle, events: 0 });
-    }
-
     /// A task reported back.
-    fn report(&self, consumer: &AggConsumer<S>, report: Report) {
+    pub(crate) fn report<X: ConsumerContext, K: Consumer<X>>(&self, consumer: &K, report: Report) {
         let (partition, generation) = match &report {
             Report::Flushed {
+                partition,
+                generation,
+                ..
+            }
+            | Report::Checked {
                 partition,
                 generation,
                 ..
@@ -552,96 +331,114 @@ impl<S: Sink> Shared<S> {
             } => (*partition, *generation),
         };
         let mut parts = lock(&self.partitions);
-        let Some(st) = parts.map.get_mut(&partition) else {
+        let Some(slot) = parts.map.get_mut(&partition) else {
             return;
         };
-        if st.generation != generation {
+        if slot.machine.generation != generation {
             // A report from an earlier ownership, already handled by the revoke.
             return;
         }
-        match report {
-            Report::Flushed { outcome, .. } => self.flush_done(consumer, partition, st, outcome),
+        let (limits, now) = (&self.settings.limits, Instant::now());
+        let actions = match report {
+            Report::Flushed { outcome, .. } => {
+                slot.task = None;
+                slot.machine.on_flushed(outcome, limits, now)
+            }
+            Report::Checked { standing, .. } => {
+                slot.task = None;
+                slot.machine.on_checked(standing, limits, now)
+            }
             Report::Acquired {
                 owner,
                 resume,
                 log_end,
                 ..
             } => {
+                slot.acquiring = None;
+                tracing::info!(partition, epoch = owner.epoch, ?resume, "partition owned");
+                vec![slot.machine.on_acquired(owner, resume, log_end)]
+            }
+        };
+        for action in actions {
+            self.execute(consumer, partition, slot, action);
+        }
+    }
+
+    /// Carries out one of a partition's actions.
+    fn execute<X: ConsumerContext, K: Consumer<X>>(
+        &self,
+        consumer: &K,
+        partition: i32,
+        slot: &mut Slot,
+        action: Action,
+    ) {
+        let generation = slot.machine.generation;
+        match action {
+            Action::Flush { batch, owner } => {
+                let flusher = self.flusher.clone();
+                let cancel = self.hard_stop.clone();
+                let done_tx = self.done_tx.clone();
+                slot.task = Some(Task::Flush(tokio::spawn(async move {
+                    // In the task, not the consume loop: feeding the sketches costs a hash per
+                    // counter.
+                    let trending = flusher.trending.as_ref();
+                    let warm = trending.map(|t| t.observe(&batch)).unwrap_or_default();
+                    let outcome = flusher.flush(partition, batch, owner, &cancel).await;
+                    // The loop may be gone (shutdown); the outcome is also the task's output.
+                    let _ = done_tx.send(Report::Flushed {
+                        partition,
+                        generation,
+                        outcome: outcome.clone(),
+                    });
+                    if let (FlushOutcome::Durable { .. }, Some(trending)) = (&outcome, trending)
+                        && !warm.is_empty()
+                    {
+                        trending.warm(&warm).await;
+                    }
+                    outcome
+                })));
+            }
+            Action::Check(owner) => {
+                let flusher = self.flusher.clone();
+                let done_tx = self.done_tx.clone();
+                slot.task = Some(Task::Check(tokio::spawn(async move {
+                    let standing = flusher.verify(partition, &owner).await;
+                    let _ = done_tx.send(Report::Checked {
+                        partition,
+                        generation,
+                        standing,
+                    });
+                    standing
+                })));
+            }
+            Action::Commit(next_offset) => self.durable(consumer, partition, next_offset),
+            Action::Pause => self.set_paused(consumer, partition, true),
+            Action::Resume => self.set_paused(consumer, partition, false),
+            Action::Acquire => slot.acquiring = Some(self.spawn_acquire(partition, generation)),
+            Action::Seek(resume) => {
                 let offset = match resume {
                     Resume::Beginning => Offset::Beginning,
                     Resume::At(offset) => Offset::Offset(offset),
                 };
-                if let Err(error) = consumer.seek(
-                    &self.settings.topic,
-                    partition,
-                    offset,
-                    Duration::from_secs(10),
-                ) {
+                let topic = &self.settings.topic;
+                let sought = consumer.seek(topic, partition, offset, Duration::from_secs(10));
+                if let Err(error) = &sought {
                     // Without the seek the position is unknown: stay paused and acquire again.
                     tracing::warn!(partition, %error, "seek failed; acquiring the partition again");
-                    st.state = Ownership::Acquiring(self.spawn_acquire(partition, generation));
-                    return;
                 }
-                tracing::info!(partition, epoch = owner.epoch, ?resume, "partition owned");
-                st.read_to = None;
-                st.log_end = log_end.or(st.log_end);
-                st.state = Ownership::Owned(owner);
-                st.confirmed = Instant::now();
-                self.set_paused(consumer, partition, false);
+                let next = slot.machine.on_seek(sought.is_ok(), Instant::now());
+                self.execute(consumer, partition, slot, next);
             }
-        }
-    }
-
-    /// A flush finished: commit its offset, start the next one if due, resume if paused.
-    fn flush_done(
-        &self,
-        consumer: &AggConsumer<S>,
-        partition: i32,
-        st: &mut Partition,
-        outcome: FlushOutcome,
-    ) {
-        st.in_flight = None;
-        let next_offset = match outcome {
-            FlushOutcome::Durable { next_offset, owner } => {
-                if let Some(owner) = owner {
-                    st.state = Ownership::Owned(owner);
-                }
-                st.confirmed = Instant::now();
-                Some(next_offset)
-            }
-            FlushOutcome::Verified => None,
-            FlushOutcome::Fenced => {
-                st.state = Ownership::Fenced;
-                st.buffer = Batch::default();
-                self.set_paused(consumer, partition, true);
-                st.paused = true;
-                return;
-            }
-            FlushOutcome::RolledBack => {
-                // Start over from what Redis now holds: a new epoch, a new resume offset.
-                st.buffer = Batch::default();
-                self.set_paused(consumer, partition, true);
-                st.paused = false;
-                st.state = Ownership::Acquiring(self.spawn_acquire(partition, st.generation));
-                return;
-            }
-            FlushOutcome::Cancelled => return,
-        };
-        if let Some(next_offset) = next_offset {
-            self.durable(consumer, partition, next_offset);
-        }
-        let pace = st.pace();
-        if st.flush_due(&self.settings.limits, pace, Instant::now()) {
-            self.start_flush(partition, st);
-        }
-        if st.paused && !st.buffer.is_full(&self.settings.limits.pause_size(pace)) {
-            self.set_paused(consumer, partition, false);
-            st.paused = false;
         }
     }
 
     /// A flush up to `next_offset` is durable: commit it.
-    fn durable(&self, consumer: &AggConsumer<S>, partition: i32, next_offset: i64) {
+    fn durable<X: ConsumerContext, K: Consumer<X>>(
+        &self,
+        consumer: &K,
+        partition: i32,
+        next_offset: i64,
+    ) {
         if let Some(limit) = self.settings.crash_after_flushes {
             let n = self
                 .flushes
@@ -658,7 +455,7 @@ impl<S: Sink> Shared<S> {
 
     /// Starts acquiring exactly-once ownership of `partition`, retrying until it succeeds; the
     /// result comes back as [`Report::Acquired`].
-    pub(crate) fn spawn_acquire(&self, partition: i32, generation: u64) -> JoinHandle<()> {
+    fn spawn_acquire(&self, partition: i32, generation: u64) -> JoinHandle<()> {
         let sink = self.flusher.sink.clone();
         let dead_letters = self.flusher.dead_letters.clone();
         let keyspace = self.settings.keyspace.clone();
@@ -702,9 +499,9 @@ impl<S: Sink> Shared<S> {
     }
 
     /// Commits `(partition, next_offset)` pairs.
-    pub(crate) fn commit<C: Consumer<AggregatorContext<S>>>(
+    pub(crate) fn commit<X: ConsumerContext, K: Consumer<X>>(
         &self,
-        consumer: &C,
+        consumer: &K,
         offsets: &[(i32, i64)],
         mode: CommitMode,
     ) {
@@ -723,7 +520,12 @@ impl<S: Sink> Shared<S> {
         }
     }
 
-    pub(crate) fn set_paused(&self, consumer: &AggConsumer<S>, partition: i32, pause: bool) {
+    fn set_paused<X: ConsumerContext, K: Consumer<X>>(
+        &self,
+        consumer: &K,
+        partition: i32,
+        pause: bool,
+    ) {
         let mut tpl = TopicPartitionList::new();
         tpl.add_partition(&self.settings.topic, partition);
         let result = if pause {
@@ -736,4 +538,194 @@ impl<S: Sink> Shared<S> {
             Err(error) => tracing::warn!(partition, pause, %error, "pause/resume failed"),
         }
     }
+
+    /// New partitions: each gets its state machine; exactly-once ones start paused, acquiring.
+    pub(crate) fn assign<X: ConsumerContext, K: Consumer<X>>(
+        &self,
+        consumer: &K,
+        assigned: &TopicPartitionList,
+    ) {
+        let exactly_once = self.settings.delivery == Delivery::ExactlyOnce;
+        // librdkafka keeps an application pause across revoke and re-assign, so set it
+        // explicitly: at-least-once partitions start fetching; exactly-once ones wait, paused,
+        // until their fences are stamped and their position is known.
+        let paused = if exactly_once {
+            consumer.pause(assigned)
+        } else {
+            consumer.resume(assigned)
+        };
+        if let Err(error) = paused {
+            tracing::warn!(%error, "pausing/resuming newly assigned partitions failed");
+        }
+        let mut parts = lock(&self.partitions);
+        for element in assigned.elements_for_topic(&self.settings.topic) {
+            let partition = element.partition();
+            let generation = parts.next_generation;
+            parts.next_generation += 1;
+            let (machine, action) = Partition::assigned(
+                partition,
+                generation,
+                exactly_once,
+                self.settings.limits.flush_interval,
+                Instant::now(),
+                SystemTime::now(),
+            );
+            let mut slot = Slot {
+                machine,
+                task: None,
+                acquiring: None,
+            };
+            if let Some(action) = action {
+                self.execute(consumer, partition, &mut slot, action);
+            }
+            parts.map.insert(partition, slot);
+        }
+        tracing::info!(
+            partitions = ?parts.map.keys().collect::<Vec<_>>(),
+            "partitions assigned"
+        );
+    }
+
+    /// The revoke callback's work: drain the revoked partitions and commit, before returning.
+    pub(crate) fn revoke<X: ConsumerContext, K: Consumer<X>>(
+        &self,
+        consumer: &K,
+        revoked: &TopicPartitionList,
+    ) {
+        let taken: Vec<(i32, Slot)> = {
+            let mut parts = lock(&self.partitions);
+            (revoked.elements_for_topic(&self.settings.topic).iter())
+                .filter_map(|e| parts.map.remove(&e.partition()).map(|s| (e.partition(), s)))
+                .collect()
+        };
+        if taken.is_empty() {
+            return;
+        }
+        for (partition, _) in &taken {
+            self.metrics.released(*partition);
+        }
+        let count = taken.len();
+        let deadline = Instant::now() + self.settings.revoke_timeout;
+        let durable =
+            tokio::task::block_in_place(|| self.runtime.block_on(self.drain(taken, deadline)));
+        self.commit(consumer, &durable.commit, CommitMode::Sync);
+        tracing::info!(
+            revoked = count,
+            drained = durable.drained,
+            "partitions revoked"
+        );
+    }
+
+    /// Shutdown: drains every partition (bounded by the shutdown timeout), commits, and stops
+    /// every flush still retrying.
+    pub(crate) async fn drain_all<X: ConsumerContext, K: Consumer<X>>(
+        &self,
+        consumer: &K,
+    ) -> Drained {
+        let taken: Vec<(i32, Slot)> = lock(&self.partitions).map.drain().collect();
+        let deadline = Instant::now() + self.settings.shutdown_timeout;
+        let drained = self.drain(taken, deadline).await;
+        self.commit(consumer, &drained.commit, CommitMode::Sync);
+        // Nothing may keep retrying past this point.
+        self.hard_stop.cancel();
+        drained
+    }
+
+    /// Waits for each partition's in-flight flush, then flushes its buffer, until `deadline`.
+    async fn drain(&self, taken: Vec<(i32, Slot)>, deadline: Instant) -> Drained {
+        let mut drained = Drained::default();
+        if taken.is_empty() {
+            return drained;
+        }
+        let cancel = self.hard_stop.child_token();
+        let timer = {
+            let cancel = cancel.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep_until(deadline.into()).await;
+                cancel.cancel();
+            })
+        };
+        let mut tasks = JoinSet::new();
+        for (partition, slot) in taken {
+            let flusher = self.flusher.clone();
+            let cancel = cancel.clone();
+            tasks.spawn(async move {
+                let outcome = drain_one(&flusher, partition, slot, &cancel).await;
+                (partition, outcome)
+            });
+        }
+        while let Some(joined) = tasks.join_next().await {
+            match joined {
+                Ok((partition, Ok(durable))) => {
+                    drained.drained += 1;
+                    (drained.commit).extend(durable.map(|offset| (partition, offset)));
+                }
+                Ok((partition, Err(NotDrained))) => {
+                    tracing::warn!(
+                        partition,
+                        "partition not drained before the deadline; its uncommitted events will be read again"
+                    );
+                    drained.not_drained.push(partition);
+                }
+                Err(error) => tracing::error!(%error, "drain task failed"),
+            }
+        }
+        timer.abort();
+        drained
+    }
+
+    /// Where each owned partition's log ends now (from statistics).
+    pub(crate) fn log_ends(&self, ends: impl Iterator<Item = (i32, i64)>) {
+        let mut parts = lock(&self.partitions);
+        for (partition, end) in ends {
+            if let Some(slot) = parts.map.get_mut(&partition) {
+                slot.machine.on_log_end(end);
+            }
+        }
+    }
+}
+
+/// Drains one partition: waits for its in-flight task, then flushes its buffer; the offset to
+/// commit, if it flushed anything.
+async fn drain_one<S: Sink>(
+    flusher: &Flusher<S>,
+    partition: i32,
+    slot: Slot,
+    cancel: &CancellationToken,
+) -> Result<Option<i64>, NotDrained> {
+    if let Some(acquiring) = slot.acquiring {
+        acquiring.abort();
+    }
+    let Drain::Work(mut draining) = slot.machine.into_drain() else {
+        return Ok(None);
+    };
+    match slot.task {
+        Some(Task::Flush(mut handle)) => {
+            let outcome = tokio::select! {
+                joined = &mut handle => joined.unwrap_or(FlushOutcome::Cancelled),
+                () = cancel.cancelled() => {
+                    handle.abort();
+                    FlushOutcome::Cancelled
+                }
+            };
+            draining.on_flushed(outcome)?;
+        }
+        Some(Task::Check(mut handle)) => {
+            let standing = tokio::select! {
+                // A check that cannot finish found nothing wrong: the flush below asks again.
+                joined = &mut handle => joined.unwrap_or(Standing::Held),
+                () = cancel.cancelled() => {
+                    handle.abort();
+                    Standing::Held
+                }
+            };
+            draining.on_checked(standing)?;
+        }
+        None => {}
+    }
+    if let Some((batch, owner)) = draining.last_flush() {
+        let outcome = flusher.flush(partition, batch, owner, cancel).await;
+        draining.on_flushed(outcome)?;
+    }
+    Ok(draining.commit())
 }

@@ -39,14 +39,23 @@ pub enum FlushOutcome {
     },
     /// Cancelled before it was durable; nothing may be committed.
     Cancelled,
-    /// Not a flush but a check of an idle partition ([`Flusher::verify`]): Redis still holds
-    /// everything it was given (or could not be asked). Nothing to commit.
-    Verified,
     /// Refused by a fence: the partition belongs to a newer owner. Nothing may be committed.
     Fenced,
     /// A group lost writes this owner had seen land (Redis restarted from an older state).
     /// Nothing may be committed; the partition must be acquired again and re-fed from where
     /// Redis now stands.
+    RolledBack,
+}
+
+/// What a check of an idle partition's standing found ([`Flusher::verify`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Standing {
+    /// Redis still holds everything this owner wrote (or could not be asked: the next check or
+    /// flush asks again).
+    Held,
+    /// A newer owner has the partition.
+    Fenced,
+    /// A group lost writes this owner had seen land.
     RolledBack,
 }
 
@@ -220,16 +229,22 @@ impl<S: Sink> Flusher<S> {
 
     /// Checks an idle partition's standing in Redis ([`crate::fence::verify`]): a rollback found
     /// here re-feeds the partition without waiting for its next event.
-    pub async fn verify(&self, partition: i32, owner: &Owner) -> FlushOutcome {
+    pub async fn verify(&self, partition: i32, owner: &Owner) -> Standing {
         match crate::fence::verify(&self.sink, owner).await {
-            Ok(Applied::Written) => FlushOutcome::Verified,
-            Ok(Applied::Fenced) => self.fenced(partition, owner.home),
-            Ok(_) => self.rolled_back(partition, owner.home),
+            Ok(Applied::Written) => Standing::Held,
+            Ok(Applied::Fenced) => {
+                self.fenced(partition, owner.home);
+                Standing::Fenced
+            }
+            Ok(_) => {
+                self.rolled_back(partition, owner.home);
+                Standing::RolledBack
+            }
             Err(error) => {
                 // The next check (or the next flush) asks again.
                 self.metrics.redis_error();
                 tracing::debug!(partition, %error, "checking an idle partition failed");
-                FlushOutcome::Verified
+                Standing::Held
             }
         }
     }

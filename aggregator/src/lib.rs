@@ -6,9 +6,11 @@
 //! - [`config`]: the typed [`Config`] and the command line that builds it.
 //! - [`config_error`]: [`config::ConfigError`], what both report.
 //! - [`secrets`]: where credentials come from (environment, files) and where they are refused (flags).
-//! - [`consume`]: the consume loop and its per-partition state ([`Aggregator`]).
-//! - [`rebalance`]: the consumer's context: revoke and assign callbacks, the drain they and
-//!   shutdown share, statistics and logs.
+//! - [`daemon`]: the loop ([`Aggregator`]): shutdown, reports, ticks and messages, in one task.
+//! - [`partition`]: one partition as a state machine with no I/O: what to flush, commit, pause.
+//! - [`consume`]: the Kafka side of it: messages decoded and routed, actions carried out,
+//!   assignments, revokes and the drain they and shutdown share.
+//! - [`rebalance`]: the consumer's context: the rebalance callbacks, statistics and logs.
 //! - [`batch`]: one partition's buffer and the flush triggers.
 //! - [`flush`]: making a sealed batch durable, with retries.
 //! - [`fence`]: owning a partition in exactly-once mode (epochs, fences, ledgers, watermark).
@@ -30,11 +32,13 @@ pub mod compact;
 pub mod config;
 pub mod config_error;
 pub mod consume;
+pub mod daemon;
 pub mod dead_letter;
 pub mod fence;
 pub mod flush;
 pub mod http;
 pub mod metrics;
+pub mod partition;
 pub mod rebalance;
 pub mod redis_sink;
 pub mod secrets;
@@ -51,7 +55,8 @@ use rdkafka::ClientConfig;
 use tokio_util::sync::CancellationToken;
 
 pub use config::Config;
-pub use consume::{Aggregator, LoopSettings, RunSummary};
+pub use consume::{LoopSettings, RunSummary};
+pub use daemon::Aggregator;
 pub use redis_sink::RedisSink;
 pub use sink::Sink;
 
