@@ -37,6 +37,8 @@ pub mod dead_letter;
 pub mod fence;
 pub mod flush;
 pub mod http;
+#[cfg(test)]
+mod memory_sink;
 pub mod metrics;
 pub mod partition;
 pub mod rebalance;
