@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use serde::Deserialize;
 use tally_common::defaults;
-use tally_common::{GroupingRule, Keyspace, Namespaces, Policy};
+use tally_common::{GroupingRule, Keyspace, Namespaces, Policy, RedisTarget};
 
 use crate::batch::{Limits, Size};
 pub use crate::config_error::ConfigError;
@@ -203,8 +203,8 @@ pub struct Config {
     pub topic: String,
     /// Consumer group.
     pub group: String,
-    /// Redis target URL.
-    pub redis_url: String,
+    /// Where Redis is.
+    pub redis: RedisTarget,
     /// Flush triggers per partition.
     pub limits: Limits,
     /// Where /metrics and /healthz are served.
@@ -248,7 +248,7 @@ impl std::fmt::Debug for Config {
             .field("brokers", &self.brokers)
             .field("topic", &self.topic)
             .field("group", &self.group)
-            .field("redis_url", &redact_url(&self.redis_url))
+            .field("redis", &self.redis)
             .field("limits", &self.limits)
             .field("metrics_addr", &self.metrics_addr)
             .field("dead_letter_topic", &self.dead_letter_topic)
@@ -264,18 +264,6 @@ impl std::fmt::Debug for Config {
             .field("revoke_timeout", &self.revoke_timeout)
             .field("kafka_options", &self.kafka.keys().collect::<Vec<_>>())
             .finish()
-    }
-}
-
-/// `url` with any password replaced by `***`.
-fn redact_url(url: &str) -> String {
-    match (url.find("://"), url.rfind('@')) {
-        (Some(scheme), Some(at)) if at > scheme => {
-            let userinfo = &url[scheme + 3..at];
-            let user = userinfo.split(':').next().unwrap_or("");
-            format!("{}{user}:***{}", &url[..scheme + 3], &url[at..])
-        }
-        _ => url.to_owned(),
     }
 }
 
@@ -434,13 +422,13 @@ impl Settings {
                 ),
             });
         }
-        let redis_url = self
-            .redis_url
-            .unwrap_or_else(|| defaults::REDIS_URL.to_owned());
+        let redis = RedisTarget::parse(self.redis_url.as_deref().unwrap_or(defaults::REDIS_URL))
+            .map_err(|e| ConfigError::Invalid {
+                name: "redis_url",
+                why: e.to_string(),
+            })?;
         let redis_atomicity = self.redis_atomicity.unwrap_or_default();
-        if redis_atomicity == Atomicity::Transactions
-            && tally_common::connection::is_cluster_url(&redis_url)
-        {
+        if redis_atomicity == Atomicity::Transactions && redis.is_cluster() {
             return Err(ConfigError::Invalid {
                 name: "redis_atomicity",
                 why: "transactions need a standalone Redis; on Redis Cluster use scripts"
@@ -451,7 +439,7 @@ impl Settings {
             brokers: self.brokers.unwrap_or_else(|| defaults::BROKERS.to_owned()),
             topic,
             group: self.group.unwrap_or_else(|| defaults::GROUP.to_owned()),
-            redis_url,
+            redis,
             limits: Limits {
                 flush_interval: Duration::from_millis(flush_interval_ms),
                 live: Size {
@@ -527,7 +515,7 @@ impl Cli {
         over.kafka.extend(self.kafka_options);
         over.kafka.extend(secrets.kafka.clone());
         let mut config = base.overridden_by(over).resolve()?;
-        config.redis_url = secrets.redis_url(&config.redis_url)?;
+        config.redis = secrets.redis_target(config.redis)?;
         Ok(config)
     }
 }
@@ -592,7 +580,7 @@ mod tests {
         assert_eq!(documented("brokers"), c.brokers);
         assert_eq!(documented("topic"), c.topic);
         assert_eq!(documented("group"), c.group);
-        assert_eq!(documented("redis_url"), c.redis_url);
+        assert_eq!(documented("redis_url"), c.redis.to_string());
         assert_eq!(documented("dead_letter_topic"), c.dead_letter_topic);
         assert_eq!(documented("key_prefix"), c.keyspace.prefix());
         assert_eq!(documented("shard_groups"), c.keyspace.groups().to_string());

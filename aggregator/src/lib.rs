@@ -135,7 +135,7 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<RunSumma
             source,
         })?;
     tracing::info!(%addr, "serving /metrics, /healthz and /readyz");
-    let conn = tally_common::RedisConn::connect(&config.redis_url).await;
+    let conn = tally_common::RedisConn::connect_to(&config.redis).await;
     let conn = match conn {
         Ok(conn) => conn,
         Err(e) => {
@@ -171,7 +171,7 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<RunSumma
     let flusher = flush::Flusher {
         sink: RedisSink::new(
             conn,
-            &config.redis_url,
+            &config.redis,
             config.keyspace.clone(),
             config.redis_atomicity,
         )?,

@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use redis::ErrorKind;
-use tally_common::{DeadLetterReason, Keyspace, RedisConn};
+use tally_common::{DeadLetterReason, Keyspace, RedisConn, RedisTarget};
 
 use crate::config::Atomicity;
 use crate::sink::{Applied, GroupWrite, Rejection, Sink, SinkError, SinkErrorKind, Stamp};
@@ -58,18 +58,18 @@ pub struct RedisSink {
 }
 
 impl RedisSink {
-    /// A sink writing through `conn` (which reaches `url`) into `keyspace`, making exactly-once
-    /// writes atomic as `atomicity` says.
+    /// A sink writing through `conn` (which reaches `target`) into `keyspace`, making
+    /// exactly-once writes atomic as `atomicity` says.
     pub fn new(
         conn: RedisConn,
-        url: &str,
+        target: &RedisTarget,
         keyspace: Keyspace,
         atomicity: Atomicity,
     ) -> redis::RedisResult<Self> {
         let transactions = match atomicity {
             Atomicity::Scripts => None,
             _ if conn.is_cluster() => None,
-            _ => Some(Arc::new(Transactions::new(url, keyspace.clone())?)),
+            _ => Some(Arc::new(Transactions::new(target, keyspace.clone())?)),
         };
         Ok(Self {
             conn,

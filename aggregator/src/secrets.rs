@@ -22,6 +22,8 @@
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
+use tally_common::RedisTarget;
+
 use crate::config_error::ConfigError;
 
 /// librdkafka options whose values are secrets, and the variables that set them.
@@ -89,37 +91,22 @@ impl Secrets {
         Ok(secrets)
     }
 
-    /// `url` with the Redis credentials put in (percent-encoded), if any were given. On a
-    /// cluster URL they apply to every seed node.
-    pub fn redis_url(&self, url: &str) -> Result<String, ConfigError> {
+    /// `target` with the Redis credentials put in (percent-encoded), if any were given. On a
+    /// cluster they apply to every seed node.
+    pub fn redis_target(&self, target: RedisTarget) -> Result<RedisTarget, ConfigError> {
         if self.redis_username.is_none() && self.redis_password.is_none() {
-            return Ok(url.to_owned());
+            return Ok(target);
         }
-        let Some((scheme, rest)) = url.split_once("://") else {
-            return Err(invalid_url("is not scheme://host:port"));
-        };
-        if rest.contains('@') {
-            return Err(invalid_url(
-                "already holds credentials: give them either in the URL or in TALLY_REDIS_USERNAME / TALLY_REDIS_PASSWORD, not both",
-            ));
+        if target.has_credentials() {
+            return Err(ConfigError::Invalid {
+                name: "redis_url",
+                why: "already holds credentials: give them either in the URL or in TALLY_REDIS_USERNAME / TALLY_REDIS_PASSWORD, not both".to_owned(),
+            });
         }
-        let user = self
-            .redis_username
-            .as_deref()
-            .map(percent_encode)
-            .unwrap_or_default();
-        let userinfo = match &self.redis_password {
-            Some(password) => format!("{user}:{}", percent_encode(password)),
-            None => user,
-        };
-        Ok(format!("{scheme}://{userinfo}@{rest}"))
-    }
-}
-
-fn invalid_url(why: &str) -> ConfigError {
-    ConfigError::Invalid {
-        name: "redis_url",
-        why: why.to_owned(),
+        Ok(target.with_credentials(
+            self.redis_username.as_deref().map(percent_encode),
+            self.redis_password.as_deref().map(percent_encode),
+        ))
     }
 }
 
@@ -182,6 +169,7 @@ pub fn refuse_secret_flags(
             ),
         });
     }
+    let has_password = |url: &str| RedisTarget::parse(url).is_ok_and(|t| t.has_password());
     if from_command_line("redis_url") && redis_url.is_some_and(has_password) {
         return Err(ConfigError::Invalid {
             name: "redis-url",
@@ -189,13 +177,6 @@ pub fn refuse_secret_flags(
         });
     }
     Ok(())
-}
-
-/// Whether a URL's user info holds a password (`scheme://user:password@...`).
-fn has_password(url: &str) -> bool {
-    let rest = url.split_once("://").map_or(url, |(_, rest)| rest);
-    rest.split_once('@')
-        .is_some_and(|(userinfo, _)| userinfo.contains(':'))
 }
 
 #[cfg(test)]
@@ -229,18 +210,19 @@ mod tests {
             secrets.kafka.get("sasl.password").map(String::as_str),
             Some("s3cr:et/@")
         );
+        let with = |url: &str| {
+            let target = RedisTarget::parse(url).expect("a Redis URL");
+            secrets.redis_target(target).map(|t| t.url())
+        };
         assert_eq!(
-            secrets.redis_url("redis://10.0.0.1:6379/0").expect("url"),
+            with("redis://10.0.0.1:6379/0").expect("url"),
             "redis://tally-aggregator:p%40ss%3Aw%2Frd@10.0.0.1:6379/0"
         );
         assert_eq!(
-            secrets.redis_url("rediss+cluster://a:1,b:2").expect("url"),
+            with("rediss+cluster://a:1,b:2").expect("url"),
             "rediss+cluster://tally-aggregator:p%40ss%3Aw%2Frd@a:1,b:2"
         );
-        assert!(
-            secrets.redis_url("redis://u:x@h:1").is_err(),
-            "credentials twice"
-        );
+        assert!(with("redis://u:x@h:1").is_err(), "credentials twice");
         let shown = format!("{secrets:?}");
         assert!(
             !shown.contains("p@ss") && !shown.contains("s3cr"),

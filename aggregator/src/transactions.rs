@@ -21,7 +21,7 @@ use std::sync::Mutex;
 use redis::aio::MultiplexedConnection;
 use redis::{AsyncConnectionConfig, ErrorKind, Pipeline, ServerErrorKind, Value};
 use tally_common::connection::{DEFAULT_CONNECT_TIMEOUT, DEFAULT_RESPONSE_TIMEOUT};
-use tally_common::{DeadLetterReason, Keyspace};
+use tally_common::{DeadLetterReason, Keyspace, RedisTarget};
 
 use crate::sink::{Applied, GroupWrite, Refused, Rejection, SinkError, SinkErrorKind, Stamp};
 
@@ -191,10 +191,10 @@ fn conflict() -> SinkError {
 }
 
 impl Transactions {
-    /// Transactions on the standalone server at `url`.
-    pub fn new(url: &str, keyspace: Keyspace) -> redis::RedisResult<Self> {
+    /// Transactions on the standalone server `target`.
+    pub fn new(target: &RedisTarget, keyspace: Keyspace) -> redis::RedisResult<Self> {
         Ok(Self {
-            client: redis::Client::open(url)?,
+            client: redis::Client::open(target.url())?,
             idle: Mutex::new(Vec::new()),
             keyspace,
         })

@@ -1,9 +1,10 @@
 //! Connecting to Redis: one standalone server or a Redis Cluster, behind one connection type.
 //!
-//! A target is written as a URL. `redis://host:port/db` (or `rediss://` for TLS) is a standalone
-//! server, reached through redis-rs's [`ConnectionManager`], which reconnects by itself.
-//! `redis+cluster://host:port,host:port` (or `rediss+cluster://`) names seed nodes of a Redis
-//! Cluster. Either way commands time out instead of hanging, so callers can retry.
+//! A target is written as a URL and parsed once into a [`RedisTarget`]. `redis://host:port/db`
+//! (or `rediss://` for TLS) is a standalone server, reached through redis-rs's
+//! [`ConnectionManager`], which reconnects by itself. `redis+cluster://host:port,host:port` (or
+//! `rediss+cluster://`) names seed nodes of a Redis Cluster. Either way commands time out
+//! instead of hanging, so callers can retry.
 
 use std::time::Duration;
 
@@ -35,21 +36,169 @@ impl std::fmt::Debug for RedisConn {
     }
 }
 
+/// Where Redis is: a standalone server or a cluster's seed nodes, with optional credentials,
+/// parsed from a URL (see the module documentation). Its `Display` hides the password.
+#[derive(Clone, PartialEq, Eq)]
+pub struct RedisTarget {
+    /// The scheme as written (`redis`, `rediss`, `redis+cluster`, `redis+unix`...).
+    scheme: String,
+    /// The user name, as written in the URL (percent-encoded).
+    username: Option<String>,
+    /// The password, as written in the URL (percent-encoded).
+    password: Option<String>,
+    /// `host:port[/db][?query]` of a standalone server; each seed `host:port` of a cluster.
+    hosts: Vec<String>,
+}
+
+/// A URL that names no Redis target.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid Redis URL: {0}")]
+pub struct TargetError(&'static str);
+
+impl RedisTarget {
+    /// Parses `scheme://[user[:password]@]host:port[/db]`, or, for a cluster,
+    /// `redis+cluster://[user[:password]@]host:port,host:port`.
+    pub fn parse(url: &str) -> Result<Self, TargetError> {
+        let (scheme, rest) = url
+            .split_once("://")
+            .ok_or(TargetError("it is not scheme://host:port"))?;
+        if !scheme.starts_with("redis") && scheme != "unix" {
+            return Err(TargetError(
+                "the scheme must be redis, rediss or their +cluster forms",
+            ));
+        }
+        let (userinfo, hosts) = match rest.rsplit_once('@') {
+            Some((userinfo, hosts)) => (Some(userinfo), hosts),
+            None => (None, rest),
+        };
+        let (username, password) = match userinfo.map(|u| u.split_once(':')) {
+            None => (None, None),
+            Some(None) => (userinfo.map(str::to_owned), None),
+            Some(Some((user, password))) => (
+                (!user.is_empty()).then(|| user.to_owned()),
+                Some(password.to_owned()),
+            ),
+        };
+        let hosts: Vec<String> = if scheme.ends_with("+cluster") {
+            (hosts.split(',').map(str::trim))
+                .filter(|h| !h.is_empty())
+                .map(str::to_owned)
+                .collect()
+        } else {
+            vec![hosts.to_owned()]
+        };
+        if hosts.iter().all(String::is_empty) {
+            return Err(TargetError("it names no host"));
+        }
+        Ok(Self {
+            scheme: scheme.to_owned(),
+            username,
+            password,
+            hosts,
+        })
+    }
+
+    /// Whether it names a Redis Cluster (`redis+cluster://` or `rediss+cluster://`).
+    pub fn is_cluster(&self) -> bool {
+        self.scheme.ends_with("+cluster")
+    }
+
+    /// Whether the URL holds a password.
+    pub fn has_password(&self) -> bool {
+        self.password.is_some()
+    }
+
+    /// Whether the URL holds credentials (a user name or a password).
+    pub fn has_credentials(&self) -> bool {
+        self.username.is_some() || self.password.is_some()
+    }
+
+    /// The same target with these credentials (already percent-encoded); on a cluster they apply
+    /// to every seed node.
+    pub fn with_credentials(mut self, username: Option<String>, password: Option<String>) -> Self {
+        self.username = username;
+        self.password = password;
+        self
+    }
+
+    /// The URL of each node to connect to: the server, or every cluster seed (with the scheme
+    /// without `+cluster`), credentials included.
+    pub fn node_urls(&self) -> Vec<String> {
+        let scheme = self.scheme.trim_end_matches("+cluster");
+        let userinfo = self.userinfo(false);
+        (self.hosts.iter())
+            .map(|host| format!("{scheme}://{userinfo}{host}"))
+            .collect()
+    }
+
+    /// The URL, credentials included (for the parts of redis-rs that take one).
+    pub fn url(&self) -> String {
+        format!(
+            "{}://{}{}",
+            self.scheme,
+            self.userinfo(false),
+            self.hosts.join(",")
+        )
+    }
+
+    /// `user:password@` (the password as `***` when `redact`), or nothing.
+    fn userinfo(&self, redact: bool) -> String {
+        let user = self.username.as_deref().unwrap_or_default();
+        match (&self.username, &self.password) {
+            (None, None) => String::new(),
+            (_, None) => format!("{user}@"),
+            (_, Some(_)) if redact => format!("{user}:***@"),
+            (_, Some(password)) => format!("{user}:{password}@"),
+        }
+    }
+}
+
+impl std::fmt::Display for RedisTarget {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{}://{}{}",
+            self.scheme,
+            self.userinfo(true),
+            self.hosts.join(",")
+        )
+    }
+}
+
+impl std::fmt::Debug for RedisTarget {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "RedisTarget({self})")
+    }
+}
+
+impl std::str::FromStr for RedisTarget {
+    type Err = TargetError;
+
+    fn from_str(url: &str) -> Result<Self, Self::Err> {
+        Self::parse(url)
+    }
+}
+
 impl RedisConn {
-    /// Connects to `url`. A standalone target connects lazily: this succeeds even while the
+    /// Connects to `url` (see [`RedisConn::connect_to`]).
+    pub async fn connect(url: &str) -> redis::RedisResult<Self> {
+        let target = RedisTarget::parse(url)
+            .map_err(|e| redis::RedisError::from((redis::ErrorKind::InvalidClientConfig, e.0)))?;
+        Self::connect_to(&target).await
+    }
+
+    /// Connects to `target`. A standalone target connects lazily: this succeeds even while the
     /// server is down, and the first command fails (and reconnects) instead. A cluster target
     /// needs one seed node to answer now, to learn the topology.
-    pub async fn connect(url: &str) -> redis::RedisResult<Self> {
-        if let Some((tls, seeds)) = cluster_seeds(url) {
-            let scheme = if tls { "rediss" } else { "redis" };
-            let nodes: Vec<String> = seeds.map(|s| format!("{scheme}://{s}")).collect();
-            let client = redis::cluster::ClusterClient::builder(nodes)
+    pub async fn connect_to(target: &RedisTarget) -> redis::RedisResult<Self> {
+        if target.is_cluster() {
+            let client = redis::cluster::ClusterClient::builder(target.node_urls())
                 .connection_timeout(DEFAULT_CONNECT_TIMEOUT)
                 .response_timeout(DEFAULT_RESPONSE_TIMEOUT)
                 .build()?;
             Ok(RedisConn::Cluster(client.get_async_connection().await?))
         } else {
-            let client = redis::Client::open(url)?;
+            let client = redis::Client::open(target.url())?;
             let config = ConnectionManagerConfig::new()
                 .set_connection_timeout(Some(DEFAULT_CONNECT_TIMEOUT))
                 .set_response_timeout(Some(DEFAULT_RESPONSE_TIMEOUT))
@@ -101,24 +250,6 @@ where
     }
 }
 
-/// Whether `url` names a Redis Cluster (`redis+cluster://` or `rediss+cluster://`).
-pub fn is_cluster_url(url: &str) -> bool {
-    cluster_seeds(url).is_some()
-}
-
-/// `Some((tls, seeds))` when `url` names a cluster.
-fn cluster_seeds(url: &str) -> Option<(bool, impl Iterator<Item = &str>)> {
-    let (tls, rest) = if let Some(rest) = url.strip_prefix("redis+cluster://") {
-        (false, rest)
-    } else {
-        (true, url.strip_prefix("rediss+cluster://")?)
-    };
-    Some((
-        tls,
-        rest.split(',').map(str::trim).filter(|s| !s.is_empty()),
-    ))
-}
-
 impl ConnectionLike for RedisConn {
     fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
         match self {
@@ -152,11 +283,31 @@ mod tests {
     use super::*;
 
     #[test]
-    fn cluster_urls_list_their_seeds() {
-        let (tls, seeds) = cluster_seeds("redis+cluster://a:1, b:2,").expect("cluster");
-        assert!(!tls);
-        assert_eq!(seeds.collect::<Vec<_>>(), ["a:1", "b:2"]);
-        assert!(cluster_seeds("rediss+cluster://a:1").is_some_and(|(tls, _)| tls));
-        assert!(cluster_seeds("redis://a:1").is_none());
+    fn urls_parse_into_targets_and_print_without_passwords() {
+        let cluster = RedisTarget::parse("redis+cluster://a:1, b:2,").expect("cluster");
+        assert!(cluster.is_cluster() && !cluster.has_credentials());
+        assert_eq!(cluster.node_urls(), ["redis://a:1", "redis://b:2"]);
+        let tls = RedisTarget::parse("rediss+cluster://u:p%40ss@a:1,b:2").expect("tls cluster");
+        assert_eq!(
+            tls.node_urls(),
+            ["rediss://u:p%40ss@a:1", "rediss://u:p%40ss@b:2"]
+        );
+        assert_eq!(tls.to_string(), "rediss+cluster://u:***@a:1,b:2");
+        let single = RedisTarget::parse("redis://app:hunter2@h:6379/2").expect("single");
+        assert!(!single.is_cluster() && single.has_password());
+        assert_eq!(single.url(), "redis://app:hunter2@h:6379/2");
+        assert_eq!(
+            format!("{single:?}"),
+            "RedisTarget(redis://app:***@h:6379/2)"
+        );
+        let user_only = RedisTarget::parse("redis://app@h:1").expect("user only");
+        assert!(user_only.has_credentials() && !user_only.has_password());
+        let with = RedisTarget::parse("redis://h:1")
+            .expect("plain")
+            .with_credentials(Some("u".to_owned()), Some("p".to_owned()));
+        assert_eq!(with.url(), "redis://u:p@h:1");
+        assert!(RedisTarget::parse("h:6379").is_err());
+        assert!(RedisTarget::parse("http://h:1").is_err());
+        assert!(RedisTarget::parse("redis+cluster://,").is_err());
     }
 }

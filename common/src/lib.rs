@@ -9,7 +9,8 @@
 //!   Redis Cluster hash tags).
 //! - [`namespace`]: [`Namespaces`], each namespace's [`Policy`] (dedup, write path, cache TTL,
 //!   grouping, display), read from one TOML file.
-//! - [`connection`]: [`RedisConn`], a standalone or cluster Redis connection.
+//! - [`connection`]: [`RedisTarget`] (a Redis URL, parsed once) and [`RedisConn`], a standalone
+//!   or cluster Redis connection.
 //! - [`dead_letter`]: [`DeadLetterReason`], why a message went to the dead-letter topic.
 //! - [`defaults`]: the default brokers, topics, group, Redis URL, key prefix and shard groups.
 //! - [`reader`]: [`Reader`], exact counter totals by summing shards (`MGET`, pipelines).
@@ -30,7 +31,7 @@ pub mod reader;
 
 pub use cache::{CacheStats, CachedReader};
 pub use codec::{DecodeError, EventRef};
-pub use connection::RedisConn;
+pub use connection::{RedisConn, RedisTarget};
 pub use dead_letter::DeadLetterReason;
 pub use display::display;
 pub use event::{CounterEvent, EventError};
