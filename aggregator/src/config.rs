@@ -57,26 +57,6 @@ pub enum Atomicity {
     Transactions,
 }
 
-/// Which shard group an event's delta goes to (see `tally_common::keyspace::GroupingRule`).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, clap::ValueEnum)]
-#[serde(rename_all = "kebab-case")]
-pub enum Grouping {
-    /// The group of the partition the event came from: one write per flush.
-    #[default]
-    Partition,
-    /// A stable hash of the event's actor: per-actor state and its increments share a slot.
-    Actor,
-}
-
-impl From<Grouping> for GroupingRule {
-    fn from(g: Grouping) -> Self {
-        match g {
-            Grouping::Partition => GroupingRule::ByPartition,
-            Grouping::Actor => GroupingRule::ByActor,
-        }
-    }
-}
-
 /// Settings as given by a file, the environment or flags: every field optional.
 #[derive(Debug, Default, Clone, Deserialize, clap::Args)]
 #[serde(deny_unknown_fields)]
@@ -143,9 +123,9 @@ pub struct Settings {
     /// Delivery guarantee [default: exactly-once]
     #[arg(long, env = "TALLY_DELIVERY", value_enum)]
     pub delivery: Option<Delivery>,
-    /// Which shard group an event's delta goes to: its partition's or its actor's [default: partition]
-    #[arg(long, env = "TALLY_GROUPING", value_enum)]
-    pub grouping: Option<Grouping>,
+    /// Which shard group an event's delta goes to: its partition's (partition) or its actor's (actor) [default: partition]
+    #[arg(long, env = "TALLY_GROUPING")]
+    pub grouping: Option<GroupingRule>,
     /// Raise a directly written counter's shard count when one shard takes more than this many writes per second; 0 turns the shard monitor off [default: 1000]
     #[arg(long, env = "TALLY_SHARD_THRESHOLD")]
     pub shard_threshold: Option<u64>,
@@ -387,7 +367,7 @@ impl Settings {
                 why: "tally commits offsets itself, only after a flush is durable".to_owned(),
             });
         }
-        let grouping: GroupingRule = self.grouping.unwrap_or_default().into();
+        let grouping = self.grouping.unwrap_or_default();
         let namespaces = match &self.namespaces {
             Some(path) => {
                 Namespaces::from_toml_with_grouping(&Namespaces::read(path)?, Some(grouping))?
@@ -554,6 +534,8 @@ mod tests {
                 ..
             })
         ));
+        let actor = parse(&["tally-aggregator", "--grouping", "actor"]).expect("parses");
+        assert_eq!(actor.settings.grouping, Some(GroupingRule::ByActor));
         let cli = parse(&["tally-aggregator", "--kafka-option", "sasl.username=u"]).expect("fine");
         let secrets = Secrets::from_lookup(|name| {
             (name == "TALLY_KAFKA_SASL_PASSWORD").then(|| "hunter2".to_owned())
@@ -589,6 +571,7 @@ mod tests {
             documented("flush_interval_ms"),
             c.limits.flush_interval.as_millis().to_string()
         );
+        assert_eq!(documented("grouping"), c.grouping.as_str());
         assert_eq!(c.keyspace, Keyspace::default());
         assert_eq!(c.delivery, Delivery::ExactlyOnce);
         assert_eq!(c.grouping, GroupingRule::ByPartition);
@@ -685,7 +668,7 @@ mod tests {
         let with = |delivery| Settings {
             namespaces: Some(path.clone()),
             delivery: Some(delivery),
-            grouping: Some(Grouping::Partition),
+            grouping: Some(GroupingRule::ByPartition),
             ..Settings::default()
         };
         let c = with(Delivery::ExactlyOnce).resolve().expect("valid");

@@ -97,16 +97,12 @@ pub fn kafka_client_config(config: &Config) -> ClientConfig {
 /// The delivery, grouping and atomicity settings as `tally_build_info` labels them.
 fn settings_labels(config: &Config) -> [&'static str; 3] {
     use config::{Atomicity, Delivery};
-    use tally_common::keyspace::GroupingRule;
     [
         match config.delivery {
             Delivery::ExactlyOnce => "exactly-once",
             Delivery::AtLeastOnce => "at-least-once",
         },
-        match config.grouping {
-            GroupingRule::ByPartition => "partition",
-            GroupingRule::ByActor => "actor",
-        },
+        config.grouping.as_str(),
         match config.redis_atomicity {
             Atomicity::Auto => "auto",
             Atomicity::Scripts => "scripts",

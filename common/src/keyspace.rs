@@ -37,27 +37,45 @@ pub const DEFAULT_GROUPS: u32 = 16;
 /// Most shard groups allowed: a read sums one key per group.
 pub const MAX_GROUPS: u32 = 1024;
 
-/// Which shard group an event's delta is written to.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+/// Which shard group an event's delta is written to. Spelled `partition` or `actor` everywhere:
+/// the aggregator's `--grouping`, the namespace file, the `tally_build_info` label.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Deserialize)]
 pub enum GroupingRule {
     /// The group of the Kafka partition the event came from: one flush, one group, one slot.
     #[default]
+    #[serde(rename = "partition")]
     ByPartition,
     /// A stable hash of the event's actor (events without one fall back to their partition's
     /// group): everything about one actor lives in one slot.
+    #[serde(rename = "actor")]
     ByActor,
+}
+
+impl GroupingRule {
+    /// Every rule.
+    pub const ALL: [GroupingRule; 2] = [GroupingRule::ByPartition, GroupingRule::ByActor];
+
+    /// Its spelling.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            GroupingRule::ByPartition => "partition",
+            GroupingRule::ByActor => "actor",
+        }
+    }
+}
+
+impl std::fmt::Display for GroupingRule {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
 }
 
 impl std::str::FromStr for GroupingRule {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s {
-            "partition" | "by-partition" => Ok(GroupingRule::ByPartition),
-            "actor" | "by-actor" => Ok(GroupingRule::ByActor),
-            other => Err(format!(
-                "unknown grouping rule {other:?}: expected partition or actor"
-            )),
-        }
+        (Self::ALL.into_iter())
+            .find(|rule| rule.as_str() == s)
+            .ok_or_else(|| format!("unknown grouping rule {s:?}: expected partition or actor"))
     }
 }
 

@@ -46,23 +46,6 @@ pub enum DisplayStyle {
     Exact,
 }
 
-/// Which shard group a namespace's deltas go to (the file's spelling of [`GroupingRule`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-enum Grouping {
-    Partition,
-    Actor,
-}
-
-impl From<Grouping> for GroupingRule {
-    fn from(g: Grouping) -> Self {
-        match g {
-            Grouping::Partition => GroupingRule::ByPartition,
-            Grouping::Actor => GroupingRule::ByActor,
-        }
-    }
-}
-
 /// What a namespace does.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Policy {
@@ -105,7 +88,7 @@ struct PolicyEntry {
     dedup: Option<bool>,
     write_path: Option<WritePath>,
     cache_ttl_ms: Option<u64>,
-    grouping: Option<Grouping>,
+    grouping: Option<GroupingRule>,
     display: Option<DisplayStyle>,
     display_never_decreases: Option<bool>,
 }
@@ -113,7 +96,7 @@ struct PolicyEntry {
 impl PolicyEntry {
     fn over(&self, base: &Policy, name: &str) -> Result<Policy, NamespaceError> {
         let dedup = self.dedup.unwrap_or(base.dedup);
-        let grouping = match (self.grouping.map(GroupingRule::from), dedup) {
+        let grouping = match (self.grouping, dedup) {
             (Some(GroupingRule::ByPartition), true) => {
                 return Err(NamespaceError::Invalid {
                     namespace: name.to_owned(),
