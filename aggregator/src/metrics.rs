@@ -64,172 +64,148 @@ pub struct Metrics {
     redis_up: IntGauge,
 }
 
+/// Creates metrics and registers each in the registry as it goes.
+struct Register(Registry);
+
+impl Register {
+    /// Registers `metric` (a clone: both share the same value) and returns it. Names and label
+    /// sets are fixed in [`Metrics::new`], so neither creating nor registering can fail.
+    fn add<M: prometheus::core::Collector + Clone + 'static>(
+        &self,
+        metric: prometheus::Result<M>,
+    ) -> M {
+        let metric = metric.expect("valid metric");
+        (self.0)
+            .register(Box::new(metric.clone()))
+            .expect("metric names are unique");
+        metric
+    }
+
+    fn counter(&self, name: &str, help: &str) -> IntCounter {
+        self.add(IntCounter::new(name, help))
+    }
+
+    fn gauge(&self, name: &str, help: &str) -> IntGauge {
+        self.add(IntGauge::new(name, help))
+    }
+
+    fn counter_vec(&self, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
+        self.add(IntCounterVec::new(Opts::new(name, help), labels))
+    }
+
+    fn gauge_vec(&self, name: &str, help: &str, labels: &[&str]) -> IntGaugeVec {
+        self.add(IntGaugeVec::new(Opts::new(name, help), labels))
+    }
+
+    fn histogram(&self, opts: HistogramOpts) -> Histogram {
+        self.add(Histogram::with_opts(opts))
+    }
+}
+
 /// How many ranks of hot counters [`Metrics::trending`] exports.
 pub const TRENDING_RANKS: usize = 5;
 
 impl Metrics {
     /// Creates and registers every metric.
     pub fn new() -> Self {
-        let registry = Registry::new();
-        let events_consumed = IntCounter::new(
-            "tally_events_consumed_total",
-            "Messages read from Kafka, valid and malformed.",
-        );
-        let events_dead_lettered = IntCounterVec::new(
-            Opts::new(
+        let r = Register(Registry::new());
+        let metrics = Self {
+            events_consumed: r.counter(
+                "tally_events_consumed_total",
+                "Messages read from Kafka, valid and malformed.",
+            ),
+            events_dead_lettered: r.counter_vec(
                 "tally_events_dead_lettered_total",
                 "Malformed messages copied to the dead-letter topic, by reason.",
+                &["reason"],
             ),
-            &["reason"],
-        );
-        let flushes = IntCounter::new("tally_flushes_total", "Batches made durable in Redis.");
-        let events_flushed = IntCounter::new(
-            "tally_events_flushed_total",
-            "Messages whose batch was made durable.",
-        );
-        let counters_flushed = IntCounter::new(
-            "tally_counter_writes_total",
-            "Counter writes made durable: one per distinct (shard group, counter) per flush.",
-        );
-        let flush_duration = Histogram::with_opts(
-            HistogramOpts::new(
-                "tally_flush_duration_seconds",
-                "Time from a flush's start until it is durable, retries included.",
-            )
-            .buckets(vec![
-                0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
-            ]),
-        );
-        let redis_errors = IntCounter::new("tally_redis_errors_total", "Failed Redis attempts.");
-        let fenced_writes = IntCounter::new(
-            "tally_fenced_writes_total",
-            "Writes refused by a fence: another aggregator owned the partition by then.",
-        );
-        let rollbacks = IntCounter::new(
-            "tally_redis_rollbacks_total",
-            "Times a partition found that Redis had lost writes it made, and was re-fed from Kafka.",
-        );
-        let skipped_events = IntCounter::new(
-            "tally_skipped_events_total",
-            "Messages passed over on resume because their shard group had already applied them.",
-        );
-        let buffered_events = IntGauge::new(
-            "tally_buffered_events",
-            "Messages buffered or being flushed, not yet durable.",
-        );
-        let assigned_partitions = IntGauge::new(
-            "tally_assigned_partitions",
-            "Kafka partitions this instance owns.",
-        );
-        let paused_partitions = IntGauge::new(
-            "tally_paused_partitions",
-            "Partitions paused because their buffer is full while a flush is in flight.",
-        );
-        let catching_up_partitions = IntGauge::new(
-            "tally_catching_up_partitions",
-            "Partitions batching by size, not by the flush clock, because their log holds at least 1,000 events more than they have read.",
-        );
-        let consumer_lag = IntGaugeVec::new(
-            Opts::new(
+            flushes: r.counter("tally_flushes_total", "Batches made durable in Redis."),
+            events_flushed: r.counter(
+                "tally_events_flushed_total",
+                "Messages whose batch was made durable.",
+            ),
+            counters_flushed: r.counter(
+                "tally_counter_writes_total",
+                "Counter writes made durable: one per distinct (shard group, counter) per flush.",
+            ),
+            flush_duration: r.histogram(
+                HistogramOpts::new(
+                    "tally_flush_duration_seconds",
+                    "Time from a flush's start until it is durable, retries included.",
+                )
+                .buckets(vec![
+                    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+                    30.0,
+                ]),
+            ),
+            redis_errors: r.counter("tally_redis_errors_total", "Failed Redis attempts."),
+            fenced_writes: r.counter(
+                "tally_fenced_writes_total",
+                "Writes refused by a fence: another aggregator owned the partition by then.",
+            ),
+            rollbacks: r.counter(
+                "tally_redis_rollbacks_total",
+                "Times a partition found that Redis had lost writes it made, and was re-fed from Kafka.",
+            ),
+            skipped_events: r.counter(
+                "tally_skipped_events_total",
+                "Messages passed over on resume because their shard group had already applied them.",
+            ),
+            buffered_events: r.gauge(
+                "tally_buffered_events",
+                "Messages buffered or being flushed, not yet durable.",
+            ),
+            assigned_partitions: r.gauge(
+                "tally_assigned_partitions",
+                "Kafka partitions this instance owns.",
+            ),
+            paused_partitions: r.gauge(
+                "tally_paused_partitions",
+                "Partitions paused because their buffer is full while a flush is in flight.",
+            ),
+            catching_up_partitions: r.gauge(
+                "tally_catching_up_partitions",
+                "Partitions batching by size, not by the flush clock, because their log holds at least 1,000 events more than they have read.",
+            ),
+            consumer_lag: r.gauge_vec(
                 "tally_consumer_lag",
                 "Messages between the consumer's position and the partition's end.",
+                &["partition"],
             ),
-            &["partition"],
-        );
-        let shard_raises = IntCounter::new(
-            "tally_shard_raises_total",
-            "Shard counts of directly written counters raised by the shard monitor.",
-        );
-        let group_member = IntGauge::new(
-            "tally_group_member",
-            "1 while this instance holds membership of its consumer group, else 0.",
-        );
-        let build_info = IntGaugeVec::new(
-            Opts::new(
+            shard_raises: r.counter(
+                "tally_shard_raises_total",
+                "Shard counts of directly written counters raised by the shard monitor.",
+            ),
+            group_member: r.gauge(
+                "tally_group_member",
+                "1 while this instance holds membership of its consumer group, else 0.",
+            ),
+            build_info: r.gauge_vec(
                 "tally_build_info",
                 "Always 1: the version and the delivery settings of this instance.",
+                &["version", "delivery", "grouping", "redis_atomicity"],
             ),
-            &["version", "delivery", "grouping", "redis_atomicity"],
-        );
-        let buffer_limit = IntGauge::new(
-            "tally_buffer_limit_events",
-            "Buffered messages per partition at which fetching that partition pauses.",
-        );
-        let durable_offset = IntGaugeVec::new(
-            Opts::new(
+            buffer_limit: r.gauge(
+                "tally_buffer_limit_events",
+                "Buffered messages per partition at which fetching that partition pauses.",
+            ),
+            durable_offset: r.gauge_vec(
                 "tally_durable_offset",
                 "The offset up to which each owned partition is durable in Redis.",
+                &["partition"],
             ),
-            &["partition"],
-        );
-        let trending_top = IntGaugeVec::new(
-            Opts::new(
+            trending_top: r.gauge_vec(
                 "tally_trending_top_activity",
                 "Summed |delta| of the hottest counters in the last trending window, by rank \
                  (1 = hottest); `tally top` names them.",
+                &["rank"],
             ),
-            &["rank"],
-        );
-        let redis_up = IntGauge::new(
-            "tally_redis_up",
-            "1 if Redis answered the aggregator's last periodic PING, else 0.",
-        );
-        // Metric names and label sets are fixed above; building them cannot fail.
-        let metrics = Self {
-            registry,
-            events_consumed: events_consumed.expect("valid metric"),
-            events_dead_lettered: events_dead_lettered.expect("valid metric"),
-            flushes: flushes.expect("valid metric"),
-            events_flushed: events_flushed.expect("valid metric"),
-            counters_flushed: counters_flushed.expect("valid metric"),
-            flush_duration: flush_duration.expect("valid metric"),
-            redis_errors: redis_errors.expect("valid metric"),
-            fenced_writes: fenced_writes.expect("valid metric"),
-            skipped_events: skipped_events.expect("valid metric"),
-            rollbacks: rollbacks.expect("valid metric"),
-            buffered_events: buffered_events.expect("valid metric"),
-            assigned_partitions: assigned_partitions.expect("valid metric"),
-            paused_partitions: paused_partitions.expect("valid metric"),
-            catching_up_partitions: catching_up_partitions.expect("valid metric"),
-            consumer_lag: consumer_lag.expect("valid metric"),
-            shard_raises: shard_raises.expect("valid metric"),
-            group_member: group_member.expect("valid metric"),
-            build_info: build_info.expect("valid metric"),
-            buffer_limit: buffer_limit.expect("valid metric"),
-            durable_offset: durable_offset.expect("valid metric"),
-            trending_top: trending_top.expect("valid metric"),
-            redis_up: redis_up.expect("valid metric"),
+            redis_up: r.gauge(
+                "tally_redis_up",
+                "1 if Redis answered the aggregator's last periodic PING, else 0.",
+            ),
+            registry: r.0,
         };
-        let collectors: [Box<dyn prometheus::core::Collector>; 22] = [
-            Box::new(metrics.redis_up.clone()),
-            Box::new(metrics.group_member.clone()),
-            Box::new(metrics.build_info.clone()),
-            Box::new(metrics.buffer_limit.clone()),
-            Box::new(metrics.durable_offset.clone()),
-            Box::new(metrics.trending_top.clone()),
-            Box::new(metrics.shard_raises.clone()),
-            Box::new(metrics.rollbacks.clone()),
-            Box::new(metrics.fenced_writes.clone()),
-            Box::new(metrics.skipped_events.clone()),
-            Box::new(metrics.events_consumed.clone()),
-            Box::new(metrics.events_dead_lettered.clone()),
-            Box::new(metrics.flushes.clone()),
-            Box::new(metrics.events_flushed.clone()),
-            Box::new(metrics.counters_flushed.clone()),
-            Box::new(metrics.flush_duration.clone()),
-            Box::new(metrics.redis_errors.clone()),
-            Box::new(metrics.buffered_events.clone()),
-            Box::new(metrics.assigned_partitions.clone()),
-            Box::new(metrics.paused_partitions.clone()),
-            Box::new(metrics.catching_up_partitions.clone()),
-            Box::new(metrics.consumer_lag.clone()),
-        ];
-        for c in collectors {
-            metrics
-                .registry
-                .register(c)
-                .expect("metric names are unique");
-        }
         // Every reason's series starts at 0, so that the first dead letter of a reason is an
         // increase Prometheus can see (a series born at 1 has no increase).
         for reason in DeadLetterReason::ALL {
