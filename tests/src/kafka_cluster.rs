@@ -4,7 +4,7 @@
 use std::path::Path;
 use std::process::Command;
 
-use crate::{TempDir, free_port};
+use crate::support::{TempDir, free_port};
 
 /// A running 3-broker cluster (replication factor 3, `min.insync.replicas=2`).
 #[derive(Debug)]

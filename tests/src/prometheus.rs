@@ -8,7 +8,8 @@ use std::time::Duration;
 use serde_json::Value;
 use tally_aggregator::secrets::percent_encode;
 
-use crate::{TempDir, eventually, free_port, http_get_status};
+use crate::http::http_get_status;
+use crate::support::{TempDir, eventually, free_port};
 
 /// The repository's `deploy/prometheus` directory.
 pub fn rules_dir() -> PathBuf {

@@ -7,10 +7,10 @@ use std::time::Duration;
 
 use tally_cli::load::LoadSpec;
 
-use crate::{
-    AggregatorSetup, TempDir, assert_no_crossslot, finish_load, kill_repeatedly, reader, seed,
-    start_load, unique, wait_for_totals,
-};
+use crate::kafka::{finish_load, start_load};
+use crate::process::{AggregatorSetup, assert_no_crossslot, kill_repeatedly};
+use crate::store::{reader, wait_for_totals};
+use crate::support::{TempDir, seed, unique};
 
 fn spec(events: u64, rate: u64, seed: u64) -> LoadSpec {
     LoadSpec {

@@ -1,0 +1,235 @@
+//! Kafka: the brokers, topics and partitions, committed offsets, load through the producer
+//! crate, and reading topics back (dead letters, what was sent).
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use rdkafka::ClientConfig;
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::client::DefaultClientContext;
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::{Offset, TopicPartitionList};
+use tally_cli::load::{self, LoadError, LoadReport, LoadSpec};
+use tally_producer::ProducerConfig;
+use tokio::task::JoinHandle;
+
+use crate::support::{eventually, unique};
+
+/// The Kafka brokers the tests use.
+pub fn brokers() -> String {
+    std::env::var("TALLY_TEST_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".to_owned())
+}
+
+/// Creates `topic` with `partitions` partitions; fails loudly if Kafka is not reachable.
+pub async fn create_topic(topic: &str, partitions: i32) {
+    create_topic_on(&brokers(), topic, partitions).await;
+}
+
+/// Creates `topic` with `partitions` partitions (replication factor 1) on the Kafka at
+/// `bootstrap`; fails loudly if it is not reachable.
+pub async fn create_topic_on(bootstrap: &str, topic: &str, partitions: i32) {
+    let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
+        .set("bootstrap.servers", bootstrap)
+        .create()
+        .expect("admin client");
+    let results = admin
+        .create_topics(
+            &[NewTopic::new(topic, partitions, TopicReplication::Fixed(1))],
+            &AdminOptions::new().request_timeout(Some(Duration::from_secs(20))),
+        )
+        .await
+        .unwrap_or_else(|e| {
+            panic!(
+                "Kafka is not reachable at {bootstrap} ({e}): start it with deploy/local/start.sh"
+            )
+        });
+    for r in results {
+        r.unwrap_or_else(|(t, e)| panic!("cannot create topic {t}: {e}"));
+    }
+}
+
+/// Raises `topic`'s partition count to `partitions` on the Kafka the tests use.
+pub async fn add_partitions(topic: &str, partitions: usize) {
+    let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
+        .set("bootstrap.servers", brokers())
+        .create()
+        .expect("admin client");
+    let results = admin
+        .create_partitions(
+            &[rdkafka::admin::NewPartitions::new(topic, partitions)],
+            &AdminOptions::new().request_timeout(Some(Duration::from_secs(20))),
+        )
+        .await
+        .expect("Kafka answers CreatePartitions");
+    for r in results {
+        r.unwrap_or_else(|(t, e)| panic!("cannot add partitions to {t}: {e}"));
+    }
+}
+
+/// Partitions of `topic` (`0..partitions`) whose committed offset for `group` is not the
+/// partition's end, as `(partition, committed, end)`.
+pub fn uncommitted(group: &str, topic: &str, partitions: i32) -> Vec<(i32, Option<Offset>, i64)> {
+    let consumer: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", brokers())
+        .set("group.id", group)
+        .create()
+        .expect("consumer");
+    let mut tpl = TopicPartitionList::new();
+    for p in 0..partitions {
+        tpl.add_partition(topic, p);
+    }
+    let committed = consumer
+        .committed_offsets(tpl, Duration::from_secs(10))
+        .expect("committed offsets");
+    (0..partitions)
+        .filter_map(|p| {
+            let offset = committed.find_partition(topic, p).map(|e| e.offset());
+            let (_, end) = consumer
+                .fetch_watermarks(topic, p, Duration::from_secs(10))
+                .expect("watermarks");
+            (offset != Some(Offset::Offset(end))).then_some((p, offset, end))
+        })
+        .collect()
+}
+
+/// Asserts that `group` has committed every partition of `topic` up to the partition's end:
+/// nothing is left to re-read, malformed messages included.
+pub fn assert_committed_to_end(group: &str, topic: &str, partitions: i32) {
+    let behind = uncommitted(group, topic, partitions);
+    assert!(
+        behind.is_empty(),
+        "partitions of {topic} not committed to their end (partition, committed, end): {behind:?}"
+    );
+}
+
+/// Waits until `group` has committed every partition of `topic` up to its end.
+pub async fn wait_committed_to_end(group: &str, topic: &str, partitions: i32, timeout: Duration) {
+    let (group, topic) = (group.to_owned(), topic.to_owned());
+    eventually(timeout, "offsets committed to the end", || {
+        let (group, topic) = (group.clone(), topic.clone());
+        async move {
+            tokio::task::spawn_blocking(move || {
+                uncommitted(&group, &topic, partitions)
+                    .is_empty()
+                    .then_some(())
+            })
+            .await
+            .ok()
+            .flatten()
+        }
+    })
+    .await;
+}
+
+/// Starts sending `spec` to `topic` through the producer crate in the background.
+pub fn start_load(topic: &str, spec: LoadSpec) -> JoinHandle<Result<LoadReport, LoadError>> {
+    start_load_on(&brokers(), topic, spec)
+}
+
+/// Like [`start_load`], on the Kafka at `bootstrap`.
+pub fn start_load_on(
+    bootstrap: &str,
+    topic: &str,
+    spec: LoadSpec,
+) -> JoinHandle<Result<LoadReport, LoadError>> {
+    start_load_with(ProducerConfig::new(bootstrap, topic), spec)
+}
+
+/// Like [`start_load`], through a producer built from `config`.
+pub fn start_load_with(
+    config: ProducerConfig,
+    spec: LoadSpec,
+) -> JoinHandle<Result<LoadReport, LoadError>> {
+    tokio::spawn(async move { load::run(&config, &spec).await })
+}
+
+/// Waits for a load started by [`start_load`] and checks that Kafka acknowledged every event.
+pub async fn finish_load(
+    load: JoinHandle<Result<LoadReport, LoadError>>,
+    events: u64,
+) -> LoadReport {
+    let report = load.await.expect("load task").expect("load runs");
+    assert_eq!(
+        report.acked, events,
+        "every event acknowledged: {:?}",
+        report.first_error
+    );
+    report
+}
+
+/// A message read back from a dead-letter topic.
+#[derive(Debug, Clone)]
+pub struct SeenDeadLetter {
+    /// Its key.
+    pub key: Vec<u8>,
+    /// Its payload.
+    pub payload: Vec<u8>,
+    /// The `tally-reason` header.
+    pub reason: String,
+    /// The `tally-error` header.
+    pub error: String,
+}
+
+/// Reads `topic` from the start, handing each message to `each`, until `n` messages arrived (or
+/// 30 s passed); returns how many arrived.
+fn read_from_start(
+    topic: &str,
+    n: usize,
+    mut each: impl FnMut(&rdkafka::message::BorrowedMessage<'_>),
+) -> usize {
+    let consumer: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", brokers())
+        .set("group.id", unique("reader"))
+        .set("auto.offset.reset", "earliest")
+        .create()
+        .expect("consumer");
+    consumer.subscribe(&[topic]).expect("subscribe");
+    let mut seen = 0;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while seen < n && Instant::now() < deadline {
+        if let Some(message) = consumer.poll(Duration::from_millis(500)) {
+            each(&message.expect("message"));
+            seen += 1;
+        }
+    }
+    seen
+}
+
+/// Reads the dead-letter `topic` from the start until `n` messages arrived (or 30 s passed).
+pub fn read_dead_letters(topic: &str, n: usize) -> Vec<SeenDeadLetter> {
+    use rdkafka::message::{Headers, Message};
+    let header = |m: &rdkafka::message::BorrowedMessage<'_>, name: &str| {
+        m.headers()
+            .and_then(|h| h.iter().find(|h| h.key == name))
+            .and_then(|h| h.value)
+            .map(|v| String::from_utf8_lossy(v).into_owned())
+            .unwrap_or_else(|| panic!("dead letter without a {name} header"))
+    };
+    let mut seen = Vec::new();
+    read_from_start(topic, n, |message| {
+        seen.push(SeenDeadLetter {
+            key: message.key().unwrap_or_default().to_vec(),
+            payload: message.payload().unwrap_or_default().to_vec(),
+            reason: header(message, "tally-reason"),
+            error: header(message, "tally-error"),
+        });
+    });
+    seen
+}
+
+/// Reads the `n` events of `topic` and sums them per counter; panics if fewer arrive in 30 s or
+/// one does not decode.
+pub fn topic_totals(topic: &str, n: usize) -> HashMap<String, i64> {
+    use rdkafka::message::Message;
+    let mut totals = HashMap::new();
+    let read = read_from_start(topic, n, |message| {
+        let event = tally_common::codec::decode(
+            message.payload().unwrap_or_default(),
+            tally_common::codec::DEFAULT_MAX_MESSAGE_BYTES,
+        )
+        .expect("the producer writes valid events");
+        *totals.entry(event.counter.into_owned()).or_default() += event.delta;
+    });
+    assert_eq!(read, n, "events read back from {topic}");
+    totals
+}

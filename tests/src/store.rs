@@ -1,0 +1,383 @@
+//! Redis: private `redis-server` processes and clusters, connections, and reading totals.
+
+use std::collections::HashMap;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use tally_common::{Keyspace, Reader, RedisConn};
+
+use crate::support::{TempDir, eventually, free_port};
+
+/// A multiplexed connection to the Redis server at `url` (a plain `redis://` URL), or `None`
+/// if it does not answer.
+pub async fn try_connect(url: &str) -> Option<redis::aio::MultiplexedConnection> {
+    let client = redis::Client::open(url).ok()?;
+    client.get_multiplexed_async_connection().await.ok()
+}
+
+/// A multiplexed connection to the Redis server at `url`; panics if it does not answer.
+pub async fn connect(url: &str) -> redis::aio::MultiplexedConnection {
+    try_connect(url)
+        .await
+        .unwrap_or_else(|| panic!("no Redis answers at {url}"))
+}
+
+/// A reader of `keyspace` over `url` (standalone `redis://` or `redis+cluster://`).
+pub async fn reader(url: &str, keyspace: Keyspace) -> Reader {
+    Reader::new(
+        RedisConn::connect(url).await.expect("redis target"),
+        keyspace,
+    )
+}
+
+/// Compares Redis with the ground truth: (counters below it, counters above it).
+pub async fn below_and_above(reader: &Reader, expected: &HashMap<String, i64>) -> (usize, usize) {
+    let counters: Vec<&String> = expected.keys().collect();
+    let (mut below, mut above) = (0, 0);
+    for chunk in counters.chunks(2000) {
+        let values = reader.get_many(chunk).await.expect("read totals");
+        for (counter, got) in chunk.iter().zip(values) {
+            match got.cmp(&expected[*counter]) {
+                std::cmp::Ordering::Less => below += 1,
+                std::cmp::Ordering::Greater => above += 1,
+                std::cmp::Ordering::Equal => {}
+            }
+        }
+    }
+    (below, above)
+}
+
+/// A private `redis-server` on a free loopback port, with an append-only file so that a
+/// stop and restart keeps its data.
+#[derive(Debug)]
+pub struct RedisServer {
+    port: u16,
+    dir: TempDir,
+    child: Option<Child>,
+    /// `appendfsync` policy: `always`, or `everysec` to let a crash lose about a second.
+    fsync: &'static str,
+}
+
+impl RedisServer {
+    /// Starts a server that fsyncs every write, and waits until it answers.
+    pub async fn start() -> Self {
+        Self::start_with_fsync("always").await
+    }
+
+    /// Starts a server with the given `appendfsync` policy, and waits until it answers.
+    pub async fn start_with_fsync(fsync: &'static str) -> Self {
+        let mut server = Self {
+            port: free_port(),
+            dir: TempDir::new("tally-redis"),
+            child: None,
+            fsync,
+        };
+        server.start_again().await;
+        server
+    }
+
+    /// Saves a point-in-time snapshot (`SAVE`) that [`RedisServer::restore_snapshot`] can go back to.
+    pub async fn snapshot(&self) {
+        let mut conn = connect(&self.url()).await;
+        redis::cmd("SAVE")
+            .query_async::<()>(&mut conn)
+            .await
+            .expect("SAVE");
+        std::fs::copy(
+            self.dir.path().join("dump.rdb"),
+            self.dir.path().join("snapshot.rdb"),
+        )
+        .expect("snapshot copied");
+    }
+
+    /// SIGKILLs the server and brings it back with the state of the last snapshot, as a failover
+    /// to a lagging replica or a restore from backup would: every write since is gone, counters
+    /// and bookkeeping alike.
+    pub async fn restore_snapshot(&mut self) {
+        self.kill().await;
+        let dir = self.dir.path();
+        let _ = std::fs::remove_dir_all(dir.join("appendonlydir"));
+        std::fs::copy(dir.join("snapshot.rdb"), dir.join("dump.rdb")).expect("snapshot restored");
+        // Redis 7 starts empty when AOF is on and no AOF exists: load the RDB, then turn AOF on.
+        self.spawn_and_wait("no").await;
+        let mut conn = connect(&self.url()).await;
+        redis::cmd("CONFIG")
+            .arg("SET")
+            .arg("appendonly")
+            .arg("yes")
+            .query_async::<()>(&mut conn)
+            .await
+            .expect("CONFIG SET appendonly yes");
+    }
+
+    /// SIGKILLs the server (a crash: with `everysec`, up to a second of writes is lost).
+    pub async fn kill(&mut self) {
+        let mut child = self.child.take().expect("redis-server is not running");
+        let _ = child.kill();
+        let _ = tokio::task::spawn_blocking(move || child.wait()).await;
+    }
+
+    /// Its URL.
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    /// (Re)starts the process on the same port and directory, and waits until it answers.
+    pub async fn start_again(&mut self) {
+        self.spawn_and_wait("yes").await;
+    }
+
+    async fn spawn_and_wait(&mut self, appendonly: &str) {
+        assert!(self.child.is_none(), "redis-server is already running");
+        let child = Command::new("redis-server")
+            .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
+            .args([
+                "--save",
+                "",
+                "--appendonly",
+                appendonly,
+                "--enable-debug-command",
+                "local",
+                "--appendfsync",
+                self.fsync,
+            ])
+            .arg("--dir")
+            .arg(self.dir.path())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| {
+                panic!("cannot run redis-server ({e}): install it with deploy/local/install.sh")
+            });
+        self.child = Some(child);
+        let url = self.url();
+        eventually(Duration::from_secs(10), "redis-server to answer", || {
+            ping(&url)
+        })
+        .await;
+    }
+
+    /// Shuts the server down (`SHUTDOWN`, which syncs the append-only file) and waits for exit.
+    pub async fn stop(&mut self) {
+        let mut child = self.child.take().expect("redis-server is not running");
+        let _ = Command::new("redis-cli")
+            .args(["-p", &self.port.to_string(), "shutdown"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status();
+        let status = tokio::task::spawn_blocking(move || child.wait())
+            .await
+            .expect("join")
+            .expect("redis-server exit");
+        assert!(
+            status.success() || status.code().is_none(),
+            "redis-server exit: {status}"
+        );
+    }
+
+    /// Creates an ACL user that may run everything but scripts (`-@scripting`, as on a managed
+    /// Redis that refuses them), and returns a URL logging in as it.
+    pub async fn user_without_scripts(&self) -> String {
+        let mut conn = connect(&self.url()).await;
+        redis::cmd("ACL")
+            .arg(&[
+                "SETUSER",
+                "noscripts",
+                "on",
+                ">secret",
+                "~*",
+                "&*",
+                "+@all",
+                "-@scripting",
+            ])
+            .exec_async(&mut conn)
+            .await
+            .expect("ACL SETUSER");
+        self.url().replace("redis://", "redis://noscripts:secret@")
+    }
+
+    /// A reader over this server for `keyspace`.
+    pub async fn reader(&self, keyspace: Keyspace) -> Reader {
+        reader(&self.url(), keyspace).await
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// A 3-master Redis Cluster on free loopback ports (`redis-server --cluster-enabled yes` ×3,
+/// joined with `redis-cli --cluster create`), each node with its own append-only file.
+#[derive(Debug)]
+pub struct RedisCluster {
+    nodes: Vec<(u16, Option<Child>)>,
+    dir: TempDir,
+}
+
+impl RedisCluster {
+    /// Starts three masters, creates the cluster, and waits until every slot is served.
+    pub async fn start() -> Self {
+        let dir = TempDir::new("tally-cluster");
+        let mut cluster = Self {
+            nodes: (0..3).map(|_| (free_port(), None)).collect(),
+            dir,
+        };
+        for i in 0..3 {
+            cluster.start_node(i);
+        }
+        for (port, _) in &cluster.nodes {
+            let url = format!("redis://127.0.0.1:{port}");
+            eventually(Duration::from_secs(10), "a cluster node to answer", || {
+                let url = url.clone();
+                async move { ping(&url).await }
+            })
+            .await;
+        }
+        let mut create = Command::new("redis-cli");
+        create.args(["--cluster", "create"]);
+        for (port, _) in &cluster.nodes {
+            create.arg(format!("127.0.0.1:{port}"));
+        }
+        let out = create
+            .args(["--cluster-replicas", "0", "--cluster-yes"])
+            .output()
+            .expect("redis-cli runs");
+        assert!(
+            out.status.success(),
+            "redis-cli --cluster create failed: {}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+        wait_cluster_ok(cluster.nodes[0].0, "the cluster to serve every slot").await;
+        cluster
+    }
+
+    fn start_node(&mut self, i: usize) {
+        let port = self.nodes[i].0;
+        let node_dir = self.dir.path().join(format!("node-{port}"));
+        std::fs::create_dir_all(&node_dir).expect("node dir");
+        let child = Command::new("redis-server")
+            .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+            .args(["--cluster-enabled", "yes", "--cluster-node-timeout", "2000"])
+            .args([
+                "--save",
+                "",
+                "--appendonly",
+                "yes",
+                "--appendfsync",
+                "everysec",
+            ])
+            .arg("--dir")
+            .arg(&node_dir)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("redis-server starts");
+        self.nodes[i].1 = Some(child);
+    }
+
+    /// The URL tally takes for this cluster: `redis+cluster://` and every node.
+    pub fn url(&self) -> String {
+        let nodes: Vec<String> = self
+            .nodes
+            .iter()
+            .map(|(port, _)| format!("127.0.0.1:{port}"))
+            .collect();
+        format!("redis+cluster://{}", nodes.join(","))
+    }
+
+    /// SIGKILLs node `i` and restarts it from its append-only file, waiting until the cluster
+    /// serves every slot again.
+    pub async fn kill_and_restart_node(&mut self, i: usize) {
+        if let Some(mut child) = self.nodes[i].1.take() {
+            let _ = child.kill();
+            let _ = tokio::task::spawn_blocking(move || child.wait()).await;
+        }
+        self.start_node(i);
+        wait_cluster_ok(self.nodes[i].0, "the restarted node to rejoin").await;
+    }
+
+    /// A reader over this cluster for `keyspace`.
+    pub async fn reader(&self, keyspace: Keyspace) -> Reader {
+        reader(&self.url(), keyspace).await
+    }
+}
+
+impl Drop for RedisCluster {
+    fn drop(&mut self) {
+        for (_, child) in &mut self.nodes {
+            if let Some(mut child) = child.take() {
+                let _ = child.kill();
+                let _ = child.wait();
+            }
+        }
+    }
+}
+
+/// Waits until the cluster node on `port` reports `cluster_state:ok`.
+async fn wait_cluster_ok(port: u16, what: &str) {
+    let url = format!("redis://127.0.0.1:{port}");
+    eventually(Duration::from_secs(30), what, || {
+        let url = url.clone();
+        async move {
+            let mut conn = try_connect(&url).await?;
+            let info: String = redis::cmd("CLUSTER")
+                .arg("INFO")
+                .query_async(&mut conn)
+                .await
+                .ok()?;
+            info.contains("cluster_state:ok").then_some(())
+        }
+    })
+    .await;
+}
+
+async fn ping(url: &str) -> Option<String> {
+    let mut conn = try_connect(url).await?;
+    redis::cmd("PING")
+        .query_async::<String>(&mut conn)
+        .await
+        .ok()
+}
+
+/// Waits until every counter in `expected` reads exactly its expected total, or panics after
+/// `timeout` listing the first differences.
+pub async fn wait_for_totals(reader: &Reader, expected: &HashMap<String, i64>, timeout: Duration) {
+    if let Err(mismatch) = tally_cli::verify::wait_for_totals(reader, expected, timeout).await {
+        panic!("{mismatch}");
+    }
+}
+
+/// Every counter id that has a key under `keyspace` in the Redis at `url`.
+pub async fn counters_in_redis(
+    url: &str,
+    keyspace: &Keyspace,
+) -> std::collections::HashSet<String> {
+    let mut conn = connect(url).await;
+    let mut cursor: u64 = 0;
+    let mut found = std::collections::HashSet::new();
+    loop {
+        let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
+            .arg(cursor)
+            .arg("MATCH")
+            .arg(keyspace.counter_key_pattern())
+            .arg("COUNT")
+            .arg(1000)
+            .query_async(&mut conn)
+            .await
+            .expect("SCAN");
+        for key in keys {
+            if let Some(counter) = keyspace.counter_of_key(&key) {
+                found.insert(counter.to_owned());
+            }
+        }
+        if next == 0 {
+            return found;
+        }
+        cursor = next;
+    }
+}
