@@ -3,8 +3,8 @@
 
 use std::fmt::Write;
 
-use crate::Args;
-use crate::scenarios::{CatchUp, Results, Throughput};
+use crate::args::Args;
+use crate::results::{CatchUp, Results, Throughput};
 use crate::svg;
 
 /// One target of the performance issue: its name, the measured value, the bound, and whether

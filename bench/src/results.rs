@@ -1,0 +1,162 @@
+//! What the benchmark measured: throughputs, catch-ups, the steady state and reads, as
+//! written to `results.json` and read by the report.
+
+use serde::Serialize;
+
+use crate::probe::ProcStats;
+
+/// A throughput measurement of one process.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Throughput {
+    /// What ran.
+    pub name: String,
+    /// Events handled.
+    pub events: u64,
+    /// Wall time of the measured part, in seconds.
+    pub seconds: f64,
+    /// Events per second.
+    pub events_per_second: f64,
+    /// CPU seconds (user + system) of the process per million events.
+    pub cpu_seconds_per_million: f64,
+    /// Peak RSS of the process, MiB.
+    pub peak_rss_mib: f64,
+    /// Distinct counters the events went to (loads only; 0 when not known).
+    pub distinct_counters: u64,
+}
+
+impl Throughput {
+    pub(crate) fn new(name: &str, events: u64, seconds: f64, stats: ProcStats) -> Self {
+        Self {
+            name: name.to_owned(),
+            events,
+            seconds,
+            events_per_second: events as f64 / seconds.max(1e-9),
+            cpu_seconds_per_million: stats.cpu_seconds / (events as f64 / 1e6).max(1e-9),
+            peak_rss_mib: stats.peak_rss_mib,
+            distinct_counters: 0,
+        }
+    }
+}
+
+/// An aggregator (or naive consumer) working through a preloaded topic.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct CatchUp {
+    /// Rate, CPU and memory, timed from the first event consumed to the last one flushed.
+    pub run: Throughput,
+    /// Wall time from the process's launch to its last flush (joining the group and acquiring
+    /// the partitions included), seconds: what an operator waits.
+    pub seconds_from_start: f64,
+    /// Events per second over that time.
+    pub events_per_second_from_launch: f64,
+    /// CPU seconds per million events over that time, of the Kafka broker and of redis-server
+    /// (the aggregator's own is in `run`).
+    pub broker_cpu_seconds_per_million: f64,
+    /// The same for redis-server.
+    pub redis_cpu_seconds_per_million: f64,
+    /// Share of the machine's CPU time left idle over that time: a consumer that waits on its
+    /// fetches (rather than on CPU) shows here.
+    pub idle_share: f64,
+    /// Counters written per event (`tally_counter_writes_total` / events): each distinct
+    /// counter needs at least one write, so `distinct_counters / events` is its floor.
+    pub counter_writes_per_event: f64,
+    /// Redis commands per event, scripts' inner commands included (`INFO commandstats`).
+    pub redis_commands_per_event: f64,
+    /// Scripts and transactions the process sent per event (`EVALSHA`, `EVAL`, `EXEC` calls; the
+    /// few plain commands, such as idle partitions' checks, are not counted).
+    pub redis_requests_per_event: f64,
+    /// Redis calls per command during the run, most first (`INFO commandstats`).
+    pub redis_commands: Vec<(String, u64)>,
+    /// Distinct counters in the topic (0 when not known): each needs at least one write, so
+    /// `distinct_counters / events` is the floor of counter writes per event.
+    pub distinct_counters: u64,
+    /// Flush duration quantiles, ms (histogram bucket bounds).
+    pub flush_p50_ms: f64,
+    /// The 99th percentile.
+    pub flush_p99_ms: f64,
+    /// (seconds since start, events flushed per second) samples.
+    pub series: Vec<(f64, f64)>,
+    /// Flush duration histogram: (upper bound in seconds, flushes).
+    pub flush_histogram: Vec<(f64, f64)>,
+}
+
+/// End-to-end latency under a steady load.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Steady {
+    /// Background events per second asked of the producer.
+    pub target_rate: f64,
+    /// Background events per second it reached.
+    pub achieved_rate: f64,
+    /// The aggregator's flush interval, ms.
+    pub flush_interval_ms: f64,
+    /// Probes measured.
+    pub probes: usize,
+    /// Latency quantiles, ms.
+    pub p50_ms: f64,
+    /// The 99th percentile.
+    pub p99_ms: f64,
+    /// The worst.
+    pub max_ms: f64,
+    /// Every probe's latency, ms.
+    pub latencies_ms: Vec<f64>,
+}
+
+/// Latency of one kind of read.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct ReadLatency {
+    /// What was read.
+    pub name: String,
+    /// Median, microseconds.
+    pub p50_us: f64,
+    /// 99th percentile, microseconds.
+    pub p99_us: f64,
+}
+
+/// Everything measured.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Results {
+    /// When and where.
+    pub machine: String,
+    /// Average encoded event size, bytes (the kcat yardsticks use messages of this size).
+    pub payload_bytes: usize,
+    /// `kcat` consuming the preloaded topic to /dev/null.
+    pub kcat_consume: Option<Throughput>,
+    /// `kcat` consuming the JSON topic to /dev/null.
+    pub kcat_consume_json: Option<Throughput>,
+    /// `kcat -P -K` writing the JSON topic from a file (an independent producer).
+    pub kcat_produce_json: Option<Throughput>,
+    /// The aggregator (exactly-once) catching up on the JSON topic.
+    pub catch_up_json: Option<CatchUp>,
+    /// `kcat` producing as many same-sized messages.
+    pub kcat_produce: Option<Throughput>,
+    /// The same with keys: the counter ids of `tally load` (same Zipf), spread over the
+    /// partitions by key as routing by counter does; what librdkafka itself makes of keyed traffic.
+    pub kcat_produce_keyed: Option<Throughput>,
+    /// `redis-benchmark`: pipelined `INCRBY` over random keys, per second.
+    pub redis_incrby_per_second: Option<f64>,
+    /// `tally load` per routing.
+    pub producer: Vec<Throughput>,
+    /// The aggregator catching up, per delivery mode.
+    pub catch_up: Vec<(String, CatchUp)>,
+    /// The naive consumer.
+    pub naive: Option<CatchUp>,
+    /// Steady state and end-to-end latency.
+    pub steady: Option<Steady>,
+    /// 90% of events on one counter.
+    pub hot: Option<CatchUp>,
+    /// One event per counter, a million counters.
+    pub cardinality: Option<CatchUp>,
+    /// Reads.
+    pub reads: Vec<ReadLatency>,
+    /// Decode + aggregate on one core (criterion), events per second, per format.
+    pub micro: Vec<(String, f64)>,
+}
+
+impl Results {
+    /// The aggregator's catch-up in exactly-once mode, if it ran.
+    pub fn exactly_once(&self) -> Option<&CatchUp> {
+        self.catch_up
+            .iter()
+            .find(|(mode, _)| mode == "exactly-once")
+            .map(|(_, c)| c)
+    }
+}

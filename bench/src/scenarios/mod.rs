@@ -1,0 +1,174 @@
+//! Every scenario and yardstick of the benchmark, each measured on the local Kafka and Redis
+//! with the release binaries, on topics and key prefixes of its own; [`run_all`] runs those
+//! the arguments ask for, in an order where each can use the figures before it.
+
+mod json;
+mod naive;
+mod reads;
+mod steady;
+mod yardsticks;
+
+use anyhow::Context;
+
+use crate::args::Args;
+use crate::env::{Env, cleanup, machine, payload_bytes};
+use crate::results::Results;
+use json::json_catch_up;
+use naive::naive;
+use reads::reads;
+use steady::steady;
+use yardsticks::{kcat_consume, kcat_produce, micro, redis_benchmark};
+
+/// Runs every scenario the arguments ask for.
+pub async fn run_all(args: &Args) -> anyhow::Result<Results> {
+    let client = redis::Client::open(args.redis_url.as_str())?;
+    let redis = client
+        .get_multiplexed_async_connection()
+        .await
+        .with_context(|| format!("Redis at {} (deploy/local/start.sh)", args.redis_url))?;
+    let mut env = Env {
+        args,
+        run_id: format!(
+            "bench-{}",
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)?
+                .as_secs()
+        ),
+        redis,
+    };
+    let mut results = Results {
+        machine: machine(),
+        payload_bytes: payload_bytes(args.counters)?,
+        ..Results::default()
+    };
+    let zipf = args.zipf.to_string();
+    let counters = args.counters.to_string();
+    let preloaded = env.name("events");
+    let needs_preload = ["producer", "catch-up", "naive", "yardsticks"]
+        .iter()
+        .any(|s| args.runs(s));
+    if needs_preload {
+        for routing in ["counter", "actor", "random"] {
+            if routing != "counter" && !args.runs("producer") {
+                continue;
+            }
+            let topic = if routing == "counter" {
+                preloaded.clone()
+            } else {
+                env.name(&format!("events-{routing}"))
+            };
+            env.create_topic(&topic, args.partitions).await?;
+            println!("producer: {} events, routing by {routing}", args.events);
+            let run = env
+                .load(
+                    &topic,
+                    &format!("tally load, routing by {routing}"),
+                    args.events,
+                    &[
+                        "--counters",
+                        &counters,
+                        "--zipf",
+                        &zipf,
+                        "--routing",
+                        routing,
+                    ],
+                )
+                .await?;
+            println!("  {:.0} events/s", run.events_per_second);
+            results.producer.push(run);
+        }
+    }
+    if args.runs("yardsticks") {
+        results.kcat_consume = Some(kcat_consume(&env, &preloaded, "kcat -C").await?);
+        results.kcat_produce = Some(kcat_produce(&env, results.payload_bytes, false).await?);
+        results.kcat_produce_keyed = Some(kcat_produce(&env, results.payload_bytes, true).await?);
+        results.redis_incrby_per_second = Some(redis_benchmark(&env)?);
+    }
+    if args.runs("catch-up") {
+        for mode in ["exactly-once", "at-least-once"] {
+            println!(
+                "catch-up: the aggregator, {mode}, over {} events",
+                args.events
+            );
+            let mut run = env
+                .catch_up(&preloaded, args.events, &["--delivery", mode])
+                .await?;
+            // The preload is the producer run routing by counter (same seed, same counters).
+            run.distinct_counters = results.producer.first().map_or(0, |p| p.distinct_counters);
+            println!(
+                "  {:.0} events/s from launch",
+                run.events_per_second_from_launch
+            );
+            results.catch_up.push((mode.to_owned(), run));
+        }
+    }
+    if args.runs("json") {
+        json_catch_up(&mut env, &mut results).await?;
+    }
+    if args.runs("naive") {
+        println!("catch-up: the naive consumer, for {} s", args.naive_seconds);
+        results.naive = Some(naive(&mut env, &preloaded).await?);
+    }
+    if args.runs("steady") {
+        // Half of what the pipeline sustains: its slower stage, the producer or the
+        // aggregator catching up in exactly-once mode (both measured above in this run).
+        let producer = results.producer.first().map(|p| p.events_per_second);
+        let aggregator = results.exactly_once().map(|c| c.run.events_per_second);
+        let max = [producer, aggregator]
+            .into_iter()
+            .flatten()
+            .reduce(f64::min)
+            .unwrap_or(400_000.0);
+        let rate = args.steady_rate.unwrap_or(max / 2.0);
+        println!("steady state at {rate:.0} events/s, with latency probes");
+        results.steady = Some(steady(&mut env, rate).await?);
+    }
+    if args.runs("hot") {
+        let topic = env.name("hot");
+        env.create_topic(&topic, args.partitions).await?;
+        println!(
+            "hot counter: {} events, 90% on one counter",
+            args.hot_events
+        );
+        let load = env
+            .load(
+                &topic,
+                "hot",
+                args.hot_events,
+                &[
+                    "--counters",
+                    &counters,
+                    "--zipf",
+                    &zipf,
+                    "--hot-share",
+                    "0.9",
+                ],
+            )
+            .await?;
+        let mut hot = env.catch_up(&topic, args.hot_events, &[]).await?;
+        hot.distinct_counters = load.distinct_counters;
+        results.hot = Some(hot);
+    }
+    if args.runs("cardinality") {
+        let topic = env.name("distinct");
+        env.create_topic(&topic, args.partitions).await?;
+        println!("cardinality: {} distinct counters", args.distinct);
+        env.load(
+            &topic,
+            "distinct",
+            args.distinct,
+            &["--distinct", "--actors", "0"],
+        )
+        .await?;
+        results.cardinality = Some(env.catch_up(&topic, args.distinct, &[]).await?);
+    }
+    if args.runs("reads") {
+        println!("reads");
+        results.reads = reads(&env).await?;
+    }
+    if args.runs("micro") {
+        results.micro = micro(&args.out);
+    }
+    cleanup(&mut env).await;
+    Ok(results)
+}
