@@ -109,7 +109,13 @@ fn now_ms() -> u64 {
 
 /// The command storing `counter`'s shared entry, refreshed at `wall` (unix ms), kept
 /// [`SHARED_KEEP_TTLS`] TTLs so that it can be served while another process refreshes it.
-fn store_shared(ks: &crate::Keyspace, counter: &str, total: i64, wall: u64, ttl_ms: u64) -> Cmd {
+fn store_shared(
+    ks: &crate::keyspace::Keyspace,
+    counter: &str,
+    total: i64,
+    wall: u64,
+    ttl_ms: u64,
+) -> Cmd {
     let mut set = Cmd::new();
     set.arg("SET")
         .arg(ks.cache_key(counter))

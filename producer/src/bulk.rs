@@ -21,7 +21,7 @@ use rdkafka::message::Message;
 use rdkafka::producer::{BaseProducer, BaseRecord, DeliveryResult, Producer as _, ProducerContext};
 use tally_common::codec::{self, EventRef};
 
-use crate::{Delivered, ProduceError, ProducerConfig, Routing};
+use crate::kafka::{Delivered, ProduceError, ProducerConfig, Routing};
 
 /// Sends between two polls for delivery reports: often enough to keep librdkafka's report queue
 /// short, rarely enough that polling costs nothing per event.

@@ -8,7 +8,8 @@ use std::sync::Arc;
 use tally_common::namespace::WritePath;
 use tally_common::{CachedReader, Namespaces, ReadError};
 
-use crate::{DirectError, DirectWriter, ProduceError, Producer};
+use crate::direct::{DirectError, DirectWriter};
+use crate::kafka::{ProduceError, Producer};
 
 /// Why a write through [`Counts`] failed.
 #[derive(Debug, thiserror::Error)]
