@@ -11,7 +11,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use tally_common::{CachedReader, Keyspace, Namespaces, Reader, RedisConn};
+use tally_common::{CachedReader, Keyspace, Namespaces, Reader, RedisConn, defaults};
 use tally_producer::{Counts, DirectWriter, Producer, ProducerConfig};
 
 #[tokio::main]
@@ -28,13 +28,13 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         cache_ttl_ms = 60000
         "#,
     )?);
-    let redis = RedisConn::connect("redis://127.0.0.1:6379").await?;
+    let redis = RedisConn::connect(defaults::REDIS_URL).await?;
     let keyspace = Keyspace::default();
     let counts = Counts::new(
         namespaces.clone(),
         Some(Producer::new(&ProducerConfig::new(
-            "127.0.0.1:9092",
-            "tally.events",
+            defaults::BROKERS,
+            defaults::TOPIC,
         ))?),
         Some(DirectWriter::new(
             redis.clone(),

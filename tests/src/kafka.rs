@@ -17,7 +17,8 @@ use crate::support::{eventually, unique};
 
 /// The Kafka brokers the tests use.
 pub fn brokers() -> String {
-    std::env::var("TALLY_TEST_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".to_owned())
+    std::env::var("TALLY_TEST_BROKERS")
+        .unwrap_or_else(|_| tally_common::defaults::BROKERS.to_owned())
 }
 
 /// Creates `topic` with `partitions` partitions; fails loudly if Kafka is not reachable.

@@ -15,12 +15,12 @@ use clap::Parser;
 use rdkafka::ClientConfig;
 use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
 use rdkafka::message::Message;
-use tally_common::codec;
+use tally_common::{codec, defaults};
 
 #[derive(Debug, Parser)]
 struct Args {
     /// Kafka bootstrap servers.
-    #[arg(long, default_value = "127.0.0.1:9092")]
+    #[arg(long, default_value = defaults::BROKERS)]
     brokers: String,
     /// Topic to consume from the beginning.
     #[arg(long)]
@@ -29,7 +29,7 @@ struct Args {
     #[arg(long)]
     group: String,
     /// Redis URL.
-    #[arg(long, default_value = "redis://127.0.0.1:6379")]
+    #[arg(long, default_value = defaults::REDIS_URL)]
     redis_url: String,
     /// Key prefix: each event increments `<prefix>:<counter>`.
     #[arg(long)]
