@@ -291,127 +291,28 @@ impl CachedReader {
     }
 
     /// Refreshes `counters` from the shared entries, or from their shards where the shared
-    /// entries are stale and this process takes the refresh lock.
+    /// entries are stale and this process takes the refresh lock; the steps are [`Refresh`]'s.
     async fn refresh(&self, counters: &[&str]) -> Result<Vec<Refreshed>, ReadError> {
-        let ks = self.reader.keyspace();
-        let conn = self.reader.conn();
-        let ttls: Vec<u64> = counters
-            .iter()
-            .map(|c| self.namespaces.policy(c).cache_ttl_ms)
-            .collect();
-        let gets = counters
-            .iter()
-            .map(|c| {
-                let mut cmd = Cmd::new();
-                cmd.arg("GET").arg(ks.cache_key(c));
-                cmd
-            })
-            .collect();
-        let shared: Vec<Option<String>> = query_each(conn, gets).await?;
-        let (now, wall) = (Instant::now(), now_ms());
-        // A shared entry younger than its TTL: its value and until when it is fresh.
-        let fresh = |entry: Option<&str>, ttl: u64| {
-            let (value, at) = entry.and_then(parse_shared)?;
-            let age = wall.saturating_sub(at);
-            (age < ttl).then(|| Refreshed {
-                value,
-                fresh_until: now + Duration::from_millis(ttl - age),
-            })
+        let mut refresh = Refresh {
+            cache: self,
+            counters,
+            ttls: (counters.iter())
+                .map(|c| self.namespaces.policy(c).cache_ttl_ms)
+                .collect(),
+            now: Instant::now(),
+            wall: now_ms(),
+            out: vec![None; counters.len()],
         };
-        let mut out: Vec<Option<Refreshed>> = vec![None; counters.len()];
-        let mut stale: Vec<(usize, Option<i64>)> = Vec::new();
-        for (i, entry) in shared.iter().enumerate() {
-            match fresh(entry.as_deref(), ttls[i]) {
-                Some(r) => {
-                    out[i] = Some(r);
-                    CacheStats::add(&self.stats.shared_hits, 1);
-                }
-                None => stale.push((i, entry.as_deref().and_then(parse_shared).map(|(v, _)| v))),
-            }
-        }
+        let all: Vec<usize> = (0..counters.len()).collect();
+        let shared = refresh.read_shared(&all).await?;
+        let stale = refresh.serve_fresh(all.into_iter().zip(shared));
         if !stale.is_empty() {
-            let locks = stale
-                .iter()
-                .map(|(i, _)| {
-                    let mut cmd = Cmd::new();
-                    cmd.arg("SET")
-                        .arg(ks.refresh_lock_key(counters[*i]))
-                        .arg(1)
-                        .arg("NX")
-                        .arg("PX")
-                        .arg(REFRESH_LOCK_MS);
-                    cmd
-                })
-                .collect();
-            let taken: Vec<Option<String>> = query_each(conn, locks).await?;
-            let mut to_read = Vec::new();
-            let mut ours = Vec::new();
-            for ((i, last), lock) in stale.into_iter().zip(taken) {
-                match (lock, last) {
-                    (None, Some(value)) => {
-                        // Another process is refreshing it: serve the last value, look again soon.
-                        let again = (ttls[i] / 10).clamp(10, 250);
-                        out[i] = Some(Refreshed {
-                            value,
-                            fresh_until: now + Duration::from_millis(again),
-                        });
-                        CacheStats::add(&self.stats.stale_served, 1);
-                    }
-                    (Some(_), _) => ours.push(i),
-                    // Nothing cached anywhere yet: read the shards.
-                    (None, None) => to_read.push((i, false)),
-                }
-            }
-            if !ours.is_empty() {
-                // Another process may have refreshed and released the lock between our first
-                // look and our taking it: look again before reading shards.
-                let again = ours
-                    .iter()
-                    .map(|i| {
-                        let mut cmd = Cmd::new();
-                        cmd.arg("GET").arg(ks.cache_key(counters[*i]));
-                        cmd
-                    })
-                    .collect();
-                let again: Vec<Option<String>> = query_each(conn, again).await?;
-                let mut release = Vec::new();
-                for (i, entry) in ours.into_iter().zip(again) {
-                    match fresh(entry.as_deref(), ttls[i]) {
-                        Some(r) => {
-                            out[i] = Some(r);
-                            CacheStats::add(&self.stats.shared_hits, 1);
-                            let mut del = Cmd::new();
-                            del.arg("DEL").arg(ks.refresh_lock_key(counters[i]));
-                            release.push(del);
-                        }
-                        None => to_read.push((i, true)),
-                    }
-                }
-                query_each::<redis::Value>(conn, release).await?;
-            }
-            if !to_read.is_empty() {
-                let names: Vec<&str> = to_read.iter().map(|(i, _)| counters[*i]).collect();
-                let totals = self.reader.get_many(&names).await?;
-                CacheStats::add(&self.stats.shard_reads, names.len());
-                let wall = now_ms();
-                let mut writes = Vec::new();
-                for ((i, locked), total) in to_read.iter().zip(&totals) {
-                    writes.push(store_shared(ks, counters[*i], *total, wall, ttls[*i]));
-                    if *locked {
-                        let mut del = Cmd::new();
-                        del.arg("DEL").arg(ks.refresh_lock_key(counters[*i]));
-                        writes.push(del);
-                    }
-                    out[*i] = Some(Refreshed {
-                        value: *total,
-                        fresh_until: now + Duration::from_millis(ttls[*i]),
-                    });
-                }
-                query_each::<redis::Value>(conn, writes).await?;
-            }
+            let (ours, mut to_read) = refresh.take_locks(stale).await?;
+            to_read.extend(refresh.look_again(ours).await?);
+            refresh.read_shards(to_read).await?;
         }
-        Ok(out
-            .into_iter()
+        let now = refresh.now;
+        Ok((refresh.out.into_iter())
             .map(|r| {
                 r.unwrap_or(Refreshed {
                     value: 0,
@@ -419,6 +320,165 @@ impl CachedReader {
                 })
             })
             .collect())
+    }
+}
+
+/// One [`CachedReader::refresh`] of a batch of counters, step by step: read the shared entries,
+/// serve the fresh ones, take the refresh locks of the stale ones (or serve their last value
+/// while another process refreshes them), look again under the lock, and read the shards of
+/// what is left, storing the totals for every process.
+struct Refresh<'a> {
+    cache: &'a CachedReader,
+    counters: &'a [&'a str],
+    /// Each counter's cache TTL, ms.
+    ttls: Vec<u64>,
+    now: Instant,
+    /// Wall-clock ms, as stored in the shared entries.
+    wall: u64,
+    /// Each counter's result, once known.
+    out: Vec<Option<Refreshed>>,
+}
+
+impl Refresh<'_> {
+    /// The shared entries of counters `indexes`.
+    async fn read_shared(&self, indexes: &[usize]) -> Result<Vec<Option<String>>, ReadError> {
+        let ks = self.cache.reader.keyspace();
+        let gets = (indexes.iter())
+            .map(|i| {
+                let mut cmd = Cmd::new();
+                cmd.arg("GET").arg(ks.cache_key(self.counters[*i]));
+                cmd
+            })
+            .collect();
+        Ok(query_each(self.cache.reader.conn(), gets).await?)
+    }
+
+    /// A shared entry younger than its TTL: its value and until when it is fresh.
+    fn fresh(&self, i: usize, entry: Option<&str>) -> Option<Refreshed> {
+        let ttl = self.ttls[i];
+        let (value, at) = entry.and_then(parse_shared)?;
+        let age = self.wall.saturating_sub(at);
+        (age < ttl).then(|| Refreshed {
+            value,
+            fresh_until: self.now + Duration::from_millis(ttl - age),
+        })
+    }
+
+    /// Serves the fresh entries; returns the stale ones, with their last value if any.
+    fn serve_fresh(
+        &mut self,
+        entries: impl Iterator<Item = (usize, Option<String>)>,
+    ) -> Vec<(usize, Option<i64>)> {
+        let mut stale = Vec::new();
+        for (i, entry) in entries {
+            match self.fresh(i, entry.as_deref()) {
+                Some(r) => {
+                    self.out[i] = Some(r);
+                    CacheStats::add(&self.cache.stats.shared_hits, 1);
+                }
+                None => stale.push((i, entry.as_deref().and_then(parse_shared).map(|(v, _)| v))),
+            }
+        }
+        stale
+    }
+
+    /// Takes the refresh locks of the stale entries. Where another process holds one, serves
+    /// the last value and looks again soon. Returns the counters whose lock this process took,
+    /// and those with nothing cached anywhere yet (to read from the shards, unlocked).
+    async fn take_locks(
+        &mut self,
+        stale: Vec<(usize, Option<i64>)>,
+    ) -> Result<(Vec<usize>, Vec<(usize, bool)>), ReadError> {
+        let ks = self.cache.reader.keyspace();
+        let locks = (stale.iter())
+            .map(|(i, _)| {
+                let mut cmd = Cmd::new();
+                cmd.arg("SET")
+                    .arg(ks.refresh_lock_key(self.counters[*i]))
+                    .arg(1)
+                    .arg("NX")
+                    .arg("PX")
+                    .arg(REFRESH_LOCK_MS);
+                cmd
+            })
+            .collect();
+        let taken: Vec<Option<String>> = query_each(self.cache.reader.conn(), locks).await?;
+        let (mut ours, mut unlocked) = (Vec::new(), Vec::new());
+        for ((i, last), lock) in stale.into_iter().zip(taken) {
+            match (lock, last) {
+                (None, Some(value)) => {
+                    let again = (self.ttls[i] / 10).clamp(10, 250);
+                    self.out[i] = Some(Refreshed {
+                        value,
+                        fresh_until: self.now + Duration::from_millis(again),
+                    });
+                    CacheStats::add(&self.cache.stats.stale_served, 1);
+                }
+                (Some(_), _) => ours.push(i),
+                (None, None) => unlocked.push((i, false)),
+            }
+        }
+        Ok((ours, unlocked))
+    }
+
+    /// Another process may have refreshed and released the lock between the first look and
+    /// this process taking it: looks again, serving (and unlocking) what is fresh now. Returns
+    /// the counters still to read, locked.
+    async fn look_again(&mut self, ours: Vec<usize>) -> Result<Vec<(usize, bool)>, ReadError> {
+        if ours.is_empty() {
+            return Ok(Vec::new());
+        }
+        let ks = self.cache.reader.keyspace();
+        let again = self.read_shared(&ours).await?;
+        let (mut release, mut to_read) = (Vec::new(), Vec::new());
+        for (i, entry) in ours.into_iter().zip(again) {
+            match self.fresh(i, entry.as_deref()) {
+                Some(r) => {
+                    self.out[i] = Some(r);
+                    CacheStats::add(&self.cache.stats.shared_hits, 1);
+                    let mut del = Cmd::new();
+                    del.arg("DEL").arg(ks.refresh_lock_key(self.counters[i]));
+                    release.push(del);
+                }
+                None => to_read.push((i, true)),
+            }
+        }
+        query_each::<redis::Value>(self.cache.reader.conn(), release).await?;
+        Ok(to_read)
+    }
+
+    /// Reads the shards of `to_read` (`(index, whether this process holds its lock)`), stores
+    /// the totals as shared entries and releases the locks held.
+    async fn read_shards(&mut self, to_read: Vec<(usize, bool)>) -> Result<(), ReadError> {
+        if to_read.is_empty() {
+            return Ok(());
+        }
+        let ks = self.cache.reader.keyspace();
+        let names: Vec<&str> = to_read.iter().map(|(i, _)| self.counters[*i]).collect();
+        let totals = self.cache.reader.get_many(&names).await?;
+        CacheStats::add(&self.cache.stats.shard_reads, names.len());
+        let wall = now_ms();
+        let mut writes = Vec::new();
+        for ((i, locked), total) in to_read.iter().zip(&totals) {
+            writes.push(store_shared(
+                ks,
+                self.counters[*i],
+                *total,
+                wall,
+                self.ttls[*i],
+            ));
+            if *locked {
+                let mut del = Cmd::new();
+                del.arg("DEL").arg(ks.refresh_lock_key(self.counters[*i]));
+                writes.push(del);
+            }
+            self.out[*i] = Some(Refreshed {
+                value: *total,
+                fresh_until: self.now + Duration::from_millis(self.ttls[*i]),
+            });
+        }
+        query_each::<redis::Value>(self.cache.reader.conn(), writes).await?;
+        Ok(())
     }
 }
 
