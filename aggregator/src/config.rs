@@ -299,58 +299,7 @@ impl Settings {
 
     /// Fills in defaults and checks the values.
     pub fn resolve(self) -> Result<Config, ConfigError> {
-        let positive = |name: &'static str, v: u64| {
-            if v == 0 {
-                Err(ConfigError::Invalid {
-                    name,
-                    why: "must be greater than 0".to_owned(),
-                })
-            } else {
-                Ok(v)
-            }
-        };
-        let flush_interval_ms =
-            positive("flush_interval_ms", self.flush_interval_ms.unwrap_or(1000))?;
-        let max_events = positive(
-            "max_batch_events",
-            self.max_batch_events.unwrap_or(200_000) as u64,
-        )?;
-        let max_counters = positive(
-            "max_batch_counters",
-            self.max_batch_counters.unwrap_or(5_000) as u64,
-        )?;
-        let catch_up_max_events = positive(
-            "catch_up_max_batch_events",
-            self.catch_up_max_batch_events.unwrap_or(1_000_000) as u64,
-        )?;
-        let catch_up_max_counters = positive(
-            "catch_up_max_batch_counters",
-            self.catch_up_max_batch_counters.unwrap_or(15_000) as u64,
-        )?;
-        let catch_up_interval_ms = positive(
-            "catch_up_flush_interval_ms",
-            self.catch_up_flush_interval_ms.unwrap_or(10_000),
-        )?;
-        let max_message_bytes = positive(
-            "max_message_bytes",
-            self.max_message_bytes.unwrap_or(16_384) as u64,
-        )?;
-        let shutdown_timeout_ms = positive(
-            "shutdown_timeout_ms",
-            self.shutdown_timeout_ms.unwrap_or(30_000),
-        )?;
-        let revoke_timeout_ms = positive(
-            "revoke_timeout_ms",
-            self.revoke_timeout_ms.unwrap_or(20_000),
-        )?;
-        let retry_max_backoff_ms = positive(
-            "retry_max_backoff_ms",
-            self.retry_max_backoff_ms.unwrap_or(2_000),
-        )?;
-        let check_idle_interval_ms = positive(
-            "check_idle_interval_ms",
-            self.check_idle_interval_ms.unwrap_or(5_000),
-        )?;
+        let limits = self.limits()?;
         let topic = self.topic.unwrap_or_else(|| defaults::TOPIC.to_owned());
         let dead_letter_topic = self
             .dead_letter_topic
@@ -359,12 +308,6 @@ impl Settings {
             return Err(ConfigError::Invalid {
                 name: "dead_letter_topic",
                 why: "must differ from the events topic".to_owned(),
-            });
-        }
-        if self.kafka.contains_key("enable.auto.commit") {
-            return Err(ConfigError::Invalid {
-                name: "kafka.enable.auto.commit",
-                why: "tally commits offsets itself, only after a flush is durable".to_owned(),
             });
         }
         let grouping = self.grouping.unwrap_or_default();
@@ -384,24 +327,7 @@ impl Settings {
                 why: "namespaces that deduplicate need exactly-once delivery".to_owned(),
             });
         }
-        // Exactly-once resumes a partition by seeking to an absolute offset (the ledger's, or the
-        // log's low watermark). If retention deletes past it before the fetch, librdkafka applies
-        // `auto.offset.reset`: `latest` would then skip every event in between, silently.
-        if let Some(reset) = self.kafka.get("auto.offset.reset")
-            && delivery == Delivery::ExactlyOnce
-            && !matches!(
-                reset.as_str(),
-                "earliest" | "smallest" | "beginning" | "error"
-            )
-        {
-            return Err(ConfigError::Invalid {
-                name: "kafka.auto.offset.reset",
-                why: format!(
-                    "{reset:?} would skip events whose offsets retention deleted under a resuming \
-                     partition; exactly-once needs earliest (the default) or error"
-                ),
-            });
-        }
+        check_kafka_options(&self.kafka, delivery)?;
         let redis = RedisTarget::parse(self.redis_url.as_deref().unwrap_or(defaults::REDIS_URL))
             .map_err(|e| ConfigError::Invalid {
                 name: "redis_url",
@@ -415,47 +341,175 @@ impl Settings {
                     .to_owned(),
             });
         }
+        let ms = |name, value: Option<u64>, default| positive(name, value.unwrap_or(default));
         Ok(Config {
             brokers: self.brokers.unwrap_or_else(|| defaults::BROKERS.to_owned()),
             topic,
             group: self.group.unwrap_or_else(|| defaults::GROUP.to_owned()),
             redis,
-            limits: Limits {
-                flush_interval: Duration::from_millis(flush_interval_ms),
-                live: Size {
-                    max_events: max_events as usize,
-                    max_counters: max_counters as usize,
-                },
-                catch_up: Size {
-                    max_events: catch_up_max_events as usize,
-                    max_counters: catch_up_max_counters as usize,
-                },
-                catch_up_interval: Duration::from_millis(catch_up_interval_ms),
-            },
-            metrics_addr: self
-                .metrics_addr
-                .unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 9464))),
+            limits,
+            metrics_addr: self.metrics_addr.unwrap_or(default::METRICS_ADDR),
             dead_letter_topic,
             keyspace: Keyspace::new(
                 self.key_prefix
                     .unwrap_or_else(|| defaults::KEY_PREFIX.to_owned()),
                 self.shard_groups.unwrap_or(defaults::SHARD_GROUPS),
             )?,
-            max_message_bytes: max_message_bytes as usize,
-            shutdown_timeout: Duration::from_millis(shutdown_timeout_ms),
-            revoke_timeout: Duration::from_millis(revoke_timeout_ms),
-            retry_max_backoff: Duration::from_millis(retry_max_backoff_ms),
-            check_idle_interval: Duration::from_millis(check_idle_interval_ms),
+            max_message_bytes: positive(
+                "max_message_bytes",
+                self.max_message_bytes.unwrap_or(default::MAX_MESSAGE_BYTES),
+            )?,
+            shutdown_timeout: Duration::from_millis(ms(
+                "shutdown_timeout_ms",
+                self.shutdown_timeout_ms,
+                default::SHUTDOWN_TIMEOUT_MS,
+            )?),
+            revoke_timeout: Duration::from_millis(ms(
+                "revoke_timeout_ms",
+                self.revoke_timeout_ms,
+                default::REVOKE_TIMEOUT_MS,
+            )?),
+            retry_max_backoff: Duration::from_millis(ms(
+                "retry_max_backoff_ms",
+                self.retry_max_backoff_ms,
+                default::RETRY_MAX_BACKOFF_MS,
+            )?),
+            check_idle_interval: Duration::from_millis(ms(
+                "check_idle_interval_ms",
+                self.check_idle_interval_ms,
+                default::CHECK_IDLE_INTERVAL_MS,
+            )?),
             delivery,
             grouping,
             namespaces: Arc::new(namespaces),
-            shard_threshold: self.shard_threshold.unwrap_or(1_000),
-            trending_interval: Duration::from_millis(self.trending_interval_ms.unwrap_or(5_000)),
+            shard_threshold: self.shard_threshold.unwrap_or(default::SHARD_THRESHOLD),
+            trending_interval: Duration::from_millis(
+                self.trending_interval_ms
+                    .unwrap_or(default::TRENDING_INTERVAL_MS),
+            ),
             redis_atomicity,
             log_format: self.log_format.unwrap_or_default(),
             kafka: self.kafka,
         })
     }
+
+    /// The flush triggers, with their defaults.
+    fn limits(&self) -> Result<Limits, ConfigError> {
+        let size = |(events_name, events, events_default),
+                    (counters_name, counters, counters_default)| {
+            Ok::<_, ConfigError>(Size {
+                max_events: positive(events_name, Option::unwrap_or(events, events_default))?,
+                max_counters: positive(
+                    counters_name,
+                    Option::unwrap_or(counters, counters_default),
+                )?,
+            })
+        };
+        Ok(Limits {
+            flush_interval: Duration::from_millis(positive(
+                "flush_interval_ms",
+                self.flush_interval_ms.unwrap_or(default::FLUSH_INTERVAL_MS),
+            )?),
+            live: size(
+                (
+                    "max_batch_events",
+                    self.max_batch_events,
+                    default::MAX_BATCH_EVENTS,
+                ),
+                (
+                    "max_batch_counters",
+                    self.max_batch_counters,
+                    default::MAX_BATCH_COUNTERS,
+                ),
+            )?,
+            catch_up: size(
+                (
+                    "catch_up_max_batch_events",
+                    self.catch_up_max_batch_events,
+                    default::CATCH_UP_MAX_BATCH_EVENTS,
+                ),
+                (
+                    "catch_up_max_batch_counters",
+                    self.catch_up_max_batch_counters,
+                    default::CATCH_UP_MAX_BATCH_COUNTERS,
+                ),
+            )?,
+            catch_up_interval: Duration::from_millis(positive(
+                "catch_up_flush_interval_ms",
+                self.catch_up_flush_interval_ms
+                    .unwrap_or(default::CATCH_UP_FLUSH_INTERVAL_MS),
+            )?),
+        })
+    }
+}
+
+/// `value`, refused if zero.
+fn positive<T: Default + PartialEq>(name: &'static str, value: T) -> Result<T, ConfigError> {
+    if value == T::default() {
+        Err(ConfigError::Invalid {
+            name,
+            why: "must be greater than 0".to_owned(),
+        })
+    } else {
+        Ok(value)
+    }
+}
+
+/// Raw librdkafka options tally cannot run with.
+fn check_kafka_options(
+    kafka: &BTreeMap<String, String>,
+    delivery: Delivery,
+) -> Result<(), ConfigError> {
+    if kafka.contains_key("enable.auto.commit") {
+        return Err(ConfigError::Invalid {
+            name: "kafka.enable.auto.commit",
+            why: "tally commits offsets itself, only after a flush is durable".to_owned(),
+        });
+    }
+    // Exactly-once resumes a partition by seeking to an absolute offset (the ledger's, or the
+    // log's low watermark). If retention deletes past it before the fetch, librdkafka applies
+    // `auto.offset.reset`: `latest` would then skip every event in between, silently.
+    if let Some(reset) = kafka.get("auto.offset.reset")
+        && delivery == Delivery::ExactlyOnce
+        && !matches!(
+            reset.as_str(),
+            "earliest" | "smallest" | "beginning" | "error"
+        )
+    {
+        return Err(ConfigError::Invalid {
+            name: "kafka.auto.offset.reset",
+            why: format!(
+                "{reset:?} would skip events whose offsets retention deleted under a resuming \
+                 partition; exactly-once needs earliest (the default) or error"
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// The defaults of the aggregator's own settings (those shared with the other tools are in
+/// `tally_common::defaults`). The help's `[default: ...]` of each is checked against these by
+/// a unit test.
+mod default {
+    use std::net::SocketAddr;
+
+    pub const FLUSH_INTERVAL_MS: u64 = 1_000;
+    pub const MAX_BATCH_EVENTS: usize = 200_000;
+    pub const MAX_BATCH_COUNTERS: usize = 5_000;
+    pub const CATCH_UP_MAX_BATCH_EVENTS: usize = 1_000_000;
+    pub const CATCH_UP_MAX_BATCH_COUNTERS: usize = 15_000;
+    pub const CATCH_UP_FLUSH_INTERVAL_MS: u64 = 10_000;
+    pub const METRICS_ADDR: SocketAddr = SocketAddr::V4(std::net::SocketAddrV4::new(
+        std::net::Ipv4Addr::LOCALHOST,
+        9464,
+    ));
+    pub const MAX_MESSAGE_BYTES: usize = 16_384;
+    pub const SHUTDOWN_TIMEOUT_MS: u64 = 30_000;
+    pub const REVOKE_TIMEOUT_MS: u64 = 20_000;
+    pub const CHECK_IDLE_INTERVAL_MS: u64 = 5_000;
+    pub const RETRY_MAX_BACKOFF_MS: u64 = 2_000;
+    pub const SHARD_THRESHOLD: u64 = 1_000;
+    pub const TRENDING_INTERVAL_MS: u64 = 5_000;
 }
 
 impl Cli {
@@ -549,33 +603,65 @@ mod tests {
         assert!(!format!("{config:?}").contains("hunter2"));
     }
 
+    fn value_name(v: &impl clap::ValueEnum) -> String {
+        v.to_possible_value()
+            .map(|p| p.get_name().to_owned())
+            .unwrap_or_default()
+    }
+
     #[test]
     fn the_help_documents_the_defaults_applied() {
         let c = Settings::default().resolve().expect("valid");
-        let command = <Cli as clap::CommandFactory>::command();
-        let documented = |id: &str| {
-            let arg = command.get_arguments().find(|a| a.get_id() == id);
-            let help = arg.and_then(|a| a.get_help()).expect(id).to_string();
-            let (_, default) = help.rsplit_once("[default: ").expect(id);
-            default.strip_suffix(']').expect(id).to_owned()
+        let applied = |id: &str| -> Option<String> {
+            let limits = &c.limits;
+            Some(match id {
+                "brokers" => c.brokers.clone(),
+                "topic" => c.topic.clone(),
+                "group" => c.group.clone(),
+                "redis_url" => c.redis.to_string(),
+                "flush_interval_ms" => limits.flush_interval.as_millis().to_string(),
+                "max_batch_events" => limits.live.max_events.to_string(),
+                "max_batch_counters" => limits.live.max_counters.to_string(),
+                "catch_up_max_batch_events" => limits.catch_up.max_events.to_string(),
+                "catch_up_max_batch_counters" => limits.catch_up.max_counters.to_string(),
+                "catch_up_flush_interval_ms" => limits.catch_up_interval.as_millis().to_string(),
+                "metrics_addr" => c.metrics_addr.to_string(),
+                "dead_letter_topic" => c.dead_letter_topic.clone(),
+                "key_prefix" => c.keyspace.prefix().to_owned(),
+                "shard_groups" => c.keyspace.groups().to_string(),
+                "max_message_bytes" => c.max_message_bytes.to_string(),
+                "shutdown_timeout_ms" => c.shutdown_timeout.as_millis().to_string(),
+                "revoke_timeout_ms" => c.revoke_timeout.as_millis().to_string(),
+                "check_idle_interval_ms" => c.check_idle_interval.as_millis().to_string(),
+                "retry_max_backoff_ms" => c.retry_max_backoff.as_millis().to_string(),
+                "delivery" => value_name(&c.delivery),
+                "grouping" => c.grouping.as_str().to_owned(),
+                "shard_threshold" => c.shard_threshold.to_string(),
+                "trending_interval_ms" => c.trending_interval.as_millis().to_string(),
+                "redis_atomicity" => value_name(&c.redis_atomicity),
+                "log_format" => value_name(&c.log_format),
+                _ => return None,
+            })
         };
-        assert_eq!(documented("brokers"), c.brokers);
-        assert_eq!(documented("topic"), c.topic);
-        assert_eq!(documented("group"), c.group);
-        assert_eq!(documented("redis_url"), c.redis.to_string());
-        assert_eq!(documented("dead_letter_topic"), c.dead_letter_topic);
-        assert_eq!(documented("key_prefix"), c.keyspace.prefix());
-        assert_eq!(documented("shard_groups"), c.keyspace.groups().to_string());
-        assert_eq!(documented("metrics_addr"), c.metrics_addr.to_string());
-        assert_eq!(
-            documented("flush_interval_ms"),
-            c.limits.flush_interval.as_millis().to_string()
-        );
-        assert_eq!(documented("grouping"), c.grouping.as_str());
+        let command = <Cli as clap::CommandFactory>::command();
+        let mut checked = 0;
+        for arg in command.get_arguments() {
+            let id = arg.get_id().as_str();
+            let help = arg.get_help().map(ToString::to_string).unwrap_or_default();
+            let Some((_, documented)) = help.rsplit_once("[default: ") else {
+                continue;
+            };
+            let documented = documented.strip_suffix(']').expect(id);
+            if id == "namespaces" {
+                assert!(c.namespaces.policy("likes:post:1").cache_ttl_ms > 0);
+                continue;
+            }
+            let applied = applied(id).unwrap_or_else(|| panic!("{id}: add its applied default"));
+            assert_eq!(documented, applied, "{id}");
+            checked += 1;
+        }
+        assert_eq!(checked, 25, "every documented default is checked");
         assert_eq!(c.keyspace, Keyspace::default());
-        assert_eq!(c.delivery, Delivery::ExactlyOnce);
-        assert_eq!(c.grouping, GroupingRule::ByPartition);
-        assert_eq!(c.redis_atomicity, Atomicity::Auto);
     }
 
     #[test]
