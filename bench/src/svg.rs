@@ -1,5 +1,9 @@
 //! Small SVG charts, drawn by hand: line charts (throughput over time) and bar charts
 //! (latency distributions). Plain SVG 1.1 that any browser or image viewer shows.
+//!
+//! Not `plotters`: its SVG backend is light, but laying out axis text needs one of its font
+//! backends (`ttf`: font-kit and the system's fonts, or `ab_glyph` with a font file embedded),
+//! more than three charts are worth.
 
 use std::fmt::Write;
 
