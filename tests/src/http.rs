@@ -1,4 +1,5 @@
-//! A minimal HTTP client for the aggregator's `/metrics`, `/healthz` and `/readyz`.
+//! A minimal HTTP/1.1 client over TCP, for the aggregator's `/metrics`, `/healthz` and
+//! `/readyz` and the API server's routes.
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -10,16 +11,31 @@ pub async fn http_get(port: u16, path: &str) -> Option<String> {
 /// A one-shot HTTP/1.1 GET on loopback (`connection: close`, chunked bodies decoded): the status
 /// code and the body, or `None` if nothing answers.
 pub async fn http_get_status(port: u16, path: &str) -> Option<(u16, String)> {
+    http_request(port, "GET", path, None).await
+}
+
+/// A one-shot HTTP/1.1 request on loopback, with a JSON body if given: the status code and the
+/// body, or `None` if nothing answers.
+pub async fn http_request(
+    port: u16,
+    method: &str,
+    path: &str,
+    body: Option<&str>,
+) -> Option<(u16, String)> {
     let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port))
         .await
         .ok()?;
-    stream
-        .write_all(
-            format!("GET {path} HTTP/1.1\r\nhost: localhost\r\nconnection: close\r\n\r\n")
-                .as_bytes(),
-        )
-        .await
-        .ok()?;
+    let mut request =
+        format!("{method} {path} HTTP/1.1\r\nhost: localhost\r\nconnection: close\r\n");
+    if let Some(body) = body {
+        request.push_str(&format!(
+            "content-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+            body.len()
+        ));
+    } else {
+        request.push_str("\r\n");
+    }
+    stream.write_all(request.as_bytes()).await.ok()?;
     let mut response = String::new();
     stream.read_to_string(&mut response).await.ok()?;
     let (head, body) = response.split_once("\r\n\r\n")?;

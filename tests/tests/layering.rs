@@ -9,11 +9,12 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
 /// Each crate's source directory, relative to the workspace root.
-const CRATES: [&str; 6] = [
+const CRATES: [&str; 7] = [
     "common/src",
     "producer/src",
     "aggregator/src",
     "cli/src",
+    "server/src",
     "tests/src",
     "bench/src",
 ];

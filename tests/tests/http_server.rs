@@ -1,0 +1,188 @@
+//! `tally-server` against a real `redis-server`, through a real HTTP/1.1 connection: totals
+//! (cached and exact) equal the sum of a counter's shares, batches answer in order, and bad
+//! input of every kind gets a JSON error with its stable code, never a 500 or a dropped
+//! connection; with Redis gone, reads answer 503 and readiness fails.
+
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use serde_json::{Value, json};
+use tally_common::Keyspace;
+use tally_tests::{RedisServer, binary, connect, eventually, free_port, http_request, unique};
+
+/// A running `tally-server`, stopped when dropped.
+struct Server {
+    child: Child,
+    port: u16,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Server {
+    async fn start(redis_url: &str, prefix: &str) -> Self {
+        let port = free_port();
+        let child = Command::new(binary("tally-server"))
+            .args(["--listen", &format!("127.0.0.1:{port}")])
+            .args(["--key-prefix", prefix, "--shard-groups", "4"])
+            .env("TALLY_REDIS_URL", redis_url)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("tally-server starts");
+        let server = Self { child, port };
+        eventually(Duration::from_secs(20), "tally-server answers", || async {
+            http_request(port, "GET", "/healthz", None)
+                .await
+                .map(|_| ())
+        })
+        .await;
+        server
+    }
+
+    /// The status and the JSON body of a request.
+    async fn call(&self, method: &str, path: &str, body: Option<&str>) -> (u16, Value) {
+        let (status, text) = http_request(self.port, method, path, body)
+            .await
+            .expect("an answer, not a dropped connection");
+        let json = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{text:?}: {e}"));
+        (status, json)
+    }
+}
+
+fn code(body: &Value) -> &str {
+    body["error"]["code"].as_str().unwrap_or_default()
+}
+
+#[tokio::test]
+async fn totals_batches_and_every_bad_input_answer_json() {
+    let mut redis = RedisServer::start().await;
+    let prefix = unique("http");
+    let keyspace = Keyspace::new(prefix.clone(), 4).expect("keyspace");
+    let mut conn = connect(&redis.url()).await;
+    // likes:post:1 holds shares in two groups; views:video:2 in one.
+    for (group, counter, value) in [
+        (0, "likes:post:1", 5),
+        (3, "likes:post:1", 2),
+        (1, "views:video:2", 40),
+    ] {
+        let _: () = redis::cmd("SET")
+            .arg(keyspace.counter_key(group, counter))
+            .arg(value)
+            .query_async(&mut conn)
+            .await
+            .expect("SET");
+    }
+    let server = Server::start(&redis.url(), &prefix).await;
+
+    let (status, body) = server
+        .call("GET", "/v1/counters/likes:post:1?exact=true", None)
+        .await;
+    assert_eq!(
+        (status, body),
+        (200, json!({"counter": "likes:post:1", "total": 7}))
+    );
+    let (status, body) = server.call("GET", "/v1/counters/likes:post:1", None).await;
+    assert_eq!(
+        (status, body),
+        (200, json!({"counter": "likes:post:1", "total": 7}))
+    );
+
+    let batch = r#"{"counters": ["views:video:2", "likes:post:404", "likes:post:1"]}"#;
+    let (status, body) = server
+        .call("POST", "/v1/counters/batch-get", Some(batch))
+        .await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(
+        body,
+        json!({"totals": [
+            {"counter": "views:video:2", "total": 40},
+            {"counter": "likes:post:404", "total": 0},
+            {"counter": "likes:post:1", "total": 7},
+        ]})
+    );
+
+    // Bad input of every kind: a JSON error with a stable code.
+    let too_many = serde_json::to_string(&json!({
+        "counters": (0..1_001).map(|i| format!("c:{i}")).collect::<Vec<_>>()
+    }))
+    .expect("json");
+    let oversized = format!(r#"{{"counters": ["{}"]}}"#, "x".repeat(600 * 1024));
+    let cases: [(&str, &str, Option<&str>, u16, &str); 8] = [
+        ("GET", "/v1/counters/bad%20id", None, 400, "invalid_counter"),
+        (
+            "GET",
+            "/v1/counters/likes:post:1?exact=maybe",
+            None,
+            400,
+            "bad_query",
+        ),
+        (
+            "POST",
+            "/v1/counters/batch-get",
+            Some("{not json"),
+            400,
+            "bad_json",
+        ),
+        (
+            "POST",
+            "/v1/counters/batch-get",
+            Some(r#"{"ids": []}"#),
+            400,
+            "bad_json",
+        ),
+        (
+            "POST",
+            "/v1/counters/batch-get",
+            Some(&too_many),
+            400,
+            "too_many_counters",
+        ),
+        (
+            "POST",
+            "/v1/counters/batch-get",
+            Some(&oversized),
+            413,
+            "body_too_large",
+        ),
+        ("GET", "/v2/nothing", None, 404, "not_found"),
+        (
+            "DELETE",
+            "/v1/counters/batch-get",
+            None,
+            405,
+            "method_not_allowed",
+        ),
+    ];
+    for (method, path, body, want_status, want_code) in cases {
+        let (status, answer) = server.call(method, path, body).await;
+        assert_eq!(
+            (status, code(&answer)),
+            (want_status, want_code),
+            "{method} {path}: {answer}"
+        );
+    }
+    let (status, _) = server.call("GET", "/readyz", None).await;
+    assert_eq!(status, 200);
+
+    // Redis gone: exact reads and readiness say so, with 503.
+    redis.kill().await;
+    let (status, answer) = server
+        .call("GET", "/v1/counters/likes:post:1?exact=true", None)
+        .await;
+    assert_eq!(
+        (status, code(&answer)),
+        (503, "redis_unavailable"),
+        "{answer}"
+    );
+    let (status, answer) = server.call("GET", "/readyz", None).await;
+    assert_eq!(
+        (status, code(&answer)),
+        (503, "redis_unavailable"),
+        "{answer}"
+    );
+}
