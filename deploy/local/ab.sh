@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Compares two tally-aggregator builds on one topic, alternating them, so that the machine's
+# drift between runs (20-30% on this 2-core machine) falls on both alike. Each run starts the
+# binary with a fresh consumer group and key prefix, times it from launch until
+# tally_events_flushed_total reaches N (read from its /metrics), and reports events/s and the
+# aggregator's CPU seconds per million events; its keys are deleted afterwards.
+#
+#   deploy/local/ab.sh OLD_BINARY NEW_BINARY TOPIC N [ROUNDS]
+#
+# The topic must hold exactly N events (for example written by `tally load --events N` or by
+# `kcat -P` from a file). Build the old binary from another checkout with its own
+# CARGO_TARGET_DIR.
+set -euo pipefail
+source "$(dirname "$0")/common.sh"
+die() { log "$*"; exit 1; }
+[[ $# -ge 4 ]] || die "usage: $0 OLD_BINARY NEW_BINARY TOPIC N [ROUNDS]"
+old=$1 new=$2 topic=$3 events=$4 rounds=${5:-3}
+ticks=$(getconf CLK_TCK)
+
+run() {
+  local bin=$1 label=$2 port group start end v cpu pid
+  port=$((19000 + RANDOM % 1000))
+  group=ab-$RANDOM-$$
+  start=$(date +%s.%N)
+  "$bin" --brokers "127.0.0.1:$kafka_port" --redis-url "redis://127.0.0.1:$redis_port" \
+    --topic "$topic" --group "$group" --key-prefix "$group" \
+    --metrics-addr "127.0.0.1:$port" >"$state/ab-$group.log" 2>&1 &
+  pid=$!
+  while :; do
+    v=$(curl -s "127.0.0.1:$port/metrics" | awk '/^tally_events_flushed_total/ { print $2 }') || true
+    [[ -n $v && ${v%.*} -ge $events ]] && break
+    kill -0 "$pid" 2>/dev/null || die "$bin exited; see $state/ab-$group.log"
+    sleep 0.02
+  done
+  end=$(date +%s.%N)
+  cpu=$(awk -v t="$ticks" '{ print ($14 + $15) / t }' "/proc/$pid/stat")
+  kill "$pid"
+  wait "$pid" 2>/dev/null || true
+  redis-cli -p "$redis_port" --scan --pattern "$group*" | xargs -r -n 5000 redis-cli -p "$redis_port" unlink >/dev/null
+  awk -v l="$label" -v n="$events" -v s="$start" -v e="$end" -v c="$cpu" \
+    'BEGIN { printf "%-4s %9.0f events/s  %.2f CPU s per M events\n", l, n / (e - s), c * 1e6 / n }'
+}
+
+for ((i = 1; i <= rounds; i++)); do
+  run "$old" old
+  run "$new" new
+done
