@@ -148,19 +148,10 @@ impl EventRef<'_> {
     }
 }
 
-/// The binary body, borrowed for encoding.
-#[derive(Serialize)]
-struct BinaryOut<'a> {
-    counter: &'a str,
-    delta: i64,
-    actor: Option<&'a str>,
-    ts_ms: i64,
-    event_id: Option<&'a str>,
-}
-
-/// The binary body, borrowed for decoding (bincode strings are never escaped, so `&str` always works).
-#[derive(Deserialize)]
-struct BinaryIn<'a> {
+/// The binary body, borrowed both ways: for encoding, and for decoding (bincode strings are
+/// never escaped, so `&str` always works).
+#[derive(Serialize, Deserialize)]
+struct Binary<'a> {
     counter: &'a str,
     delta: i64,
     actor: Option<&'a str>,
@@ -175,7 +166,7 @@ fn bincode_config() -> impl bincode::config::Config {
 /// Appends the binary form of `event` to `out`.
 pub fn encode_into(event: &CounterEvent, out: &mut Vec<u8>) {
     encode_body(
-        &BinaryOut {
+        &Binary {
             counter: event.counter(),
             delta: event.delta(),
             actor: event.actor(),
@@ -189,7 +180,7 @@ pub fn encode_into(event: &CounterEvent, out: &mut Vec<u8>) {
 /// Appends the binary form of a borrowed event to `out` (it does not validate: the caller has).
 pub fn encode_ref_into(event: &EventRef<'_>, out: &mut Vec<u8>) {
     encode_body(
-        &BinaryOut {
+        &Binary {
             counter: &event.counter,
             delta: event.delta,
             actor: event.actor.as_deref(),
@@ -200,7 +191,7 @@ pub fn encode_ref_into(event: &EventRef<'_>, out: &mut Vec<u8>) {
     );
 }
 
-fn encode_body(body: &BinaryOut<'_>, out: &mut Vec<u8>) {
+fn encode_body(body: &Binary<'_>, out: &mut Vec<u8>) {
     out.push(BINARY_V1);
     bincode::serde::encode_into_std_write(body, out, bincode_config())
         .expect("bincode writes strings and integers into a Vec without failing");
@@ -258,7 +249,7 @@ pub fn decode(payload: &[u8], max_bytes: usize) -> Result<EventRef<'_>, DecodeEr
 }
 
 fn decode_binary_v1(body: &[u8]) -> Result<EventRef<'_>, DecodeError> {
-    let (wire, read): (BinaryIn<'_>, usize) =
+    let (wire, read): (Binary<'_>, usize) =
         bincode::serde::borrow_decode_from_slice(body, bincode_config()).map_err(|e| {
             DecodeError::Binary {
                 message: e.to_string(),
@@ -384,7 +375,7 @@ mod tests {
     fn binary_event_that_breaks_a_rule_is_rejected_after_decoding() {
         // Hand-build a binary body whose delta is zero: decoding works, validation must not.
         let mut bytes = vec![BINARY_V1];
-        let body = BinaryOut {
+        let body = Binary {
             counter: "c",
             delta: 0,
             actor: None,
