@@ -82,15 +82,7 @@ async fn ping(probes: &Probes) -> Result<(), String> {
     let Some(conn) = probes.redis.get() else {
         return Err("redis: not connected yet".to_owned());
     };
-    let mut conn = conn.clone();
-    let ping = redis::cmd("PING");
-    match tokio::time::timeout(READY_PING_TIMEOUT, ping.query_async::<String>(&mut conn)).await {
-        Ok(Ok(_)) => Ok(()),
-        Ok(Err(e)) => Err(format!("redis: {e}")),
-        Err(_) => Err(format!(
-            "redis: no answer to PING within {READY_PING_TIMEOUT:?}"
-        )),
-    }
+    conn.ping(READY_PING_TIMEOUT).await
 }
 
 /// Whether the aggregator is ready, or why not.

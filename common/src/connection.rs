@@ -210,6 +210,17 @@ impl RedisConn {
         }
     }
 
+    /// Sends `PING` and waits at most `timeout` for the answer; `Err` says why Redis did not
+    /// answer (readiness probes).
+    pub async fn ping(&self, timeout: Duration) -> Result<(), String> {
+        let ping = redis::cmd("PING");
+        match tokio::time::timeout(timeout, ping.query_async::<String>(&mut self.clone())).await {
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err(e)) => Err(format!("redis: {e}")),
+            Err(_) => Err(format!("redis: no answer to PING within {timeout:?}")),
+        }
+    }
+
     /// Whether this is a Redis Cluster connection.
     pub fn is_cluster(&self) -> bool {
         matches!(self, RedisConn::Cluster(_))

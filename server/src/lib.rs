@@ -13,6 +13,7 @@
 //! input of every kind is a 4xx, never a 500 or a dropped connection (see [`ApiError`]).
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use axum::extract::rejection::{JsonRejection, QueryRejection};
 use axum::extract::{DefaultBodyLimit, Path, Query, State};
@@ -28,6 +29,9 @@ pub const MAX_BATCH: usize = 1_000;
 
 /// Largest request body accepted, in bytes: a full batch of the longest counter ids fits.
 pub const MAX_BODY_BYTES: usize = 512 * 1024;
+
+/// Longest `/readyz` waits for Redis to answer its `PING`.
+pub const READY_PING_TIMEOUT: Duration = Duration::from_secs(1);
 
 /// What every handler shares.
 #[derive(Debug, Clone)]
@@ -180,17 +184,12 @@ async fn healthz() -> Json<serde_json::Value> {
 }
 
 async fn readyz(State(state): State<Arc<AppState>>) -> Result<Json<serde_json::Value>, ApiError> {
-    let pong: redis::RedisResult<String> = redis::cmd("PING")
-        .query_async(&mut state.conn.clone())
-        .await;
-    match pong {
-        Ok(_) => Ok(Json(serde_json::json!({ "status": "ready" }))),
-        Err(e) => Err(ApiError::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "redis_unavailable",
-            e.to_string(),
-        )),
-    }
+    state
+        .conn
+        .ping(READY_PING_TIMEOUT)
+        .await
+        .map_err(|why| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "redis_unavailable", why))?;
+    Ok(Json(serde_json::json!({ "status": "ready" })))
 }
 
 async fn not_found() -> ApiError {
