@@ -1,8 +1,8 @@
 //! [`MemorySink`]: a [`Sink`] in memory, for unit tests of the flush, the fences and the
 //! partition state machine together, with faults on demand: failed writes, a newer owner, and a
-//! store that goes back to an older state. It decides exactly-once writes with the same
-//! function as the `WATCH`/`MULTI`/`EXEC` path ([`crate::transactions::flush_verdict`]), which
-//! mirrors `scripts/flush.lua`. Evidence that tally works comes from the end-to-end tests against
+//! store that goes back to an older state. It decides every exactly-once operation with the same
+//! functions as the `WATCH`/`MULTI`/`EXEC` path (`crate::transactions`: `flush_verdict`,
+//! `next_epoch_after`, `stamp_refusal`, `watermark_refusal`), which mirror the Lua scripts. Evidence that tally works comes from the end-to-end tests against
 //! a real Redis; these tests pin down the rules, in milliseconds.
 
 use std::collections::HashMap;
@@ -10,7 +10,9 @@ use std::future::Future;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use crate::sink::{Applied, GroupWrite, Sink, SinkError, Stamp};
-use crate::transactions::{Current, MemberState, flush_verdict};
+use crate::transactions::{
+    Current, MemberState, flush_verdict, next_epoch_after, stamp_refusal, watermark_refusal,
+};
 
 /// Everything the store holds, per shard group and key.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -119,16 +121,15 @@ impl MemorySink {
     fn next_epoch_now(&self, home: u32, field: &str, at_least: u64) -> Result<u64, SinkError> {
         let mut state = self.reach()?;
         let epoch = state.epochs.entry((home, field.to_owned())).or_default();
-        *epoch = (*epoch + 1).max(at_least);
+        *epoch = next_epoch_after(Some(*epoch), at_least);
         Ok(*epoch)
     }
 
     fn stamp_fence_now(&self, group: u32, field: &str, epoch: u64) -> Result<Stamp, SinkError> {
         let mut state = self.reach()?;
         let key = (group, field.to_owned());
-        let current = state.fences.get(&key).copied().unwrap_or(0);
-        if current >= epoch {
-            return Ok(Stamp::Stale { current });
+        if let Some(stale) = stamp_refusal(state.fences.get(&key).copied(), epoch) {
+            return Ok(stale);
         }
         state.fences.insert(key.clone(), epoch);
         let ledger = state.ledgers.get(&key).copied().unwrap_or(-1);
@@ -144,9 +145,8 @@ impl MemorySink {
     ) -> Result<Applied, SinkError> {
         let mut state = self.reach()?;
         let key = (home, field.to_owned());
-        let fence = state.fences.get(&key).copied();
-        if fence != Some(epoch) {
-            return Ok(Applied::from_fence(fence, epoch));
+        if let Some(refused) = watermark_refusal(state.fences.get(&key).copied(), epoch) {
+            return Ok(refused);
         }
         state.watermarks.insert(key, watermark.to_owned());
         Ok(Applied::Written)

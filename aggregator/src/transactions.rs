@@ -116,6 +116,24 @@ fn member_rejections(states: &[MemberState]) -> Vec<Rejection> {
         .collect()
 }
 
+/// The epoch `scripts/epoch.lua` takes: one more than the `last`, and at least `at_least`.
+pub fn next_epoch_after(last: Option<u64>, at_least: u64) -> u64 {
+    (last.unwrap_or(0) + 1).max(at_least)
+}
+
+/// `scripts/stamp.lua`'s refusal: the fence already holds `epoch` or a newer one. `None` means
+/// stamp.
+pub fn stamp_refusal(current: Option<u64>, epoch: u64) -> Option<Stamp> {
+    let current = current.unwrap_or(0);
+    (current >= epoch).then_some(Stamp::Stale { current })
+}
+
+/// `scripts/watermark.lua`'s refusal: the fence holds another epoch than the writer's. `None`
+/// means write.
+pub fn watermark_refusal(fence: Option<u64>, epoch: u64) -> Option<Applied> {
+    (fence != Some(epoch)).then(|| Applied::from_fence(fence, epoch))
+}
+
 /// The flush decision before any write, the same as `scripts/flush.lua`: `None` means write.
 pub fn flush_verdict(
     fence: Option<u64>,
@@ -376,7 +394,7 @@ impl Transactions {
         reads.hget(&key, field);
         self.optimistic(std::slice::from_ref(&key), &reads, |replies| {
             let last: Option<u64> = number(replies.first().unwrap_or(&Value::Nil))?;
-            let epoch = (last.unwrap_or(0) + 1).max(at_least);
+            let epoch = next_epoch_after(last, at_least);
             let mut writes = redis::pipe();
             writes.hset(&key, field, epoch).ignore();
             Ok(Plan::Write(writes, epoch))
@@ -405,9 +423,8 @@ impl Transactions {
                     &Value::Array(replies.to_vec()),
                 ));
             };
-            let current: u64 = number(fence)?.unwrap_or(0);
-            if current >= epoch {
-                return Ok(Plan::Done(Stamp::Stale { current }));
+            if let Some(stale) = stamp_refusal(number(fence)?, epoch) {
+                return Ok(Plan::Done(stale));
             }
             let mut writes = redis::pipe();
             writes.hset(&fence_key, field, epoch).ignore();
@@ -434,8 +451,8 @@ impl Transactions {
         reads.hget(&fence_key, field);
         self.optimistic(std::slice::from_ref(&fence_key), &reads, |replies| {
             let fence: Option<u64> = number(replies.first().unwrap_or(&Value::Nil))?;
-            if fence != Some(epoch) {
-                return Ok(Plan::Done(Applied::from_fence(fence, epoch)));
+            if let Some(refused) = watermark_refusal(fence, epoch) {
+                return Ok(Plan::Done(refused));
             }
             let mut writes = redis::pipe();
             writes
@@ -563,6 +580,21 @@ mod tests {
                 rejection(Refused::Delta(1), DeadLetterReason::NotAnInteger),
             ]
         );
+    }
+
+    #[test]
+    fn epochs_fences_and_watermarks_decide_as_the_scripts_do() {
+        assert_eq!(next_epoch_after(None, 0), 1);
+        assert_eq!(next_epoch_after(Some(4), 0), 5);
+        assert_eq!(next_epoch_after(Some(4), 9), 9);
+        assert_eq!(stamp_refusal(None, 1), None);
+        assert_eq!(stamp_refusal(Some(3), 4), None);
+        assert_eq!(stamp_refusal(Some(4), 4), Some(Stamp::Stale { current: 4 }));
+        assert_eq!(stamp_refusal(Some(7), 4), Some(Stamp::Stale { current: 7 }));
+        assert_eq!(watermark_refusal(Some(4), 4), None);
+        assert_eq!(watermark_refusal(Some(5), 4), Some(Applied::Fenced));
+        assert_eq!(watermark_refusal(Some(3), 4), Some(Applied::RolledBack));
+        assert_eq!(watermark_refusal(None, 4), Some(Applied::RolledBack));
     }
 
     #[test]
