@@ -103,25 +103,23 @@ enum Task {
     Check(JoinHandle<Standing>),
 }
 
-/// A task's report to the loop.
+/// A task's report to the loop: which ownership of which partition, and what ended.
 #[derive(Debug)]
-pub(crate) enum Report {
+pub(crate) struct Report {
+    partition: i32,
+    generation: u64,
+    done: Done,
+}
+
+/// What a task reports.
+#[derive(Debug)]
+enum Done {
     /// A flush ended.
-    Flushed {
-        partition: i32,
-        generation: u64,
-        outcome: FlushOutcome,
-    },
+    Flushed(FlushOutcome),
     /// A check of an idle partition ended.
-    Checked {
-        partition: i32,
-        generation: u64,
-        standing: Standing,
-    },
+    Checked(Standing),
     /// Exactly-once ownership was acquired: seek and resume.
     Acquired {
-        partition: i32,
-        generation: u64,
         owner: Owner,
         resume: Resume,
         /// The partition's high watermark when it was acquired, if the brokers told.
@@ -313,23 +311,11 @@ impl<S: Sink> Shared<S> {
 
     /// A task reported back.
     pub(crate) fn report<X: ConsumerContext, K: Consumer<X>>(&self, consumer: &K, report: Report) {
-        let (partition, generation) = match &report {
-            Report::Flushed {
-                partition,
-                generation,
-                ..
-            }
-            | Report::Checked {
-                partition,
-                generation,
-                ..
-            }
-            | Report::Acquired {
-                partition,
-                generation,
-                ..
-            } => (*partition, *generation),
-        };
+        let Report {
+            partition,
+            generation,
+            done,
+        } = report;
         let mut parts = lock(&self.partitions);
         let Some(slot) = parts.map.get_mut(&partition) else {
             return;
@@ -339,20 +325,19 @@ impl<S: Sink> Shared<S> {
             return;
         }
         let (limits, now) = (&self.settings.limits, Instant::now());
-        let actions = match report {
-            Report::Flushed { outcome, .. } => {
+        let actions = match done {
+            Done::Flushed(outcome) => {
                 slot.task = None;
                 slot.machine.on_flushed(outcome, limits, now)
             }
-            Report::Checked { standing, .. } => {
+            Done::Checked(standing) => {
                 slot.task = None;
                 slot.machine.on_checked(standing, limits, now)
             }
-            Report::Acquired {
+            Done::Acquired {
                 owner,
                 resume,
                 log_end,
-                ..
             } => {
                 slot.acquiring = None;
                 tracing::info!(partition, epoch = owner.epoch, ?resume, "partition owned");
@@ -385,10 +370,10 @@ impl<S: Sink> Shared<S> {
                     let warm = trending.map(|t| t.observe(&batch)).unwrap_or_default();
                     let outcome = flusher.flush(partition, batch, owner, &cancel).await;
                     // The loop may be gone (shutdown); the outcome is also the task's output.
-                    let _ = done_tx.send(Report::Flushed {
+                    let _ = done_tx.send(Report {
                         partition,
                         generation,
-                        outcome: outcome.clone(),
+                        done: Done::Flushed(outcome.clone()),
                     });
                     if let (FlushOutcome::Durable { .. }, Some(trending)) = (&outcome, trending)
                         && !warm.is_empty()
@@ -403,10 +388,10 @@ impl<S: Sink> Shared<S> {
                 let done_tx = self.done_tx.clone();
                 slot.task = Some(Task::Check(tokio::spawn(async move {
                     let standing = flusher.verify(partition, &owner).await;
-                    let _ = done_tx.send(Report::Checked {
+                    let _ = done_tx.send(Report {
                         partition,
                         generation,
-                        standing,
+                        done: Done::Checked(standing),
                     });
                     standing
                 })));
@@ -454,7 +439,7 @@ impl<S: Sink> Shared<S> {
     }
 
     /// Starts acquiring exactly-once ownership of `partition`, retrying until it succeeds; the
-    /// result comes back as [`Report::Acquired`].
+    /// result comes back as a [`Report`] of [`Done::Acquired`].
     fn spawn_acquire(&self, partition: i32, generation: u64) -> JoinHandle<()> {
         let sink = self.flusher.sink.clone();
         let dead_letters = self.flusher.dead_letters.clone();
@@ -479,12 +464,14 @@ impl<S: Sink> Shared<S> {
                             (Resume::Beginning, Some((low, _))) => Resume::At(low),
                             (resume, _) => resume,
                         };
-                        let _ = done_tx.send(Report::Acquired {
+                        let _ = done_tx.send(Report {
                             partition,
                             generation,
-                            owner,
-                            resume,
-                            log_end: watermarks.map(|(_, high)| high),
+                            done: Done::Acquired {
+                                owner,
+                                resume,
+                                log_end: watermarks.map(|(_, high)| high),
+                            },
                         });
                         return;
                     }
@@ -685,6 +672,17 @@ impl<S: Sink> Shared<S> {
     }
 }
 
+/// `task`'s output, or `otherwise` if it failed or `cancel` fired first (then it is aborted).
+async fn join_or<T>(mut task: JoinHandle<T>, cancel: &CancellationToken, otherwise: T) -> T {
+    tokio::select! {
+        joined = &mut task => joined.unwrap_or(otherwise),
+        () = cancel.cancelled() => {
+            task.abort();
+            otherwise
+        }
+    }
+}
+
 /// Drains one partition: waits for its in-flight task, then flushes its buffer; the offset to
 /// commit, if it flushed anything.
 async fn drain_one<S: Sink>(
@@ -700,26 +698,13 @@ async fn drain_one<S: Sink>(
         return Ok(None);
     };
     match slot.task {
-        Some(Task::Flush(mut handle)) => {
-            let outcome = tokio::select! {
-                joined = &mut handle => joined.unwrap_or(FlushOutcome::Cancelled),
-                () = cancel.cancelled() => {
-                    handle.abort();
-                    FlushOutcome::Cancelled
-                }
-            };
+        Some(Task::Flush(handle)) => {
+            let outcome = join_or(handle, cancel, FlushOutcome::Cancelled).await;
             draining.on_flushed(outcome)?;
         }
-        Some(Task::Check(mut handle)) => {
-            let standing = tokio::select! {
-                // A check that cannot finish found nothing wrong: the flush below asks again.
-                joined = &mut handle => joined.unwrap_or(Standing::Held),
-                () = cancel.cancelled() => {
-                    handle.abort();
-                    Standing::Held
-                }
-            };
-            draining.on_checked(standing)?;
+        // A check that cannot finish found nothing wrong: the flush below asks again.
+        Some(Task::Check(handle)) => {
+            draining.on_checked(join_or(handle, cancel, Standing::Held).await)?;
         }
         None => {}
     }
