@@ -21,6 +21,7 @@
 //! new event arrives.
 
 use tally_common::Keyspace;
+pub use tally_common::keyspace::Watermark;
 use tally_common::keyspace::partition_field;
 
 use crate::sink::{Applied, Sink, SinkError, Stamp};
@@ -46,56 +47,6 @@ pub enum Resume {
     Beginning,
     /// From this offset.
     At(i64),
-}
-
-/// A partition's watermark: everything before `next_offset` is applied in every group, and these
-/// were the groups' ledger entries when it was stored.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Watermark {
-    /// The offset to resume from.
-    pub next_offset: i64,
-    /// `(group, ledger entry)` for every group that had one.
-    pub ledgers: Vec<(u32, i64)>,
-}
-
-impl Watermark {
-    /// The watermark after a flush up to `next_offset`, given the ledgers after it.
-    pub fn new(next_offset: i64, ledgers: &[i64]) -> Self {
-        Self {
-            next_offset,
-            ledgers: ledgers
-                .iter()
-                .enumerate()
-                .filter(|(_, l)| **l >= 0)
-                .map(|(g, l)| (g as u32, *l))
-                .collect(),
-        }
-    }
-
-    /// Its stored form: `<next_offset>;<group>=<ledger>;...`.
-    pub fn encode(&self) -> String {
-        let mut out = self.next_offset.to_string();
-        for (group, ledger) in &self.ledgers {
-            out.push_str(&format!(";{group}={ledger}"));
-        }
-        out
-    }
-
-    /// Parses the stored form; `None` if it is not one.
-    pub fn parse(text: &str) -> Option<Self> {
-        let mut parts = text.split(';');
-        let next_offset = parts.next()?.parse().ok()?;
-        let ledgers = parts
-            .map(|p| {
-                let (g, l) = p.split_once('=')?;
-                Some((g.parse().ok()?, l.parse().ok()?))
-            })
-            .collect::<Option<_>>()?;
-        Some(Self {
-            next_offset,
-            ledgers,
-        })
-    }
 }
 
 /// Where to resume, from the stored watermark (if any) and the groups' current ledger entries.

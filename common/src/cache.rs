@@ -168,6 +168,22 @@ impl CachedReader {
         self.reader.top(namespace, k).await
     }
 
+    /// The entry every reader process shares for `counter`: the cached total and when it was
+    /// refreshed (unix ms), or `None` if no reader has cached it (or it was dropped).
+    pub async fn shared_entry(&self, counter: &str) -> Result<Option<(i64, u64)>, ReadError> {
+        validate_counter(counter)?;
+        let text: Option<String> = redis::cmd("GET")
+            .arg(self.reader.keyspace().cache_key(counter))
+            .query_async(&mut self.reader.conn().clone())
+            .await?;
+        Ok(text.as_deref().and_then(parse_shared))
+    }
+
+    /// The exact reader under the cache.
+    pub fn reader(&self) -> &Reader {
+        &self.reader
+    }
+
     /// The total of `counter`, fresh within its namespace's TTL.
     pub async fn get(&self, counter: &str) -> Result<i64, ReadError> {
         Ok(self.get_many(&[counter]).await?[0])

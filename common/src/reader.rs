@@ -11,7 +11,7 @@
 
 use crate::connection::{RedisConn, query_each};
 use crate::event::{EventError, validate_counter};
-use crate::keyspace::Keyspace;
+use crate::keyspace::{Keyspace, Watermark, partition_field};
 
 /// Trending counters are reported into buckets of this many seconds...
 pub const TOP_BUCKET_S: u64 = 10;
@@ -141,6 +141,30 @@ impl Reader {
             .query_async(&mut self.conn.clone())
             .await?;
         Ok((score.unwrap_or(1.0) as u32).clamp(1, self.keyspace.groups()))
+    }
+
+    /// Where each of `partitions` partitions of `topic` is durable to in exactly-once mode: the
+    /// offset its watermark says everything before is applied in every group (`None` where no
+    /// flush has stored one yet). One `HGET` per partition, sent together.
+    pub async fn durable_offsets(
+        &self,
+        topic: &str,
+        partitions: i32,
+    ) -> Result<Vec<Option<i64>>, ReadError> {
+        let ks = &self.keyspace;
+        let reads = (0..partitions)
+            .map(|partition| {
+                let mut hget = redis::cmd("HGET");
+                hget.arg(ks.watermark_key(ks.group_for_partition(partition)))
+                    .arg(partition_field(topic, partition));
+                hget
+            })
+            .collect();
+        let stored: Vec<Option<String>> = query_each(&self.conn, reads).await?;
+        Ok(stored
+            .iter()
+            .map(|w| Some(Watermark::parse(w.as_deref()?)?.next_offset))
+            .collect())
     }
 
     /// The exact total of `counter` (0 if it was never written).

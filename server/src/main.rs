@@ -1,45 +1,23 @@
-//! `tally-server`: the tally HTTP API (see the library's documentation for the routes).
+//! `tally-server`: the tally HTTP API and operator console (see the library's documentation for
+//! the routes, and `tally_server::config` for the settings).
 //!
-//! Configured like the aggregator: flags, or `TALLY_*` variables. A Redis URL holding a password
-//! is refused on the command line (command lines are visible to every local user): give it in
-//! `TALLY_REDIS_URL`. There are no API tokens yet: the server listens on loopback by default and
-//! says so at start; put it behind something that authenticates before listening elsewhere.
+//! Without a token file the server answers every request, so it refuses to listen anywhere but
+//! loopback, and says so at start; with one, every `/v1/` route needs a bearer token with the
+//! route's scope.
 
-use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::sync::Arc;
 
 use anyhow::{Context, bail};
-use clap::{CommandFactory, FromArgMatches, Parser};
-use tally_common::{CachedReader, Keyspace, Namespaces, Reader, RedisConn, RedisTarget, defaults};
+use clap::CommandFactory;
+use rdkafka::ClientConfig;
+use tally_aggregator::secrets::Secrets;
+use tally_common::{CachedReader, Keyspace, Namespaces, Reader, RedisConn};
+use tally_producer::{Counts, DirectWriter, Producer, ProducerConfig};
+use tally_server::auth::Tokens;
+use tally_server::config::Cli;
+use tally_server::metrics::Metrics;
+use tally_server::pipeline::Pipeline;
 use tally_server::{AppState, router};
-
-/// The default listen address: loopback only.
-const LISTEN: &str = "127.0.0.1:8080";
-
-#[derive(Debug, Parser)]
-#[command(
-    name = "tally-server",
-    version,
-    about = "Serve tally counter totals over HTTP"
-)]
-struct Args {
-    /// Address to listen on
-    #[arg(long, env = "TALLY_LISTEN", default_value = LISTEN)]
-    listen: SocketAddr,
-    /// Redis URL (a password only through the variable)
-    #[arg(long, env = "TALLY_REDIS_URL", hide_env_values = true, default_value = defaults::REDIS_URL)]
-    redis_url: String,
-    /// Prefix of every Redis key
-    #[arg(long, env = "TALLY_KEY_PREFIX", default_value = defaults::KEY_PREFIX)]
-    key_prefix: String,
-    /// Shard groups, as given to the aggregator
-    #[arg(long, env = "TALLY_SHARD_GROUPS", default_value_t = defaults::SHARD_GROUPS)]
-    shard_groups: u32,
-    /// Namespace policies (cache TTL), as given to the aggregator
-    #[arg(long, env = "TALLY_NAMESPACES")]
-    namespaces: Option<PathBuf>,
-}
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
@@ -48,45 +26,73 @@ async fn main() -> anyhow::Result<()> {
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
         )
         .init();
-    let matches = Args::command().get_matches();
-    let args = Args::from_arg_matches(&matches)?;
-    let target = RedisTarget::parse(&args.redis_url)?;
-    if target.has_password()
-        && matches.value_source("redis_url") == Some(clap::parser::ValueSource::CommandLine)
-    {
+    let cli = Cli::from_matches(&Cli::command().get_matches())?;
+    let config = cli.into_config_with(Secrets::from_env()?)?;
+    let tokens = match &config.tokens {
+        Some(path) => Some(Arc::new(Tokens::from_file(path)?)),
+        None => None,
+    };
+    if tokens.is_none() && !config.listen.ip().is_loopback() {
         bail!(
-            "the Redis URL holds a password and command lines are visible to every local user: give it in TALLY_REDIS_URL"
+            "refusing to listen on {} without a token file: anyone who reaches it could send events; give --tokens (TALLY_TOKENS), or listen on loopback",
+            config.listen
         );
     }
-    let conn = RedisConn::connect_to(&target)
+    let conn = RedisConn::connect_to(&config.redis)
         .await
-        .with_context(|| format!("connecting to {target}"))?;
-    let namespaces = match &args.namespaces {
+        .with_context(|| format!("connecting to {}", config.redis))?;
+    let namespaces = Arc::new(match &config.namespaces {
         Some(path) => Namespaces::from_file(path)?,
         None => Namespaces::default(),
-    };
-    let keyspace = Keyspace::new(args.key_prefix, args.shard_groups)?;
-    let reader = CachedReader::new(Reader::new(conn.clone(), keyspace), Arc::new(namespaces));
-    let app = router(Arc::new(AppState { reader, conn }));
-    let listener = tokio::net::TcpListener::bind(args.listen)
-        .await
-        .with_context(|| format!("listening on {}", args.listen))?;
-    let addr = listener.local_addr()?;
-    if addr.ip().is_loopback() {
-        tracing::info!(%addr, redis = %target, "serving the tally API on loopback only (no API tokens yet)");
-    } else {
-        tracing::warn!(%addr, redis = %target, "serving the tally API beyond loopback without API tokens: put it behind something that authenticates");
+    });
+    let keyspace = Keyspace::new(config.key_prefix.clone(), config.shard_groups)?;
+    let reader = CachedReader::new(
+        Reader::new(conn.clone(), keyspace.clone()),
+        namespaces.clone(),
+    );
+
+    let mut producer_config = ProducerConfig::new(config.brokers.clone(), config.topic.clone())
+        .option(
+            "message.timeout.ms",
+            config.produce_timeout.as_millis().to_string(),
+        )
+        // An API answers per request: send at once rather than batch for throughput.
+        .option("linger.ms", "1");
+    let mut kafka = ClientConfig::new();
+    kafka.set("bootstrap.servers", &config.brokers);
+    for (key, value) in &config.kafka {
+        producer_config = producer_config.option(key.clone(), value.clone());
+        kafka.set(key, value);
     }
+    let producer = Producer::new(&producer_config)?;
+    let direct = DirectWriter::new(conn.clone(), keyspace, namespaces.clone());
+    let counts = Counts::new(namespaces, Some(producer.clone()), Some(direct), reader);
+    let pipeline = Pipeline::new(&kafka, &config.topic, &config.group)?;
+    let state = Arc::new(AppState {
+        counts,
+        producer: producer.clone(),
+        conn,
+        pipeline,
+        metrics: Metrics::new(),
+    });
+    let app = router(state, tokens.clone());
+    let listener = tokio::net::TcpListener::bind(config.listen)
+        .await
+        .with_context(|| format!("listening on {}", config.listen))?;
+    let addr = listener.local_addr()?;
+    match &tokens {
+        Some(tokens) => {
+            tracing::info!(%addr, redis = %config.redis, brokers = %config.brokers, topic = %config.topic, tokens = tokens.len(), "serving the tally API: every /v1/ route needs a bearer token")
+        }
+        None => {
+            tracing::warn!(%addr, redis = %config.redis, brokers = %config.brokers, topic = %config.topic, "serving the tally API on loopback only, without tokens: every local process may read and write counts")
+        }
+    }
+    let shutdown = tally_aggregator::shutdown::on_signals()?;
     axum::serve(listener, app)
-        .with_graceful_shutdown(async {
-            let mut term =
-                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-                    .expect("SIGTERM handler");
-            tokio::select! {
-                _ = tokio::signal::ctrl_c() => {}
-                _ = term.recv() => {}
-            }
-        })
+        .with_graceful_shutdown(async move { shutdown.cancelled().await })
         .await?;
+    // Events handed to librdkafka by requests cut short by the shutdown still get their chance.
+    producer.flush().await?;
     Ok(())
 }

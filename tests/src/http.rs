@@ -22,35 +22,60 @@ pub async fn http_request(
     path: &str,
     body: Option<&str>,
 ) -> Option<(u16, String)> {
+    let headers: &[(&str, &str)] = match body {
+        Some(_) => &[("content-type", "application/json")],
+        None => &[],
+    };
+    let answer = http_call(port, method, path, headers, body).await?;
+    Some((answer.status, answer.body))
+}
+
+/// An HTTP answer.
+#[derive(Debug, Clone)]
+pub struct HttpAnswer {
+    /// The status code.
+    pub status: u16,
+    /// The header lines, lowercased.
+    pub head: String,
+    /// The body, dechunked.
+    pub body: String,
+}
+
+/// A one-shot HTTP/1.1 request on loopback (`connection: close`) with the given extra headers
+/// and body; `None` if nothing answers.
+pub async fn http_call(
+    port: u16,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: Option<&str>,
+) -> Option<HttpAnswer> {
     let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port))
         .await
         .ok()?;
     let mut request =
         format!("{method} {path} HTTP/1.1\r\nhost: localhost\r\nconnection: close\r\n");
-    if let Some(body) = body {
-        request.push_str(&format!(
-            "content-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
-            body.len()
-        ));
-    } else {
-        request.push_str("\r\n");
+    for (name, value) in headers {
+        request.push_str(&format!("{name}: {value}\r\n"));
     }
+    let body = body.unwrap_or_default();
+    if !body.is_empty() || method == "POST" || method == "PUT" {
+        request.push_str(&format!("content-length: {}\r\n", body.len()));
+    }
+    request.push_str("\r\n");
+    request.push_str(body);
     stream.write_all(request.as_bytes()).await.ok()?;
     let mut response = String::new();
     stream.read_to_string(&mut response).await.ok()?;
     let (head, body) = response.split_once("\r\n\r\n")?;
     let status = head.split_whitespace().nth(1)?.parse().ok()?;
-    let chunked = head
-        .to_ascii_lowercase()
-        .contains("transfer-encoding: chunked");
-    Some((
-        status,
-        if chunked {
-            dechunk(body)?
-        } else {
-            body.to_owned()
-        },
-    ))
+    let head = head.to_ascii_lowercase();
+    let body = if head.contains("transfer-encoding: chunked") {
+        dechunk(body)?
+    } else {
+        body.to_owned()
+    };
+    Some(HttpAnswer { status, head, body })
 }
 
 /// Decodes an HTTP/1.1 chunked body.

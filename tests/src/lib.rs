@@ -9,17 +9,20 @@
 //! The binaries must be built first (`cargo build --workspace --bins`); the README's test command
 //! does that.
 
+pub mod browser;
 pub mod http;
 pub mod kafka;
 pub mod kafka_cluster;
 pub mod process;
 pub mod prometheus;
 pub mod scenarios;
+pub mod server;
 pub mod store;
 pub mod support;
 
 pub use http::*;
 pub use kafka::*;
 pub use process::*;
+pub use server::*;
 pub use store::*;
 pub use support::*;

@@ -3,60 +3,9 @@
 //! input of every kind gets a JSON error with its stable code, never a 500 or a dropped
 //! connection; with Redis gone, reads answer 503 and readiness fails.
 
-use std::process::{Child, Command, Stdio};
-use std::time::Duration;
-
-use serde_json::{Value, json};
+use serde_json::json;
 use tally_common::Keyspace;
-use tally_tests::{RedisServer, binary, connect, eventually, free_port, http_request, unique};
-
-/// A running `tally-server`, stopped when dropped.
-struct Server {
-    child: Child,
-    port: u16,
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Server {
-    async fn start(redis_url: &str, prefix: &str) -> Self {
-        let port = free_port();
-        let child = Command::new(binary("tally-server"))
-            .args(["--listen", &format!("127.0.0.1:{port}")])
-            .args(["--key-prefix", prefix, "--shard-groups", "4"])
-            .env("TALLY_REDIS_URL", redis_url)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("tally-server starts");
-        let server = Self { child, port };
-        eventually(Duration::from_secs(20), "tally-server answers", || async {
-            http_request(port, "GET", "/healthz", None)
-                .await
-                .map(|_| ())
-        })
-        .await;
-        server
-    }
-
-    /// The status and the JSON body of a request.
-    async fn call(&self, method: &str, path: &str, body: Option<&str>) -> (u16, Value) {
-        let (status, text) = http_request(self.port, method, path, body)
-            .await
-            .expect("an answer, not a dropped connection");
-        let json = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{text:?}: {e}"));
-        (status, json)
-    }
-}
-
-fn code(body: &Value) -> &str {
-    body["error"]["code"].as_str().unwrap_or_default()
-}
+use tally_tests::{ApiServer, RedisServer, TempDir, connect, error_code as code, unique};
 
 #[tokio::test]
 async fn totals_batches_and_every_bad_input_answer_json() {
@@ -77,7 +26,13 @@ async fn totals_batches_and_every_bad_input_answer_json() {
             .await
             .expect("SET");
     }
-    let server = Server::start(&redis.url(), &prefix).await;
+    let dir = TempDir::new("tally-http-server");
+    let server = ApiServer::start(
+        &["--key-prefix", &prefix, "--shard-groups", "4"],
+        &[("TALLY_REDIS_URL", &redis.url())],
+        &dir.path().join("server.log"),
+    )
+    .await;
 
     let (status, body) = server
         .call("GET", "/v1/counters/likes:post:1?exact=true", None)
@@ -111,8 +66,17 @@ async fn totals_batches_and_every_bad_input_answer_json() {
         "counters": (0..1_001).map(|i| format!("c:{i}")).collect::<Vec<_>>()
     }))
     .expect("json");
-    let oversized = format!(r#"{{"counters": ["{}"]}}"#, "x".repeat(600 * 1024));
-    let cases: [(&str, &str, Option<&str>, u16, &str); 8] = [
+    let oversized = format!(r#"{{"counters": ["{}"]}}"#, "x".repeat(1100 * 1024));
+    let long_actor = format!("/v1/counters/likes:post:1/likes/{}", "u".repeat(1_000));
+    let cases: [(&str, &str, Option<&str>, u16, &str); 10] = [
+        ("GET", &long_actor, None, 400, "invalid_actor"),
+        (
+            "GET",
+            "/v1/namespaces/likes/top?k=many",
+            None,
+            400,
+            "bad_query",
+        ),
         ("GET", "/v1/counters/bad%20id", None, 400, "invalid_counter"),
         (
             "GET",

@@ -1,0 +1,315 @@
+//! The server's configuration, with the aggregator's conventions: defaults, an optional TOML file
+//! (`--config`), `TALLY_*` variables and flags, in rising order of precedence; librdkafka
+//! options from the file's `[kafka]` table or `--kafka-option key=value`. Credentials come from
+//! the environment or the files it names, never flags (the aggregator's
+//! [`tally_aggregator::secrets`]: `TALLY_REDIS_PASSWORD[_FILE]`, `TALLY_KAFKA_SASL_PASSWORD[_FILE]`
+//! and the rest); a Redis URL holding a password given as a flag is refused.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::Deserialize;
+use tally_aggregator::config::ConfigError;
+use tally_aggregator::secrets::{self, Secrets};
+use tally_common::{RedisTarget, defaults};
+
+/// The defaults of the settings below.
+pub mod default {
+    /// Where the API listens: loopback only.
+    pub const LISTEN: &str = "127.0.0.1:8080";
+    /// Longest `POST /v1/events` waits for Kafka's acknowledgements, in ms.
+    pub const PRODUCE_TIMEOUT_MS: u64 = 5_000;
+}
+
+/// Settings as given by a file, the environment or flags: every field optional.
+#[derive(Debug, Default, Clone, Deserialize, clap::Args)]
+#[serde(deny_unknown_fields)]
+pub struct Settings {
+    /// Address to listen on; anything but loopback needs a token file [default: 127.0.0.1:8080]
+    #[arg(long, env = "TALLY_LISTEN")]
+    pub listen: Option<SocketAddr>,
+    /// TOML file of API tokens (their SHA-256) and scopes; without one, only loopback [default: none]
+    #[arg(long, env = "TALLY_TOKENS")]
+    pub tokens: Option<PathBuf>,
+    /// Redis URL (a password only through TALLY_REDIS_URL, TALLY_REDIS_PASSWORD or the file) [default: redis://127.0.0.1:6379]
+    #[arg(long, env = "TALLY_REDIS_URL", hide_env_values = true)]
+    pub redis_url: Option<String>,
+    /// Prefix of every Redis key, as given to the aggregator [default: tally]
+    #[arg(long, env = "TALLY_KEY_PREFIX")]
+    pub key_prefix: Option<String>,
+    /// Shard groups, as given to the aggregator [default: 16]
+    #[arg(long, env = "TALLY_SHARD_GROUPS")]
+    pub shard_groups: Option<u32>,
+    /// Namespace policies file, as given to the aggregator [default: none]
+    #[arg(long, env = "TALLY_NAMESPACES")]
+    pub namespaces: Option<PathBuf>,
+    /// Kafka bootstrap servers [default: 127.0.0.1:9092]
+    #[arg(long, env = "TALLY_BROKERS")]
+    pub brokers: Option<String>,
+    /// Topic events are appended to [default: tally.events]
+    #[arg(long, env = "TALLY_TOPIC")]
+    pub topic: Option<String>,
+    /// The aggregators' consumer group, for the pipeline's committed offsets [default: tally-aggregator]
+    #[arg(long, env = "TALLY_GROUP")]
+    pub group: Option<String>,
+    /// Longest POST /v1/events waits for Kafka to acknowledge its events, in ms [default: 5000]
+    #[arg(long, env = "TALLY_PRODUCE_TIMEOUT_MS")]
+    pub produce_timeout_ms: Option<u64>,
+    /// Raw librdkafka options (the file's `[kafka]` table).
+    #[arg(skip)]
+    #[serde(default)]
+    pub kafka: BTreeMap<String, String>,
+}
+
+/// The command line of `tally-server`.
+#[derive(Debug, clap::Parser)]
+#[command(
+    name = "tally-server",
+    version,
+    about = "Serve tally's counts over HTTP: totals, events, likes, the top counters, and an operator console"
+)]
+pub struct Cli {
+    /// TOML file of settings (same names as the flags, with underscores); flags and TALLY_*
+    /// variables override it.
+    #[arg(long, env = "TALLY_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// A raw librdkafka option for the producer and the pipeline's reader, key=value; repeatable.
+    #[arg(long = "kafka-option", env = "TALLY_KAFKA_OPTIONS", hide_env_values = true, value_delimiter = ',', value_parser = parse_key_value)]
+    pub kafka_options: Vec<(String, String)>,
+    /// Every other setting.
+    #[command(flatten)]
+    pub settings: Settings,
+}
+
+fn parse_key_value(s: &str) -> Result<(String, String), String> {
+    let (k, v) = s
+        .split_once('=')
+        .ok_or_else(|| format!("expected key=value, got {s:?}"))?;
+    Ok((k.trim().to_owned(), v.trim().to_owned()))
+}
+
+/// The resolved configuration.
+#[derive(Clone)]
+pub struct Config {
+    /// Where to listen.
+    pub listen: SocketAddr,
+    /// The token file, if any.
+    pub tokens: Option<PathBuf>,
+    /// Redis, credentials included.
+    pub redis: RedisTarget,
+    /// The key prefix.
+    pub key_prefix: String,
+    /// The shard groups.
+    pub shard_groups: u32,
+    /// The namespace policies file, if any.
+    pub namespaces: Option<PathBuf>,
+    /// Kafka's brokers.
+    pub brokers: String,
+    /// tally's topic.
+    pub topic: String,
+    /// The aggregators' group.
+    pub group: String,
+    /// How long events may wait for Kafka.
+    pub produce_timeout: Duration,
+    /// Raw librdkafka options, secrets included.
+    pub kafka: BTreeMap<String, String>,
+}
+
+impl std::fmt::Debug for Config {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Config")
+            .field("listen", &self.listen)
+            .field("tokens", &self.tokens)
+            .field("redis", &self.redis)
+            .field("key_prefix", &self.key_prefix)
+            .field("shard_groups", &self.shard_groups)
+            .field("namespaces", &self.namespaces)
+            .field("brokers", &self.brokers)
+            .field("topic", &self.topic)
+            .field("group", &self.group)
+            .field("produce_timeout", &self.produce_timeout)
+            .field("kafka_options", &self.kafka.keys().collect::<Vec<_>>())
+            .finish()
+    }
+}
+
+impl Settings {
+    /// Reads settings from a TOML file.
+    pub fn from_file(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        toml::from_str(&text).map_err(|source| ConfigError::Parse {
+            path: path.to_owned(),
+            source: Box::new(source),
+        })
+    }
+
+    /// These settings, with every field that `over` sets replaced by its value.
+    pub fn overridden_by(mut self, over: Settings) -> Self {
+        macro_rules! take {
+            ($($field:ident),*) => { $( if over.$field.is_some() { self.$field = over.$field; } )* };
+        }
+        take!(
+            listen,
+            tokens,
+            redis_url,
+            key_prefix,
+            shard_groups,
+            namespaces,
+            brokers,
+            topic,
+            group,
+            produce_timeout_ms
+        );
+        self.kafka.extend(over.kafka);
+        self
+    }
+
+    /// Fills in defaults and checks the values.
+    pub fn resolve(self) -> Result<Config, ConfigError> {
+        let redis_url = self
+            .redis_url
+            .unwrap_or_else(|| defaults::REDIS_URL.to_owned());
+        let redis = RedisTarget::parse(&redis_url).map_err(|e| ConfigError::Invalid {
+            name: "redis_url",
+            why: e.to_string(),
+        })?;
+        let produce_timeout_ms = self
+            .produce_timeout_ms
+            .unwrap_or(default::PRODUCE_TIMEOUT_MS);
+        if produce_timeout_ms == 0 {
+            return Err(ConfigError::Invalid {
+                name: "produce_timeout_ms",
+                why: "must be above 0".to_owned(),
+            });
+        }
+        Ok(Config {
+            listen: self
+                .listen
+                .unwrap_or_else(|| default::LISTEN.parse().expect("a valid address")),
+            tokens: self.tokens,
+            redis,
+            key_prefix: self
+                .key_prefix
+                .unwrap_or_else(|| defaults::KEY_PREFIX.to_owned()),
+            shard_groups: self.shard_groups.unwrap_or(defaults::SHARD_GROUPS),
+            namespaces: self.namespaces,
+            brokers: self.brokers.unwrap_or_else(|| defaults::BROKERS.to_owned()),
+            topic: self.topic.unwrap_or_else(|| defaults::TOPIC.to_owned()),
+            group: self.group.unwrap_or_else(|| defaults::GROUP.to_owned()),
+            produce_timeout: Duration::from_millis(produce_timeout_ms),
+            kafka: self.kafka,
+        })
+    }
+}
+
+impl Cli {
+    /// Builds the command line from parsed `matches`, refusing secrets given as flags.
+    pub fn from_matches(matches: &clap::ArgMatches) -> Result<Self, ConfigError> {
+        let cli =
+            <Self as clap::FromArgMatches>::from_arg_matches(matches).unwrap_or_else(|e| e.exit());
+        secrets::refuse_secret_flags(
+            &cli.kafka_options,
+            cli.settings.redis_url.as_deref(),
+            |id| matches.value_source(id) == Some(clap::parser::ValueSource::CommandLine),
+        )?;
+        Ok(cli)
+    }
+
+    /// Resolves the command line (with the file it names, if any) and `secrets` into a
+    /// [`Config`]. Secrets override the same options from the file or flags.
+    pub fn into_config_with(self, secrets: Secrets) -> Result<Config, ConfigError> {
+        let base = match &self.config {
+            Some(path) => Settings::from_file(path)?,
+            None => Settings::default(),
+        };
+        let mut over = self.settings;
+        over.kafka.extend(self.kafka_options);
+        over.kafka.extend(secrets.kafka.clone());
+        let mut config = base.overridden_by(over).resolve()?;
+        config.redis = secrets.redis_target(config.redis)?;
+        Ok(config)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::{CommandFactory, FromArgMatches};
+
+    use super::*;
+
+    fn cli(args: &[&str]) -> Result<Cli, ConfigError> {
+        let matches = Cli::command()
+            .try_get_matches_from(std::iter::once("tally-server").chain(args.iter().copied()))
+            .expect("parses");
+        Cli::from_matches(&matches)
+    }
+
+    #[test]
+    fn flags_override_the_file_which_overrides_defaults() {
+        let dir = std::env::temp_dir().join(format!("tally-server-config-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let path = dir.join("server.toml");
+        std::fs::write(
+            &path,
+            "listen = \"127.0.0.1:9000\"\ntopic = \"from.file\"\nshard_groups = 4\n[kafka]\n\"linger.ms\" = \"2\"\n",
+        )
+        .expect("written");
+        let config = cli(&[
+            "--config",
+            path.to_str().expect("utf-8"),
+            "--topic",
+            "from.flag",
+        ])
+        .expect("valid")
+        .into_config_with(Secrets::default())
+        .expect("resolves");
+        assert_eq!(config.listen.port(), 9000);
+        assert_eq!(config.topic, "from.flag");
+        assert_eq!(config.shard_groups, 4);
+        assert_eq!(config.kafka.get("linger.ms").map(String::as_str), Some("2"));
+        assert_eq!(config.brokers, defaults::BROKERS);
+        assert_eq!(
+            config.produce_timeout,
+            Duration::from_millis(default::PRODUCE_TIMEOUT_MS)
+        );
+        assert!(toml::from_str::<Settings>("lisen = \"x\"").is_err());
+    }
+
+    #[test]
+    fn secrets_as_flags_are_refused_and_hidden_once_resolved() {
+        assert!(cli(&["--redis-url", "redis://:pw@127.0.0.1:6379"]).is_err());
+        assert!(cli(&["--kafka-option", "sasl.password=pw"]).is_err());
+        let secrets = Secrets::from_lookup(|name| {
+            (name == "TALLY_KAFKA_SASL_PASSWORD").then(|| "hunter2".to_owned())
+        })
+        .expect("secrets");
+        let config = cli(&[])
+            .expect("valid")
+            .into_config_with(secrets)
+            .expect("resolves");
+        assert_eq!(
+            config.kafka.get("sasl.password").map(String::as_str),
+            Some("hunter2")
+        );
+        assert!(!format!("{config:?}").contains("hunter2"));
+    }
+
+    #[test]
+    fn the_help_documents_the_defaults_applied() {
+        let help = Cli::command().render_help().to_string();
+        for shown in [
+            format!("[default: {}]", default::LISTEN),
+            format!("[default: {}]", default::PRODUCE_TIMEOUT_MS),
+            format!("[default: {}]", defaults::TOPIC),
+            format!("[default: {}]", defaults::SHARD_GROUPS),
+        ] {
+            assert!(help.contains(&shown), "{shown} missing from --help");
+        }
+        let _ = Cli::from_arg_matches;
+    }
+}
