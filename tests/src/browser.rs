@@ -163,6 +163,13 @@ impl Browser {
         .await;
     }
 
+    /// Empties the input matching `selector`.
+    pub async fn clear(&self, selector: &str) {
+        let element = self.element(selector).await;
+        self.command("POST", &format!("/element/{element}/clear"), json!({}))
+            .await;
+    }
+
     /// Clicks the element matching `selector`.
     pub async fn click(&self, selector: &str) {
         let element = self.element(selector).await;

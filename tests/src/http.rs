@@ -65,16 +65,46 @@ pub async fn http_call(
     request.push_str("\r\n");
     request.push_str(body);
     stream.write_all(request.as_bytes()).await.ok()?;
-    let mut response = String::new();
-    stream.read_to_string(&mut response).await.ok()?;
-    let (head, body) = response.split_once("\r\n\r\n")?;
-    let status = head.split_whitespace().nth(1)?.parse().ok()?;
-    let head = head.to_ascii_lowercase();
-    let body = if head.contains("transfer-encoding: chunked") {
-        dechunk(body)?
-    } else {
-        body.to_owned()
+    // Read to the end of the message, not of the connection: some servers (chromedriver) keep
+    // it open whatever `connection: close` asked.
+    let mut bytes = Vec::new();
+    let mut chunk = [0_u8; 16 * 1024];
+    let (head, body_start) = loop {
+        if let Some(at) = bytes.windows(4).position(|w| w == b"\r\n\r\n") {
+            break (
+                String::from_utf8_lossy(&bytes[..at]).to_ascii_lowercase(),
+                at + 4,
+            );
+        }
+        let n = stream.read(&mut chunk).await.ok()?;
+        if n == 0 {
+            return None;
+        }
+        bytes.extend_from_slice(&chunk[..n]);
     };
+    let length = (head.lines())
+        .find_map(|l| l.strip_prefix("content-length:"))
+        .and_then(|v| v.trim().parse::<usize>().ok());
+    let chunked = head.contains("transfer-encoding: chunked");
+    loop {
+        let body = &bytes[body_start..];
+        let complete = match length {
+            Some(length) => body.len() >= length,
+            None if chunked => body.ends_with(b"0\r\n\r\n"),
+            None => false,
+        };
+        if complete {
+            break;
+        }
+        let n = stream.read(&mut chunk).await.ok()?;
+        if n == 0 {
+            break;
+        }
+        bytes.extend_from_slice(&chunk[..n]);
+    }
+    let status = head.split_whitespace().nth(1)?.parse().ok()?;
+    let body = String::from_utf8(bytes[body_start..].to_vec()).ok()?;
+    let body = if chunked { dechunk(&body)? } else { body };
     Some(HttpAnswer { status, head, body })
 }
 

@@ -5,7 +5,7 @@
 
 use serde_json::json;
 use tally_common::Keyspace;
-use tally_tests::{ApiServer, RedisServer, TempDir, connect, error_code as code, unique};
+use tally_tests::{ApiServer, RedisServer, TempDir, connect, error_code as code, json, unique};
 
 #[tokio::test]
 async fn totals_batches_and_every_bad_input_answer_json() {
@@ -130,6 +130,15 @@ async fn totals_batches_and_every_bad_input_answer_json() {
             "{method} {path}: {answer}"
         );
     }
+    let answer = server
+        .request("POST", "/v1/counters/batch-get", &[], Some(batch))
+        .await;
+    assert_eq!(
+        (answer.status, code(&json(&answer.body))),
+        (415, "unsupported_media_type"),
+        "a body without content-type: {}",
+        answer.body
+    );
     let (status, _) = server.call("GET", "/readyz", None).await;
     assert_eq!(status, 200);
 

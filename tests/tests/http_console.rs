@@ -1,0 +1,148 @@
+//! The operator console at `/`, in a real headless Chromium against the real stack (Kafka, an
+//! aggregator, redis-server, tally-server): a person opens the page, looks a counter up, and
+//! sees its total, its cache and shards, whether an actor liked it, the namespaces' top counters
+//! and the pipeline caught up. The test saves a screenshot (`target/console.png`; also to the path
+//! in `TALLY_SCREENSHOT_TO`, which is how `docs/console.png` is made).
+
+use std::time::Duration;
+
+use serde_json::json;
+use tally_tests::browser::Browser;
+use tally_tests::{AggregatorSetup, ApiServer, RedisServer, TempDir, eventually, reader, serial};
+
+const NAMESPACES: &str =
+    "[namespaces.likes]\ndedup = true\n\n[namespaces.views]\ncache_ttl_ms = 60000\n";
+
+#[tokio::test]
+async fn a_person_looks_a_counter_up_in_the_console() {
+    let _serial = serial().await;
+    let dir = TempDir::new("tally-console");
+    let redis = RedisServer::start().await;
+    let setup = AggregatorSetup::create("console", &redis.url(), 2).await;
+    let namespaces = dir.path().join("namespaces.toml");
+    std::fs::write(&namespaces, NAMESPACES).expect("written");
+    let namespaces = namespaces.to_str().expect("utf-8").to_owned();
+    let mut aggregator = setup.spawn(
+        dir.path(),
+        &["--namespaces", &namespaces, "--trending-interval-ms", "500"],
+    );
+    let server = ApiServer::start(
+        &[
+            "--brokers",
+            &setup.brokers,
+            "--topic",
+            &setup.topic,
+            "--group",
+            &setup.group,
+            "--key-prefix",
+            &setup.key_prefix,
+            "--shard-groups",
+            "16",
+            "--namespaces",
+            &namespaces,
+        ],
+        &[("TALLY_REDIS_URL", &redis.url())],
+        &dir.path().join("server.log"),
+    )
+    .await;
+
+    // views:video:7 gets 1,234 over 13 events; video 8 a little; likes:post:7 two likes.
+    let mut events: Vec<_> = (0..12)
+        .map(|_| json!({"counter": "views:video:7", "delta": 100}))
+        .collect();
+    events.push(json!({"counter": "views:video:7", "delta": 34}));
+    events.push(json!({"counter": "views:video:8", "delta": 5}));
+    let (status, body) = server
+        .call("POST", "/v1/events", Some(&json!(events).to_string()))
+        .await;
+    assert_eq!(status, 200, "{body}");
+    for actor in ["u7", "u8"] {
+        let (status, body) = server
+            .call(
+                "PUT",
+                &format!("/v1/counters/likes:post:7/likes/{actor}"),
+                None,
+            )
+            .await;
+        assert_eq!(status, 202, "{body}");
+    }
+    let exact = reader(&redis.url(), setup.keyspace()).await;
+    eventually(Duration::from_secs(60), "totals flushed", || async {
+        let totals = exact
+            .get_many(&["views:video:7", "likes:post:7"])
+            .await
+            .ok()?;
+        (totals == [1234, 2]).then_some(())
+    })
+    .await;
+    // A reader has cached the total, as a feed would.
+    let (_, cached) = server.call("GET", "/v1/counters/views:video:7", None).await;
+    assert_eq!(cached["total"], 1234);
+    eventually(
+        Duration::from_secs(30),
+        "pipeline caught up and top published",
+        || async {
+            let (_, pipeline) = server.call("GET", "/v1/pipeline", None).await;
+            let (_, top) = server.call("GET", "/v1/namespaces/views/top", None).await;
+            (pipeline["lag_events"] == 0 && top["top"][0]["counter"] == "views:video:7")
+                .then_some(())
+        },
+    )
+    .await;
+
+    let browser = Browser::start().await;
+    browser.open(&format!("{}/", server.url())).await;
+    browser.type_into("#counter", "views:video:7").await;
+    browser.click("#lookup").await;
+    assert_eq!(
+        browser.text("#result[data-state='done'] #total").await,
+        "1,234"
+    );
+    let cache = browser.text("#cache").await;
+    assert!(
+        cache.starts_with("1,234, refreshed") && cache.contains("TTL 1 min"),
+        "{cache}"
+    );
+    let shards = browser.text("#shard-count").await;
+    assert!(
+        shards.contains("shard group(s) hold a share") && shards.contains("use 1 shard(s)"),
+        "{shards}"
+    );
+
+    browser.clear("#counter").await;
+    browser.type_into("#counter", "likes:post:7").await;
+    browser.type_into("#actor", "u7").await;
+    browser.click("#lookup").await;
+    assert_eq!(browser.text("#result[data-state='done'] #total").await, "2");
+    assert_eq!(browser.text("#liked").await, "u7 has liked it");
+
+    // The top counters and the pipeline, as the page refreshes them.
+    let seen = eventually(
+        Duration::from_secs(20),
+        "top counters and pipeline shown",
+        || async {
+            let top = browser.text("#top").await;
+            let pipeline = browser.text("#pipeline-summary").await;
+            (top.contains("views:video:7") && pipeline.contains("0 events behind"))
+                .then_some((top, pipeline))
+        },
+    )
+    .await;
+    assert!(
+        seen.0.starts_with("likes") || seen.0.contains("views"),
+        "{}",
+        seen.0
+    );
+    assert!(seen.1.contains(&setup.topic), "{}", seen.1);
+    let rows = browser.text("#pipeline table tbody").await;
+    assert_eq!(rows.lines().count(), 2, "one row per partition: {rows}");
+
+    let png = browser.screenshot().await;
+    assert!(png.starts_with(b"\x89PNG"), "a PNG");
+    let target = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/console.png");
+    std::fs::write(&target, &png).expect("screenshot written");
+    if let Ok(path) = std::env::var("TALLY_SCREENSHOT_TO") {
+        std::fs::write(&path, &png).expect("screenshot written");
+    }
+    aggregator.stop_gracefully().await;
+}
