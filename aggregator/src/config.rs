@@ -57,6 +57,46 @@ pub enum Atomicity {
     Transactions,
 }
 
+/// Where counts are stored.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Store {
+    /// Sharded Redis keys (the store and the cache of totals are one).
+    #[default]
+    Redis,
+    /// Share rows in PostgreSQL, the store of record (`crate::pg_sink`); Redis keeps the cache of
+    /// totals and the trending counters.
+    Postgres,
+}
+
+/// Where the PostgreSQL store is.
+#[derive(Clone)]
+pub struct PostgresTarget {
+    /// Its URL (`postgres://user@host:port/db`) or key=value connection string, without the
+    /// password.
+    pub url: String,
+    /// The password, from `TALLY_POSTGRES_PASSWORD[_FILE]`.
+    pub password: Option<String>,
+    /// Most connections held.
+    pub pool_size: usize,
+}
+
+impl std::fmt::Debug for PostgresTarget {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PostgresTarget")
+            .field("url", &self.url)
+            .field("password", &self.password.as_ref().map(|_| "***"))
+            .field("pool_size", &self.pool_size)
+            .finish()
+    }
+}
+
+/// Whether a PostgreSQL connection string holds a password.
+pub fn postgres_url_has_password(url: &str) -> bool {
+    <tokio_postgres::Config as std::str::FromStr>::from_str(url)
+        .is_ok_and(|c| c.get_password().is_some())
+}
+
 /// Settings as given by a file, the environment or flags: every field optional.
 #[derive(Debug, Default, Clone, Deserialize, clap::Args)]
 #[serde(deny_unknown_fields)]
@@ -141,6 +181,15 @@ pub struct Settings {
     /// Log format [default: text]
     #[arg(long, env = "TALLY_LOG_FORMAT", value_enum)]
     pub log_format: Option<LogFormat>,
+    /// Where counts are stored: redis, or postgres (share rows in PostgreSQL, the store of record; Redis keeps the cache of totals) [default: redis]
+    #[arg(long, env = "TALLY_STORE", value_enum)]
+    pub store: Option<Store>,
+    /// PostgreSQL for --store postgres: postgres://user@host:port/db; a password only through TALLY_POSTGRES_PASSWORD, TALLY_POSTGRES_URL or the file [default: none]
+    #[arg(long, env = "TALLY_POSTGRES_URL", hide_env_values = true)]
+    pub postgres_url: Option<String>,
+    /// Most PostgreSQL connections held with --store postgres [default: 16]
+    #[arg(long, env = "TALLY_POSTGRES_POOL_SIZE")]
+    pub postgres_pool_size: Option<usize>,
     /// Raw librdkafka options (the file's `[kafka]` table).
     #[arg(skip)]
     #[serde(default)]
@@ -215,6 +264,10 @@ pub struct Config {
     pub trending_interval: Duration,
     /// How exactly-once writes are made atomic.
     pub redis_atomicity: Atomicity,
+    /// Where counts are stored.
+    pub store: Store,
+    /// The PostgreSQL store, with `--store postgres`.
+    pub postgres: Option<PostgresTarget>,
     /// Log format.
     pub log_format: LogFormat,
     /// Raw librdkafka options, applied last.
@@ -239,6 +292,8 @@ impl std::fmt::Debug for Config {
             .field("shard_threshold", &self.shard_threshold)
             .field("trending_interval", &self.trending_interval)
             .field("redis_atomicity", &self.redis_atomicity)
+            .field("store", &self.store)
+            .field("postgres", &self.postgres)
             .field("max_message_bytes", &self.max_message_bytes)
             .field("shutdown_timeout", &self.shutdown_timeout)
             .field("revoke_timeout", &self.revoke_timeout)
@@ -291,7 +346,10 @@ impl Settings {
             shard_threshold,
             trending_interval_ms,
             redis_atomicity,
-            log_format
+            log_format,
+            store,
+            postgres_url,
+            postgres_pool_size
         );
         self.kafka.extend(over.kafka);
         self
@@ -341,6 +399,31 @@ impl Settings {
                     .to_owned(),
             });
         }
+        let store = self.store.unwrap_or_default();
+        let postgres = match (store, self.postgres_url) {
+            (Store::Redis, _) => None,
+            (Store::Postgres, None) => {
+                return Err(ConfigError::Invalid {
+                    name: "postgres_url",
+                    why: "--store postgres needs --postgres-url (or TALLY_POSTGRES_URL)".to_owned(),
+                });
+            }
+            (Store::Postgres, Some(url)) => Some(PostgresTarget {
+                url,
+                password: None,
+                pool_size: positive(
+                    "postgres_pool_size",
+                    self.postgres_pool_size
+                        .unwrap_or(default::POSTGRES_POOL_SIZE),
+                )?,
+            }),
+        };
+        if store == Store::Postgres && namespaces.any_dedup() {
+            return Err(ConfigError::Invalid {
+                name: "store",
+                why: "namespaces that count once per actor need the Redis store for now".to_owned(),
+            });
+        }
         let ms = |name, value: Option<u64>, default| positive(name, value.unwrap_or(default));
         Ok(Config {
             brokers: self.brokers.unwrap_or_else(|| defaults::BROKERS.to_owned()),
@@ -388,6 +471,8 @@ impl Settings {
                     .unwrap_or(default::TRENDING_INTERVAL_MS),
             ),
             redis_atomicity,
+            store,
+            postgres,
             log_format: self.log_format.unwrap_or_default(),
             kafka: self.kafka,
         })
@@ -510,6 +595,7 @@ mod default {
     pub const RETRY_MAX_BACKOFF_MS: u64 = 2_000;
     pub const SHARD_THRESHOLD: u64 = 1_000;
     pub const TRENDING_INTERVAL_MS: u64 = 5_000;
+    pub const POSTGRES_POOL_SIZE: usize = 16;
 }
 
 impl Cli {
@@ -524,11 +610,25 @@ impl Cli {
     pub fn from_matches(matches: &clap::ArgMatches) -> Result<Self, ConfigError> {
         let cli =
             <Self as clap::FromArgMatches>::from_arg_matches(matches).unwrap_or_else(|e| e.exit());
+        let from_command_line =
+            |id: &str| matches.value_source(id) == Some(clap::parser::ValueSource::CommandLine);
         secrets::refuse_secret_flags(
             &cli.kafka_options,
             cli.settings.redis_url.as_deref(),
-            |id| matches.value_source(id) == Some(clap::parser::ValueSource::CommandLine),
+            from_command_line,
         )?;
+        if from_command_line("postgres_url")
+            && cli
+                .settings
+                .postgres_url
+                .as_deref()
+                .is_some_and(postgres_url_has_password)
+        {
+            return Err(ConfigError::Invalid {
+                name: "postgres-url",
+                why: "the URL holds a password and command lines are visible to every local user: set TALLY_POSTGRES_PASSWORD or TALLY_POSTGRES_PASSWORD_FILE, or put the URL in TALLY_POSTGRES_URL or the config file".to_owned(),
+            });
+        }
         Ok(cli)
     }
 
@@ -550,6 +650,9 @@ impl Cli {
         over.kafka.extend(secrets.kafka.clone());
         let mut config = base.overridden_by(over).resolve()?;
         config.redis = secrets.redis_target(config.redis)?;
+        if let Some(postgres) = &mut config.postgres {
+            postgres.password = secrets.postgres_password.clone();
+        }
         Ok(config)
     }
 }
@@ -640,6 +743,8 @@ mod tests {
                 "trending_interval_ms" => c.trending_interval.as_millis().to_string(),
                 "redis_atomicity" => value_name(&c.redis_atomicity),
                 "log_format" => value_name(&c.log_format),
+                "store" => value_name(&c.store),
+                "postgres_pool_size" => default::POSTGRES_POOL_SIZE.to_string(),
                 _ => return None,
             })
         };
@@ -652,6 +757,10 @@ mod tests {
                 continue;
             };
             let documented = documented.strip_suffix(']').expect(id);
+            if id == "postgres_url" {
+                assert!(c.postgres.is_none());
+                continue;
+            }
             if id == "namespaces" {
                 assert!(c.namespaces.policy("likes:post:1").cache_ttl_ms > 0);
                 continue;
@@ -660,7 +769,7 @@ mod tests {
             assert_eq!(documented, applied, "{id}");
             checked += 1;
         }
-        assert_eq!(checked, 25, "every documented default is checked");
+        assert_eq!(checked, 27, "every documented default is checked");
         assert_eq!(c.keyspace, Keyspace::default());
     }
 

@@ -41,6 +41,8 @@ pub mod http;
 mod memory_sink;
 pub mod metrics;
 pub mod partition;
+pub mod pg_schema;
+pub mod pg_sink;
 pub mod rebalance;
 pub mod redis_sink;
 pub mod secrets;
@@ -72,6 +74,9 @@ pub enum StartError {
     /// The Redis target is invalid or (for a cluster) unreachable.
     #[error("redis: {0}")]
     Redis(#[from] redis::RedisError),
+    /// The PostgreSQL store could not be set up (URL, connection, migrations).
+    #[error("postgres: {0}")]
+    Postgres(#[from] pg_schema::PgError),
     /// The metrics address could not be bound.
     #[error("cannot serve metrics on {addr}: {source}")]
     Metrics {
@@ -164,22 +169,64 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<RunSumma
         trending
     });
     let kafka = kafka_client_config(&config);
+    let parts = Parts { metrics, trending };
+    let summary = match &config.postgres {
+        None => {
+            let sink = RedisSink::new(
+                conn,
+                &config.redis,
+                config.keyspace.clone(),
+                config.redis_atomicity,
+            )?;
+            consume(&config, &kafka, sink, parts, shutdown).await
+        }
+        Some(postgres) => {
+            let sink = async {
+                let pool = pg_schema::pool(
+                    &postgres.url,
+                    postgres.password.as_deref(),
+                    postgres.pool_size,
+                )?;
+                let schema = pg_schema::Schema::new(config.keyspace.prefix())?;
+                pg_schema::migrate(&pool, &schema).await?;
+                Ok::<_, pg_schema::PgError>(pg_sink::PgSink::new(pool, schema))
+            }
+            .await;
+            match sink {
+                Ok(sink) => consume(&config, &kafka, sink, parts, shutdown).await,
+                Err(e) => Err(e.into()),
+            }
+        }
+    };
+    server.abort();
+    summary
+}
+
+/// What the flusher shares with the rest of the daemon.
+struct Parts {
+    metrics: Arc<metrics::Metrics>,
+    trending: Option<Arc<trending::Trending>>,
+}
+
+/// Consumes into `sink` until `shutdown` fires, then drains.
+async fn consume<S: Sink>(
+    config: &Config,
+    kafka: &ClientConfig,
+    sink: S,
+    parts: Parts,
+    shutdown: CancellationToken,
+) -> Result<RunSummary, StartError> {
     let flusher = flush::Flusher {
-        sink: RedisSink::new(
-            conn,
-            &config.redis,
-            config.keyspace.clone(),
-            config.redis_atomicity,
-        )?,
+        sink,
         dead_letters: dead_letter::DeadLetterQueue::new(
-            &kafka,
+            kafka,
             &config.dead_letter_topic,
             &config.topic,
         )?,
-        metrics,
+        metrics: parts.metrics,
         retry_initial: Duration::from_millis(50),
         retry_max: config.retry_max_backoff,
-        trending,
+        trending: parts.trending,
     };
     let settings = LoopSettings {
         topic: config.topic.clone(),
@@ -195,16 +242,15 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<RunSumma
         shutdown_timeout: config.shutdown_timeout,
         check_idle_interval: config.check_idle_interval,
     };
-    let aggregator = Aggregator::new(&kafka, settings, flusher)?;
+    let aggregator = Aggregator::new(kafka, settings, flusher)?;
     tracing::info!(
         topic = %config.topic,
         group = %config.group,
         delivery = ?config.delivery,
         grouping = ?config.grouping,
+        store = ?config.store,
         redis_atomicity = ?config.redis_atomicity,
         "aggregator started"
     );
-    let summary = aggregator.run(shutdown).await;
-    server.abort();
-    Ok(summary)
+    Ok(aggregator.run(shutdown).await)
 }

@@ -105,7 +105,7 @@ impl RedisSink {
     {
         if self.use_scripts.load(Ordering::Relaxed) {
             match script.await {
-                Err(e) if refuses_scripts(&e.source) => {
+                Err(e) if e.redis().is_some_and(refuses_scripts) => {
                     if !self.fall_back {
                         return Err(e);
                     }
@@ -123,10 +123,10 @@ impl RedisSink {
             Some(transactions) => transaction(transactions).await,
             None => Err(SinkError {
                 kind: SinkErrorKind::Fatal,
-                source: redis::RedisError::from((
+                source: Box::new(redis::RedisError::from((
                     ErrorKind::InvalidClientConfig,
                     "Redis refuses scripts, and transactions are not supported on Redis Cluster",
-                )),
+                ))),
             }),
         }
     }
@@ -148,11 +148,11 @@ fn refuses_scripts(e: &redis::RedisError) -> bool {
 fn unexpected(reply: &[String]) -> SinkError {
     SinkError {
         kind: SinkErrorKind::Fatal,
-        source: redis::RedisError::from((
+        source: Box::new(redis::RedisError::from((
             ErrorKind::UnexpectedReturnType,
             "unexpected script reply",
             format!("{reply:?}"),
-        )),
+        ))),
     }
 }
 

@@ -10,6 +10,7 @@
 //! |---|---|
 //! | `TALLY_REDIS_USERNAME` | the Redis ACL user (in the URL) |
 //! | `TALLY_REDIS_PASSWORD` | the Redis password (in the URL) |
+//! | `TALLY_POSTGRES_PASSWORD` | the PostgreSQL password (`--store postgres`) |
 //! | `TALLY_KAFKA_SASL_PASSWORD` | librdkafka `sasl.password` |
 //! | `TALLY_KAFKA_SSL_KEY_PASSWORD` | librdkafka `ssl.key.password` |
 //! | `TALLY_KAFKA_SSL_KEYSTORE_PASSWORD` | librdkafka `ssl.keystore.password` |
@@ -53,6 +54,8 @@ pub struct Secrets {
     pub redis_username: Option<String>,
     /// The Redis password.
     pub redis_password: Option<String>,
+    /// The PostgreSQL password.
+    pub postgres_password: Option<String>,
     /// Secret librdkafka options.
     pub kafka: BTreeMap<String, String>,
 }
@@ -64,6 +67,10 @@ impl std::fmt::Debug for Secrets {
             .field(
                 "redis_password",
                 &self.redis_password.as_ref().map(|_| "***"),
+            )
+            .field(
+                "postgres_password",
+                &self.postgres_password.as_ref().map(|_| "***"),
             )
             .field("kafka", &self.kafka.keys().collect::<Vec<_>>())
             .finish()
@@ -81,6 +88,7 @@ impl Secrets {
         let mut secrets = Secrets {
             redis_username: lookup("TALLY_REDIS_USERNAME"),
             redis_password: value_or_file(&lookup, "TALLY_REDIS_PASSWORD")?,
+            postgres_password: value_or_file(&lookup, "TALLY_POSTGRES_PASSWORD")?,
             kafka: BTreeMap::new(),
         };
         for (option, variable) in KAFKA_SECRET_VARIABLES {

@@ -23,13 +23,37 @@ use crate::batch::Member;
 
 /// Why a sink write failed.
 #[derive(Debug, thiserror::Error)]
-#[error("{kind} redis error: {source}")]
+#[error("{kind} store error: {source}")]
 pub struct SinkError {
     /// Whether a retry can be expected to succeed without an operator.
     pub kind: SinkErrorKind,
-    /// What Redis (or the connection) said.
+    /// What the store (or the connection) said: a `redis::RedisError` or a
+    /// `tokio_postgres::Error`, among others.
     #[source]
-    pub source: redis::RedisError,
+    pub source: Box<dyn std::error::Error + Send + Sync>,
+}
+
+impl SinkError {
+    /// A fatal error: the store refused, and an operator is needed.
+    pub fn fatal(source: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Self {
+        Self {
+            kind: SinkErrorKind::Fatal,
+            source: source.into(),
+        }
+    }
+
+    /// A retryable error: the store should heal by itself (connection lost, timeout, conflict).
+    pub fn retryable(source: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Self {
+        Self {
+            kind: SinkErrorKind::Retryable,
+            source: source.into(),
+        }
+    }
+
+    /// The Redis error behind it, if it came from Redis.
+    pub fn redis(&self) -> Option<&redis::RedisError> {
+        self.source.downcast_ref()
+    }
 }
 
 /// Retryable or fatal, decided once here.
@@ -76,7 +100,7 @@ impl From<redis::RedisError> for SinkError {
             } else {
                 SinkErrorKind::Fatal
             },
-            source,
+            source: Box::new(source),
         }
     }
 }

@@ -160,11 +160,11 @@ pub fn flush_verdict(
 fn protocol_error(what: &'static str, value: &Value) -> SinkError {
     SinkError {
         kind: SinkErrorKind::Fatal,
-        source: redis::RedisError::from((
+        source: Box::new(redis::RedisError::from((
             ErrorKind::UnexpectedReturnType,
             what,
             format!("{value:?}"),
-        )),
+        ))),
     }
 }
 
@@ -200,11 +200,11 @@ fn current(value: &Value) -> Result<Current, SinkError> {
 fn conflict() -> SinkError {
     SinkError {
         kind: SinkErrorKind::Retryable,
-        source: redis::RedisError::from((
+        source: Box::new(redis::RedisError::from((
             ErrorKind::Server(ServerErrorKind::ExecAbort),
             "watched keys kept changing",
             format!("{MAX_CONFLICTS} transactions aborted in a row"),
-        )),
+        ))),
     }
 }
 

@@ -10,9 +10,11 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::Context;
+use anyhow::{Context, bail};
 use clap::{Parser, Subcommand};
 use tally_aggregator::compact::Compactor;
+use tally_aggregator::config::Store;
+use tally_aggregator::pg_schema;
 use tally_cli::load::{self, LoadSpec};
 use tally_cli::verify;
 use tally_common::{CachedReader, Keyspace, Namespaces, Reader, RedisConn, defaults};
@@ -61,6 +63,13 @@ struct GetArgs {
     /// Print the count as displayed to people (`10.2K`), in the namespace's style.
     #[arg(long)]
     display: bool,
+    /// Where the aggregator stores counts: redis, or postgres (exact sums of the share rows).
+    #[arg(long, env = "TALLY_STORE", value_enum, default_value = "redis")]
+    store: Store,
+    /// PostgreSQL, with --store postgres (a password only through TALLY_POSTGRES_PASSWORD or
+    /// TALLY_POSTGRES_URL).
+    #[arg(long, env = "TALLY_POSTGRES_URL", hide_env_values = true)]
+    postgres_url: Option<String>,
     #[command(flatten)]
     redis: RedisArgs,
 }
@@ -251,6 +260,9 @@ async fn main() -> anyhow::Result<ExitCode> {
 }
 
 async fn get(args: GetArgs) -> anyhow::Result<ExitCode> {
+    if args.store == Store::Postgres {
+        return get_from_postgres(&args).await;
+    }
     let namespaces = args.redis.namespaces()?;
     let reader = CachedReader::new(args.redis.reader().await?, Arc::new(namespaces));
     let totals = if args.cached {
@@ -270,6 +282,30 @@ async fn get(args: GetArgs) -> anyhow::Result<ExitCode> {
         } else {
             writeln!(out, "{counter} {total}")?;
         }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `tally get --store postgres`: exact sums of the share rows.
+async fn get_from_postgres(args: &GetArgs) -> anyhow::Result<ExitCode> {
+    if args.cached || args.display {
+        bail!(
+            "--cached and --display read Redis's cache of totals, which --store postgres does not fill yet"
+        );
+    }
+    let url = (args.postgres_url.as_deref())
+        .context("--store postgres needs --postgres-url (or TALLY_POSTGRES_URL)")?;
+    let password = std::env::var("TALLY_POSTGRES_PASSWORD").ok();
+    let pool = pg_schema::pool(url, password.as_deref(), 1)?;
+    let schema = pg_schema::Schema::new(&args.redis.key_prefix)?;
+    let counters: Vec<&str> = args.counters.iter().map(String::as_str).collect();
+    for counter in &counters {
+        tally_common::event::validate_counter(counter)?;
+    }
+    let totals = pg_schema::totals(&pool, &schema, &counters).await?;
+    let mut out = std::io::stdout().lock();
+    for (counter, total) in counters.iter().zip(totals) {
+        writeln!(out, "{counter} {total}")?;
     }
     Ok(ExitCode::SUCCESS)
 }

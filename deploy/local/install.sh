@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Installs what the local services and the build need, skipping whatever is already there:
 # redis-server, kcat, Prometheus (promtool, for the monitoring tests), OpenSSL headers, a JRE +
-# Maven, Python, curl, and Chromium with chromedriver (the console's browser test) from Debian's
-# packages, and Apache Kafka's jars from Maven Central.
+# Maven, Python, curl, PostgreSQL (the store's tests) and Chromium with chromedriver (the
+# console's browser test) from Debian's packages, and Apache Kafka's jars from Maven Central.
 # Safe to run any number of times.
 set -euo pipefail
 source "$(dirname "$0")/common.sh"
@@ -20,6 +20,8 @@ command -v pkg-config >/dev/null || missing+=(pkg-config)
 dpkg -s libssl-dev >/dev/null 2>&1 || missing+=(libssl-dev)
 command -v python3 >/dev/null || missing+=(python3)
 command -v curl >/dev/null || missing+=(curl)
+# The PostgreSQL store's tests start private servers from Debian's binaries.
+compgen -G '/usr/lib/postgresql/*/bin/postgres' >/dev/null || missing+=(postgresql)
 # The console's browser test: Debian's Chromium and its WebDriver.
 command -v chromium >/dev/null || missing+=(chromium)
 command -v chromedriver >/dev/null || missing+=(chromium-driver)

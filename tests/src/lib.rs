@@ -13,6 +13,7 @@ pub mod browser;
 pub mod http;
 pub mod kafka;
 pub mod kafka_cluster;
+pub mod postgres;
 pub mod process;
 pub mod prometheus;
 pub mod scenarios;

@@ -1,0 +1,255 @@
+//! The PostgreSQL store's schema: created and migrated by tally itself, and the statements the
+//! store runs.
+//!
+//! Each deployment's tables live in their own schema, named by its key prefix (as its Redis keys
+//! start with it). [`migrate`] brings a schema to the latest version: under an advisory lock (so
+//! aggregators starting together migrate once), it applies every migration in [`MIGRATIONS`] that
+//! `<schema>.tally_migrations` does not list, each in its own transaction together with its row
+//! there. Migrations are only ever appended: a released one is never edited.
+
+use std::str::FromStr;
+
+use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
+use tokio_postgres::NoTls;
+
+/// Every migration, in order: `(version, what it does, SQL)`; `{schema}` stands for the quoted
+/// schema name.
+pub const MIGRATIONS: &[(i32, &str, &str)] = &[(
+    1,
+    "counter shares and the exactly-once bookkeeping",
+    include_str!("pg/0001_init.sql"),
+)];
+
+/// Why the PostgreSQL store could not be set up.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum PgError {
+    /// The URL is not a PostgreSQL connection string.
+    #[error("invalid PostgreSQL URL: {0}")]
+    Url(#[source] tokio_postgres::Error),
+    /// The schema name (the key prefix) cannot name a PostgreSQL schema.
+    #[error("the key prefix {0:?} cannot name a PostgreSQL schema (at most 63 bytes, no NUL)")]
+    SchemaName(String),
+    /// The pool could not be built.
+    #[error("PostgreSQL pool: {0}")]
+    Pool(String),
+    /// PostgreSQL refused or failed.
+    #[error("PostgreSQL: {0}")]
+    Db(#[from] tokio_postgres::Error),
+}
+
+/// A deployment's schema and the statements on its tables.
+#[derive(Debug, Clone)]
+pub struct Schema {
+    name: String,
+    /// The statements, with the schema's quoted name in them.
+    pub sql: Statements,
+}
+
+/// The statements the store runs, written once per schema.
+#[derive(Debug, Clone)]
+pub struct Statements {
+    /// `$1` shard, `$2` counters, `$3` deltas: adds each delta to its share.
+    pub upsert_shares: String,
+    /// `$1` shard, `$2` counters: their shares there, locked, in counter order.
+    pub lock_shares: String,
+    /// `$1` field, `$2` shard: the fence and ledger, locked.
+    pub lock_partition: String,
+    /// `$1` field, `$2` shard: the fence and ledger.
+    pub read_partition: String,
+    /// `$1` field, `$2` shard: makes the row exist.
+    pub ensure_partition: String,
+    /// `$1` field, `$2` shard, `$3` epoch.
+    pub set_fence: String,
+    /// `$1` field, `$2` shard, `$3` ledger.
+    pub set_ledger: String,
+    /// `$1` field, `$2` watermark.
+    pub set_watermark: String,
+    /// `$1` field: the watermark.
+    pub read_watermark: String,
+    /// `$1` field, `$2` first epoch, `$3` at least: the next epoch.
+    pub next_epoch: String,
+    /// `$1` counters: `(counter, total)` for those with shares; fails past 64 bits.
+    pub totals: String,
+}
+
+impl Schema {
+    /// The schema named `name` (the key prefix).
+    pub fn new(name: &str) -> Result<Self, PgError> {
+        if name.is_empty() || name.len() > 63 || name.contains('\0') {
+            return Err(PgError::SchemaName(name.to_owned()));
+        }
+        let s = quote(name);
+        let sql = Statements {
+            upsert_shares: format!(
+                "INSERT INTO {s}.shares AS t (counter, shard, value) \
+                 SELECT u.c, $1, u.d FROM unnest($2::text[], $3::bigint[]) AS u(c, d) \
+                 ON CONFLICT (counter, shard) DO UPDATE SET value = t.value + EXCLUDED.value"
+            ),
+            lock_shares: format!(
+                "SELECT counter, value FROM {s}.shares WHERE shard = $1 AND counter = ANY($2) \
+                 ORDER BY counter FOR UPDATE"
+            ),
+            lock_partition: format!(
+                "SELECT fence, ledger FROM {s}.partitions WHERE field = $1 AND shard = $2 FOR UPDATE"
+            ),
+            read_partition: format!(
+                "SELECT fence, ledger FROM {s}.partitions WHERE field = $1 AND shard = $2"
+            ),
+            ensure_partition: format!(
+                "INSERT INTO {s}.partitions (field, shard) VALUES ($1, $2) ON CONFLICT DO NOTHING"
+            ),
+            set_fence: format!(
+                "UPDATE {s}.partitions SET fence = $3 WHERE field = $1 AND shard = $2"
+            ),
+            set_ledger: format!(
+                "UPDATE {s}.partitions SET ledger = $3 WHERE field = $1 AND shard = $2"
+            ),
+            set_watermark: format!(
+                "INSERT INTO {s}.watermarks (field, watermark) VALUES ($1, $2) \
+                 ON CONFLICT (field) DO UPDATE SET watermark = EXCLUDED.watermark"
+            ),
+            read_watermark: format!("SELECT watermark FROM {s}.watermarks WHERE field = $1"),
+            next_epoch: format!(
+                "INSERT INTO {s}.epochs AS e (field, epoch) VALUES ($1, $2) \
+                 ON CONFLICT (field) DO UPDATE SET epoch = GREATEST(e.epoch + 1, $3) \
+                 RETURNING epoch"
+            ),
+            totals: format!(
+                "SELECT counter, SUM(value)::bigint FROM {s}.shares WHERE counter = ANY($1) \
+                 GROUP BY counter"
+            ),
+        };
+        Ok(Self {
+            name: name.to_owned(),
+            sql,
+        })
+    }
+
+    /// The schema's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+}
+
+/// `name` as a quoted PostgreSQL identifier.
+fn quote(name: &str) -> String {
+    format!("\"{}\"", name.replace('"', "\"\""))
+}
+
+/// A pool of at most `size` connections to the server at `url` (a `postgres://` URL or a
+/// key=value connection string), with `password` if given.
+pub fn pool(url: &str, password: Option<&str>, size: usize) -> Result<Pool, PgError> {
+    let mut config = tokio_postgres::Config::from_str(url).map_err(PgError::Url)?;
+    if let Some(password) = password {
+        config.password(password);
+    }
+    let manager = Manager::from_config(
+        config,
+        NoTls,
+        ManagerConfig {
+            recycling_method: RecyclingMethod::Fast,
+        },
+    );
+    Pool::builder(manager)
+        .max_size(size)
+        .runtime(deadpool_postgres::Runtime::Tokio1)
+        .wait_timeout(Some(crate::pg_sink::POOL_WAIT))
+        .create_timeout(Some(crate::pg_sink::POOL_WAIT))
+        .build()
+        .map_err(|e| PgError::Pool(e.to_string()))
+}
+
+/// Brings `schema` to the latest version; returns the versions it applied.
+pub async fn migrate(pool: &Pool, schema: &Schema) -> Result<Vec<i32>, PgError> {
+    let mut client = pool.get().await.map_err(|e| PgError::Pool(e.to_string()))?;
+    let s = quote(&schema.name);
+    // One migrator per schema at a time, across processes.
+    let lock = format!(
+        "SELECT pg_advisory_lock(hashtext({}))",
+        literal(&schema.name)
+    );
+    let unlock = format!(
+        "SELECT pg_advisory_unlock(hashtext({}))",
+        literal(&schema.name)
+    );
+    client.batch_execute(&lock).await?;
+    let result = async {
+        client
+            .batch_execute(&format!(
+                "CREATE SCHEMA IF NOT EXISTS {s}; \
+                 CREATE TABLE IF NOT EXISTS {s}.tally_migrations ( \
+                     version integer PRIMARY KEY, \
+                     description text NOT NULL, \
+                     applied_at timestamptz NOT NULL DEFAULT now())"
+            ))
+            .await?;
+        let applied: Vec<i32> = (client
+            .query(&format!("SELECT version FROM {s}.tally_migrations"), &[])
+            .await?)
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        let mut now = Vec::new();
+        for (version, description, sql) in MIGRATIONS {
+            if applied.contains(version) {
+                continue;
+            }
+            let tx = client.transaction().await?;
+            tx.batch_execute(&sql.replace("{schema}", &s)).await?;
+            tx.execute(
+                &format!("INSERT INTO {s}.tally_migrations (version, description) VALUES ($1, $2)"),
+                &[version, description],
+            )
+            .await?;
+            tx.commit().await?;
+            tracing::info!(schema = %schema.name, version, description, "PostgreSQL migration applied");
+            now.push(*version);
+        }
+        Ok::<_, PgError>(now)
+    }
+    .await;
+    client.batch_execute(&unlock).await?;
+    result
+}
+
+/// `text` as a SQL string literal.
+fn literal(text: &str) -> String {
+    format!("'{}'", text.replace('\'', "''"))
+}
+
+/// The totals of `counters` in the store, in order (0 for a counter without shares).
+pub async fn totals(pool: &Pool, schema: &Schema, counters: &[&str]) -> Result<Vec<i64>, PgError> {
+    let client = pool.get().await.map_err(|e| PgError::Pool(e.to_string()))?;
+    let rows = client.query(&schema.sql.totals, &[&counters]).await?;
+    let found: std::collections::HashMap<String, i64> =
+        rows.iter().map(|r| (r.get(0), r.get(1))).collect();
+    Ok(counters
+        .iter()
+        .map(|c| found.get(*c).copied().unwrap_or(0))
+        .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn schema_names_are_quoted_and_checked() {
+        assert_eq!(quote("tally"), "\"tally\"");
+        assert_eq!(quote("a\"b"), "\"a\"\"b\"");
+        assert_eq!(literal("it's"), "'it''s'");
+        assert!(Schema::new(&"x".repeat(64)).is_err());
+        assert!(Schema::new("").is_err());
+        let schema = Schema::new("tally-test").expect("valid");
+        assert!(schema.sql.upsert_shares.contains("\"tally-test\".shares"));
+    }
+
+    #[test]
+    fn migrations_are_numbered_in_order_from_one() {
+        for (i, (version, _, sql)) in MIGRATIONS.iter().enumerate() {
+            assert_eq!(*version, i as i32 + 1);
+            assert!(sql.contains("{schema}"));
+        }
+    }
+}

@@ -1,0 +1,307 @@
+//! [`PgSink`]: the [`Sink`] for PostgreSQL as the store of record.
+//!
+//! A counter's shares are rows `(counter, shard) → value` in the deployment's schema (named by
+//! the key prefix, created and migrated by [`crate::pg_schema`]); a shard is a shard group, as in
+//! Redis. The exactly-once bookkeeping sits beside them: `partitions (field, shard) → fence,
+//! ledger`, `epochs (field) → epoch`, `watermarks (field) → watermark`.
+//!
+//! Each exactly-once flush into a group is one transaction: it locks the partition's fence and
+//! ledger row in that group and the batch's share rows (in counter order, so two flushes never
+//! deadlock), decides exactly as the Redis script does (`crate::transactions::flush_verdict`:
+//! fenced, already applied, rolled back, or a delta that would overflow 64 bits), then applies
+//! the batch as one multi-row upsert (`INSERT … ON CONFLICT … DO UPDATE SET value = value +
+//! EXCLUDED.value`), moves the ledger, and stores the watermark when asked, and commits. So a
+//! crash, a retried flush whose first attempt committed, and a zombie owner all end with every
+//! offset applied once, as with Redis.
+//!
+//! Connections come from a pool (deadpool-postgres). Errors are classified here: a lost
+//! connection, a pool timeout, an admin shutdown, a serialization failure, a deadlock or a
+//! cancelled statement are retryable; anything else needs an operator.
+
+use std::future::Future;
+use std::time::Duration;
+
+use deadpool_postgres::{Pool, PoolError};
+use tokio_postgres::error::SqlState;
+
+use crate::pg_schema::Schema;
+use crate::sink::{Applied, GroupWrite, Sink, SinkError, Stamp};
+use crate::transactions::{
+    Current, flush_verdict, next_epoch_after, stamp_refusal, watermark_refusal,
+};
+
+/// Classifies a PostgreSQL error.
+fn classify(error: tokio_postgres::Error) -> SinkError {
+    let retryable = error.is_closed()
+        || error.code().is_none()
+        || error.code().is_some_and(|code| {
+            code.code().starts_with("08") // connection exceptions
+                || [
+                    SqlState::ADMIN_SHUTDOWN,
+                    SqlState::CRASH_SHUTDOWN,
+                    SqlState::CANNOT_CONNECT_NOW,
+                    SqlState::T_R_SERIALIZATION_FAILURE,
+                    SqlState::T_R_DEADLOCK_DETECTED,
+                    SqlState::QUERY_CANCELED,
+                    SqlState::TOO_MANY_CONNECTIONS,
+                ]
+                .contains(code)
+        });
+    if retryable {
+        SinkError::retryable(error)
+    } else {
+        SinkError::fatal(error)
+    }
+}
+
+fn pool_error(error: PoolError) -> SinkError {
+    match error {
+        PoolError::Backend(e) => classify(e),
+        // Timed out waiting for a connection, or could not make one: the pool heals by itself.
+        other => SinkError::retryable(other.to_string()),
+    }
+}
+
+impl From<tokio_postgres::Error> for SinkError {
+    fn from(error: tokio_postgres::Error) -> Self {
+        classify(error)
+    }
+}
+
+/// The batch's `(counter, delta)` pairs in counter order (the lock order), as two arrays.
+fn sorted_columns(deltas: &[(String, i64)]) -> (Vec<&str>, Vec<i64>) {
+    let mut pairs: Vec<(&str, i64)> = deltas.iter().map(|(c, d)| (c.as_str(), *d)).collect();
+    pairs.sort_unstable_by(|a, b| a.0.cmp(b.0));
+    pairs.into_iter().unzip()
+}
+
+/// A [`Sink`] writing to PostgreSQL. Cheap to clone; clones share the pool.
+#[derive(Clone)]
+pub struct PgSink {
+    pool: Pool,
+    schema: Schema,
+}
+
+impl std::fmt::Debug for PgSink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PgSink")
+            .field("schema", &self.schema.name())
+            .finish_non_exhaustive()
+    }
+}
+
+/// How long a flush waits for a pooled connection before the attempt counts as failed (and is
+/// retried with backoff).
+pub const POOL_WAIT: Duration = Duration::from_secs(5);
+
+impl PgSink {
+    /// A sink over `pool`, writing the tables of `schema` (already migrated).
+    pub fn new(pool: Pool, schema: Schema) -> Self {
+        Self { pool, schema }
+    }
+
+    async fn client(&self) -> Result<deadpool_postgres::Object, SinkError> {
+        self.pool.get().await.map_err(pool_error)
+    }
+
+    async fn apply_now(&self, group: u32, deltas: &[(String, i64)]) -> Result<(), SinkError> {
+        let client = self.client().await?;
+        let (counters, values) = sorted_columns(deltas);
+        client
+            .execute(
+                &self.schema.sql.upsert_shares,
+                &[&(group as i32), &counters, &values],
+            )
+            .await?;
+        Ok(())
+    }
+
+    async fn apply_fenced_now(&self, write: GroupWrite<'_>) -> Result<Applied, SinkError> {
+        if !write.members.is_empty() {
+            return Err(SinkError::fatal(
+                "namespaces that count once per actor need the Redis store for now",
+            ));
+        }
+        let sql = &self.schema.sql;
+        let mut client = self.client().await?;
+        let tx = client.transaction().await?;
+        let shard = write.group as i32;
+        let row = tx
+            .query_opt(&sql.lock_partition, &[&write.field, &shard])
+            .await?;
+        let fence: Option<u64> = row
+            .as_ref()
+            .and_then(|r| r.get::<_, Option<i64>>(0))
+            .map(|f| f as u64);
+        let ledger: Option<i64> = row.as_ref().and_then(|r| r.get(1));
+        let (counters, values) = sorted_columns(write.deltas);
+        let rows = tx.query(&sql.lock_shares, &[&shard, &counters]).await?;
+        let held: std::collections::HashMap<String, i64> =
+            rows.iter().map(|r| (r.get(0), r.get(1))).collect();
+        let currents: Vec<Current> = (write.deltas.iter())
+            .map(|(counter, _)| {
+                held.get(counter)
+                    .map_or(Current::Missing, |v| Current::Integer(*v))
+            })
+            .collect();
+        if let Some(verdict) = flush_verdict(fence, ledger, &currents, &[], &write) {
+            // Nothing written: the transaction rolls back as it is dropped.
+            return Ok(verdict);
+        }
+        tx.execute(&sql.upsert_shares, &[&shard, &counters, &values])
+            .await?;
+        tx.execute(&sql.set_ledger, &[&write.field, &shard, &write.next_offset])
+            .await?;
+        if let Some(watermark) = write.watermark {
+            tx.execute(&sql.set_watermark, &[&write.field, &watermark])
+                .await?;
+        }
+        tx.commit().await?;
+        Ok(Applied::Written)
+    }
+
+    async fn next_epoch_now(&self, field: &str, at_least: u64) -> Result<u64, SinkError> {
+        let client = self.client().await?;
+        let first = next_epoch_after(None, at_least) as i64;
+        let row = client
+            .query_one(
+                &self.schema.sql.next_epoch,
+                &[&field, &first, &(at_least as i64)],
+            )
+            .await?;
+        Ok(row.get::<_, i64>(0) as u64)
+    }
+
+    async fn stamp_fence_now(
+        &self,
+        group: u32,
+        field: &str,
+        epoch: u64,
+    ) -> Result<Stamp, SinkError> {
+        let sql = &self.schema.sql;
+        let mut client = self.client().await?;
+        let tx = client.transaction().await?;
+        let shard = group as i32;
+        tx.execute(&sql.ensure_partition, &[&field, &shard]).await?;
+        let row = tx.query_one(&sql.lock_partition, &[&field, &shard]).await?;
+        let current = row.get::<_, Option<i64>>(0).map(|f| f as u64);
+        if let Some(stale) = stamp_refusal(current, epoch) {
+            return Ok(stale);
+        }
+        tx.execute(&sql.set_fence, &[&field, &shard, &(epoch as i64)])
+            .await?;
+        tx.commit().await?;
+        Ok(Stamp::Stamped {
+            ledger: row.get::<_, Option<i64>>(1).unwrap_or(-1),
+        })
+    }
+
+    async fn write_watermark_now(
+        &self,
+        home: u32,
+        field: &str,
+        epoch: u64,
+        watermark: &str,
+    ) -> Result<Applied, SinkError> {
+        let sql = &self.schema.sql;
+        let mut client = self.client().await?;
+        let tx = client.transaction().await?;
+        let row = tx
+            .query_opt(&sql.lock_partition, &[&field, &(home as i32)])
+            .await?;
+        let fence = row
+            .and_then(|r| r.get::<_, Option<i64>>(0))
+            .map(|f| f as u64);
+        if let Some(refused) = watermark_refusal(fence, epoch) {
+            return Ok(refused);
+        }
+        tx.execute(&sql.set_watermark, &[&field, &watermark])
+            .await?;
+        tx.commit().await?;
+        Ok(Applied::Written)
+    }
+
+    async fn read_fence_and_ledger_now(
+        &self,
+        group: u32,
+        field: &str,
+    ) -> Result<(Option<u64>, Option<i64>), SinkError> {
+        let client = self.client().await?;
+        let row = client
+            .query_opt(&self.schema.sql.read_partition, &[&field, &(group as i32)])
+            .await?;
+        Ok(match row {
+            Some(row) => (row.get::<_, Option<i64>>(0).map(|f| f as u64), row.get(1)),
+            None => (None, None),
+        })
+    }
+
+    async fn read_watermark_now(&self, field: &str) -> Result<Option<String>, SinkError> {
+        let client = self.client().await?;
+        let row = client
+            .query_opt(&self.schema.sql.read_watermark, &[&field])
+            .await?;
+        Ok(row.map(|r| r.get(0)))
+    }
+}
+
+impl Sink for PgSink {
+    fn apply(
+        &self,
+        group: u32,
+        deltas: &[(String, i64)],
+    ) -> impl Future<Output = Result<(), SinkError>> + Send {
+        self.apply_now(group, deltas)
+    }
+
+    fn apply_fenced(
+        &self,
+        write: GroupWrite<'_>,
+    ) -> impl Future<Output = Result<Applied, SinkError>> + Send {
+        self.apply_fenced_now(write)
+    }
+
+    fn next_epoch(
+        &self,
+        _home: u32,
+        field: &str,
+        at_least: u64,
+    ) -> impl Future<Output = Result<u64, SinkError>> + Send {
+        self.next_epoch_now(field, at_least)
+    }
+
+    fn stamp_fence(
+        &self,
+        group: u32,
+        field: &str,
+        epoch: u64,
+    ) -> impl Future<Output = Result<Stamp, SinkError>> + Send {
+        self.stamp_fence_now(group, field, epoch)
+    }
+
+    fn write_watermark(
+        &self,
+        home: u32,
+        field: &str,
+        epoch: u64,
+        watermark: &str,
+    ) -> impl Future<Output = Result<Applied, SinkError>> + Send {
+        self.write_watermark_now(home, field, epoch, watermark)
+    }
+
+    fn read_fence_and_ledger(
+        &self,
+        group: u32,
+        field: &str,
+    ) -> impl Future<Output = Result<(Option<u64>, Option<i64>), SinkError>> + Send {
+        self.read_fence_and_ledger_now(group, field)
+    }
+
+    fn read_watermark(
+        &self,
+        _home: u32,
+        field: &str,
+    ) -> impl Future<Output = Result<Option<String>, SinkError>> + Send {
+        self.read_watermark_now(field)
+    }
+}

@@ -1,0 +1,190 @@
+//! PostgreSQL as the store of record (`--store postgres`), against a real private PostgreSQL
+//! server, a real Kafka and real aggregator processes: the schema is created and migrated by the
+//! aggregator, and every counter's rows sum exactly to what Kafka acknowledged, through SIGKILLs
+//! of the aggregator mid-stream and a zombie that keeps writing after it lost its partitions.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use tally_aggregator::pg_schema::{self, Schema};
+use tally_cli::load::LoadSpec;
+use tally_tests::postgres::PgServer;
+use tally_tests::{
+    AggregatorSetup, RedisServer, TempDir, binary, finish_load, kill_repeatedly, seed, serial,
+    start_load, unique,
+};
+
+/// Waits until the store's rows sum to `expected` for every counter; panics with the largest
+/// differences otherwise.
+async fn wait_for_postgres_totals(url: &str, prefix: &str, expected: &HashMap<String, i64>) {
+    let pool = pg_schema::pool(url, None, 2).expect("pool");
+    let schema = Schema::new(prefix).expect("schema");
+    let counters: Vec<&str> = expected.keys().map(String::as_str).collect();
+    let want: Vec<i64> = counters.iter().map(|c| expected[*c]).collect();
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    loop {
+        let got = pg_schema::totals(&pool, &schema, &counters).await.ok();
+        if got.as_ref() == Some(&want) {
+            return;
+        }
+        if std::time::Instant::now() > deadline {
+            let got = got.unwrap_or_default();
+            let mut off: Vec<(&str, i64, i64)> = (counters.iter().zip(&want).zip(&got))
+                .filter(|((_, w), g)| w != g)
+                .map(|((c, w), g)| (*c, *w, *g))
+                .collect();
+            off.sort_by_key(|(_, w, g)| std::cmp::Reverse((w - g).abs()));
+            panic!(
+                "{} counters off after 120 s; largest (counter, want, got): {:?}",
+                off.len(),
+                &off[..off.len().min(5)]
+            );
+        }
+        // Polling, as `eventually` does: the flushes land at their own pace.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+fn spec(events: u64, rate: u64, seed: u64) -> LoadSpec {
+    LoadSpec {
+        events,
+        counters: 5_000,
+        rate,
+        max_delta: 5,
+        negative_share: 0.3,
+        seed,
+        ..LoadSpec::default()
+    }
+}
+
+#[tokio::test]
+async fn exactly_once_into_postgres_through_sigkills() {
+    let _serial = serial().await;
+    let seed = seed();
+    let dir = TempDir::new("tally-pg-store");
+    let redis = RedisServer::start().await;
+    let pg = PgServer::start().await;
+    let setup = AggregatorSetup::create("pg-kills", &redis.url(), 8).await;
+    let url = pg.url();
+    let member = format!("group.instance.id={}", unique("member"));
+    let flags = [
+        "--store",
+        "postgres",
+        "--postgres-url",
+        &url,
+        "--kafka-option",
+        &member,
+    ];
+    let events = 200_000;
+    let first = setup.spawn(dir.path(), &flags);
+    let load = start_load(&setup.topic, spec(events, 20_000, seed));
+    let mut last = kill_repeatedly(&setup, dir.path(), &flags, first, 5, seed, &load).await;
+    let sent = finish_load(load, events).await;
+    wait_for_postgres_totals(&url, &setup.key_prefix, &sent.totals).await;
+
+    // The schema is the aggregator's own, at its latest version.
+    let (client, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .expect("connects");
+    tokio::spawn(connection);
+    let versions: Vec<i32> = client
+        .query(
+            &format!(
+                "SELECT version FROM \"{}\".tally_migrations ORDER BY version",
+                setup.key_prefix
+            ),
+            &[],
+        )
+        .await
+        .expect("migrations table")
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    let latest = pg_schema::MIGRATIONS.len() as i32;
+    assert_eq!(versions, (1..=latest).collect::<Vec<_>>());
+
+    // `tally get --store postgres` prints the same totals.
+    let mut sample: Vec<(&String, &i64)> = sent.totals.iter().take(3).collect();
+    sample.sort();
+    let out = std::process::Command::new(binary("tally"))
+        .args([
+            "get",
+            "--store",
+            "postgres",
+            "--postgres-url",
+            &url,
+            "--key-prefix",
+            &setup.key_prefix,
+        ])
+        .args(sample.iter().map(|(c, _)| c.as_str()))
+        .output()
+        .expect("tally get runs");
+    let want: String = sample.iter().map(|(c, t)| format!("{c} {t}\n")).collect();
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        want,
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    last.stop_gracefully().await;
+    assert!(!pg.log().contains("deadlock detected"), "{}", pg.log());
+}
+
+/// An aggregator stopped (SIGSTOP) while it holds buffered events, its partitions taken over by
+/// another member, then woken: its late transactions must be refused by the fences.
+#[tokio::test]
+async fn a_zombie_is_fenced_off_in_postgres() {
+    let _serial = serial().await;
+    let seed = seed();
+    let dir = TempDir::new("tally-pg-zombie");
+    let redis = RedisServer::start().await;
+    let pg = PgServer::start().await;
+    let setup = AggregatorSetup::create("pg-zombie", &redis.url(), 8).await;
+    let url = pg.url();
+    let flags = [
+        "--store",
+        "postgres",
+        "--postgres-url",
+        &url,
+        "--kafka-option",
+        "max.poll.interval.ms=7000",
+    ];
+    let slow = AggregatorSetup {
+        flush_interval_ms: 3000,
+        ..setup.clone()
+    };
+    let mut zombie = slow.spawn(dir.path(), &flags);
+    let load = start_load(&setup.topic, spec(200_000, 10_000, seed));
+    zombie
+        .wait_metric("tally_flushes_total", 8.0, Duration::from_secs(60))
+        .await;
+    let mut survivor = setup.spawn(dir.path(), &flags);
+    survivor
+        .wait_metric("tally_flushes_total", 2.0, Duration::from_secs(60))
+        .await;
+    zombie
+        .wait_metric("tally_buffered_events", 1.0, Duration::from_secs(10))
+        .await;
+    zombie.signal("STOP");
+    survivor
+        .wait_metric("tally_assigned_partitions", 8.0, Duration::from_secs(60))
+        .await;
+    let flushed = survivor.metric("tally_flushes_total").await.unwrap_or(0.0);
+    survivor
+        .wait_metric(
+            "tally_flushes_total",
+            flushed + 8.0,
+            Duration::from_secs(30),
+        )
+        .await;
+    assert!(!load.is_finished(), "the load ended while the zombie slept");
+    zombie.signal("CONT");
+    let fenced = zombie
+        .wait_metric("tally_fenced_writes_total", 1.0, Duration::from_secs(30))
+        .await;
+    eprintln!("the zombie's transactions refused by fences: {fenced}");
+    let sent = finish_load(load, 200_000).await;
+    wait_for_postgres_totals(&url, &setup.key_prefix, &sent.totals).await;
+    zombie.stop_gracefully().await;
+    survivor.stop_gracefully().await;
+}
