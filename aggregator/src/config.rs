@@ -79,6 +79,8 @@ pub struct PostgresTarget {
     pub password: Option<String>,
     /// Most connections held.
     pub pool_size: usize,
+    /// Longest one statement may run.
+    pub statement_timeout: Duration,
 }
 
 impl std::fmt::Debug for PostgresTarget {
@@ -87,6 +89,7 @@ impl std::fmt::Debug for PostgresTarget {
             .field("url", &self.url)
             .field("password", &self.password.as_ref().map(|_| "***"))
             .field("pool_size", &self.pool_size)
+            .field("statement_timeout", &self.statement_timeout)
             .finish()
     }
 }
@@ -190,6 +193,9 @@ pub struct Settings {
     /// Most PostgreSQL connections held with --store postgres [default: 16]
     #[arg(long, env = "TALLY_POSTGRES_POOL_SIZE")]
     pub postgres_pool_size: Option<usize>,
+    /// Longest one PostgreSQL statement may run before the server cancels it (the flush is then retried), in ms [default: 10000]
+    #[arg(long, env = "TALLY_POSTGRES_STATEMENT_TIMEOUT_MS")]
+    pub postgres_statement_timeout_ms: Option<u64>,
     /// Raw librdkafka options (the file's `[kafka]` table).
     #[arg(skip)]
     #[serde(default)]
@@ -349,7 +355,8 @@ impl Settings {
             log_format,
             store,
             postgres_url,
-            postgres_pool_size
+            postgres_pool_size,
+            postgres_statement_timeout_ms
         );
         self.kafka.extend(over.kafka);
         self
@@ -416,6 +423,11 @@ impl Settings {
                     self.postgres_pool_size
                         .unwrap_or(default::POSTGRES_POOL_SIZE),
                 )?,
+                statement_timeout: Duration::from_millis(positive(
+                    "postgres_statement_timeout_ms",
+                    self.postgres_statement_timeout_ms
+                        .unwrap_or(default::POSTGRES_STATEMENT_TIMEOUT_MS),
+                )?),
             }),
         };
         if store == Store::Postgres && namespaces.any_dedup() {
@@ -596,6 +608,7 @@ mod default {
     pub const SHARD_THRESHOLD: u64 = 1_000;
     pub const TRENDING_INTERVAL_MS: u64 = 5_000;
     pub const POSTGRES_POOL_SIZE: usize = 16;
+    pub const POSTGRES_STATEMENT_TIMEOUT_MS: u64 = 10_000;
 }
 
 impl Cli {
@@ -745,6 +758,9 @@ mod tests {
                 "log_format" => value_name(&c.log_format),
                 "store" => value_name(&c.store),
                 "postgres_pool_size" => default::POSTGRES_POOL_SIZE.to_string(),
+                "postgres_statement_timeout_ms" => {
+                    default::POSTGRES_STATEMENT_TIMEOUT_MS.to_string()
+                }
                 _ => return None,
             })
         };
@@ -769,7 +785,7 @@ mod tests {
             assert_eq!(documented, applied, "{id}");
             checked += 1;
         }
-        assert_eq!(checked, 27, "every documented default is checked");
+        assert_eq!(checked, 28, "every documented default is checked");
         assert_eq!(c.keyspace, Keyspace::default());
     }
 

@@ -184,8 +184,11 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<RunSumma
             let sink = async {
                 let pool = pg_schema::pool(
                     &postgres.url,
-                    postgres.password.as_deref(),
-                    postgres.pool_size,
+                    pg_schema::PoolOptions {
+                        password: postgres.password.as_deref(),
+                        size: postgres.pool_size,
+                        statement_timeout: Some(postgres.statement_timeout),
+                    },
                 )?;
                 let schema = pg_schema::Schema::new(config.keyspace.prefix())?;
                 pg_schema::migrate(&pool, &schema).await?;

@@ -138,7 +138,7 @@ impl Metrics {
                     30.0,
                 ]),
             ),
-            redis_errors: r.counter("tally_redis_errors_total", "Failed Redis attempts."),
+            redis_errors: r.counter("tally_redis_errors_total", "Failed store attempts: Redis, or PostgreSQL with --store postgres."),
             fenced_writes: r.counter(
                 "tally_fenced_writes_total",
                 "Writes refused by a fence: another aggregator owned the partition by then.",

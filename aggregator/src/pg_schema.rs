@@ -137,13 +137,30 @@ fn quote(name: &str) -> String {
     format!("\"{}\"", name.replace('"', "\"\""))
 }
 
-/// A pool of at most `size` connections to the server at `url` (a `postgres://` URL or a
-/// key=value connection string), with `password` if given.
-pub fn pool(url: &str, password: Option<&str>, size: usize) -> Result<Pool, PgError> {
+/// How a pool connects.
+#[derive(Debug, Clone, Copy)]
+pub struct PoolOptions<'a> {
+    /// The password, if not in the URL.
+    pub password: Option<&'a str>,
+    /// Most connections held.
+    pub size: usize,
+    /// Longest one statement may run before the server cancels it (`None`: the server's).
+    pub statement_timeout: Option<std::time::Duration>,
+}
+
+/// A pool of connections to the server at `url` (a `postgres://` URL or a key=value connection
+/// string).
+pub fn pool(url: &str, options: PoolOptions<'_>) -> Result<Pool, PgError> {
     let mut config = tokio_postgres::Config::from_str(url).map_err(PgError::Url)?;
-    if let Some(password) = password {
+    if let Some(password) = options.password {
         config.password(password);
     }
+    if let Some(timeout) = options.statement_timeout {
+        let mut startup = config.get_options().unwrap_or_default().to_owned();
+        startup.push_str(&format!(" -c statement_timeout={}", timeout.as_millis()));
+        config.options(startup.trim());
+    }
+    let size = options.size;
     let manager = Manager::from_config(
         config,
         NoTls,

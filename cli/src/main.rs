@@ -296,7 +296,14 @@ async fn get_from_postgres(args: &GetArgs) -> anyhow::Result<ExitCode> {
     let url = (args.postgres_url.as_deref())
         .context("--store postgres needs --postgres-url (or TALLY_POSTGRES_URL)")?;
     let password = std::env::var("TALLY_POSTGRES_PASSWORD").ok();
-    let pool = pg_schema::pool(url, password.as_deref(), 1)?;
+    let pool = pg_schema::pool(
+        url,
+        pg_schema::PoolOptions {
+            password: password.as_deref(),
+            size: 1,
+            statement_timeout: None,
+        },
+    )?;
     let schema = pg_schema::Schema::new(&args.redis.key_prefix)?;
     let counters: Vec<&str> = args.counters.iter().map(String::as_str).collect();
     for counter in &counters {

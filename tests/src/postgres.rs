@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use crate::support::{TempDir, eventually, free_port};
+use crate::support::{TempDir, free_port};
 
 /// The newest installed PostgreSQL's binaries (`/usr/lib/postgresql/<version>/bin`).
 fn bin_dir() -> PathBuf {
@@ -106,10 +106,44 @@ impl PgServer {
         server
     }
 
-    /// Starts the server on its data directory (again, after [`PgServer::kill`]).
+    /// Starts the server on its data directory (again, after [`PgServer::kill`] or
+    /// [`PgServer::stop_fast`]). After a SIGKILL the old backends may still hold the shared
+    /// memory for a moment, and the new postmaster refuses to start: it is started again until
+    /// one accepts connections.
     pub async fn start_again(&mut self) {
-        let log = std::fs::File::create(self.dir.path().join("postgres.log")).expect("log file");
-        let child = as_server_user(bin_dir().join("postgres"))
+        let url = self.url();
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        loop {
+            let exited =
+                (self.child.as_mut()).is_none_or(|c| c.try_wait().ok().flatten().is_some());
+            if exited {
+                self.child = Some(self.spawn_postmaster());
+            }
+            if let Ok((client, connection)) =
+                tokio_postgres::connect(&url, tokio_postgres::NoTls).await
+            {
+                tokio::spawn(connection);
+                if client.simple_query("SELECT 1").await.is_ok() {
+                    return;
+                }
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "PostgreSQL did not start: {}",
+                self.log()
+            );
+            // Polling, as `eventually` does.
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    fn spawn_postmaster(&self) -> Child {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.dir.path().join("postgres.log"))
+            .expect("log file");
+        as_server_user(bin_dir().join("postgres"))
             .arg("-D")
             .arg(self.dir.path().join("data"))
             .args(["-p", &self.port.to_string()])
@@ -124,27 +158,23 @@ impl PgServer {
             .stdout(Stdio::null())
             .stderr(Stdio::from(log))
             .spawn()
-            .expect("postgres starts");
-        self.child = Some(child);
-        let url = self.url();
-        eventually(
-            Duration::from_secs(30),
-            "PostgreSQL accepts connections",
-            || async {
-                let (client, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
-                    .await
-                    .ok()?;
-                tokio::spawn(connection);
-                client.simple_query("SELECT 1").await.ok().map(|_| ())
-            },
-        )
-        .await;
+            .expect("postgres starts")
     }
 
     /// SIGKILLs the postmaster (its backends then exit); the data directory stays.
     pub fn kill(&mut self) {
         if let Some(mut child) = self.child.take() {
             let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// A fast shutdown (SIGINT: sessions are disconnected, then a checkpoint), waited for.
+    pub fn stop_fast(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = Command::new("kill")
+                .args(["-INT", &child.id().to_string()])
+                .status();
             let _ = child.wait();
         }
     }

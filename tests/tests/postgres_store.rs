@@ -17,7 +17,12 @@ use tally_tests::{
 /// Waits until the store's rows sum to `expected` for every counter; panics with the largest
 /// differences otherwise.
 async fn wait_for_postgres_totals(url: &str, prefix: &str, expected: &HashMap<String, i64>) {
-    let pool = pg_schema::pool(url, None, 2).expect("pool");
+    let options = pg_schema::PoolOptions {
+        password: None,
+        size: 2,
+        statement_timeout: None,
+    };
+    let pool = pg_schema::pool(url, options).expect("pool");
     let schema = Schema::new(prefix).expect("schema");
     let counters: Vec<&str> = expected.keys().map(String::as_str).collect();
     let want: Vec<i64> = counters.iter().map(|c| expected[*c]).collect();
@@ -187,4 +192,104 @@ async fn a_zombie_is_fenced_off_in_postgres() {
     wait_for_postgres_totals(&url, &setup.key_prefix, &sent.totals).await;
     zombie.stop_gracefully().await;
     survivor.stop_gracefully().await;
+}
+
+/// PostgreSQL itself failing under a live stream, with a pool of two connections for eight
+/// partitions: a fast shutdown and restart, statements cancelled by the statement timeout while
+/// another session holds a lock on the shares, and a SIGKILL of the postmaster (crash recovery on
+/// restart). Every failed flush is retried; the totals end exact.
+/// Waits until `aggregator` has made 8 more flushes durable.
+async fn progress(aggregator: &tally_tests::AggregatorProcess) {
+    let now = aggregator
+        .metric("tally_flushes_total")
+        .await
+        .unwrap_or(0.0);
+    aggregator
+        .wait_metric("tally_flushes_total", now + 8.0, Duration::from_secs(60))
+        .await;
+}
+
+#[tokio::test]
+async fn postgres_restarts_statement_timeouts_and_a_small_pool_lose_nothing() {
+    let _serial = serial().await;
+    let seed = seed();
+    let dir = TempDir::new("tally-pg-faults");
+    let redis = RedisServer::start().await;
+    let mut pg = PgServer::start().await;
+    let setup = AggregatorSetup::create("pg-faults", &redis.url(), 8).await;
+    let url = pg.url();
+    let flags = [
+        "--store",
+        "postgres",
+        "--postgres-url",
+        &url,
+        "--postgres-pool-size",
+        "2",
+        "--postgres-statement-timeout-ms",
+        "500",
+    ];
+    let mut aggregator = setup.spawn(dir.path(), &flags);
+    let events = 300_000;
+    let load = start_load(&setup.topic, spec(events, 15_000, seed));
+    progress(&aggregator).await;
+
+    // 1. A fast shutdown: every session is disconnected; then the server comes back.
+    pg.stop_fast();
+    eprintln!("PostgreSQL stopped (fast shutdown)");
+    aggregator
+        .wait_metric("tally_redis_errors_total", 1.0, Duration::from_secs(30))
+        .await;
+    pg.start_again().await;
+    progress(&aggregator).await;
+
+    // 2. Statements cancelled by the timeout: another session locks the shares table until a
+    // flush has failed on it.
+    let (client, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .expect("connects");
+    tokio::spawn(connection);
+    let errors = aggregator
+        .metric("tally_redis_errors_total")
+        .await
+        .unwrap_or(0.0);
+    client
+        .batch_execute(&format!(
+            "BEGIN; LOCK TABLE \"{}\".shares IN ACCESS EXCLUSIVE MODE",
+            setup.key_prefix
+        ))
+        .await
+        .expect("lock taken");
+    aggregator
+        .wait_metric(
+            "tally_redis_errors_total",
+            errors + 1.0,
+            Duration::from_secs(30),
+        )
+        .await;
+    client.batch_execute("COMMIT").await.expect("lock released");
+    assert!(
+        pg.log()
+            .contains("canceling statement due to statement timeout"),
+        "a statement was cancelled by the timeout"
+    );
+    progress(&aggregator).await;
+
+    // 3. The postmaster SIGKILLed: crash recovery on restart.
+    assert!(
+        !load.is_finished(),
+        "the load ended before the last fault: make it longer"
+    );
+    pg.kill();
+    eprintln!("PostgreSQL postmaster SIGKILLed");
+    pg.start_again().await;
+    progress(&aggregator).await;
+
+    let sent = finish_load(load, events).await;
+    wait_for_postgres_totals(&url, &setup.key_prefix, &sent.totals).await;
+    let failed = aggregator
+        .metric("tally_redis_errors_total")
+        .await
+        .unwrap_or(0.0);
+    eprintln!("flush attempts failed and retried: {failed}");
+    aggregator.stop_gracefully().await;
 }
