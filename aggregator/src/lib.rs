@@ -41,7 +41,6 @@ pub mod http;
 mod memory_sink;
 pub mod metrics;
 pub mod partition;
-pub mod pg_schema;
 pub mod pg_sink;
 pub mod rebalance;
 pub mod redis_sink;
@@ -63,6 +62,7 @@ pub use consume::{LoopSettings, RunSummary};
 pub use daemon::Aggregator;
 pub use redis_sink::RedisSink;
 pub use sink::Sink;
+pub use tally_common::pg as pg_schema;
 
 /// Why the aggregator could not start.
 #[derive(Debug, thiserror::Error)]
@@ -155,8 +155,24 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<RunSumma
         };
         tokio::spawn(monitor.run(shutdown.clone()));
     }
+    // The PostgreSQL store, migrated, when it is the store of record.
+    let postgres = match &config.postgres {
+        None => None,
+        Some(postgres) => match open_postgres(postgres, config.keyspace.prefix()).await {
+            Ok(opened) => Some(opened),
+            Err(e) => {
+                server.abort();
+                return Err(e.into());
+            }
+        },
+    };
     let trending = (!config.trending_interval.is_zero()).then(|| {
-        let reader = tally_common::Reader::new(conn.clone(), config.keyspace.clone());
+        let mut reader = tally_common::Reader::new(conn.clone(), config.keyspace.clone());
+        if let Some((pool, schema)) = &postgres {
+            // Trending keeps hot counters' cached totals warm: read them from the rows.
+            let store = tally_common::pg::PgStore::new(pool.clone(), schema.clone());
+            reader = reader.with_store(Arc::new(store));
+        }
         let trending = Arc::new(
             trending::Trending::new(reader, config.namespaces.clone())
                 .with_metrics(metrics.clone()),
@@ -170,7 +186,7 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<RunSumma
     });
     let kafka = kafka_client_config(&config);
     let parts = Parts { metrics, trending };
-    let summary = match &config.postgres {
+    let summary = match postgres {
         None => {
             let sink = RedisSink::new(
                 conn,
@@ -180,29 +196,38 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<RunSumma
             )?;
             consume(&config, &kafka, sink, parts, shutdown).await
         }
-        Some(postgres) => {
-            let sink = async {
-                let pool = pg_schema::pool(
-                    &postgres.url,
-                    pg_schema::PoolOptions {
-                        password: postgres.password.as_deref(),
-                        size: postgres.pool_size,
-                        statement_timeout: Some(postgres.statement_timeout),
-                    },
-                )?;
-                let schema = pg_schema::Schema::new(config.keyspace.prefix())?;
-                pg_schema::migrate(&pool, &schema).await?;
-                Ok::<_, pg_schema::PgError>(pg_sink::PgSink::new(pool, schema))
-            }
-            .await;
-            match sink {
-                Ok(sink) => consume(&config, &kafka, sink, parts, shutdown).await,
-                Err(e) => Err(e.into()),
-            }
+        Some((pool, schema)) => {
+            let sink = pg_sink::PgSink::new(pool, schema);
+            consume(&config, &kafka, sink, parts, shutdown).await
         }
     };
     server.abort();
     summary
+}
+
+/// Connects to the PostgreSQL store and brings the deployment's schema (named `prefix`) to the
+/// latest version.
+async fn open_postgres(
+    postgres: &config::PostgresTarget,
+    prefix: &str,
+) -> Result<(deadpool_postgres::Pool, pg_schema::Schema), pg_schema::PgError> {
+    let pool = pg_schema::pool(
+        &postgres.url,
+        pg_schema::PoolOptions {
+            password: postgres.password.as_deref(),
+            size: postgres.pool_size,
+            statement_timeout: Some(postgres.statement_timeout),
+        },
+    )?;
+    let schema = pg_schema::Schema::new(prefix)?;
+    for version in pg_schema::migrate(&pool, &schema).await? {
+        tracing::info!(
+            schema = schema.name(),
+            version,
+            "PostgreSQL migration applied"
+        );
+    }
+    Ok((pool, schema))
 }
 
 /// What the flusher shares with the rest of the daemon.

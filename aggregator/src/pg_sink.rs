@@ -1,7 +1,7 @@
 //! [`PgSink`]: the [`Sink`] for PostgreSQL as the store of record.
 //!
 //! A counter's shares are rows `(counter, shard) → value` in the deployment's schema (named by
-//! the key prefix, created and migrated by [`crate::pg_schema`]); a shard is a shard group, as in
+//! the key prefix, created and migrated by [`tally_common::pg`]); a shard is a shard group, as in
 //! Redis. The exactly-once bookkeeping sits beside them: `partitions (field, shard) → fence,
 //! ledger`, `epochs (field) → epoch`, `watermarks (field) → watermark`.
 //!
@@ -19,16 +19,15 @@
 //! cancelled statement are retryable; anything else needs an operator.
 
 use std::future::Future;
-use std::time::Duration;
 
 use deadpool_postgres::{Pool, PoolError};
 use tokio_postgres::error::SqlState;
 
-use crate::pg_schema::Schema;
 use crate::sink::{Applied, GroupWrite, Sink, SinkError, Stamp};
 use crate::transactions::{
     Current, flush_verdict, next_epoch_after, stamp_refusal, watermark_refusal,
 };
+use tally_common::pg::Schema;
 
 /// Classifies a PostgreSQL error.
 fn classify(error: tokio_postgres::Error) -> SinkError {
@@ -89,10 +88,6 @@ impl std::fmt::Debug for PgSink {
             .finish_non_exhaustive()
     }
 }
-
-/// How long a flush waits for a pooled connection before the attempt counts as failed (and is
-/// retried with backoff).
-pub const POOL_WAIT: Duration = Duration::from_secs(5);
 
 impl PgSink {
     /// A sink over `pool`, writing the tables of `schema` (already migrated).

@@ -10,14 +10,13 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::{Context, bail};
+use anyhow::Context;
 use clap::{Parser, Subcommand};
 use tally_aggregator::compact::Compactor;
 use tally_aggregator::config::Store;
-use tally_aggregator::pg_schema;
 use tally_cli::load::{self, LoadSpec};
 use tally_cli::verify;
-use tally_common::{CachedReader, Keyspace, Namespaces, Reader, RedisConn, defaults};
+use tally_common::{CachedReader, Keyspace, Namespaces, Reader, RedisConn, defaults, pg};
 use tally_producer::{Producer, ProducerConfig, Routing};
 
 #[derive(Debug, Parser)]
@@ -63,7 +62,8 @@ struct GetArgs {
     /// Print the count as displayed to people (`10.2K`), in the namespace's style.
     #[arg(long)]
     display: bool,
-    /// Where the aggregator stores counts: redis, or postgres (exact sums of the share rows).
+    /// Where the aggregator stores counts: redis, or postgres (the share rows, with Redis as
+    /// the cache of totals).
     #[arg(long, env = "TALLY_STORE", value_enum, default_value = "redis")]
     store: Store,
     /// PostgreSQL, with --store postgres (a password only through TALLY_POSTGRES_PASSWORD or
@@ -260,11 +260,8 @@ async fn main() -> anyhow::Result<ExitCode> {
 }
 
 async fn get(args: GetArgs) -> anyhow::Result<ExitCode> {
-    if args.store == Store::Postgres {
-        return get_from_postgres(&args).await;
-    }
     let namespaces = args.redis.namespaces()?;
-    let reader = CachedReader::new(args.redis.reader().await?, Arc::new(namespaces));
+    let reader = CachedReader::new(get_reader(&args).await?, Arc::new(namespaces));
     let totals = if args.cached {
         reader.get_many(&args.counters).await?
     } else {
@@ -286,35 +283,26 @@ async fn get(args: GetArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// `tally get --store postgres`: exact sums of the share rows.
-async fn get_from_postgres(args: &GetArgs) -> anyhow::Result<ExitCode> {
-    if args.cached || args.display {
-        bail!(
-            "--cached and --display read Redis's cache of totals, which --store postgres does not fill yet"
-        );
+/// `tally get`'s reader: Redis's keys, or with `--store postgres` the share rows (Redis then
+/// holds only the cache of totals).
+async fn get_reader(args: &GetArgs) -> anyhow::Result<Reader> {
+    let reader = args.redis.reader().await?;
+    if args.store == Store::Redis {
+        return Ok(reader);
     }
     let url = (args.postgres_url.as_deref())
         .context("--store postgres needs --postgres-url (or TALLY_POSTGRES_URL)")?;
     let password = std::env::var("TALLY_POSTGRES_PASSWORD").ok();
-    let pool = pg_schema::pool(
+    let pool = pg::pool(
         url,
-        pg_schema::PoolOptions {
+        pg::PoolOptions {
             password: password.as_deref(),
-            size: 1,
+            size: 2,
             statement_timeout: None,
         },
     )?;
-    let schema = pg_schema::Schema::new(&args.redis.key_prefix)?;
-    let counters: Vec<&str> = args.counters.iter().map(String::as_str).collect();
-    for counter in &counters {
-        tally_common::event::validate_counter(counter)?;
-    }
-    let totals = pg_schema::totals(&pool, &schema, &counters).await?;
-    let mut out = std::io::stdout().lock();
-    for (counter, total) in counters.iter().zip(totals) {
-        writeln!(out, "{counter} {total}")?;
-    }
-    Ok(ExitCode::SUCCESS)
+    let schema = pg::Schema::new(&args.redis.key_prefix)?;
+    Ok(reader.with_store(Arc::new(pg::PgStore::new(pool, schema))))
 }
 
 /// `tally like` (`add`) and `tally unlike`.

@@ -27,6 +27,8 @@ pub mod display;
 pub mod event;
 pub mod keyspace;
 pub mod namespace;
+#[cfg(feature = "postgres")]
+pub mod pg;
 pub mod reader;
 
 pub use cache::{CacheStats, CachedReader};
@@ -37,4 +39,4 @@ pub use display::display;
 pub use event::{CounterEvent, EventError};
 pub use keyspace::{GroupingRule, Keyspace};
 pub use namespace::{DisplayStyle, Namespaces, Policy, WritePath};
-pub use reader::{ReadError, Reader};
+pub use reader::{ReadError, Reader, StoreOfRecord};

@@ -42,21 +42,51 @@ pub enum ReadError {
         /// The counter.
         counter: String,
     },
+    /// The store of record (PostgreSQL) failed or timed out.
+    #[error("the store of record: {0}")]
+    Store(#[source] Box<dyn std::error::Error + Send + Sync>),
 }
 
-/// Reads counter totals from Redis.
+/// What a store of record answers with.
+pub type StoreFuture<'a, T> =
+    std::pin::Pin<Box<dyn std::future::Future<Output = Result<T, ReadError>> + Send + 'a>>;
+
+/// A store of record other than Redis's keys (the PostgreSQL store's rows): where a [`Reader`]
+/// reads totals and shares, Redis keeping only the cache of totals in front of it.
+pub trait StoreOfRecord: Send + Sync + std::fmt::Debug {
+    /// The exact totals of `counters`, in order (0 for a counter never written).
+    fn totals<'a>(&'a self, counters: &'a [&'a str]) -> StoreFuture<'a, Vec<i64>>;
+
+    /// `counter`'s share in each of `groups` shard groups (`None` where it has none).
+    fn shares<'a>(&'a self, counter: &'a str, groups: u32) -> StoreFuture<'a, Vec<Option<i64>>>;
+}
+
+/// Reads counter totals from Redis, or from a store of record behind it.
 #[derive(Debug, Clone)]
 pub struct Reader {
     /// Where to read from.
     conn: RedisConn,
     /// Which keys make up a counter.
     keyspace: Keyspace,
+    /// Where totals and shares are read instead of Redis's keys, if the counts live elsewhere.
+    store: Option<std::sync::Arc<dyn StoreOfRecord>>,
 }
 
 impl Reader {
     /// A reader over `conn` for the given keyspace.
     pub fn new(conn: RedisConn, keyspace: Keyspace) -> Self {
-        Self { conn, keyspace }
+        Self {
+            conn,
+            keyspace,
+            store: None,
+        }
+    }
+
+    /// The same reader, reading totals and shares from `store` (Redis then keeps only the
+    /// caches: [`crate::CachedReader`]'s shared entries, trending, likes).
+    pub fn with_store(mut self, store: std::sync::Arc<dyn StoreOfRecord>) -> Self {
+        self.store = Some(store);
+        self
     }
 
     /// The connection this reader reads through.
@@ -117,6 +147,9 @@ impl Reader {
     pub async fn shares(&self, counter: &str) -> Result<Vec<Option<i64>>, ReadError> {
         validate_counter(counter)?;
         let ks = &self.keyspace;
+        if let Some(store) = &self.store {
+            return store.shares(counter, ks.groups()).await;
+        }
         let gets = (0..ks.groups())
             .map(|group| {
                 let mut get = redis::cmd("GET");
@@ -182,6 +215,10 @@ impl Reader {
         }
         for counter in counters {
             validate_counter(counter.as_ref())?;
+        }
+        if let Some(store) = &self.store {
+            let counters: Vec<&str> = counters.iter().map(AsRef::as_ref).collect();
+            return store.totals(&counters).await;
         }
         let ks = &self.keyspace;
         let mgets = (0..ks.groups())

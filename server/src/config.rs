@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use serde::Deserialize;
-use tally_aggregator::config::ConfigError;
+use tally_aggregator::config::{ConfigError, PostgresTarget, Store, postgres_url_has_password};
 use tally_aggregator::secrets::{self, Secrets};
 use tally_common::{RedisTarget, defaults};
 
@@ -21,6 +21,10 @@ pub mod default {
     pub const LISTEN: &str = "127.0.0.1:8080";
     /// Longest `POST /v1/events` waits for Kafka's acknowledgements, in ms.
     pub const PRODUCE_TIMEOUT_MS: u64 = 5_000;
+    /// Connections to the PostgreSQL store.
+    pub const POSTGRES_POOL_SIZE: usize = 8;
+    /// Longest one read of the PostgreSQL store may run, in ms.
+    pub const POSTGRES_STATEMENT_TIMEOUT_MS: u64 = 5_000;
 }
 
 /// Settings as given by a file, the environment or flags: every field optional.
@@ -57,6 +61,12 @@ pub struct Settings {
     /// Longest POST /v1/events waits for Kafka to acknowledge its events, in ms [default: 5000]
     #[arg(long, env = "TALLY_PRODUCE_TIMEOUT_MS")]
     pub produce_timeout_ms: Option<u64>,
+    /// Where the aggregator stores counts: redis, or postgres (the share rows, read on a cache miss; Redis keeps the cache of totals) [default: redis]
+    #[arg(long, env = "TALLY_STORE", value_enum)]
+    pub store: Option<Store>,
+    /// PostgreSQL, with --store postgres (a password only through TALLY_POSTGRES_PASSWORD, TALLY_POSTGRES_URL or the file) [default: none]
+    #[arg(long, env = "TALLY_POSTGRES_URL", hide_env_values = true)]
+    pub postgres_url: Option<String>,
     /// Raw librdkafka options (the file's `[kafka]` table).
     #[arg(skip)]
     #[serde(default)]
@@ -115,6 +125,8 @@ pub struct Config {
     pub produce_timeout: Duration,
     /// Raw librdkafka options, secrets included.
     pub kafka: BTreeMap<String, String>,
+    /// The PostgreSQL store of record, with `--store postgres`.
+    pub postgres: Option<PostgresTarget>,
 }
 
 impl std::fmt::Debug for Config {
@@ -131,6 +143,7 @@ impl std::fmt::Debug for Config {
             .field("group", &self.group)
             .field("produce_timeout", &self.produce_timeout)
             .field("kafka_options", &self.kafka.keys().collect::<Vec<_>>())
+            .field("postgres", &self.postgres)
             .finish()
     }
 }
@@ -163,7 +176,9 @@ impl Settings {
             brokers,
             topic,
             group,
-            produce_timeout_ms
+            produce_timeout_ms,
+            store,
+            postgres_url
         );
         self.kafka.extend(over.kafka);
         self
@@ -187,7 +202,23 @@ impl Settings {
                 why: "must be above 0".to_owned(),
             });
         }
+        let postgres = match (self.store.unwrap_or_default(), self.postgres_url) {
+            (Store::Redis, _) => None,
+            (Store::Postgres, None) => {
+                return Err(ConfigError::Invalid {
+                    name: "postgres_url",
+                    why: "--store postgres needs --postgres-url (or TALLY_POSTGRES_URL)".to_owned(),
+                });
+            }
+            (Store::Postgres, Some(url)) => Some(PostgresTarget {
+                url,
+                password: None,
+                pool_size: default::POSTGRES_POOL_SIZE,
+                statement_timeout: Duration::from_millis(default::POSTGRES_STATEMENT_TIMEOUT_MS),
+            }),
+        };
         Ok(Config {
+            postgres,
             listen: self
                 .listen
                 .unwrap_or_else(|| default::LISTEN.parse().expect("a valid address")),
@@ -212,11 +243,21 @@ impl Cli {
     pub fn from_matches(matches: &clap::ArgMatches) -> Result<Self, ConfigError> {
         let cli =
             <Self as clap::FromArgMatches>::from_arg_matches(matches).unwrap_or_else(|e| e.exit());
+        let from_command_line =
+            |id: &str| matches.value_source(id) == Some(clap::parser::ValueSource::CommandLine);
         secrets::refuse_secret_flags(
             &cli.kafka_options,
             cli.settings.redis_url.as_deref(),
-            |id| matches.value_source(id) == Some(clap::parser::ValueSource::CommandLine),
+            from_command_line,
         )?;
+        if from_command_line("postgres_url")
+            && (cli.settings.postgres_url.as_deref()).is_some_and(postgres_url_has_password)
+        {
+            return Err(ConfigError::Invalid {
+                name: "postgres-url",
+                why: "the URL holds a password and command lines are visible to every local user: set TALLY_POSTGRES_PASSWORD or TALLY_POSTGRES_PASSWORD_FILE, or put the URL in TALLY_POSTGRES_URL or the config file".to_owned(),
+            });
+        }
         Ok(cli)
     }
 
@@ -232,6 +273,9 @@ impl Cli {
         over.kafka.extend(secrets.kafka.clone());
         let mut config = base.overridden_by(over).resolve()?;
         config.redis = secrets.redis_target(config.redis)?;
+        if let Some(postgres) = &mut config.postgres {
+            postgres.password = secrets.postgres_password.clone();
+        }
         Ok(config)
     }
 }

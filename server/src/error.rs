@@ -13,7 +13,7 @@
 //! | `body_too_large` | 413 | a body over [`crate::MAX_BODY_BYTES`] |
 //! | `unsupported_media_type` | 415 | a body not sent as `application/json` |
 //! | `corrupt_counter` | 500 | a key under tally's prefix holds something that is not a count |
-//! | `redis_unavailable`, `kafka_unavailable` | 503 | a store did not answer in time |
+//! | `redis_unavailable`, `kafka_unavailable`, `store_unavailable` | 503 | Redis, Kafka or the PostgreSQL store did not answer in time |
 
 use axum::Json;
 use axum::extract::rejection::{JsonRejection, PathRejection, QueryRejection};
@@ -112,6 +112,11 @@ impl From<ReadError> for ApiError {
         match error {
             ReadError::InvalidCounter(e) => Self::bad_request("invalid_counter", e.to_string()),
             ReadError::Redis(e) => Self::redis(e),
+            ReadError::Store(e) => Self::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "store_unavailable",
+                e.to_string(),
+            ),
             // Not the caller's input: what Redis holds under tally's keys is not a count.
             other => Self::new(
                 StatusCode::INTERNAL_SERVER_ERROR,

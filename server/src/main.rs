@@ -11,7 +11,7 @@ use anyhow::{Context, bail};
 use clap::CommandFactory;
 use rdkafka::ClientConfig;
 use tally_aggregator::secrets::Secrets;
-use tally_common::{CachedReader, Keyspace, Namespaces, Reader, RedisConn};
+use tally_common::{CachedReader, Keyspace, Namespaces, Reader, RedisConn, pg};
 use tally_producer::{Counts, DirectWriter, Producer, ProducerConfig};
 use tally_server::auth::Tokens;
 use tally_server::config::Cli;
@@ -46,10 +46,21 @@ async fn main() -> anyhow::Result<()> {
         None => Namespaces::default(),
     });
     let keyspace = Keyspace::new(config.key_prefix.clone(), config.shard_groups)?;
-    let reader = CachedReader::new(
-        Reader::new(conn.clone(), keyspace.clone()),
-        namespaces.clone(),
-    );
+    let mut reader = Reader::new(conn.clone(), keyspace.clone());
+    if let Some(postgres) = &config.postgres {
+        // The counts live in PostgreSQL: read the rows on a cache miss, cache totals in Redis.
+        let pool = pg::pool(
+            &postgres.url,
+            pg::PoolOptions {
+                password: postgres.password.as_deref(),
+                size: postgres.pool_size,
+                statement_timeout: Some(postgres.statement_timeout),
+            },
+        )?;
+        let schema = pg::Schema::new(&config.key_prefix)?;
+        reader = reader.with_store(Arc::new(pg::PgStore::new(pool, schema)));
+    }
+    let reader = CachedReader::new(reader, namespaces.clone());
 
     let mut producer_config = ProducerConfig::new(config.brokers.clone(), config.topic.clone())
         .option(

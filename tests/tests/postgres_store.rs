@@ -10,8 +10,8 @@ use tally_aggregator::pg_schema::{self, Schema};
 use tally_cli::load::LoadSpec;
 use tally_tests::postgres::PgServer;
 use tally_tests::{
-    AggregatorSetup, RedisServer, TempDir, binary, finish_load, kill_repeatedly, seed, serial,
-    start_load, unique,
+    AggregatorSetup, ApiServer, RedisServer, TempDir, binary, finish_load, kill_repeatedly, seed,
+    serial, start_load, unique,
 };
 
 /// Waits until the store's rows sum to `expected` for every counter; panics with the largest
@@ -131,6 +131,80 @@ async fn exactly_once_into_postgres_through_sigkills() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+
+    // Through Redis as the cache of totals: `tally get --cached` reads the rows on a miss and
+    // leaves the shared cache entries in Redis.
+    let cached = std::process::Command::new(binary("tally"))
+        .args([
+            "get",
+            "--cached",
+            "--store",
+            "postgres",
+            "--postgres-url",
+            &url,
+        ])
+        .args([
+            "--key-prefix",
+            &setup.key_prefix,
+            "--redis-url",
+            &redis.url(),
+        ])
+        .args(sample.iter().map(|(c, _)| c.as_str()))
+        .output()
+        .expect("tally get runs");
+    assert_eq!(
+        String::from_utf8_lossy(&cached.stdout),
+        want,
+        "{}",
+        String::from_utf8_lossy(&cached.stderr)
+    );
+    let mut conn = tally_tests::connect(&redis.url()).await;
+    for (counter, total) in &sample {
+        let entry: Option<String> = redis::cmd("GET")
+            .arg(setup.keyspace().cache_key(counter))
+            .query_async(&mut conn)
+            .await
+            .expect("GET");
+        let entry = entry.unwrap_or_else(|| panic!("{counter} cached in Redis"));
+        assert!(
+            entry.starts_with(&format!("{total}:")),
+            "{counter}: {entry}"
+        );
+    }
+
+    // And the HTTP API reads the same through it.
+    let server = ApiServer::start(
+        &[
+            "--store",
+            "postgres",
+            "--postgres-url",
+            &url,
+            "--key-prefix",
+            &setup.key_prefix,
+        ],
+        &[("TALLY_REDIS_URL", &redis.url())],
+        &dir.path().join("server.log"),
+    )
+    .await;
+    for (counter, total) in &sample {
+        for query in ["", "?exact=true"] {
+            let (status, body) = server
+                .call("GET", &format!("/v1/counters/{counter}{query}"), None)
+                .await;
+            assert_eq!(
+                (status, body["total"].as_i64()),
+                (200, Some(**total)),
+                "{counter}{query}: {body}"
+            );
+        }
+        let (_, inspected) = server
+            .call("GET", &format!("/v1/counters/{counter}/shares"), None)
+            .await;
+        let shares: i64 = (inspected["shares"].as_array().expect("shares").iter())
+            .filter_map(|s| s["value"].as_i64())
+            .sum();
+        assert_eq!(shares, **total, "{inspected}");
+    }
     last.stop_gracefully().await;
     assert!(!pg.log().contains("deadlock detected"), "{}", pg.log());
 }

@@ -1,5 +1,5 @@
-//! The PostgreSQL store's schema: created and migrated by tally itself, and the statements the
-//! store runs.
+//! The PostgreSQL store (with the `postgres` feature): its schema, created and migrated by tally
+//! itself, the statements the aggregator's sink and the readers run, and the pool.
 //!
 //! Each deployment's tables live in their own schema, named by its key prefix (as its Redis keys
 //! start with it). [`migrate`] brings a schema to the latest version: under an advisory lock (so
@@ -12,6 +12,8 @@ use std::str::FromStr;
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
 use tokio_postgres::NoTls;
 
+use crate::reader::{ReadError, StoreFuture, StoreOfRecord};
+
 /// Every migration, in order: `(version, what it does, SQL)`; `{schema}` stands for the quoted
 /// schema name.
 pub const MIGRATIONS: &[(i32, &str, &str)] = &[(
@@ -19,6 +21,10 @@ pub const MIGRATIONS: &[(i32, &str, &str)] = &[(
     "counter shares and the exactly-once bookkeeping",
     include_str!("pg/0001_init.sql"),
 )];
+
+/// How long an operation waits for a pooled connection (or for a new one to be made) before it
+/// fails, to be retried.
+pub const POOL_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// Why the PostgreSQL store could not be set up.
 #[derive(Debug, thiserror::Error)]
@@ -71,6 +77,8 @@ pub struct Statements {
     pub next_epoch: String,
     /// `$1` counters: `(counter, total)` for those with shares; fails past 64 bits.
     pub totals: String,
+    /// `$1` counter: `(shard, value)` of each of its shares.
+    pub shares: String,
 }
 
 impl Schema {
@@ -115,6 +123,7 @@ impl Schema {
                  ON CONFLICT (field) DO UPDATE SET epoch = GREATEST(e.epoch + 1, $3) \
                  RETURNING epoch"
             ),
+            shares: format!("SELECT shard, value FROM {s}.shares WHERE counter = $1"),
             totals: format!(
                 "SELECT counter, SUM(value)::bigint FROM {s}.shares WHERE counter = ANY($1) \
                  GROUP BY counter"
@@ -171,8 +180,8 @@ pub fn pool(url: &str, options: PoolOptions<'_>) -> Result<Pool, PgError> {
     Pool::builder(manager)
         .max_size(size)
         .runtime(deadpool_postgres::Runtime::Tokio1)
-        .wait_timeout(Some(crate::pg_sink::POOL_WAIT))
-        .create_timeout(Some(crate::pg_sink::POOL_WAIT))
+        .wait_timeout(Some(POOL_WAIT))
+        .create_timeout(Some(POOL_WAIT))
         .build()
         .map_err(|e| PgError::Pool(e.to_string()))
 }
@@ -220,7 +229,6 @@ pub async fn migrate(pool: &Pool, schema: &Schema) -> Result<Vec<i32>, PgError> 
             )
             .await?;
             tx.commit().await?;
-            tracing::info!(schema = %schema.name, version, description, "PostgreSQL migration applied");
             now.push(*version);
         }
         Ok::<_, PgError>(now)
@@ -233,6 +241,58 @@ pub async fn migrate(pool: &Pool, schema: &Schema) -> Result<Vec<i32>, PgError> 
 /// `text` as a SQL string literal.
 fn literal(text: &str) -> String {
     format!("'{}'", text.replace('\'', "''"))
+}
+
+/// The PostgreSQL store's rows as a [`StoreOfRecord`] for [`crate::Reader::with_store`].
+#[derive(Clone)]
+pub struct PgStore {
+    pool: Pool,
+    schema: Schema,
+}
+
+impl std::fmt::Debug for PgStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PgStore")
+            .field("schema", &self.schema.name)
+            .finish_non_exhaustive()
+    }
+}
+
+impl PgStore {
+    /// The rows of `schema`, read through `pool`.
+    pub fn new(pool: Pool, schema: Schema) -> Self {
+        Self { pool, schema }
+    }
+}
+
+fn store_error(error: impl std::error::Error + Send + Sync + 'static) -> ReadError {
+    ReadError::Store(Box::new(error))
+}
+
+impl StoreOfRecord for PgStore {
+    fn totals<'a>(&'a self, counters: &'a [&'a str]) -> StoreFuture<'a, Vec<i64>> {
+        Box::pin(async move {
+            totals(&self.pool, &self.schema, counters)
+                .await
+                .map_err(store_error)
+        })
+    }
+
+    fn shares<'a>(&'a self, counter: &'a str, groups: u32) -> StoreFuture<'a, Vec<Option<i64>>> {
+        Box::pin(async move {
+            let client = self.pool.get().await.map_err(store_error)?;
+            let rows =
+                (client.query(&self.schema.sql.shares, &[&counter]).await).map_err(store_error)?;
+            let mut shares = vec![None; groups as usize];
+            for row in rows {
+                let shard: i32 = row.get(0);
+                if let Some(slot) = shares.get_mut(shard as usize) {
+                    *slot = Some(row.get(1));
+                }
+            }
+            Ok(shares)
+        })
+    }
 }
 
 /// The totals of `counters` in the store, in order (0 for a counter without shares).
