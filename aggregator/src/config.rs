@@ -430,12 +430,6 @@ impl Settings {
                 )?),
             }),
         };
-        if store == Store::Postgres && namespaces.any_dedup() {
-            return Err(ConfigError::Invalid {
-                name: "store",
-                why: "namespaces that count once per actor need the Redis store for now".to_owned(),
-            });
-        }
         let ms = |name, value: Option<u64>, default| positive(name, value.unwrap_or(default));
         Ok(Config {
             brokers: self.brokers.unwrap_or_else(|| defaults::BROKERS.to_owned()),

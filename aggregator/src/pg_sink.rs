@@ -7,7 +7,8 @@
 //!
 //! Each exactly-once flush into a group is one transaction: it locks the partition's fence and
 //! ledger row in that group and the batch's share rows (in counter order, so two flushes never
-//! deadlock), decides exactly as the Redis script does (`crate::transactions::flush_verdict`:
+//! deadlock), applies likes and unlikes through the `members` table (a like adds 1 only if the
+//! actor was not a member, an unlike takes 1 only if it was, in the batch's order), decides exactly as the Redis script does (`crate::transactions::flush_verdict`:
 //! fenced, already applied, rolled back, or a delta that would overflow 64 bits), then applies
 //! the batch as one multi-row upsert (`INSERT … ON CONFLICT … DO UPDATE SET value = value +
 //! EXCLUDED.value`), moves the ledger, and stores the watermark when asked, and commits. So a
@@ -25,7 +26,7 @@ use tokio_postgres::error::SqlState;
 
 use crate::sink::{Applied, GroupWrite, Sink, SinkError, Stamp};
 use crate::transactions::{
-    Current, flush_verdict, next_epoch_after, stamp_refusal, watermark_refusal,
+    Current, MemberState, flush_verdict, next_epoch_after, stamp_refusal, watermark_refusal,
 };
 use tally_common::pg::Schema;
 
@@ -112,11 +113,6 @@ impl PgSink {
     }
 
     async fn apply_fenced_now(&self, write: GroupWrite<'_>) -> Result<Applied, SinkError> {
-        if !write.members.is_empty() {
-            return Err(SinkError::fatal(
-                "namespaces that count once per actor need the Redis store for now",
-            ));
-        }
         let sql = &self.schema.sql;
         let mut client = self.client().await?;
         let tx = client.transaction().await?;
@@ -129,22 +125,55 @@ impl PgSink {
             .and_then(|r| r.get::<_, Option<i64>>(0))
             .map(|f| f as u64);
         let ledger: Option<i64> = row.as_ref().and_then(|r| r.get(1));
-        let (counters, values) = sorted_columns(write.deltas);
-        let rows = tx.query(&sql.lock_shares, &[&shard, &counters]).await?;
+        // Every share the write touches, locked in counter order.
+        let mut touched: Vec<&str> = (write.deltas.iter().map(|(c, _)| c.as_str()))
+            .chain(write.members.iter().map(|m| m.counter.as_str()))
+            .collect();
+        touched.sort_unstable();
+        touched.dedup();
+        let rows = tx.query(&sql.lock_shares, &[&shard, &touched]).await?;
         let held: std::collections::HashMap<String, i64> =
             rows.iter().map(|r| (r.get(0), r.get(1))).collect();
-        let currents: Vec<Current> = (write.deltas.iter())
-            .map(|(counter, _)| {
-                held.get(counter)
-                    .map_or(Current::Missing, |v| Current::Integer(*v))
+        let current = |counter: &str| {
+            held.get(counter)
+                .map_or(Current::Missing, |v| Current::Integer(*v))
+        };
+        let currents: Vec<Current> = write.deltas.iter().map(|(c, _)| current(c)).collect();
+        // A members table always takes a like: only the share can refuse one (64 bits).
+        let members: Vec<MemberState> = (write.members.iter())
+            .map(|m| MemberState {
+                member: Some(false),
+                counter: current(&m.counter),
             })
             .collect();
-        if let Some(verdict) = flush_verdict(fence, ledger, &currents, &[], &write) {
+        if let Some(verdict) = flush_verdict(fence, ledger, &currents, &members, &write) {
             // Nothing written: the transaction rolls back as it is dropped.
             return Ok(verdict);
         }
-        tx.execute(&sql.upsert_shares, &[&shard, &counters, &values])
+        // Every touched share row exists after this, created in counter order (a counter only
+        // liked gets a 0 first), so the likes below take no new locks out of order.
+        let deltas: std::collections::HashMap<&str, i64> =
+            write.deltas.iter().map(|(c, d)| (c.as_str(), *d)).collect();
+        let values: Vec<i64> = touched
+            .iter()
+            .map(|c| deltas.get(c).copied().unwrap_or(0))
+            .collect();
+        tx.execute(&sql.upsert_shares, &[&shard, &touched, &values])
             .await?;
+        // In order, as the script: a like counts if the actor was not a member, an unlike if
+        // it was. Prepared once, and pipelined: the statements go out in order without waiting
+        // for each answer (tokio-postgres sends them as the futures are first polled, in order).
+        if !write.members.is_empty() {
+            let (like, unlike) =
+                tokio::try_join!(tx.prepare_cached(&sql.like), tx.prepare_cached(&sql.unlike))?;
+            let changes = write.members.iter().map(|member| {
+                let statement = if member.like { &like } else { &unlike };
+                let params: [&(dyn tokio_postgres::types::ToSql + Sync); 3] =
+                    [&member.counter, &member.actor, &shard];
+                tx.execute_raw(statement, params)
+            });
+            futures_util::future::try_join_all(changes).await?;
+        }
         tx.execute(&sql.set_ledger, &[&write.field, &shard, &write.next_offset])
             .await?;
         if let Some(watermark) = write.watermark {

@@ -16,11 +16,18 @@ use crate::reader::{ReadError, StoreFuture, StoreOfRecord};
 
 /// Every migration, in order: `(version, what it does, SQL)`; `{schema}` stands for the quoted
 /// schema name.
-pub const MIGRATIONS: &[(i32, &str, &str)] = &[(
-    1,
-    "counter shares and the exactly-once bookkeeping",
-    include_str!("pg/0001_init.sql"),
-)];
+pub const MIGRATIONS: &[(i32, &str, &str)] = &[
+    (
+        1,
+        "counter shares and the exactly-once bookkeeping",
+        include_str!("pg/0001_init.sql"),
+    ),
+    (
+        2,
+        "one like per actor: members",
+        include_str!("pg/0002_members.sql"),
+    ),
+];
 
 /// How long an operation waits for a pooled connection (or for a new one to be made) before it
 /// fails, to be retried.
@@ -79,6 +86,14 @@ pub struct Statements {
     pub totals: String,
     /// `$1` counter: `(shard, value)` of each of its shares.
     pub shares: String,
+    /// `$1` counter, `$2` actor, `$3` shard: a like; adds 1 to the share if the actor was not
+    /// a member.
+    pub like: String,
+    /// `$1` counter, `$2` actor, `$3` shard: an unlike; takes 1 from the share if the actor was
+    /// a member.
+    pub unlike: String,
+    /// `$1` counter, `$2` actor: a row if the actor's like counts.
+    pub has_liked: String,
 }
 
 impl Schema {
@@ -124,6 +139,19 @@ impl Schema {
                  RETURNING epoch"
             ),
             shares: format!("SELECT shard, value FROM {s}.shares WHERE counter = $1"),
+            like: format!(
+                "WITH added AS (INSERT INTO {s}.members (counter, actor) VALUES ($1, $2) \
+                 ON CONFLICT DO NOTHING RETURNING counter) \
+                 INSERT INTO {s}.shares AS t (counter, shard, value) SELECT counter, $3, 1 FROM added \
+                 ON CONFLICT (counter, shard) DO UPDATE SET value = t.value + 1"
+            ),
+            unlike: format!(
+                "WITH removed AS (DELETE FROM {s}.members WHERE counter = $1 AND actor = $2 \
+                 RETURNING counter) \
+                 INSERT INTO {s}.shares AS t (counter, shard, value) SELECT counter, $3, -1 FROM removed \
+                 ON CONFLICT (counter, shard) DO UPDATE SET value = t.value - 1"
+            ),
+            has_liked: format!("SELECT 1 FROM {s}.members WHERE counter = $1 AND actor = $2"),
             totals: format!(
                 "SELECT counter, SUM(value)::bigint FROM {s}.shares WHERE counter = ANY($1) \
                  GROUP BY counter"
@@ -275,6 +303,17 @@ impl StoreOfRecord for PgStore {
             totals(&self.pool, &self.schema, counters)
                 .await
                 .map_err(store_error)
+        })
+    }
+
+    fn has_liked<'a>(&'a self, counter: &'a str, actor: &'a str) -> StoreFuture<'a, bool> {
+        Box::pin(async move {
+            let client = self.pool.get().await.map_err(store_error)?;
+            let row = (client
+                .query_opt(&self.schema.sql.has_liked, &[&counter, &actor])
+                .await)
+                .map_err(store_error)?;
+            Ok(row.is_some())
         })
     }
 

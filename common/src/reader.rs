@@ -57,6 +57,9 @@ pub trait StoreOfRecord: Send + Sync + std::fmt::Debug {
     /// The exact totals of `counters`, in order (0 for a counter never written).
     fn totals<'a>(&'a self, counters: &'a [&'a str]) -> StoreFuture<'a, Vec<i64>>;
 
+    /// Whether `actor`'s like of `counter` counts.
+    fn has_liked<'a>(&'a self, counter: &'a str, actor: &'a str) -> StoreFuture<'a, bool>;
+
     /// `counter`'s share in each of `groups` shard groups (`None` where it has none).
     fn shares<'a>(&'a self, counter: &'a str, groups: u32) -> StoreFuture<'a, Vec<Option<i64>>>;
 }
@@ -103,6 +106,9 @@ impl Reader {
     /// `SISMEMBER` in the actor's group, whatever the topic's partition count.
     pub async fn has_liked(&self, counter: &str, actor: &str) -> Result<bool, ReadError> {
         validate_counter(counter)?;
+        if let Some(store) = &self.store {
+            return store.has_liked(counter, actor).await;
+        }
         let group = self.keyspace.group_for_actor(actor);
         let mut conn = self.conn.clone();
         Ok(redis::cmd("SISMEMBER")

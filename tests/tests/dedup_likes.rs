@@ -2,7 +2,8 @@
 //! clicks, re-likes, unlikes of nothing) from 10,000 actors on a few counters of a deduplicating
 //! namespace, with the aggregator SIGKILLed five times mid-stream. Every total equals the number
 //! of distinct actors whose last action was a like, and `has_liked` agrees with that last action.
-//! Run with Lua scripts, and again as a Redis user that may not run scripts (WATCH/MULTI/EXEC).
+//! Run with Lua scripts, again as a Redis user that may not run scripts (WATCH/MULTI/EXEC), and
+//! with PostgreSQL as the store of record (a members table in the flush's transaction).
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -88,7 +89,20 @@ async fn settle(
     }
 }
 
-async fn like_storm(name: &str, redis: &RedisServer, redis_url: &str) {
+/// The PostgreSQL store as the store of record, when given.
+fn postgres_reader(reader: tally_common::Reader, url: &str, prefix: &str) -> tally_common::Reader {
+    use tally_common::pg;
+    let options = pg::PoolOptions {
+        password: None,
+        size: 2,
+        statement_timeout: None,
+    };
+    let pool = pg::pool(url, options).expect("pool");
+    let schema = pg::Schema::new(prefix).expect("schema");
+    reader.with_store(std::sync::Arc::new(pg::PgStore::new(pool, schema)))
+}
+
+async fn like_storm(name: &str, redis: &RedisServer, redis_url: &str, postgres: Option<&str>) {
     let seed = seed();
     let dir = TempDir::new("tally-likes");
     let mut setup = AggregatorSetup::create(name, redis_url, 8).await;
@@ -96,12 +110,15 @@ async fn like_storm(name: &str, redis: &RedisServer, redis_url: &str) {
     let namespaces = dir.path().join("namespaces.toml");
     std::fs::write(&namespaces, "[namespaces.likes]\ndedup = true\n").expect("namespace file");
     let member = format!("group.instance.id={}", unique("member"));
-    let flags = [
+    let mut flags = vec![
         "--namespaces",
         namespaces.to_str().expect("utf-8 path"),
         "--kafka-option",
         &member,
     ];
+    if let Some(url) = postgres {
+        flags.extend(["--store", "postgres", "--postgres-url", url]);
+    }
     let first = setup.spawn(dir.path(), &flags);
     let load = tokio::spawn(storm(setup.topic.clone(), seed));
     let mut last = kill_repeatedly(&setup, dir.path(), &flags, first, 5, seed, &load).await;
@@ -112,9 +129,13 @@ async fn like_storm(name: &str, redis: &RedisServer, redis_url: &str) {
         "{EVENTS} actions over {} (counter, actor) pairs; {likers} likes stand",
         truth.last.len()
     );
-    let counts = redis.reader(setup.keyspace()).await;
+    let mut counts = redis.reader(setup.keyspace()).await;
+    let mut check = reader(redis_url, setup.keyspace()).await;
+    if let Some(url) = postgres {
+        counts = postgres_reader(counts, url, &setup.key_prefix);
+        check = postgres_reader(check, url, &setup.key_prefix);
+    }
     wait_for_totals(&counts, &totals, Duration::from_secs(90)).await;
-    let check = reader(redis_url, setup.keyspace()).await;
     for ((counter, actor), liked) in truth.last.iter().take(2_000) {
         assert_eq!(
             check.has_liked(counter, actor).await.expect("has_liked"),
@@ -129,7 +150,7 @@ async fn like_storm(name: &str, redis: &RedisServer, redis_url: &str) {
 async fn a_like_storm_with_sigkills_counts_each_actor_once() {
     let _serial = tally_tests::serial().await;
     let redis = RedisServer::start().await;
-    like_storm("likes", &redis, &redis.url()).await;
+    like_storm("likes", &redis, &redis.url(), None).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -137,5 +158,13 @@ async fn a_like_storm_without_scripts_counts_each_actor_once() {
     let _serial = tally_tests::serial().await;
     let redis = RedisServer::start().await;
     let url = redis.user_without_scripts().await;
-    like_storm("likes-noscripts", &redis, &url).await;
+    like_storm("likes-noscripts", &redis, &url, None).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_like_storm_into_postgres_counts_each_actor_once() {
+    let _serial = tally_tests::serial().await;
+    let redis = RedisServer::start().await;
+    let pg = tally_tests::postgres::PgServer::start().await;
+    like_storm("likes-pg", &redis, &redis.url(), Some(&pg.url())).await;
 }
