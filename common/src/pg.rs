@@ -291,6 +291,51 @@ impl PgStore {
     pub fn new(pool: Pool, schema: Schema) -> Self {
         Self { pool, schema }
     }
+
+    /// A direct write: adds `delta` to `counter`'s row for `shard` (one upsert).
+    pub async fn add(&self, counter: &str, shard: u32, delta: i64) -> Result<(), PgError> {
+        let client = self
+            .pool
+            .get()
+            .await
+            .map_err(|e| PgError::Pool(e.to_string()))?;
+        let statement = client
+            .prepare_cached(&self.schema.sql.upsert_shares)
+            .await?;
+        client
+            .execute(
+                &statement,
+                &[&(shard as i32), &[counter].as_slice(), &[delta].as_slice()],
+            )
+            .await?;
+        Ok(())
+    }
+
+    /// A direct like (`like`) or unlike of `counter` by `actor`, counted in `shard`: changes
+    /// `members` and the share in one statement; whether the membership changed.
+    pub async fn member(
+        &self,
+        counter: &str,
+        actor: &str,
+        shard: u32,
+        like: bool,
+    ) -> Result<bool, PgError> {
+        let client = self
+            .pool
+            .get()
+            .await
+            .map_err(|e| PgError::Pool(e.to_string()))?;
+        let sql = if like {
+            &self.schema.sql.like
+        } else {
+            &self.schema.sql.unlike
+        };
+        let statement = client.prepare_cached(sql).await?;
+        let changed = client
+            .execute(&statement, &[&counter, &actor, &(shard as i32)])
+            .await?;
+        Ok(changed == 1)
+    }
 }
 
 fn store_error(error: impl std::error::Error + Send + Sync + 'static) -> ReadError {

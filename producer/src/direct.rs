@@ -45,6 +45,10 @@ pub enum DirectError {
     /// Redis failed or timed out; the write may or may not have landed.
     #[error("redis: {0}")]
     Redis(#[from] redis::RedisError),
+    /// The PostgreSQL store failed.
+    #[cfg(feature = "postgres")]
+    #[error("postgres: {0}")]
+    Postgres(#[from] tally_common::pg::PgError),
 }
 
 /// A cached shard count.
@@ -67,6 +71,9 @@ struct Inner {
     unlike: redis::Script,
     /// The task reporting write rates every second.
     reporter: Mutex<Option<JoinHandle<()>>>,
+    /// The store of record the increments go to instead of Redis's keys, if any.
+    #[cfg(feature = "postgres")]
+    store: std::sync::OnceLock<tally_common::pg::PgStore>,
 }
 
 impl Drop for Inner {
@@ -107,6 +114,8 @@ impl DirectWriter {
             like: redis::Script::new(include_str!("scripts/like.lua")),
             unlike: redis::Script::new(include_str!("scripts/unlike.lua")),
             reporter: Mutex::new(None),
+            #[cfg(feature = "postgres")]
+            store: std::sync::OnceLock::new(),
         });
         let weak = Arc::downgrade(&inner);
         let task = tokio::spawn(async move {
@@ -126,6 +135,15 @@ impl DirectWriter {
     }
 
     /// Adds `delta` to `counter` on one of its shards, chosen at random.
+    /// The same writer, writing increments and likes to the PostgreSQL store's rows (`shard`
+    /// is then the row's shard) instead of Redis's keys; the shard counts and the write rates
+    /// stay in Redis. A writer's store is set once: a second call changes nothing.
+    #[cfg(feature = "postgres")]
+    pub fn with_store(self, store: tally_common::pg::PgStore) -> Self {
+        let _ = self.inner.store.set(store);
+        self
+    }
+
     pub async fn add(&self, counter: &str, delta: i64) -> Result<(), DirectError> {
         validate_counter(counter)?;
         validate_delta(delta)?;
@@ -137,6 +155,13 @@ impl DirectWriter {
         }
         let shards = inner.shard_count(counter).await;
         let shard = rand::rng().random_range(0..shards);
+        #[cfg(feature = "postgres")]
+        if let Some(store) = inner.store.get() {
+            let group = inner.keyspace.shard_group(counter, shard);
+            store.add(counter, group, delta).await?;
+            inner.wrote(counter);
+            return Ok(());
+        }
         let key = inner
             .keyspace
             .counter_key(inner.keyspace.shard_group(counter, shard), counter);
@@ -172,6 +197,12 @@ impl DirectWriter {
         }
         let ks = &inner.keyspace;
         let group = ks.group_for_actor(actor);
+        #[cfg(feature = "postgres")]
+        if let Some(store) = inner.store.get() {
+            let changed = store.member(counter, actor, group, like).await?;
+            inner.wrote(counter);
+            return Ok(changed);
+        }
         let script = if like { &inner.like } else { &inner.unlike };
         let mut conn = inner.conn.clone();
         let changed: i64 = script

@@ -47,6 +47,7 @@ async fn main() -> anyhow::Result<()> {
     });
     let keyspace = Keyspace::new(config.key_prefix.clone(), config.shard_groups)?;
     let mut reader = Reader::new(conn.clone(), keyspace.clone());
+    let mut direct = DirectWriter::new(conn.clone(), keyspace.clone(), namespaces.clone());
     if let Some(postgres) = &config.postgres {
         // The counts live in PostgreSQL: read the rows on a cache miss, cache totals in Redis.
         let pool = pg::pool(
@@ -58,7 +59,10 @@ async fn main() -> anyhow::Result<()> {
             },
         )?;
         let schema = pg::Schema::new(&config.key_prefix)?;
-        reader = reader.with_store(Arc::new(pg::PgStore::new(pool, schema)));
+        let store = pg::PgStore::new(pool, schema);
+        reader = reader.with_store(Arc::new(store.clone()));
+        // Direct namespaces' writes go to the rows too.
+        direct = direct.with_store(store);
     }
     let reader = CachedReader::new(reader, namespaces.clone());
 
@@ -76,7 +80,6 @@ async fn main() -> anyhow::Result<()> {
         kafka.set(key, value);
     }
     let producer = Producer::new(&producer_config)?;
-    let direct = DirectWriter::new(conn.clone(), keyspace, namespaces.clone());
     let counts = Counts::new(namespaces, Some(producer.clone()), Some(direct), reader);
     let pipeline = Pipeline::new(&kafka, &config.topic, &config.group)?;
     let state = Arc::new(AppState {

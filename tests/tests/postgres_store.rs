@@ -80,10 +80,10 @@ async fn exactly_once_into_postgres_through_sigkills() {
         "--kafka-option",
         &member,
     ];
-    let events = 200_000;
+    let events = 500_000;
     let first = setup.spawn(dir.path(), &flags);
     let load = start_load(&setup.topic, spec(events, 20_000, seed));
-    let mut last = kill_repeatedly(&setup, dir.path(), &flags, first, 5, seed, &load).await;
+    let mut last = kill_repeatedly(&setup, dir.path(), &flags, first, 10, seed, &load).await;
     let sent = finish_load(load, events).await;
     wait_for_postgres_totals(&url, &setup.key_prefix, &sent.totals).await;
 
@@ -366,4 +366,113 @@ async fn postgres_restarts_statement_timeouts_and_a_small_pool_lose_nothing() {
         .unwrap_or(0.0);
     eprintln!("flush attempts failed and retried: {failed}");
     aggregator.stop_gracefully().await;
+}
+
+/// Direct writes into the rows: a hot counter written by 16 tasks as fast as they can, with the
+/// shard monitor raising its shard count, spreads over several shard rows and sums exactly to the
+/// writes made; likes in a deduplicating direct namespace count once per actor.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn direct_writes_go_to_random_shard_rows_and_likes_count_once() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    use tally_aggregator::shard_monitor::ShardMonitor;
+    use tally_common::{Keyspace, Namespaces, Reader, RedisConn, pg};
+    use tally_producer::DirectWriter;
+
+    let _serial = serial().await;
+    let redis = RedisServer::start().await;
+    let pg_server = PgServer::start().await;
+    let url = pg_server.url();
+    let prefix = unique("pg-direct");
+    let keyspace = Keyspace::new(prefix.clone(), 16).expect("keyspace");
+    let options = pg::PoolOptions {
+        password: None,
+        size: 8,
+        statement_timeout: None,
+    };
+    let pool = pg::pool(&url, options).expect("pool");
+    let schema = Schema::new(&prefix).expect("schema");
+    pg::migrate(&pool, &schema).await.expect("migrated");
+    let store = pg::PgStore::new(pool, schema);
+    let namespaces = Arc::new(
+        Namespaces::from_toml(
+            "[namespaces.views]\nwrite_path = \"direct\"\n\n[namespaces.hearts]\nwrite_path = \"direct\"\ndedup = true\n",
+        )
+        .expect("namespaces"),
+    );
+    let conn = RedisConn::connect(&redis.url()).await.expect("redis");
+    let cancel = tokio_util::sync::CancellationToken::new();
+    let monitor = ShardMonitor {
+        conn: conn.clone(),
+        keyspace: keyspace.clone(),
+        threshold: 200,
+        metrics: None,
+    };
+    let monitor_task = tokio::spawn(monitor.run(cancel.clone()));
+    let writer = DirectWriter::new(conn.clone(), keyspace.clone(), namespaces.clone())
+        .with_store(store.clone());
+
+    let counter = "views:video:hot";
+    let written = Arc::new(AtomicU64::new(0));
+    let stop = std::time::Instant::now() + Duration::from_secs(5);
+    let tasks: Vec<_> = (0..16)
+        .map(|_| {
+            let (writer, written) = (writer.clone(), written.clone());
+            tokio::spawn(async move {
+                while std::time::Instant::now() < stop {
+                    writer.add(counter, 1).await.expect("direct write");
+                    written.fetch_add(1, Ordering::Relaxed);
+                }
+            })
+        })
+        .collect();
+    for task in tasks {
+        task.await.expect("writer task");
+    }
+    let written = written.load(Ordering::Relaxed) as i64;
+    let raised = writer.shard_count(counter).await;
+    cancel.cancel();
+    let _ = monitor_task.await;
+
+    let reader = Reader::new(conn, keyspace).with_store(Arc::new(store));
+    assert_eq!(reader.get(counter).await.expect("total"), written);
+    let rows = reader.shares(counter).await.expect("shares");
+    let used = rows.iter().flatten().count();
+    eprintln!("{written} direct writes; shard count raised to {raised}; {used} shard rows written");
+    assert!(
+        raised > 1,
+        "the shard monitor raised the count ({written} writes in 5 s)"
+    );
+    assert!(used > 1, "writes spread over several shard rows: {rows:?}");
+
+    // Likes in a direct namespace that deduplicates.
+    for (actor, like, counted) in [
+        ("u1", true, true),
+        ("u1", true, false),
+        ("u2", true, true),
+        ("u2", false, true),
+        ("u3", false, false),
+    ] {
+        let changed = if like {
+            writer.like("hearts:post:1", actor).await
+        } else {
+            writer.unlike("hearts:post:1", actor).await
+        }
+        .expect("direct like");
+        assert_eq!(changed, counted, "{actor} like={like}");
+    }
+    assert_eq!(reader.get("hearts:post:1").await.expect("total"), 1);
+    assert!(
+        reader
+            .has_liked("hearts:post:1", "u1")
+            .await
+            .expect("liked")
+    );
+    assert!(
+        !reader
+            .has_liked("hearts:post:1", "u2")
+            .await
+            .expect("liked")
+    );
 }
