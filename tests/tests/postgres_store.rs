@@ -476,3 +476,100 @@ async fn direct_writes_go_to_random_shard_rows_and_likes_count_once() {
             .expect("liked")
     );
 }
+
+/// Bad input with this store, as with Redis: a share that would pass 64 bits is refused, not
+/// wrapped (its deltas dead-lettered as `overflow`), an undecodable message is dead-lettered,
+/// and every other total is exact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn overflow_is_refused_and_bad_messages_dead_lettered_with_postgres() {
+    use rdkafka::ClientConfig;
+    use rdkafka::producer::{FutureProducer, FutureRecord};
+
+    let dir = TempDir::new("tally-pg-poison");
+    let redis = RedisServer::start().await;
+    let pg = PgServer::start().await;
+    let url = pg.url();
+    // One partition: its shard group is 0, where the near-full share is put.
+    let setup = AggregatorSetup::create("pg-poison", &redis.url(), 1).await;
+    let mut aggregator = setup.spawn(dir.path(), &["--store", "postgres", "--postgres-url", &url]);
+    aggregator
+        .wait_metric("tally_assigned_partitions", 1.0, Duration::from_secs(60))
+        .await;
+    let (client, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .expect("connects");
+    tokio::spawn(connection);
+    let near_max = i64::MAX - 10;
+    client
+        .execute(
+            &format!(
+                "INSERT INTO \"{}\".shares VALUES ('big:1', 0, $1)",
+                setup.key_prefix
+            ),
+            &[&near_max],
+        )
+        .await
+        .expect("near-full share");
+
+    let plain: FutureProducer = ClientConfig::new()
+        .set("bootstrap.servers", tally_tests::brokers())
+        .create()
+        .expect("producer");
+    let mut expected: HashMap<String, i64> = HashMap::new();
+    let mut deliveries = Vec::new();
+    for i in 0..2_000i64 {
+        let payload = match i % 50 {
+            0 => r#"{"counter":"big:1","delta":100}"#.to_owned(),
+            1 => r#"{"counter": not json"#.to_owned(),
+            _ => {
+                let (counter, delta) = (format!("ok:{}", i % 20), 1 + i % 3);
+                *expected.entry(counter.clone()).or_default() += delta;
+                format!(r#"{{"counter":"{counter}","delta":{delta}}}"#)
+            }
+        };
+        let record = FutureRecord::<(), String>::to(&setup.topic).payload(&payload);
+        deliveries.push(
+            plain
+                .send_result(record)
+                .map_err(|(e, _)| e)
+                .expect("enqueued"),
+        );
+    }
+    for d in deliveries {
+        d.await
+            .expect("delivery report")
+            .map_err(|(e, _)| e)
+            .expect("acknowledged");
+    }
+    wait_for_postgres_totals(&url, &setup.key_prefix, &expected).await;
+    let big: i64 = client
+        .query_one(
+            &format!(
+                "SELECT value FROM \"{}\".shares WHERE counter = 'big:1'",
+                setup.key_prefix
+            ),
+            &[],
+        )
+        .await
+        .expect("big:1")
+        .get(0);
+    assert_eq!(big, near_max, "the overflowing deltas were not applied");
+    // The 40 undecodable messages one by one; the refused deltas of big:1 as each flush summed
+    // them (one dead letter per refused delta, at least one).
+    let letters = tally_tests::read_dead_letters(&setup.dead_letter_topic, 41);
+    let count = |reason: &str| letters.iter().filter(|l| l.reason == reason).count();
+    assert_eq!(
+        count("undecodable"),
+        40,
+        "undecodable messages dead-lettered"
+    );
+    assert!(count("overflow") >= 1, "the overflow dead-lettered");
+    assert!(
+        (letters.iter())
+            .filter(|l| l.reason == "overflow")
+            .all(|l| String::from_utf8_lossy(&l.payload).contains("big:1")),
+        "only big:1 overflowed"
+    );
+    assert!(aggregator.is_running());
+    aggregator.stop_gracefully().await;
+}
