@@ -60,8 +60,11 @@ pub struct Args {
     /// `--aggregator-arg=--max-batch-counters=20000`: to see what a setting does to the figures.
     #[arg(long = "aggregator-arg", allow_hyphen_values = true)]
     pub aggregator_args: Vec<String>,
-    /// Run only these scenarios (producer, catch-up, json, naive, yardsticks, steady, hot,
-    /// cardinality, reads, micro); all when empty.
+    /// PostgreSQL for the postgres scenario (`deploy/local/start.sh` starts this one).
+    #[arg(long, default_value = "postgres://tally@127.0.0.1:5433/postgres")]
+    pub postgres_url: String,
+    /// Run only these scenarios (producer, catch-up, json, postgres, naive, yardsticks, steady,
+    /// hot, cardinality, reads, micro); all when empty.
     #[arg(long, value_delimiter = ',')]
     pub only: Vec<String>,
 }

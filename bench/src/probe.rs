@@ -79,6 +79,31 @@ pub fn cpu_seconds_matching(needle: &str) -> f64 {
         .sum()
 }
 
+/// CPU seconds used so far by every process whose command line holds `needle`, counting the
+/// exited children they reaped: PostgreSQL's backends end with their connections, and their time
+/// is then in the postmaster's `cutime` and `cstime`.
+pub fn cpu_seconds_with_children_matching(needle: &str) -> f64 {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return 0.0;
+    };
+    let ticks = |pid: u32| -> Option<f64> {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+        let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+        // utime, stime, cutime, cstime: fields 14 to 17 of the line, 12 to 15 after the name.
+        (11..15).map(|i| fields.get(i)?.parse::<f64>().ok()).sum()
+    };
+    entries
+        .filter_map(Result::ok)
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/cmdline"))
+                .is_ok_and(|c| String::from_utf8_lossy(&c).contains(needle))
+        })
+        .filter_map(ticks)
+        .sum::<f64>()
+        / clock_ticks()
+}
+
 /// Waits for `child` to exit, sampling its stats every 50 ms; returns the last sample taken
 /// while it was alive (CPU time and peak RSS up to its end) and its wall time.
 pub async fn run_to_end(mut child: Child) -> anyhow::Result<(ProcStats, Duration, bool)> {

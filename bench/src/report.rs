@@ -111,6 +111,17 @@ fn targets(r: &Results) -> Vec<Target> {
             at_least: true,
         },
         Target {
+            name: "catch-up into PostgreSQL / into Redis (exactly-once, from launch)",
+            value: ratio(
+                r.postgres
+                    .as_ref()
+                    .map(|p| p.catch_up.events_per_second_from_launch),
+                from_launch(eo),
+            ),
+            bound: 0.5,
+            at_least: true,
+        },
+        Target {
             name: "Redis commands per event, hot counter",
             value: r.hot.as_ref().map(|c| c.redis_commands_per_event),
             bound: 0.001,
@@ -314,6 +325,13 @@ pub fn markdown(args: &Args, r: &Results) -> String {
     if let Some(c) = &r.catch_up_json {
         catch_up_rows(&mut out, "catch-up, JSON from kcat, exactly-once", c);
     }
+    if let Some(p) = &r.postgres {
+        catch_up_rows(
+            &mut out,
+            "catch-up into PostgreSQL, exactly-once",
+            &p.catch_up,
+        );
+    }
     if let Some(n) = &r.naive {
         catch_up_rows(&mut out, "naive consumer (time-boxed)", n);
     }
@@ -324,6 +342,25 @@ pub fn markdown(args: &Args, r: &Results) -> String {
         catch_up_rows(&mut out, "cardinality (1 event per counter)", c);
     }
     command_breakdown(&mut out, r);
+    if let Some(p) = &r.postgres {
+        let redis = r.exactly_once().map(|c| c.events_per_second_from_launch);
+        let _ = writeln!(
+            out,
+            "\n## PostgreSQL store\n\nThe exactly-once catch-up over the same topic into share rows (`--store postgres`): {:.0} events/s from launch{}; {:.1} WAL bytes, {:.5} commits and {} statements per event; the PostgreSQL server's CPU {:.2} s per million events.",
+            p.catch_up.events_per_second_from_launch,
+            redis.map_or(String::new(), |x| format!(
+                ", {:.2} x the Redis store's {x:.0} in this run",
+                p.catch_up.events_per_second_from_launch / x
+            )),
+            p.wal_bytes_per_event,
+            p.commits_per_event,
+            p.statements_per_event
+                .map_or("(pg_stat_statements not loaded)".to_owned(), |s| format!(
+                    "{s:.5}"
+                )),
+            p.postgres_cpu_seconds_per_million,
+        );
+    }
     if let Some(s) = &r.steady {
         let _ = writeln!(
             out,

@@ -111,6 +111,21 @@ pub struct ReadLatency {
     pub p99_us: f64,
 }
 
+/// The catch-up into the PostgreSQL store, and what it cost PostgreSQL.
+#[derive(Debug, Clone, Serialize)]
+pub struct PostgresRun {
+    /// The catch-up, as for Redis.
+    pub catch_up: CatchUp,
+    /// WAL written per event, in bytes.
+    pub wal_bytes_per_event: f64,
+    /// Transactions committed per event (every database).
+    pub commits_per_event: f64,
+    /// Statements run per event (`pg_stat_statements`; `None` when it is not loaded).
+    pub statements_per_event: Option<f64>,
+    /// The PostgreSQL server's CPU seconds per million events.
+    pub postgres_cpu_seconds_per_million: f64,
+}
+
 /// Everything measured.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct Results {
@@ -147,6 +162,8 @@ pub struct Results {
     pub cardinality: Option<CatchUp>,
     /// Reads.
     pub reads: Vec<ReadLatency>,
+    /// The catch-up into the PostgreSQL store.
+    pub postgres: Option<PostgresRun>,
     /// Decode + aggregate on one core (criterion), events per second, per format.
     pub micro: Vec<(String, f64)>,
 }

@@ -6,6 +6,7 @@ state=${TALLY_LOCAL_DIR:-$root/.local}
 kafka_port=${TALLY_KAFKA_PORT:-9092}
 controller_port=${TALLY_KAFKA_CONTROLLER_PORT:-9093}
 redis_port=${TALLY_REDIS_PORT:-6379}
+postgres_port=${TALLY_POSTGRES_PORT:-5433}
 topic=${TALLY_TOPIC:-tally.events}
 dlq_topic=${TALLY_DEAD_LETTER_TOPIC:-tally.events.dlq}
 partitions=${TALLY_PARTITIONS:-8}
@@ -43,3 +44,18 @@ create_topic() {
 if ! command -v cargo >/dev/null 2>&1 && [[ -x $HOME/.cargo/bin/cargo ]]; then
   export PATH="$HOME/.cargo/bin:$PATH"
 fi
+
+# The newest PostgreSQL server binaries Debian installed (/usr/lib/postgresql/<version>/bin).
+postgres_bin() { ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -1; }
+
+# as_postgres CMD...: runs CMD as the postgres user when we are root (PostgreSQL refuses root).
+as_postgres() {
+  if [[ $(id -u) == 0 ]]; then
+    setpriv --reuid=postgres --regid=postgres --init-groups -- "$@"
+  else
+    "$@"
+  fi
+}
+
+# The local PostgreSQL's URL (trust authentication on loopback, user tally).
+postgres_url="postgres://tally@127.0.0.1:$postgres_port/postgres"

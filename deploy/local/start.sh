@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Starts, on loopback, a real single-node Apache Kafka 4.x (KRaft) and a redis-server, waits until
-# both answer, and creates the events topic and the dead-letter topic. Installs what is missing first.
+# Starts, on loopback, a real single-node Apache Kafka 4.x (KRaft), a redis-server and a private
+# PostgreSQL server (for --store postgres: postgres://tally@127.0.0.1:5433/postgres), waits until
+# they answer, and creates the events topic and the dead-letter topic. Installs what is missing
+# first.
 # Idempotent: services already answering are left alone, existing topics are kept.
 set -euo pipefail
 source "$(dirname "$0")/common.sh"
@@ -14,6 +16,21 @@ else
   redis-server --port "$redis_port" --bind 127.0.0.1 --save "" --appendonly no \
     --daemonize yes --pidfile "$state/redis.pid" --logfile "$state/redis.log" --dir "$state"
   wait_for 30 "redis-server" redis-cli -p "$redis_port" ping
+fi
+
+if port_open "$postgres_port"; then
+  log "PostgreSQL already answers on 127.0.0.1:$postgres_port"
+else
+  pg=$state/postgres
+  if [[ ! -f $pg/data/PG_VERSION ]]; then
+    log "creating a PostgreSQL cluster in $pg/data"
+    rm -rf "$pg" && mkdir -p "$pg"
+    [[ $(id -u) == 0 ]] && chown postgres:postgres "$pg"
+    as_postgres "$(postgres_bin)/initdb" -A trust -U tally -E UTF8 -D "$pg/data" >"$pg/initdb.log"
+  fi
+  log "starting PostgreSQL on 127.0.0.1:$postgres_port (log: $pg/postgres.log)"
+  as_postgres "$(postgres_bin)/pg_ctl" -D "$pg/data" -l "$pg/postgres.log" -w start \
+    -o "-p $postgres_port -k $pg -c listen_addresses=127.0.0.1 -c shared_preload_libraries=pg_stat_statements" >/dev/null
 fi
 
 if port_open "$kafka_port"; then
@@ -58,4 +75,4 @@ fi
 # The broker accepts connections a little before it accepts admin requests: retry until it does.
 wait_for 120 "topic $topic" create_topic "$topic" "$partitions"
 wait_for 60 "topic $dlq_topic" create_topic "$dlq_topic" 1
-log "ready: Kafka 127.0.0.1:$kafka_port (topics $topic x$partitions, $dlq_topic), Redis 127.0.0.1:$redis_port"
+log "ready: Kafka 127.0.0.1:$kafka_port (topics $topic x$partitions, $dlq_topic), Redis 127.0.0.1:$redis_port, PostgreSQL $postgres_url"

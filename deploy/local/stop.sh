@@ -17,3 +17,7 @@ if [[ -f $state/redis.pid ]]; then
   redis-cli -p "$redis_port" shutdown nosave >/dev/null 2>&1 || true
   rm -f "$state/redis.pid"
 fi
+if [[ -f $state/postgres/data/postmaster.pid ]]; then
+  log "stopping PostgreSQL"
+  as_postgres "$(postgres_bin)/pg_ctl" -D "$state/postgres/data" -m fast -w stop >/dev/null 2>&1 || true
+fi

@@ -573,3 +573,27 @@ async fn overflow_is_refused_and_bad_messages_dead_lettered_with_postgres() {
     assert!(aggregator.is_running());
     aggregator.stop_gracefully().await;
 }
+
+/// At-least-once into PostgreSQL: without faults, every event counts once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn at_least_once_into_postgres_counts_every_event() {
+    let _serial = serial().await;
+    let dir = TempDir::new("tally-pg-alo");
+    let redis = RedisServer::start().await;
+    let pg = PgServer::start().await;
+    let url = pg.url();
+    let setup = AggregatorSetup::create("pg-alo", &redis.url(), 4).await;
+    let flags = [
+        "--store",
+        "postgres",
+        "--postgres-url",
+        &url,
+        "--delivery",
+        "at-least-once",
+    ];
+    let mut aggregator = setup.spawn(dir.path(), &flags);
+    let load = start_load(&setup.topic, spec(50_000, 0, seed()));
+    let sent = finish_load(load, 50_000).await;
+    wait_for_postgres_totals(&url, &setup.key_prefix, &sent.totals).await;
+    aggregator.stop_gracefully().await;
+}

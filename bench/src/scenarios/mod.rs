@@ -4,6 +4,7 @@
 
 mod json;
 mod naive;
+mod postgres;
 mod reads;
 mod steady;
 mod yardsticks;
@@ -15,6 +16,7 @@ use crate::env::{Env, cleanup, machine, payload_bytes};
 use crate::results::Results;
 use json::json_catch_up;
 use naive::naive;
+use postgres::{postgres_catch_up, postgres_reads};
 use reads::reads;
 use steady::steady;
 use yardsticks::{kcat_consume, kcat_produce, micro, redis_benchmark};
@@ -44,7 +46,7 @@ pub async fn run_all(args: &Args) -> anyhow::Result<Results> {
     let zipf = args.zipf.to_string();
     let counters = args.counters.to_string();
     let preloaded = env.name("events");
-    let needs_preload = ["producer", "catch-up", "naive", "yardsticks"]
+    let needs_preload = ["producer", "catch-up", "postgres", "naive", "yardsticks"]
         .iter()
         .any(|s| args.runs(s));
     if needs_preload {
@@ -101,6 +103,22 @@ pub async fn run_all(args: &Args) -> anyhow::Result<Results> {
             );
             results.catch_up.push((mode.to_owned(), run));
         }
+    }
+    if args.runs("postgres") {
+        println!(
+            "catch-up into PostgreSQL: the aggregator, exactly-once, over {} events",
+            args.events
+        );
+        let mut run = postgres_catch_up(&mut env, &preloaded, args.events).await?;
+        run.catch_up.distinct_counters =
+            results.producer.first().map_or(0, |p| p.distinct_counters);
+        println!(
+            "  {:.0} events/s from launch, {:.1} WAL bytes and {:.4} commits per event",
+            run.catch_up.events_per_second_from_launch,
+            run.wal_bytes_per_event,
+            run.commits_per_event
+        );
+        results.postgres = Some(run);
     }
     if args.runs("json") {
         json_catch_up(&mut env, &mut results).await?;
@@ -165,6 +183,9 @@ pub async fn run_all(args: &Args) -> anyhow::Result<Results> {
     if args.runs("reads") {
         println!("reads");
         results.reads = reads(&env).await?;
+        if args.runs("postgres") {
+            results.reads.extend(postgres_reads(&env).await?);
+        }
     }
     if args.runs("micro") {
         results.micro = micro(&args.out);
