@@ -322,11 +322,11 @@ impl<S: Sink> Flusher<S> {
                     self.metrics.redis_error();
                     match error.kind {
                         SinkErrorKind::Retryable => {
-                            tracing::warn!(partition, group, %error, "Redis write failed; retrying")
+                            tracing::warn!(partition, group, %error, "store write failed; retrying")
                         }
                         SinkErrorKind::Fatal => tracing::error!(
                             partition, group, %error,
-                            "Redis refused the write; retrying, but this needs an operator"
+                            "the store refused the write; retrying, but this needs an operator"
                         ),
                     }
                     if sleep_or_cancel(backoff.next_delay(), cancel).await {

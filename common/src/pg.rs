@@ -27,6 +27,11 @@ pub const MIGRATIONS: &[(i32, &str, &str)] = &[
         "one like per actor: members",
         include_str!("pg/0002_members.sql"),
     ),
+    (
+        3,
+        "fillfactor for rows updated in place",
+        include_str!("pg/0003_fillfactor.sql"),
+    ),
 ];
 
 /// How long an operation waits for a pooled connection (or for a new one to be made) before it
