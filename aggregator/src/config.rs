@@ -94,12 +94,6 @@ impl std::fmt::Debug for PostgresTarget {
     }
 }
 
-/// Whether a PostgreSQL connection string holds a password.
-pub fn postgres_url_has_password(url: &str) -> bool {
-    <tokio_postgres::Config as std::str::FromStr>::from_str(url)
-        .is_ok_and(|c| c.get_password().is_some())
-}
-
 /// Settings as given by a file, the environment or flags: every field optional.
 #[derive(Debug, Default, Clone, Deserialize, clap::Args)]
 #[serde(deny_unknown_fields)]
@@ -222,7 +216,8 @@ pub struct Cli {
     pub settings: Settings,
 }
 
-fn parse_key_value(s: &str) -> Result<(String, String), String> {
+/// A `key=value` flag, split (for `--kafka-option`).
+pub fn parse_key_value(s: &str) -> Result<(String, String), String> {
     let (k, v) = s
         .split_once('=')
         .ok_or_else(|| format!("{s:?} is not key=value"))?;
@@ -308,17 +303,50 @@ impl std::fmt::Debug for Config {
     }
 }
 
+/// Reads a TOML file of settings (the aggregator's, or another daemon's of the same conventions).
+pub fn read_toml<T: serde::de::DeserializeOwned>(path: &Path) -> Result<T, ConfigError> {
+    let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+        path: path.to_owned(),
+        source,
+    })?;
+    toml::from_str(&text).map_err(|source| ConfigError::Parse {
+        path: path.to_owned(),
+        source: Box::new(source),
+    })
+}
+
+impl PostgresTarget {
+    /// The PostgreSQL store the settings name, if `store` is PostgreSQL (which needs `url`);
+    /// the password comes later, from the secrets.
+    pub fn from_settings(
+        store: Store,
+        url: Option<String>,
+        pool_size: usize,
+        statement_timeout_ms: u64,
+    ) -> Result<Option<Self>, ConfigError> {
+        match (store, url) {
+            (Store::Redis, _) => Ok(None),
+            (Store::Postgres, None) => Err(ConfigError::Invalid {
+                name: "postgres_url",
+                why: "--store postgres needs --postgres-url (or TALLY_POSTGRES_URL)".to_owned(),
+            }),
+            (Store::Postgres, Some(url)) => Ok(Some(PostgresTarget {
+                url,
+                password: None,
+                pool_size: positive("postgres_pool_size", pool_size)?,
+                statement_timeout: Duration::from_millis(positive(
+                    "postgres_statement_timeout_ms",
+                    statement_timeout_ms,
+                )?),
+            })),
+        }
+    }
+}
+
 impl Settings {
     /// Reads settings from a TOML file.
     pub fn from_file(path: &Path) -> Result<Self, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
-            path: path.to_owned(),
-            source,
-        })?;
-        toml::from_str(&text).map_err(|source| ConfigError::Parse {
-            path: path.to_owned(),
-            source: Box::new(source),
-        })
+        read_toml(path)
     }
 
     /// These settings, with every field that `over` sets replaced by its value.
@@ -407,29 +435,14 @@ impl Settings {
             });
         }
         let store = self.store.unwrap_or_default();
-        let postgres = match (store, self.postgres_url) {
-            (Store::Redis, _) => None,
-            (Store::Postgres, None) => {
-                return Err(ConfigError::Invalid {
-                    name: "postgres_url",
-                    why: "--store postgres needs --postgres-url (or TALLY_POSTGRES_URL)".to_owned(),
-                });
-            }
-            (Store::Postgres, Some(url)) => Some(PostgresTarget {
-                url,
-                password: None,
-                pool_size: positive(
-                    "postgres_pool_size",
-                    self.postgres_pool_size
-                        .unwrap_or(default::POSTGRES_POOL_SIZE),
-                )?,
-                statement_timeout: Duration::from_millis(positive(
-                    "postgres_statement_timeout_ms",
-                    self.postgres_statement_timeout_ms
-                        .unwrap_or(default::POSTGRES_STATEMENT_TIMEOUT_MS),
-                )?),
-            }),
-        };
+        let postgres = PostgresTarget::from_settings(
+            store,
+            self.postgres_url,
+            self.postgres_pool_size
+                .unwrap_or(default::POSTGRES_POOL_SIZE),
+            self.postgres_statement_timeout_ms
+                .unwrap_or(default::POSTGRES_STATEMENT_TIMEOUT_MS),
+        )?;
         let ms = |name, value: Option<u64>, default| positive(name, value.unwrap_or(default));
         Ok(Config {
             brokers: self.brokers.unwrap_or_else(|| defaults::BROKERS.to_owned()),
@@ -622,20 +635,9 @@ impl Cli {
         secrets::refuse_secret_flags(
             &cli.kafka_options,
             cli.settings.redis_url.as_deref(),
+            cli.settings.postgres_url.as_deref(),
             from_command_line,
         )?;
-        if from_command_line("postgres_url")
-            && cli
-                .settings
-                .postgres_url
-                .as_deref()
-                .is_some_and(postgres_url_has_password)
-        {
-            return Err(ConfigError::Invalid {
-                name: "postgres-url",
-                why: "the URL holds a password and command lines are visible to every local user: set TALLY_POSTGRES_PASSWORD or TALLY_POSTGRES_PASSWORD_FILE, or put the URL in TALLY_POSTGRES_URL or the config file".to_owned(),
-            });
-        }
         Ok(cli)
     }
 

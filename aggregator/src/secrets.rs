@@ -154,12 +154,19 @@ pub fn percent_encode(text: &str) -> String {
         .collect()
 }
 
+/// Whether a PostgreSQL connection string holds a password.
+pub fn postgres_url_has_password(url: &str) -> bool {
+    <tokio_postgres::Config as std::str::FromStr>::from_str(url)
+        .is_ok_and(|c| c.get_password().is_some())
+}
+
 /// Refuses secrets given as command-line flags: `from_command_line(id)` says whether the
-/// argument `id` (`kafka_options`, `redis_url`) came from the command line rather than from the
-/// environment.
+/// argument `id` (`kafka_options`, `redis_url`, `postgres_url`) came from the command line rather
+/// than from the environment.
 pub fn refuse_secret_flags(
     kafka_options: &[(String, String)],
     redis_url: Option<&str>,
+    postgres_url: Option<&str>,
     from_command_line: impl Fn(&str) -> bool,
 ) -> Result<(), ConfigError> {
     let secret_flag = kafka_options.iter().find(|(k, _)| is_secret_option(k));
@@ -182,6 +189,12 @@ pub fn refuse_secret_flags(
         return Err(ConfigError::Invalid {
             name: "redis-url",
             why: "the URL holds a password and command lines are visible to every local user: set TALLY_REDIS_PASSWORD or TALLY_REDIS_PASSWORD_FILE (and TALLY_REDIS_USERNAME), or put the URL in TALLY_REDIS_URL or the config file".to_owned(),
+        });
+    }
+    if from_command_line("postgres_url") && postgres_url.is_some_and(postgres_url_has_password) {
+        return Err(ConfigError::Invalid {
+            name: "postgres-url",
+            why: "the URL holds a password and command lines are visible to every local user: set TALLY_POSTGRES_PASSWORD or TALLY_POSTGRES_PASSWORD_FILE, or put the URL in TALLY_POSTGRES_URL or the config file".to_owned(),
         });
     }
     Ok(())
@@ -265,19 +278,20 @@ mod tests {
             ("security.protocol".to_owned(), "SASL_SSL".to_owned()),
             ("sasl.password".to_owned(), "hunter2".to_owned()),
         ];
-        let flag = refuse_secret_flags(&options, None, |_| true).expect_err("refused");
+        let flag = refuse_secret_flags(&options, None, None, |_| true).expect_err("refused");
         let message = flag.to_string();
         assert!(message.contains("TALLY_KAFKA_SASL_PASSWORD"), "{message}");
         assert!(!message.contains("hunter2"), "{message}");
         assert!(
-            refuse_secret_flags(&options, None, |_| false).is_ok(),
+            refuse_secret_flags(&options, None, None, |_| false).is_ok(),
             "from the environment"
         );
         let url = Some("redis://u:hunter2@h:6379");
-        let flag = refuse_secret_flags(&[], url, |id| id == "redis_url").expect_err("refused");
+        let flag =
+            refuse_secret_flags(&[], url, None, |id| id == "redis_url").expect_err("refused");
         assert!(!flag.to_string().contains("hunter2"));
-        assert!(refuse_secret_flags(&[], Some("redis://u@h:6379"), |_| true).is_ok());
-        assert!(refuse_secret_flags(&[], url, |_| false).is_ok());
+        assert!(refuse_secret_flags(&[], Some("redis://u@h:6379"), None, |_| true).is_ok());
+        assert!(refuse_secret_flags(&[], url, None, |_| false).is_ok());
     }
 
     #[test]

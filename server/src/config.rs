@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use serde::Deserialize;
-use tally_aggregator::config::{ConfigError, PostgresTarget, Store, postgres_url_has_password};
+use tally_aggregator::config::{ConfigError, PostgresTarget, Store, parse_key_value, read_toml};
 use tally_aggregator::secrets::{self, Secrets};
 use tally_common::{RedisTarget, defaults};
 
@@ -93,13 +93,6 @@ pub struct Cli {
     pub settings: Settings,
 }
 
-fn parse_key_value(s: &str) -> Result<(String, String), String> {
-    let (k, v) = s
-        .split_once('=')
-        .ok_or_else(|| format!("expected key=value, got {s:?}"))?;
-    Ok((k.trim().to_owned(), v.trim().to_owned()))
-}
-
 /// The resolved configuration.
 #[derive(Clone)]
 pub struct Config {
@@ -151,14 +144,7 @@ impl std::fmt::Debug for Config {
 impl Settings {
     /// Reads settings from a TOML file.
     pub fn from_file(path: &Path) -> Result<Self, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
-            path: path.to_owned(),
-            source,
-        })?;
-        toml::from_str(&text).map_err(|source| ConfigError::Parse {
-            path: path.to_owned(),
-            source: Box::new(source),
-        })
+        read_toml(path)
     }
 
     /// These settings, with every field that `over` sets replaced by its value.
@@ -202,21 +188,12 @@ impl Settings {
                 why: "must be above 0".to_owned(),
             });
         }
-        let postgres = match (self.store.unwrap_or_default(), self.postgres_url) {
-            (Store::Redis, _) => None,
-            (Store::Postgres, None) => {
-                return Err(ConfigError::Invalid {
-                    name: "postgres_url",
-                    why: "--store postgres needs --postgres-url (or TALLY_POSTGRES_URL)".to_owned(),
-                });
-            }
-            (Store::Postgres, Some(url)) => Some(PostgresTarget {
-                url,
-                password: None,
-                pool_size: default::POSTGRES_POOL_SIZE,
-                statement_timeout: Duration::from_millis(default::POSTGRES_STATEMENT_TIMEOUT_MS),
-            }),
-        };
+        let postgres = PostgresTarget::from_settings(
+            self.store.unwrap_or_default(),
+            self.postgres_url,
+            default::POSTGRES_POOL_SIZE,
+            default::POSTGRES_STATEMENT_TIMEOUT_MS,
+        )?;
         Ok(Config {
             postgres,
             listen: self
@@ -248,16 +225,9 @@ impl Cli {
         secrets::refuse_secret_flags(
             &cli.kafka_options,
             cli.settings.redis_url.as_deref(),
+            cli.settings.postgres_url.as_deref(),
             from_command_line,
         )?;
-        if from_command_line("postgres_url")
-            && (cli.settings.postgres_url.as_deref()).is_some_and(postgres_url_has_password)
-        {
-            return Err(ConfigError::Invalid {
-                name: "postgres-url",
-                why: "the URL holds a password and command lines are visible to every local user: set TALLY_POSTGRES_PASSWORD or TALLY_POSTGRES_PASSWORD_FILE, or put the URL in TALLY_POSTGRES_URL or the config file".to_owned(),
-            });
-        }
         Ok(cli)
     }
 

@@ -289,13 +289,7 @@ pub async fn like(
     State(state): State<Arc<AppState>>,
     path: Result<Path<(String, String)>, PathRejection>,
 ) -> Result<(StatusCode, Json<LikeTaken>), ApiError> {
-    let (counter, actor) = like_target(&state, path)?;
-    state
-        .counts
-        .like(&counter, &actor)
-        .await
-        .map_err(write_error)?;
-    Ok(taken(&state, counter, actor))
+    take_like(&state, path, true).await
 }
 
 /// `actor` takes a like of the counter back (nothing happens if it was not counted).
@@ -313,16 +307,22 @@ pub async fn unlike(
     State(state): State<Arc<AppState>>,
     path: Result<Path<(String, String)>, PathRejection>,
 ) -> Result<(StatusCode, Json<LikeTaken>), ApiError> {
-    let (counter, actor) = like_target(&state, path)?;
-    state
-        .counts
-        .unlike(&counter, &actor)
-        .await
-        .map_err(write_error)?;
-    Ok(taken(&state, counter, actor))
+    take_like(&state, path, false).await
 }
 
-fn taken(state: &AppState, counter: String, actor: String) -> (StatusCode, Json<LikeTaken>) {
+/// A like (`like`) or an unlike, by the counter's namespace's write path.
+async fn take_like(
+    state: &AppState,
+    path: Result<Path<(String, String)>, PathRejection>,
+    like: bool,
+) -> Result<(StatusCode, Json<LikeTaken>), ApiError> {
+    let (counter, actor) = like_target(state, path)?;
+    let taken = if like {
+        state.counts.like(&counter, &actor).await
+    } else {
+        state.counts.unlike(&counter, &actor).await
+    };
+    taken.map_err(write_error)?;
     let path = path_name(
         state
             .counts
@@ -331,14 +331,14 @@ fn taken(state: &AppState, counter: String, actor: String) -> (StatusCode, Json<
             .policy(&counter)
             .write_path,
     );
-    (
+    Ok((
         StatusCode::ACCEPTED,
         Json(LikeTaken {
             counter,
             actor,
             path,
         }),
-    )
+    ))
 }
 
 /// `GET /v1/namespaces/{ns}/top`'s query.

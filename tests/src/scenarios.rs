@@ -1,8 +1,10 @@
-//! Fault scenarios shared by the standalone-Redis and Redis Cluster test files: each takes the
-//! Redis URL (`redis://...` or `redis+cluster://...`) and the grouping rule, runs a seeded load
+//! Fault scenarios shared by the standalone-Redis, Redis Cluster and PostgreSQL test files: each
+//! takes the store (a Redis URL, `redis://...` or `redis+cluster://...`, and with
+//! [`Store::postgres`] a PostgreSQL store of record) and the grouping rule, runs a seeded load
 //! through real aggregator processes while injecting its fault, and asserts that every counter
 //! ends exactly at the ground truth (the events Kafka acknowledged).
 
+use std::collections::HashMap;
 use std::time::Duration;
 
 use tally_cli::load::LoadSpec;
@@ -11,6 +13,65 @@ use crate::kafka::{finish_load, start_load};
 use crate::process::{AggregatorSetup, assert_no_crossslot, kill_repeatedly};
 use crate::store::{reader, wait_for_totals};
 use crate::support::{TempDir, seed, unique};
+
+/// Where the aggregators under test keep the counts.
+#[derive(Debug, Clone, Copy)]
+pub struct Store<'a> {
+    /// Redis: the store, or with `postgres` its cache.
+    pub redis_url: &'a str,
+    /// PostgreSQL as the store of record (`--store postgres`), if given.
+    pub postgres_url: Option<&'a str>,
+}
+
+impl<'a> From<&'a str> for Store<'a> {
+    fn from(redis_url: &'a str) -> Self {
+        Self {
+            redis_url,
+            postgres_url: None,
+        }
+    }
+}
+
+impl<'a> From<&'a String> for Store<'a> {
+    fn from(redis_url: &'a String) -> Self {
+        Self::from(redis_url.as_str())
+    }
+}
+
+impl<'a> Store<'a> {
+    /// PostgreSQL at `postgres_url` as the store of record, Redis at `redis_url` beside it.
+    pub fn postgres(redis_url: &'a str, postgres_url: &'a str) -> Self {
+        Self {
+            redis_url,
+            postgres_url: Some(postgres_url),
+        }
+    }
+
+    /// The aggregator's flags for this store.
+    pub fn flags(&self) -> Vec<&'a str> {
+        match self.postgres_url {
+            Some(url) => vec!["--store", "postgres", "--postgres-url", url],
+            None => Vec::new(),
+        }
+    }
+
+    /// A reader of the counts in this store (exact, not cached).
+    pub async fn reader(&self, keyspace: tally_common::Keyspace) -> tally_common::Reader {
+        let redis = reader(self.redis_url, keyspace.clone()).await;
+        let Some(url) = self.postgres_url else {
+            return redis;
+        };
+        use tally_common::pg;
+        let options = pg::PoolOptions {
+            password: None,
+            size: 2,
+            statement_timeout: None,
+        };
+        let pool = pg::pool(url, options).expect("PostgreSQL pool");
+        let schema = pg::Schema::new(keyspace.prefix()).expect("schema");
+        redis.with_store(std::sync::Arc::new(pg::PgStore::new(pool, schema)))
+    }
+}
 
 fn spec(events: u64, rate: u64, seed: u64) -> LoadSpec {
     LoadSpec {
@@ -27,24 +88,33 @@ fn spec(events: u64, rate: u64, seed: u64) -> LoadSpec {
 
 /// `kills` SIGKILLs of the aggregator at random moments during `events` events. Static
 /// membership lets each new incarnation take its predecessor's partitions at once.
-pub async fn sigkill_storm(name: &str, redis_url: &str, grouping: &str, events: u64, kills: usize) {
+pub async fn sigkill_storm<'a>(
+    name: &str,
+    store: impl Into<Store<'a>>,
+    grouping: &str,
+    events: u64,
+    kills: usize,
+) -> (AggregatorSetup, HashMap<String, i64>) {
+    let store = store.into();
     let seed = seed();
     let dir = TempDir::new("tally-fault");
-    let setup = AggregatorSetup::create(name, redis_url, 8).await;
+    let setup = AggregatorSetup::create(name, store.redis_url, 8).await;
     let member = format!("group.instance.id={}", unique("member"));
-    let flags = ["--grouping", grouping, "--kafka-option", &member];
+    let mut flags = vec!["--grouping", grouping, "--kafka-option", &member];
+    flags.extend(store.flags());
     let first = setup.spawn(dir.path(), &flags);
     let load = start_load(&setup.topic, spec(events, 20_000, seed));
     let mut last = kill_repeatedly(&setup, dir.path(), &flags, first, kills, seed, &load).await;
     let sent = finish_load(load, events).await;
     wait_for_totals(
-        &reader(redis_url, setup.keyspace()).await,
+        &store.reader(setup.keyspace()).await,
         &sent.totals,
         Duration::from_secs(120),
     )
     .await;
     last.stop_gracefully().await;
     assert_no_crossslot(dir.path());
+    (setup, sent.totals)
 }
 
 /// The group scales from one member to three and back to one during the load.
@@ -84,16 +154,18 @@ pub async fn scale_one_three_one(name: &str, redis_url: &str, grouping: &str) {
 /// A member is SIGSTOPped past `max.poll.interval.ms` and the session timeout while holding
 /// buffered events, the other member takes its partitions and stamps their fences, then the
 /// zombie is SIGCONTed: its late writes must be refused.
-pub async fn zombie_is_fenced_off(name: &str, redis_url: &str, grouping: &str) {
+pub async fn zombie_is_fenced_off<'a>(name: &str, store: impl Into<Store<'a>>, grouping: &str) {
+    let store = store.into();
     let seed = seed();
     let dir = TempDir::new("tally-fault");
-    let setup = AggregatorSetup::create(name, redis_url, 8).await;
-    let flags = [
+    let setup = AggregatorSetup::create(name, store.redis_url, 8).await;
+    let mut flags = vec![
         "--grouping",
         grouping,
         "--kafka-option",
         "max.poll.interval.ms=7000",
     ];
+    flags.extend(store.flags());
     // The zombie flushes every 3 s, so it is holding buffered events when it is stopped.
     let slow = AggregatorSetup {
         flush_interval_ms: 3000,
@@ -132,7 +204,7 @@ pub async fn zombie_is_fenced_off(name: &str, redis_url: &str, grouping: &str) {
     eprintln!("the zombie's writes refused by fences: {fenced}");
     let sent = finish_load(load, 200_000).await;
     wait_for_totals(
-        &reader(redis_url, setup.keyspace()).await,
+        &store.reader(setup.keyspace()).await,
         &sent.totals,
         Duration::from_secs(90),
     )

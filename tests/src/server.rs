@@ -87,3 +87,67 @@ pub fn json(text: &str) -> Value {
 pub fn error_code(body: &Value) -> &str {
     body["error"]["code"].as_str().unwrap_or_default()
 }
+
+/// The whole pipeline for a test of the HTTP API: a `redis-server`, topics on the local Kafka,
+/// an aggregator with a namespace file, and `tally-server` over the same deployment.
+#[derive(Debug)]
+pub struct Stack {
+    /// The test's files: the namespace file, the logs.
+    pub dir: crate::support::TempDir,
+    /// Redis.
+    pub redis: crate::store::RedisServer,
+    /// The topics, group and key prefix.
+    pub setup: crate::process::AggregatorSetup,
+    /// The aggregator.
+    pub aggregator: crate::process::AggregatorProcess,
+    /// The API server.
+    pub server: ApiServer,
+}
+
+impl Stack {
+    /// Starts the stack `name` on a topic of `partitions`, with the namespace policies
+    /// `namespaces` (TOML) and trending published every 500 ms.
+    pub async fn start(name: &str, partitions: i32, namespaces: &str) -> Self {
+        let dir = crate::support::TempDir::new(&format!("tally-{name}"));
+        let redis = crate::store::RedisServer::start().await;
+        let setup = crate::process::AggregatorSetup::create(name, &redis.url(), partitions).await;
+        let file = dir.path().join("namespaces.toml");
+        std::fs::write(&file, namespaces).expect("namespace file");
+        let file = file.to_str().expect("utf-8 path").to_owned();
+        let aggregator = setup.spawn(
+            dir.path(),
+            &["--namespaces", &file, "--trending-interval-ms", "500"],
+        );
+        let server = ApiServer::start(
+            &[
+                "--brokers",
+                &setup.brokers,
+                "--topic",
+                &setup.topic,
+                "--group",
+                &setup.group,
+                "--key-prefix",
+                &setup.key_prefix,
+                "--shard-groups",
+                "16",
+                "--namespaces",
+                &file,
+            ],
+            &[("TALLY_REDIS_URL", &redis.url())],
+            &dir.path().join("server.log"),
+        )
+        .await;
+        Self {
+            dir,
+            redis,
+            setup,
+            aggregator,
+            server,
+        }
+    }
+
+    /// A reader of the exact counts.
+    pub async fn reader(&self) -> tally_common::Reader {
+        crate::store::reader(&self.redis.url(), self.setup.keyspace()).await
+    }
+}

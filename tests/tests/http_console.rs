@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use serde_json::json;
 use tally_tests::browser::Browser;
-use tally_tests::{AggregatorSetup, ApiServer, RedisServer, TempDir, eventually, reader, serial};
+use tally_tests::{Stack, eventually, serial};
 
 const NAMESPACES: &str =
     "[namespaces.likes]\ndedup = true\n\n[namespaces.views]\ncache_ttl_ms = 60000\n";
@@ -16,35 +16,8 @@ const NAMESPACES: &str =
 #[tokio::test]
 async fn a_person_looks_a_counter_up_in_the_console() {
     let _serial = serial().await;
-    let dir = TempDir::new("tally-console");
-    let redis = RedisServer::start().await;
-    let setup = AggregatorSetup::create("console", &redis.url(), 2).await;
-    let namespaces = dir.path().join("namespaces.toml");
-    std::fs::write(&namespaces, NAMESPACES).expect("written");
-    let namespaces = namespaces.to_str().expect("utf-8").to_owned();
-    let mut aggregator = setup.spawn(
-        dir.path(),
-        &["--namespaces", &namespaces, "--trending-interval-ms", "500"],
-    );
-    let server = ApiServer::start(
-        &[
-            "--brokers",
-            &setup.brokers,
-            "--topic",
-            &setup.topic,
-            "--group",
-            &setup.group,
-            "--key-prefix",
-            &setup.key_prefix,
-            "--shard-groups",
-            "16",
-            "--namespaces",
-            &namespaces,
-        ],
-        &[("TALLY_REDIS_URL", &redis.url())],
-        &dir.path().join("server.log"),
-    )
-    .await;
+    let stack = Stack::start("console", 2, NAMESPACES).await;
+    let (setup, server) = (&stack.setup, &stack.server);
 
     // views:video:7 gets 1,234 over 13 events; video 8 a little; likes:post:7 two likes.
     let mut events: Vec<_> = (0..12)
@@ -66,7 +39,7 @@ async fn a_person_looks_a_counter_up_in_the_console() {
             .await;
         assert_eq!(status, 202, "{body}");
     }
-    let exact = reader(&redis.url(), setup.keyspace()).await;
+    let exact = stack.reader().await;
     eventually(Duration::from_secs(60), "totals flushed", || async {
         let totals = exact
             .get_many(&["views:video:7", "likes:post:7"])
@@ -144,5 +117,6 @@ async fn a_person_looks_a_counter_up_in_the_console() {
     if let Ok(path) = std::env::var("TALLY_SCREENSHOT_TO") {
         std::fs::write(&path, &png).expect("screenshot written");
     }
+    let mut aggregator = stack.aggregator;
     aggregator.stop_gracefully().await;
 }

@@ -9,45 +9,24 @@ use std::time::Duration;
 use tally_aggregator::pg_schema::{self, Schema};
 use tally_cli::load::LoadSpec;
 use tally_tests::postgres::PgServer;
+use tally_tests::scenarios::{Store, sigkill_storm, zombie_is_fenced_off};
 use tally_tests::{
-    AggregatorSetup, ApiServer, RedisServer, TempDir, binary, finish_load, kill_repeatedly, seed,
-    serial, start_load, unique,
+    AggregatorSetup, ApiServer, RedisServer, TempDir, binary, finish_load, seed, serial,
+    start_load, unique, wait_for_totals,
 };
 
-/// Waits until the store's rows sum to `expected` for every counter; panics with the largest
-/// differences otherwise.
-async fn wait_for_postgres_totals(url: &str, prefix: &str, expected: &HashMap<String, i64>) {
-    let options = pg_schema::PoolOptions {
-        password: None,
-        size: 2,
-        statement_timeout: None,
-    };
-    let pool = pg_schema::pool(url, options).expect("pool");
-    let schema = Schema::new(prefix).expect("schema");
-    let counters: Vec<&str> = expected.keys().map(String::as_str).collect();
-    let want: Vec<i64> = counters.iter().map(|c| expected[*c]).collect();
-    let deadline = std::time::Instant::now() + Duration::from_secs(120);
-    loop {
-        let got = pg_schema::totals(&pool, &schema, &counters).await.ok();
-        if got.as_ref() == Some(&want) {
-            return;
-        }
-        if std::time::Instant::now() > deadline {
-            let got = got.unwrap_or_default();
-            let mut off: Vec<(&str, i64, i64)> = (counters.iter().zip(&want).zip(&got))
-                .filter(|((_, w), g)| w != g)
-                .map(|((c, w), g)| (*c, *w, *g))
-                .collect();
-            off.sort_by_key(|(_, w, g)| std::cmp::Reverse((w - g).abs()));
-            panic!(
-                "{} counters off after 120 s; largest (counter, want, got): {:?}",
-                off.len(),
-                &off[..off.len().min(5)]
-            );
-        }
-        // Polling, as `eventually` does: the flushes land at their own pace.
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+/// Waits until the rows in PostgreSQL sum to `expected` for every counter of `setup`'s
+/// deployment; panics with the largest differences otherwise.
+async fn wait_for_postgres_totals(
+    redis_url: &str,
+    url: &str,
+    setup: &AggregatorSetup,
+    expected: &HashMap<String, i64>,
+) {
+    let reader = Store::postgres(redis_url, url)
+        .reader(setup.keyspace())
+        .await;
+    wait_for_totals(&reader, expected, Duration::from_secs(120)).await;
 }
 
 fn spec(events: u64, rate: u64, seed: u64) -> LoadSpec {
@@ -65,27 +44,12 @@ fn spec(events: u64, rate: u64, seed: u64) -> LoadSpec {
 #[tokio::test]
 async fn exactly_once_into_postgres_through_sigkills() {
     let _serial = serial().await;
-    let seed = seed();
     let dir = TempDir::new("tally-pg-store");
     let redis = RedisServer::start().await;
     let pg = PgServer::start().await;
-    let setup = AggregatorSetup::create("pg-kills", &redis.url(), 8).await;
-    let url = pg.url();
-    let member = format!("group.instance.id={}", unique("member"));
-    let flags = [
-        "--store",
-        "postgres",
-        "--postgres-url",
-        &url,
-        "--kafka-option",
-        &member,
-    ];
-    let events = 500_000;
-    let first = setup.spawn(dir.path(), &flags);
-    let load = start_load(&setup.topic, spec(events, 20_000, seed));
-    let mut last = kill_repeatedly(&setup, dir.path(), &flags, first, 10, seed, &load).await;
-    let sent = finish_load(load, events).await;
-    wait_for_postgres_totals(&url, &setup.key_prefix, &sent.totals).await;
+    let (url, redis_url) = (pg.url(), redis.url());
+    let store = Store::postgres(&redis_url, &url);
+    let (setup, totals) = sigkill_storm("pg-kills", store, "partition", 500_000, 10).await;
 
     // The schema is the aggregator's own, at its latest version.
     let (client, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
@@ -109,7 +73,7 @@ async fn exactly_once_into_postgres_through_sigkills() {
     assert_eq!(versions, (1..=latest).collect::<Vec<_>>());
 
     // `tally get --store postgres` prints the same totals.
-    let mut sample: Vec<(&String, &i64)> = sent.totals.iter().take(3).collect();
+    let mut sample: Vec<(&String, &i64)> = totals.iter().take(3).collect();
     sample.sort();
     let out = std::process::Command::new(binary("tally"))
         .args([
@@ -205,7 +169,6 @@ async fn exactly_once_into_postgres_through_sigkills() {
             .sum();
         assert_eq!(shares, **total, "{inspected}");
     }
-    last.stop_gracefully().await;
     assert!(!pg.log().contains("deadlock detected"), "{}", pg.log());
 }
 
@@ -214,64 +177,17 @@ async fn exactly_once_into_postgres_through_sigkills() {
 #[tokio::test]
 async fn a_zombie_is_fenced_off_in_postgres() {
     let _serial = serial().await;
-    let seed = seed();
-    let dir = TempDir::new("tally-pg-zombie");
     let redis = RedisServer::start().await;
     let pg = PgServer::start().await;
-    let setup = AggregatorSetup::create("pg-zombie", &redis.url(), 8).await;
     let url = pg.url();
-    let flags = [
-        "--store",
-        "postgres",
-        "--postgres-url",
-        &url,
-        "--kafka-option",
-        "max.poll.interval.ms=7000",
-    ];
-    let slow = AggregatorSetup {
-        flush_interval_ms: 3000,
-        ..setup.clone()
-    };
-    let mut zombie = slow.spawn(dir.path(), &flags);
-    let load = start_load(&setup.topic, spec(200_000, 10_000, seed));
-    zombie
-        .wait_metric("tally_flushes_total", 8.0, Duration::from_secs(60))
-        .await;
-    let mut survivor = setup.spawn(dir.path(), &flags);
-    survivor
-        .wait_metric("tally_flushes_total", 2.0, Duration::from_secs(60))
-        .await;
-    zombie
-        .wait_metric("tally_buffered_events", 1.0, Duration::from_secs(10))
-        .await;
-    zombie.signal("STOP");
-    survivor
-        .wait_metric("tally_assigned_partitions", 8.0, Duration::from_secs(60))
-        .await;
-    let flushed = survivor.metric("tally_flushes_total").await.unwrap_or(0.0);
-    survivor
-        .wait_metric(
-            "tally_flushes_total",
-            flushed + 8.0,
-            Duration::from_secs(30),
-        )
-        .await;
-    assert!(!load.is_finished(), "the load ended while the zombie slept");
-    zombie.signal("CONT");
-    let fenced = zombie
-        .wait_metric("tally_fenced_writes_total", 1.0, Duration::from_secs(30))
-        .await;
-    eprintln!("the zombie's transactions refused by fences: {fenced}");
-    let sent = finish_load(load, 200_000).await;
-    wait_for_postgres_totals(&url, &setup.key_prefix, &sent.totals).await;
-    zombie.stop_gracefully().await;
-    survivor.stop_gracefully().await;
+    zombie_is_fenced_off(
+        "pg-zombie",
+        Store::postgres(&redis.url(), &url),
+        "partition",
+    )
+    .await;
 }
 
-/// PostgreSQL itself failing under a live stream, with a pool of two connections for eight
-/// partitions: a fast shutdown and restart, statements cancelled by the statement timeout while
-/// another session holds a lock on the shares, and a SIGKILL of the postmaster (crash recovery on
-/// restart). Every failed flush is retried; the totals end exact.
 /// Waits until `aggregator` has made 8 more flushes durable.
 async fn progress(aggregator: &tally_tests::AggregatorProcess) {
     let now = aggregator
@@ -283,6 +199,10 @@ async fn progress(aggregator: &tally_tests::AggregatorProcess) {
         .await;
 }
 
+/// PostgreSQL itself failing under a live stream, with a pool of two connections for eight
+/// partitions: a fast shutdown and restart, statements cancelled by the statement timeout while
+/// another session holds a lock on the shares, and a SIGKILL of the postmaster (crash recovery on
+/// restart). Every failed flush is retried; the totals end exact.
 #[tokio::test]
 async fn postgres_restarts_statement_timeouts_and_a_small_pool_lose_nothing() {
     let _serial = serial().await;
@@ -359,7 +279,7 @@ async fn postgres_restarts_statement_timeouts_and_a_small_pool_lose_nothing() {
     progress(&aggregator).await;
 
     let sent = finish_load(load, events).await;
-    wait_for_postgres_totals(&url, &setup.key_prefix, &sent.totals).await;
+    wait_for_postgres_totals(&redis.url(), &url, &setup, &sent.totals).await;
     let failed = aggregator
         .metric("tally_redis_errors_total")
         .await
@@ -541,7 +461,7 @@ async fn overflow_is_refused_and_bad_messages_dead_lettered_with_postgres() {
             .map_err(|(e, _)| e)
             .expect("acknowledged");
     }
-    wait_for_postgres_totals(&url, &setup.key_prefix, &expected).await;
+    wait_for_postgres_totals(&redis.url(), &url, &setup, &expected).await;
     let big: i64 = client
         .query_one(
             &format!(
@@ -594,6 +514,6 @@ async fn at_least_once_into_postgres_counts_every_event() {
     let mut aggregator = setup.spawn(dir.path(), &flags);
     let load = start_load(&setup.topic, spec(50_000, 0, seed()));
     let sent = finish_load(load, 50_000).await;
-    wait_for_postgres_totals(&url, &setup.key_prefix, &sent.totals).await;
+    wait_for_postgres_totals(&redis.url(), &url, &setup, &sent.totals).await;
     aggregator.stop_gracefully().await;
 }

@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use tally_tests::{AggregatorSetup, ApiServer, RedisServer, TempDir, eventually, reader, serial};
+use tally_tests::{Stack, eventually, serial};
 
 /// The fenced block after `<!-- example: name -->` in the README.
 fn example(readme: &str, name: &str) -> String {
@@ -39,32 +39,8 @@ async fn the_readme_http_examples_run_verbatim_and_print_the_right_numbers() {
     let _serial = serial().await;
     let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md"))
         .expect("README.md");
-    let dir = TempDir::new("tally-readme");
-    let redis = RedisServer::start().await;
-    let setup = AggregatorSetup::create("readme", &redis.url(), 2).await;
-    let namespaces = dir.path().join("namespaces.toml");
-    std::fs::write(&namespaces, "[namespaces.likes]\ndedup = true\n").expect("written");
-    let namespaces = namespaces.to_str().expect("utf-8").to_owned();
-    let mut aggregator = setup.spawn(dir.path(), &["--namespaces", &namespaces]);
-    let server = ApiServer::start(
-        &[
-            "--brokers",
-            &setup.brokers,
-            "--topic",
-            &setup.topic,
-            "--group",
-            &setup.group,
-            "--key-prefix",
-            &setup.key_prefix,
-            "--shard-groups",
-            "16",
-            "--namespaces",
-            &namespaces,
-        ],
-        &[("TALLY_REDIS_URL", &redis.url())],
-        &dir.path().join("server.log"),
-    )
-    .await;
+    let stack = Stack::start("readme", 2, "[namespaces.likes]\ndedup = true\n").await;
+    let server = &stack.server;
     let url = server.url();
 
     let curl_write = run("bash", "-c", &example(&readme, "curl-write"), &url);
@@ -72,7 +48,7 @@ async fn the_readme_http_examples_run_verbatim_and_print_the_right_numbers() {
     let python_write = run("python3", "-c", &example(&readme, "python-write"), &url);
     assert_eq!(python_write.trim(), "2");
 
-    let exact = reader(&redis.url(), setup.keyspace()).await;
+    let exact = stack.reader().await;
     eventually(
         Duration::from_secs(60),
         "the examples' events counted",
@@ -96,5 +72,6 @@ async fn the_readme_http_examples_run_verbatim_and_print_the_right_numbers() {
     );
     let python_read = run("python3", "-c", &example(&readme, "python-read"), &url);
     assert_eq!(python_read, "likes:post:42 1\nviews:video:9 14\n");
+    let mut aggregator = stack.aggregator;
     aggregator.stop_gracefully().await;
 }

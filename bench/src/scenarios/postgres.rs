@@ -4,12 +4,11 @@
 
 use std::process::Command;
 use std::sync::Arc;
-use std::time::Duration;
 
 use anyhow::{Context, bail};
 use tally_common::{CachedReader, Keyspace, Namespaces, Policy, Reader, RedisConn, pg};
 
-use super::reads::time;
+use super::reads::read_latencies;
 use crate::env::Env;
 use crate::probe;
 use crate::results::{PostgresRun, ReadLatency};
@@ -118,34 +117,12 @@ pub(crate) async fn postgres_reads(env: &Env<'_>) -> anyhow::Result<Vec<ReadLate
             })),
         )
     };
-    let n = env.args.reads;
-    let mut out = Vec::new();
-    let hit = cached(3_600_000);
-    hit.get(&feed[0]).await?;
-    out.push(time("PostgreSQL store: get, cache hit", n, || hit.get(&feed[0])).await?);
-    let miss = cached(1);
-    out.push(
-        time(
-            "PostgreSQL store: get, cache miss (shared entry, lock, SUM over the rows, write back)",
-            n,
-            || async {
-                tokio::time::sleep(Duration::from_millis(2)).await;
-                miss.get(&feed[1]).await
-            },
-        )
-        .await?,
-    );
-    out.push(
-        time(
-            "PostgreSQL store: get_many of 1,000, cache miss",
-            n / 10,
-            || async {
-                tokio::time::sleep(Duration::from_millis(2)).await;
-                miss.get_many(&feed).await
-            },
-        )
-        .await?,
-    );
-    out.push(time("PostgreSQL store: get_exact", n, || hit.get_exact(&feed[2])).await?);
-    Ok(out)
+    read_latencies(
+        "PostgreSQL store: ",
+        "shared entry, lock, SUM over the rows, write back",
+        cached,
+        &feed,
+        env.args.reads,
+    )
+    .await
 }

@@ -34,39 +34,59 @@ pub(crate) async fn reads(env: &Env<'_>) -> anyhow::Result<Vec<ReadLatency>> {
             })),
         )
     };
-    let n = env.args.reads;
+    read_latencies(
+        "",
+        "shared entry, lock, 16 MGETs, write back",
+        cached,
+        &feed,
+        env.args.reads,
+    )
+    .await
+}
+
+/// The read latencies of one store: `cached(ttl_ms)` makes a cached reader over it, `feed` names
+/// 1,000 counters it holds; each name starts with `label`, and a miss says `how` it refreshes.
+pub(crate) async fn read_latencies(
+    label: &str,
+    how: &str,
+    cached: impl Fn(u64) -> CachedReader,
+    feed: &[String],
+    n: usize,
+) -> anyhow::Result<Vec<ReadLatency>> {
     let mut out = Vec::new();
     let hit = cached(3_600_000);
     hit.get(&feed[0]).await?;
-    out.push(time("get, cache hit", n, || hit.get(&feed[0])).await?);
+    out.push(time(&format!("{label}get, cache hit"), n, || hit.get(&feed[0])).await?);
     // A 1 ms TTL: every read finds both levels stale and takes the whole refresh path.
     let miss = cached(1);
     out.push(
+        time(&format!("{label}get, cache miss ({how})"), n, || async {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+            miss.get(&feed[1]).await
+        })
+        .await?,
+    );
+    hit.get_many(feed).await?;
+    out.push(
         time(
-            "get, cache miss (shared entry, lock, 16 MGETs, write back)",
-            n,
+            &format!("{label}get_many of 1,000, cache hit"),
+            n / 10,
+            || hit.get_many(feed),
+        )
+        .await?,
+    );
+    out.push(
+        time(
+            &format!("{label}get_many of 1,000, cache miss"),
+            n / 10,
             || async {
                 tokio::time::sleep(Duration::from_millis(2)).await;
-                miss.get(&feed[1]).await
+                miss.get_many(feed).await
             },
         )
         .await?,
     );
-    hit.get_many(&feed).await?;
-    out.push(
-        time("get_many of 1,000, cache hit", n / 10, || {
-            hit.get_many(&feed)
-        })
-        .await?,
-    );
-    out.push(
-        time("get_many of 1,000, cache miss", n / 10, || async {
-            tokio::time::sleep(Duration::from_millis(2)).await;
-            miss.get_many(&feed).await
-        })
-        .await?,
-    );
-    out.push(time("get_exact", n, || hit.get_exact(&feed[2])).await?);
+    out.push(time(&format!("{label}get_exact"), n, || hit.get_exact(&feed[2])).await?);
     Ok(out)
 }
 
