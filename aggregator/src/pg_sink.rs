@@ -32,8 +32,11 @@ use tally_common::pg::Schema;
 
 /// Classifies a PostgreSQL error.
 fn classify(error: tokio_postgres::Error) -> SinkError {
+    // Without a SQLSTATE, only an I/O failure is the connection's: a conversion or protocol
+    // error would fail again.
+    let io = std::error::Error::source(&error).is_some_and(|s| s.is::<std::io::Error>());
     let retryable = error.is_closed()
-        || error.code().is_none()
+        || io
         || error.code().is_some_and(|code| {
             code.code().starts_with("08") // connection exceptions
                 || [

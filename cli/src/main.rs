@@ -293,16 +293,16 @@ async fn get_reader(args: &GetArgs) -> anyhow::Result<Reader> {
     let url = (args.postgres_url.as_deref())
         .context("--store postgres needs --postgres-url (or TALLY_POSTGRES_URL)")?;
     let password = std::env::var("TALLY_POSTGRES_PASSWORD").ok();
-    let pool = pg::pool(
+    let store = pg::PgStore::connect(
         url,
         pg::PoolOptions {
             password: password.as_deref(),
             size: 2,
             statement_timeout: None,
         },
+        &args.redis.key_prefix,
     )?;
-    let schema = pg::Schema::new(&args.redis.key_prefix)?;
-    Ok(reader.with_store(Arc::new(pg::PgStore::new(pool, schema))))
+    Ok(reader.with_store(Arc::new(store)))
 }
 
 /// `tally like` (`add`) and `tally unlike`.

@@ -297,6 +297,12 @@ impl PgStore {
         Self { pool, schema }
     }
 
+    /// The rows of the deployment whose key prefix is `prefix`, in the server at `url`, through
+    /// a pool made with `options` (connections are made when first used).
+    pub fn connect(url: &str, options: PoolOptions<'_>, prefix: &str) -> Result<Self, PgError> {
+        Ok(Self::new(pool(url, options)?, Schema::new(prefix)?))
+    }
+
     /// A direct write: adds `delta` to `counter`'s row for `shard` (one upsert).
     pub async fn add(&self, counter: &str, shard: u32, delta: i64) -> Result<(), PgError> {
         let client = self

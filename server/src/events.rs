@@ -136,22 +136,17 @@ pub async fn post_events(
 ) -> Result<Json<Accepted>, ApiError> {
     let Json(body) = body?;
     let events = parse(body)?;
+    // All handed to librdkafka first (in order), then every acknowledgement awaited.
     let mut pending = Vec::with_capacity(events.len());
-    for (index, event) in events.iter().enumerate() {
-        match state.producer.enqueue(event).await {
-            Ok(p) => pending.push((index, Some(p))),
-            Err(e) => {
-                tracing::warn!(error = %e, "an event could not be handed to librdkafka");
-                pending.push((index, None));
-            }
-        }
+    for event in &events {
+        pending.push(state.producer.enqueue(event).await);
     }
     let mut failed = Vec::new();
     let mut reason = None;
-    for (index, p) in pending {
-        let outcome = match p {
-            Some(p) => p.acked().await.map(|_| ()),
-            None => Err(tally_producer::ProduceError::Canceled),
+    for (index, enqueued) in pending.into_iter().enumerate() {
+        let outcome = match enqueued {
+            Ok(p) => p.acked().await.map(|_| ()),
+            Err(e) => Err(e),
         };
         if let Err(e) = outcome {
             reason.get_or_insert_with(|| e.to_string());

@@ -50,16 +50,15 @@ async fn main() -> anyhow::Result<()> {
     let mut direct = DirectWriter::new(conn.clone(), keyspace.clone(), namespaces.clone());
     if let Some(postgres) = &config.postgres {
         // The counts live in PostgreSQL: read the rows on a cache miss, cache totals in Redis.
-        let pool = pg::pool(
+        let store = pg::PgStore::connect(
             &postgres.url,
             pg::PoolOptions {
                 password: postgres.password.as_deref(),
                 size: postgres.pool_size,
                 statement_timeout: Some(postgres.statement_timeout),
             },
+            &config.key_prefix,
         )?;
-        let schema = pg::Schema::new(&config.key_prefix)?;
-        let store = pg::PgStore::new(pool, schema);
         reader = reader.with_store(Arc::new(store.clone()));
         // Direct namespaces' writes go to the rows too.
         direct = direct.with_store(store);

@@ -177,8 +177,7 @@ impl Pipeline {
     /// The pipeline's state now (or as read less than [`FRESH_FOR`] ago).
     pub async fn state(&self, reader: &tally_common::Reader) -> Result<PipelineState, ApiError> {
         let mut last = self.last.lock().await;
-        if let Some((at, state)) = last.as_ref().filter(|(at, _)| at.elapsed() < FRESH_FOR) {
-            let _ = at;
+        if let Some((_, state)) = last.as_ref().filter(|(at, _)| at.elapsed() < FRESH_FOR) {
             return Ok(state.clone());
         }
         let (consumer, topic) = (self.consumer.clone(), self.topic.clone());

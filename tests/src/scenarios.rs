@@ -67,9 +67,9 @@ impl<'a> Store<'a> {
             size: 2,
             statement_timeout: None,
         };
-        let pool = pg::pool(url, options).expect("PostgreSQL pool");
-        let schema = pg::Schema::new(keyspace.prefix()).expect("schema");
-        redis.with_store(std::sync::Arc::new(pg::PgStore::new(pool, schema)))
+        let store =
+            pg::PgStore::connect(url, options, keyspace.prefix()).expect("PostgreSQL store");
+        redis.with_store(std::sync::Arc::new(store))
     }
 }
 

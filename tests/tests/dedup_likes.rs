@@ -97,9 +97,8 @@ fn postgres_reader(reader: tally_common::Reader, url: &str, prefix: &str) -> tal
         size: 2,
         statement_timeout: None,
     };
-    let pool = pg::pool(url, options).expect("pool");
-    let schema = pg::Schema::new(prefix).expect("schema");
-    reader.with_store(std::sync::Arc::new(pg::PgStore::new(pool, schema)))
+    let store = pg::PgStore::connect(url, options, prefix).expect("PostgreSQL store");
+    reader.with_store(std::sync::Arc::new(store))
 }
 
 async fn like_storm(name: &str, redis: &RedisServer, redis_url: &str, postgres: Option<&str>) {
