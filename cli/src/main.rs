@@ -15,7 +15,7 @@ use clap::{Parser, Subcommand};
 use tally_aggregator::compact::Compactor;
 use tally_aggregator::config::Store;
 use tally_cli::load::{self, LoadSpec};
-use tally_cli::verify;
+use tally_cli::{audit, verify};
 use tally_common::{CachedReader, Keyspace, Namespaces, Reader, RedisConn, defaults, pg};
 use tally_producer::{Producer, ProducerConfig, Routing};
 
@@ -49,6 +49,9 @@ enum Command {
     /// Wait until Redis holds exactly the totals in a file of `<counter> <total>` lines (as
     /// written by `tally load --totals-out`), then print the largest; exit 1 on a mismatch.
     Verify(VerifyArgs),
+    /// Recount the log up to the durable offsets and compare every counter with the store:
+    /// print the counters checked, those off and the largest differences; exit 1 on any drift.
+    Audit(AuditArgs),
 }
 
 #[derive(Debug, clap::Args)]
@@ -193,6 +196,27 @@ struct VerifyArgs {
 }
 
 #[derive(Debug, clap::Args)]
+struct AuditArgs {
+    #[command(flatten)]
+    kafka: KafkaArgs,
+    /// The aggregators' consumer group (its committed offsets are the durable ones where no
+    /// exactly-once watermark is stored).
+    #[arg(long, env = "TALLY_GROUP", default_value = defaults::GROUP)]
+    group: String,
+    /// A librdkafka setting for the audit's consumer (security settings, say), as `key=value`.
+    #[arg(long = "kafka-option", value_parser = tally_aggregator::config::parse_key_value)]
+    kafka_options: Vec<(String, String)>,
+    /// Messages larger than this are dead letters, as the aggregator's max_message_bytes.
+    #[arg(long, env = "TALLY_MAX_MESSAGE_BYTES", default_value_t = tally_common::codec::DEFAULT_MAX_MESSAGE_BYTES)]
+    max_message_bytes: usize,
+    /// How many of the largest differences to print.
+    #[arg(long, default_value_t = 10)]
+    top: usize,
+    #[command(flatten)]
+    redis: RedisArgs,
+}
+
+#[derive(Debug, clap::Args)]
 struct KafkaArgs {
     /// Kafka bootstrap servers.
     #[arg(long, env = "TALLY_BROKERS", default_value = defaults::BROKERS)]
@@ -256,6 +280,7 @@ async fn main() -> anyhow::Result<ExitCode> {
         Command::Liked(args) => liked(args).await,
         Command::Load(args) => run_load(args).await,
         Command::Verify(args) => run_verify(args).await,
+        Command::Audit(args) => run_audit(args).await,
     }
 }
 
@@ -469,4 +494,56 @@ async fn run_verify(args: VerifyArgs) -> anyhow::Result<ExitCode> {
         println!("{counter:<28} {sent:>12} {got:>12}");
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// `tally audit`: recounts the log and prints the drift.
+async fn run_audit(args: AuditArgs) -> anyhow::Result<ExitCode> {
+    let namespaces = args.redis.namespaces()?;
+    let reader = args.redis.reader().await?;
+    let mut kafka = rdkafka::ClientConfig::new();
+    kafka.set("bootstrap.servers", &args.kafka.brokers);
+    for (key, value) in &args.kafka_options {
+        kafka.set(key, value);
+    }
+    let spec = audit::AuditSpec {
+        kafka,
+        topic: args.kafka.topic.clone(),
+        group: args.group.clone(),
+        max_message_bytes: args.max_message_bytes,
+    };
+    let report = audit::audit(&spec, &namespaces, &reader).await?;
+    let mut out = std::io::stdout().lock();
+    writeln!(
+        out,
+        "recounted {} events of {} ({} partitions, up to the durable offsets) in {:.1} s; {} dead letters not counted",
+        report.events,
+        spec.topic,
+        report.partitions,
+        report.elapsed.as_secs_f64(),
+        report.dead_letters,
+    )?;
+    writeln!(
+        out,
+        "counters checked: {}, off: {}, left out: {} moving (events not yet durable), {} direct, {} ambiguous",
+        report.checked,
+        report.drift.len(),
+        report.moving,
+        report.direct,
+        report.ambiguous,
+    )?;
+    for d in report.drift.iter().take(args.top) {
+        writeln!(
+            out,
+            "drift {} stored {} recounted {} difference {:+}",
+            d.counter,
+            d.stored,
+            d.recounted,
+            i128::from(d.stored) - i128::from(d.recounted),
+        )?;
+    }
+    Ok(if report.drift.is_empty() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
 }

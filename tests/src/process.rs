@@ -177,6 +177,70 @@ impl AggregatorSetup {
     }
 }
 
+/// What `tally audit` printed and how it exited.
+#[derive(Debug)]
+pub struct AuditRun {
+    /// Whether it exited 0 (no drift).
+    pub clean: bool,
+    /// Its standard output.
+    pub stdout: String,
+    /// Counters compared.
+    pub checked: usize,
+    /// Counters off: `(counter, stored, recounted)`, largest difference first.
+    pub drift: Vec<(String, i64, i64)>,
+    /// Counters left out as moving.
+    pub moving: usize,
+}
+
+impl AggregatorSetup {
+    /// Runs `tally audit` on this setup's topic and keyspace, with `extra` flags, and parses its
+    /// report.
+    pub fn audit(&self, extra: &[&str]) -> AuditRun {
+        let out = Command::new(binary("tally"))
+            .arg("audit")
+            .args(["--brokers", &self.brokers])
+            .args(["--topic", &self.topic])
+            .args(["--group", &self.group])
+            .env("TALLY_REDIS_URL", &self.redis_url)
+            .args(["--key-prefix", &self.key_prefix])
+            .args(["--top", "1000"])
+            .args(extra)
+            .output()
+            .expect("tally audit runs");
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            matches!(out.status.code(), Some(0 | 1)),
+            "tally audit failed: {}\n{stdout}{stderr}",
+            out.status
+        );
+        let number = |label: &str| -> usize {
+            let at = stdout
+                .find(label)
+                .unwrap_or_else(|| panic!("{label} in {stdout}"));
+            let rest = &stdout[at + label.len()..];
+            let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
+            digits.parse().expect("a number")
+        };
+        let drift = stdout
+            .lines()
+            .filter_map(|l| l.strip_prefix("drift "))
+            .map(|l| {
+                let f: Vec<&str> = l.split(' ').collect();
+                let n = |i: usize| f[i].parse::<i64>().expect("a number");
+                (f[0].to_owned(), n(2), n(4))
+            })
+            .collect();
+        AuditRun {
+            clean: out.status.success(),
+            checked: number("counters checked: "),
+            moving: number("left out: "),
+            drift,
+            stdout,
+        }
+    }
+}
+
 impl AggregatorProcess {
     /// The port serving its /metrics, /healthz and /readyz.
     pub fn metrics_port(&self) -> u16 {

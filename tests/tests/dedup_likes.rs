@@ -3,7 +3,8 @@
 //! namespace, with the aggregator SIGKILLed five times mid-stream. Every total equals the number
 //! of distinct actors whose last action was a like, and `has_liked` agrees with that last action.
 //! Run with Lua scripts, again as a Redis user that may not run scripts (WATCH/MULTI/EXEC), and
-//! with PostgreSQL as the store of record (a members table in the flush's transaction).
+//! with PostgreSQL as the store of record (a members table in the flush's transaction). On Redis,
+//! `tally audit` then recounts the log by the one-per-actor rule and finds no drift.
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -143,6 +144,12 @@ async fn like_storm(name: &str, redis: &RedisServer, redis_url: &str, postgres: 
         );
     }
     last.stop_gracefully().await;
+    if postgres.is_none() {
+        let audit = setup.audit(&["--namespaces", namespaces.to_str().expect("utf-8 path")]);
+        eprintln!("{}", audit.stdout);
+        assert!(audit.clean, "no drift: {}", audit.stdout);
+        assert_eq!(audit.checked, totals.len(), "every counter checked");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

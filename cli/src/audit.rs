@@ -1,0 +1,444 @@
+//! `tally audit`: recount the log and compare with what the store holds.
+//!
+//! The audit reads tally's topic with a consumer of its own (it joins no group and commits
+//! nothing), recomputes every counter's total by the namespaces' rules ([`Recount`]), reads the
+//! totals through [`Reader::get_many`] in bounded chunks, and reports the drift.
+//!
+//! **Against a live pipeline.** Each partition is recounted up to its *durable* offset `D`: the
+//! exactly-once watermark (everything before it is applied in every shard group), or, without
+//! one, the group's committed offset. Counts are read after that. Then the log's end `E` is
+//! read, and every counter with an event in `[D, E)` is left out as *moving*: its stored total
+//! may include some of those events. Every other counter's events all lie before `D`, so its
+//! stored total must equal the recount exactly. A quiet pipeline leaves nothing out.
+//!
+//! Also left out, and counted in the report: counters of namespaces written directly to the store
+//! (`write_path = "direct"`: their events never pass through the log), and, in namespaces that
+//! count one per actor, counters where one actor's likes and unlikes came through several
+//! partitions (their order, and so the outcome, is not defined by the log).
+//!
+//! Totals are recounted from the first offset: if retention has deleted the start of a
+//! partition, the audit refuses, since the deleted events are in the totals.
+
+use std::collections::{HashMap, HashSet};
+use std::time::{Duration, Instant};
+
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::error::KafkaError;
+use rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
+use tally_common::namespace::WritePath;
+use tally_common::{Namespaces, Reader, codec};
+
+/// Longest one Kafka metadata or offset request may take.
+const KAFKA_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Longest the log may go without delivering anything the audit still waits for.
+const STALL_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Counters read from the store per round trip.
+const READ_CHUNK: usize = 2_000;
+
+/// What to audit.
+#[derive(Debug, Clone)]
+pub struct AuditSpec {
+    /// Kafka client settings: the brokers and any security options.
+    pub kafka: ClientConfig,
+    /// tally's topic.
+    pub topic: String,
+    /// The aggregators' consumer group (for its committed offsets, when there is no watermark).
+    pub group: String,
+    /// Messages larger than this are dead letters (the aggregator's `max_message_bytes`).
+    pub max_message_bytes: usize,
+}
+
+/// Why an audit could not run.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum AuditError {
+    /// Kafka failed or does not have the topic.
+    #[error("kafka: {0}")]
+    Kafka(String),
+    /// The log no longer holds every event counted.
+    #[error(
+        "partition {partition} of {topic} starts at offset {start}: retention deleted the events before it, which the totals include, so they cannot be recounted"
+    )]
+    Truncated {
+        /// The topic.
+        topic: String,
+        /// The partition.
+        partition: i32,
+        /// Its first offset.
+        start: i64,
+    },
+    /// Reading the store failed.
+    #[error("store: {0}")]
+    Store(#[from] tally_common::ReadError),
+}
+
+impl From<KafkaError> for AuditError {
+    fn from(e: KafkaError) -> Self {
+        AuditError::Kafka(e.to_string())
+    }
+}
+
+/// The recount of a log, event by event, by the namespaces' rules: the same decoding, the same
+/// dead letters and the same one-per-actor rule as the aggregator.
+#[derive(Debug)]
+pub struct Recount<'a> {
+    namespaces: &'a Namespaces,
+    max_message_bytes: usize,
+    /// Sums of deltas, in namespaces that do not deduplicate.
+    totals: HashMap<String, i64>,
+    /// The last like (`true`) or unlike of each (counter, actor), and the partition it came
+    /// from, in namespaces that count one per actor.
+    members: HashMap<(String, String), (bool, i32)>,
+    /// Counters whose outcome the log does not define.
+    ambiguous: HashSet<String>,
+    /// Counters of namespaces written directly to the store.
+    direct: HashSet<String>,
+    /// Events recounted.
+    pub events: u64,
+    /// Messages the aggregator dead-letters (malformed, or a like without an actor).
+    pub dead_letters: u64,
+}
+
+impl<'a> Recount<'a> {
+    /// An empty recount.
+    pub fn new(namespaces: &'a Namespaces, max_message_bytes: usize) -> Self {
+        Self {
+            namespaces,
+            max_message_bytes,
+            totals: HashMap::new(),
+            members: HashMap::new(),
+            ambiguous: HashSet::new(),
+            direct: HashSet::new(),
+            events: 0,
+            dead_letters: 0,
+        }
+    }
+
+    /// Counts one message of `partition`, in log order.
+    pub fn add(&mut self, partition: i32, payload: &[u8]) {
+        let Ok(event) = codec::decode(payload, self.max_message_bytes) else {
+            self.dead_letters += 1;
+            return;
+        };
+        let policy = self.namespaces.policy(&event.counter);
+        if policy.write_path == WritePath::Direct {
+            self.direct.insert(event.counter.into_owned());
+            self.events += 1;
+            return;
+        }
+        if !policy.dedup {
+            *self.totals.entry(event.counter.into_owned()).or_default() += event.delta;
+            self.events += 1;
+            return;
+        }
+        let Some(actor) = event.actor else {
+            self.dead_letters += 1;
+            return;
+        };
+        self.events += 1;
+        let like = event.delta > 0;
+        let counter = event.counter.into_owned();
+        match self.members.entry((counter, actor.into_owned())) {
+            std::collections::hash_map::Entry::Occupied(mut seen) => {
+                let (was, from) = *seen.get();
+                if from != partition && was != like {
+                    self.ambiguous.insert(seen.key().0.clone());
+                }
+                seen.insert((like, partition));
+            }
+            std::collections::hash_map::Entry::Vacant(new) => {
+                new.insert((like, partition));
+            }
+        }
+    }
+
+    /// Each recounted counter's total, and the counters left out (direct, ambiguous).
+    pub fn finish(self) -> (HashMap<String, i64>, HashSet<String>, HashSet<String>) {
+        let mut totals = self.totals;
+        for ((counter, _), (like, _)) in self.members {
+            *totals.entry(counter).or_default() += i64::from(like);
+        }
+        for counter in self.ambiguous.iter().chain(&self.direct) {
+            totals.remove(counter);
+        }
+        (totals, self.direct, self.ambiguous)
+    }
+}
+
+/// One counter the store and the log disagree on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Drift {
+    /// The counter.
+    pub counter: String,
+    /// What the store holds.
+    pub stored: i64,
+    /// What the log says it should hold.
+    pub recounted: i64,
+}
+
+/// What an audit found.
+#[derive(Debug, Clone)]
+pub struct Report {
+    /// Partitions read.
+    pub partitions: usize,
+    /// Events recounted (up to the durable offsets).
+    pub events: u64,
+    /// Messages the aggregator dead-letters, not counted.
+    pub dead_letters: u64,
+    /// Counters compared.
+    pub checked: usize,
+    /// Counters that differ, largest difference first.
+    pub drift: Vec<Drift>,
+    /// Counters left out because events after the durable offsets touch them.
+    pub moving: usize,
+    /// Counters left out because their namespace is written directly.
+    pub direct: usize,
+    /// Counters left out because one actor's likes came through several partitions.
+    pub ambiguous: usize,
+    /// How long it took.
+    pub elapsed: Duration,
+}
+
+/// Recounts `spec`'s topic up to the durable offsets and compares every counter with `reader`.
+pub async fn audit(
+    spec: &AuditSpec,
+    namespaces: &Namespaces,
+    reader: &Reader,
+) -> Result<Report, AuditError> {
+    let started = Instant::now();
+    let consumer = consumer(spec)?;
+    let logs = tokio::task::block_in_place(|| read_logs(&consumer, spec))?;
+    let durable = reader
+        .durable_offsets(&spec.topic, logs.len() as i32)
+        .await?;
+    let mut ranges = Vec::with_capacity(logs.len());
+    for (partition, (log, watermark)) in logs.iter().zip(durable).enumerate() {
+        let partition = partition as i32;
+        let durable = watermark.or(log.committed).unwrap_or(log.start);
+        if log.start > 0 {
+            return Err(AuditError::Truncated {
+                topic: spec.topic.clone(),
+                partition,
+                start: log.start,
+            });
+        }
+        ranges.push((partition, log.start, durable));
+    }
+
+    let mut recount = Recount::new(namespaces, spec.max_message_bytes);
+    tokio::task::block_in_place(|| {
+        read_range(&consumer, &spec.topic, &ranges, |p, payload| {
+            recount.add(p, payload)
+        })
+    })?;
+    let (events, dead_letters) = (recount.events, recount.dead_letters);
+    let (recounted, direct, ambiguous) = recount.finish();
+
+    let counters: Vec<&String> = recounted.keys().collect();
+    let mut stored = Vec::with_capacity(counters.len());
+    for chunk in counters.chunks(READ_CHUNK) {
+        stored.extend(reader.get_many(chunk).await?);
+    }
+
+    // Whatever the store held when it was read came from offsets before the log's end now.
+    let ends = tokio::task::block_in_place(|| read_logs(&consumer, spec))?;
+    let after: Vec<(i32, i64, i64)> = ranges
+        .iter()
+        .zip(&ends)
+        .map(|(&(p, _, durable), log)| (p, durable, log.end))
+        .collect();
+    let mut moving = HashSet::new();
+    tokio::task::block_in_place(|| {
+        read_range(&consumer, &spec.topic, &after, |_, payload| {
+            if let Ok(event) = codec::decode(payload, spec.max_message_bytes)
+                && !moving.contains(event.counter.as_ref())
+            {
+                moving.insert(event.counter.into_owned());
+            }
+        })
+    })?;
+
+    let mut checked = 0;
+    let mut drift = Vec::new();
+    for (counter, stored) in counters.into_iter().zip(stored) {
+        if moving.contains(counter) {
+            continue;
+        }
+        checked += 1;
+        let recounted = recounted[counter];
+        if stored != recounted {
+            drift.push(Drift {
+                counter: counter.clone(),
+                stored,
+                recounted,
+            });
+        }
+    }
+    drift.sort_by(|a, b| {
+        let size = |d: &Drift| d.stored.abs_diff(d.recounted);
+        size(b)
+            .cmp(&size(a))
+            .then_with(|| a.counter.cmp(&b.counter))
+    });
+    let moving = moving.iter().filter(|c| recounted.contains_key(*c)).count();
+    Ok(Report {
+        partitions: logs.len(),
+        events,
+        dead_letters,
+        checked,
+        drift,
+        moving,
+        direct: direct.len(),
+        ambiguous: ambiguous.len(),
+        elapsed: started.elapsed(),
+    })
+}
+
+/// What Kafka says of one partition.
+#[derive(Debug, Clone, Copy)]
+struct Log {
+    start: i64,
+    end: i64,
+    committed: Option<i64>,
+}
+
+fn consumer(spec: &AuditSpec) -> Result<BaseConsumer, AuditError> {
+    let mut config = spec.kafka.clone();
+    config
+        .set("group.id", &spec.group)
+        .set("enable.auto.commit", "false")
+        .set("enable.auto.offset.store", "false")
+        .set("enable.partition.eof", "true")
+        .set("isolation.level", "read_committed")
+        .set("fetch.wait.max.ms", "50");
+    Ok(config.create()?)
+}
+
+/// Each partition's log start and end and the group's committed offset.
+fn read_logs(consumer: &BaseConsumer, spec: &AuditSpec) -> Result<Vec<Log>, AuditError> {
+    let topic = &spec.topic;
+    let metadata = consumer.fetch_metadata(Some(topic), KAFKA_TIMEOUT)?;
+    let partitions = (metadata.topics().first())
+        .filter(|t| t.error().is_none())
+        .map(|t| t.partitions().len() as i32)
+        .filter(|n| *n > 0)
+        .ok_or_else(|| AuditError::Kafka(format!("topic {topic} does not exist")))?;
+    let mut tpl = TopicPartitionList::new();
+    for p in 0..partitions {
+        tpl.add_partition(topic, p);
+    }
+    let committed = consumer.committed_offsets(tpl, KAFKA_TIMEOUT)?;
+    (0..partitions)
+        .map(|p| {
+            let (start, end) = consumer.fetch_watermarks(topic, p, KAFKA_TIMEOUT)?;
+            let committed = match committed.find_partition(topic, p).map(|e| e.offset()) {
+                Some(Offset::Offset(o)) => Some(o),
+                _ => None,
+            };
+            Ok(Log {
+                start,
+                end,
+                committed,
+            })
+        })
+        .collect()
+}
+
+/// Reads `[from, to)` of each `(partition, from, to)` and hands every message's payload to
+/// `each`, in offset order per partition.
+fn read_range(
+    consumer: &BaseConsumer,
+    topic: &str,
+    ranges: &[(i32, i64, i64)],
+    mut each: impl FnMut(i32, &[u8]),
+) -> Result<(), AuditError> {
+    let mut tpl = TopicPartitionList::new();
+    let mut waiting = HashMap::new();
+    for &(p, from, to) in ranges.iter().filter(|(_, from, to)| from < to) {
+        tpl.add_partition_offset(topic, p, Offset::Offset(from))?;
+        waiting.insert(p, to);
+    }
+    consumer.assign(&tpl)?;
+    let mut progress = Instant::now();
+    while !waiting.is_empty() {
+        match consumer.poll(Duration::from_millis(100)) {
+            Some(Ok(message)) => {
+                let p = message.partition();
+                let Some(&to) = waiting.get(&p) else {
+                    continue;
+                };
+                progress = Instant::now();
+                if message.offset() < to {
+                    each(p, message.payload().unwrap_or_default());
+                }
+                if message.offset() + 1 >= to {
+                    waiting.remove(&p);
+                }
+            }
+            Some(Err(KafkaError::PartitionEOF(p))) => {
+                waiting.remove(&p);
+            }
+            Some(Err(e)) => return Err(e.into()),
+            None if progress.elapsed() > STALL_TIMEOUT => {
+                return Err(AuditError::Kafka(format!(
+                    "partitions {:?} delivered nothing for {STALL_TIMEOUT:?}",
+                    waiting.keys().collect::<Vec<_>>()
+                )));
+            }
+            None => {}
+        }
+    }
+    consumer.unassign()?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tally_common::CounterEvent;
+    use tally_common::codec::{DEFAULT_MAX_MESSAGE_BYTES, encode};
+
+    fn event(counter: &str, delta: i64, actor: Option<&str>) -> Vec<u8> {
+        let mut e = CounterEvent::new(counter, delta).expect("valid");
+        if let Some(actor) = actor {
+            e = e.with_actor(actor).expect("valid");
+        }
+        encode(&e)
+    }
+
+    #[test]
+    fn deltas_sum_and_likes_count_once_per_actor() {
+        let ns = Namespaces::from_toml(
+            "[namespaces.likes]\ndedup = true\n[namespaces.bids]\nwrite_path = \"direct\"\n",
+        )
+        .expect("valid");
+        let mut r = Recount::new(&ns, DEFAULT_MAX_MESSAGE_BYTES);
+        r.add(0, &event("views:v:1", 3, None));
+        r.add(1, &event("views:v:1", -1, Some("u1")));
+        r.add(0, &event("likes:p:1", 1, Some("u1")));
+        r.add(0, &event("likes:p:1", 1, Some("u1")));
+        r.add(0, &event("likes:p:1", 1, Some("u2")));
+        r.add(0, &event("likes:p:1", -1, Some("u2")));
+        r.add(0, &event("likes:p:1", 1, None));
+        r.add(0, b"not an event");
+        r.add(2, &event("bids:lot:1", 5, None));
+        // u3's like and unlike of p:2 came through two partitions: the outcome is undefined.
+        r.add(0, &event("likes:p:2", 1, Some("u3")));
+        r.add(1, &event("likes:p:2", -1, Some("u3")));
+        r.add(0, &event("likes:p:3", -1, Some("u3")));
+        assert_eq!((r.events, r.dead_letters), (10, 2));
+        let (totals, direct, ambiguous) = r.finish();
+        assert_eq!(
+            totals,
+            HashMap::from([
+                ("views:v:1".to_owned(), 2),
+                ("likes:p:1".to_owned(), 1),
+                ("likes:p:3".to_owned(), 0),
+            ])
+        );
+        assert_eq!(direct, HashSet::from(["bids:lot:1".to_owned()]));
+        assert_eq!(ambiguous, HashSet::from(["likes:p:2".to_owned()]));
+    }
+}
