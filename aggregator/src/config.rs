@@ -435,6 +435,12 @@ impl Settings {
             });
         }
         let store = self.store.unwrap_or_default();
+        if store == Store::Postgres && namespaces.any_windows() {
+            return Err(ConfigError::Invalid {
+                name: "store",
+                why: "windowed counts are kept in Redis only: a namespace with windows needs --store redis".to_owned(),
+            });
+        }
         let postgres = PostgresTarget::from_settings(
             store,
             self.postgres_url,

@@ -31,6 +31,7 @@ use rdkafka::consumer::{CommitMode, Consumer, ConsumerContext};
 use rdkafka::error::KafkaResult;
 use rdkafka::message::{BorrowedMessage, Message};
 use rdkafka::{Offset, TopicPartitionList};
+use tally_common::window::Placement;
 use tally_common::{DeadLetterReason, Keyspace, Namespaces, codec};
 use tokio::sync::mpsc;
 use tokio::task::{JoinHandle, JoinSet};
@@ -233,17 +234,25 @@ impl<S: Sink> Shared<S> {
         let payload = message.payload().unwrap_or_default();
         let decoded = codec::decode(payload, self.settings.max_message_bytes);
         let limits = &self.settings.limits;
+        let mut placement = Placement::default();
         let (handled, action) = match &decoded {
             Ok(event) => {
                 let policy = self.settings.namespaces.policy(&event.counter);
                 let actor = event.actor.as_deref();
                 let keyspace = &self.settings.keyspace;
                 let group = keyspace.group_for_event(policy.grouping, partition, actor);
+                if !policy.windows.is_empty() {
+                    let kafka_ms = message.timestamp().to_millis();
+                    placement = policy.windows.place(event.ts_ms, kafka_ms);
+                    self.metrics
+                        .window_dropped(placement.late, placement.future);
+                }
                 let entry = match actor {
                     _ if !policy.dedup => Entry::Delta {
                         group,
                         counter: &event.counter,
                         delta: event.delta,
+                        buckets: placement.buckets(),
                     },
                     Some(actor) => Entry::Member {
                         group,

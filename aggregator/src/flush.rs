@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
 
 use crate::backoff::Backoff;
-use crate::batch::{GroupBatch, Member, SealedBatch};
+use crate::batch::{GroupBatch, Member, SealedBatch, WindowDelta};
 use crate::dead_letter::{DeadLetter, DeadLetterQueue};
 use crate::fence::{Owner, Watermark};
 use crate::metrics::Metrics;
@@ -99,7 +99,7 @@ impl<S: Sink> Flusher<S> {
                     // Memberships never reach this path: dedup namespaces need exactly-once.
                     let applied = self
                         .retry(partition, g.group, cancel, || {
-                            self.sink.apply(g.group, &g.deltas)
+                            self.sink.apply(g.group, &g.deltas, &g.windows)
                         })
                         .await;
                     if applied.is_none() {
@@ -147,6 +147,7 @@ impl<S: Sink> Flusher<S> {
         for GroupBatch {
             group,
             deltas,
+            windows,
             members,
         } in &mut batch.groups
         {
@@ -164,6 +165,7 @@ impl<S: Sink> Flusher<S> {
                     expected_ledger: owner.ledgers[group as usize],
                     next_offset,
                     deltas,
+                    windows,
                     members,
                     watermark: watermark.as_deref(),
                 };
@@ -180,8 +182,7 @@ impl<S: Sink> Flusher<S> {
                             partition,
                             group,
                             next_offset,
-                            deltas,
-                            members,
+                            (deltas, windows, members),
                             &rejected,
                         );
                         if !self.send_dead_letters(partition, &letters, cancel).await {
@@ -197,6 +198,9 @@ impl<S: Sink> Flusher<S> {
                             match r {
                                 Refused::Delta(i) => {
                                     deltas.swap_remove(i);
+                                }
+                                Refused::Window(i) => {
+                                    windows.swap_remove(i);
                                 }
                                 Refused::Member(i) => {
                                     members.swap_remove(i);
@@ -343,8 +347,7 @@ fn rejected_letters(
     partition: i32,
     group: u32,
     next_offset: i64,
-    deltas: &[(String, i64)],
-    members: &[Member],
+    (deltas, windows, members): (&[(String, i64)], &[WindowDelta], &[Member]),
     rejected: &[Rejection],
 ) -> Vec<DeadLetter> {
     rejected
@@ -355,6 +358,16 @@ fn rejected_letters(
                     let (counter, delta) = &deltas[i];
                     let payload = serde_json::json!({ "counter": counter, "delta": delta });
                     (counter, payload, *delta)
+                }
+                Refused::Window(i) => {
+                    let w = &windows[i];
+                    let payload = serde_json::json!({
+                        "counter": w.counter,
+                        "delta": w.delta,
+                        "window_ms": w.width_ms,
+                        "bucket_start_ms": w.start_ms,
+                    });
+                    (&w.counter, payload, w.delta)
                 }
                 Refused::Member(i) => {
                     let m = &members[i];

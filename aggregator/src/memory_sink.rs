@@ -9,6 +9,7 @@ use std::collections::HashMap;
 use std::future::Future;
 use std::sync::{Arc, Mutex, PoisonError};
 
+use crate::batch::WindowDelta;
 use crate::sink::{Applied, GroupWrite, Sink, SinkError, Stamp};
 use crate::transactions::{
     Current, MemberState, flush_verdict, next_epoch_after, stamp_refusal, watermark_refusal,
@@ -78,7 +79,13 @@ impl MemorySink {
         Ok(self.lock())
     }
 
-    fn apply_now(&self, group: u32, deltas: &[(String, i64)]) -> Result<(), SinkError> {
+    fn apply_now(
+        &self,
+        group: u32,
+        deltas: &[(String, i64)],
+        windows: &[WindowDelta],
+    ) -> Result<(), SinkError> {
+        assert!(windows.is_empty(), "windows are not modelled here");
         let mut state = self.reach()?;
         for (counter, delta) in deltas {
             *state.counters.entry((group, counter.clone())).or_default() += delta;
@@ -96,13 +103,13 @@ impl MemorySink {
             })
             .collect();
         assert!(
-            write.members.is_empty(),
-            "memberships are not modelled here"
+            write.members.is_empty() && write.windows.is_empty(),
+            "memberships and windows are not modelled here"
         );
         let members: [MemberState; 0] = [];
         let fence = state.fences.get(&key).copied();
         let ledger = state.ledgers.get(&key).copied();
-        if let Some(verdict) = flush_verdict(fence, ledger, &currents, &members, &write) {
+        if let Some(verdict) = flush_verdict(fence, ledger, &currents, &[], &members, &write) {
             return Ok(verdict);
         }
         for (counter, delta) in write.deltas {
@@ -158,8 +165,9 @@ impl Sink for MemorySink {
         &self,
         group: u32,
         deltas: &[(String, i64)],
+        windows: &[WindowDelta],
     ) -> impl Future<Output = Result<(), SinkError>> + Send {
-        std::future::ready(self.apply_now(group, deltas))
+        std::future::ready(self.apply_now(group, deltas, windows))
     }
 
     fn apply_fenced(
@@ -304,6 +312,7 @@ mod tests {
                     group,
                     counter: "likes:post:1",
                     delta: 1,
+                    buckets: &[],
                 };
                 p.on_message(offset, entry, &limits).1
             })

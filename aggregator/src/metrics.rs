@@ -21,6 +21,8 @@ pub struct Metrics {
     events_consumed: IntCounter,
     /// Malformed messages copied to the dead-letter topic, by reason.
     events_dead_lettered: IntCounterVec,
+    /// Events left out of a window's bucket, by reason (`late`, `future`).
+    window_dropped: IntCounterVec,
     /// Batches made durable.
     flushes: IntCounter,
     /// Messages whose batch was made durable.
@@ -117,6 +119,11 @@ impl Metrics {
             events_dead_lettered: r.counter_vec(
                 "tally_events_dead_lettered_total",
                 "Malformed messages copied to the dead-letter topic, by reason.",
+                &["reason"],
+            ),
+            window_dropped: r.counter_vec(
+                "tally_window_events_dropped_total",
+                "Events of windowed namespaces counted in their total but left out of a window: late (their bucket closed more than the grace before they were produced, one per window) or future (their time more than the grace after it).",
                 &["reason"],
             ),
             flushes: r.counter("tally_flushes_total", "Batches made durable in Redis."),
@@ -226,6 +233,16 @@ impl Metrics {
         self.events_dead_lettered
             .with_label_values(&[reason.as_str()])
             .inc();
+    }
+
+    /// An event was left out of `late` windows, or of every window when from the `future`.
+    pub fn window_dropped(&self, late: usize, future: bool) {
+        if late > 0 {
+            (self.window_dropped.with_label_values(&["late"])).inc_by(late as u64);
+        }
+        if future {
+            self.window_dropped.with_label_values(&["future"]).inc();
+        }
     }
 
     /// A batch of `events` messages over `counters` counters became durable after `elapsed`.

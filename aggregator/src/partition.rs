@@ -17,6 +17,8 @@
 
 use std::time::{Duration, Instant, SystemTime};
 
+use tally_common::window::Bucket;
+
 use crate::batch::{Batch, FlushClock, Limits, Pace, SealedBatch};
 use crate::dead_letter::DeadLetter;
 use crate::fence::{Owner, Resume};
@@ -86,6 +88,8 @@ pub(crate) enum Entry<'a> {
         counter: &'a str,
         /// The delta.
         delta: i64,
+        /// The time buckets it also counts in (windowed namespaces; else empty).
+        buckets: &'a [Bucket],
     },
     /// A like (or unlike) in a namespace that counts one per actor.
     Member {
@@ -240,7 +244,13 @@ impl Partition {
                     group,
                     counter,
                     delta,
-                } => self.buffer.add(group, counter, delta, offset),
+                    buckets,
+                } => {
+                    if !buckets.is_empty() {
+                        self.buffer.add_to_buckets(group, counter, delta, buckets);
+                    }
+                    self.buffer.add(group, counter, delta, offset)
+                }
                 Entry::Member {
                     group,
                     counter,
@@ -557,6 +567,7 @@ mod tests {
             group: 0,
             counter,
             delta: 1,
+            buckets: &[],
         }
     }
 

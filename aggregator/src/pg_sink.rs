@@ -24,6 +24,7 @@ use std::future::Future;
 use deadpool_postgres::{Pool, PoolError};
 use tokio_postgres::error::SqlState;
 
+use crate::batch::WindowDelta;
 use crate::sink::{Applied, GroupWrite, Sink, SinkError, Stamp};
 use crate::transactions::{
     Current, MemberState, flush_verdict, next_epoch_after, stamp_refusal, watermark_refusal,
@@ -72,6 +73,17 @@ impl From<tokio_postgres::Error> for SinkError {
 }
 
 /// The batch's `(counter, delta)` pairs in counter order (the lock order), as two arrays.
+/// Windows are not kept in PostgreSQL: the configuration refuses them with `--store postgres`,
+/// and this refuses any that got through.
+fn no_windows(windows: &[WindowDelta]) -> Result<(), SinkError> {
+    if windows.is_empty() {
+        return Ok(());
+    }
+    Err(SinkError::fatal(
+        "windowed counts are not kept in PostgreSQL (--store postgres): remove the namespace's windows",
+    ))
+}
+
 fn sorted_columns(deltas: &[(String, i64)]) -> (Vec<&str>, Vec<i64>) {
     let mut pairs: Vec<(&str, i64)> = deltas.iter().map(|(c, d)| (c.as_str(), *d)).collect();
     pairs.sort_unstable_by(|a, b| a.0.cmp(b.0));
@@ -117,6 +129,7 @@ impl PgSink {
 
     async fn apply_fenced_now(&self, write: GroupWrite<'_>) -> Result<Applied, SinkError> {
         let sql = &self.schema.sql;
+        no_windows(write.windows)?;
         let mut client = self.client().await?;
         let tx = client.transaction().await?;
         let shard = write.group as i32;
@@ -149,7 +162,7 @@ impl PgSink {
                 counter: current(&m.counter),
             })
             .collect();
-        if let Some(verdict) = flush_verdict(fence, ledger, &currents, &members, &write) {
+        if let Some(verdict) = flush_verdict(fence, ledger, &currents, &[], &members, &write) {
             // Nothing written: the transaction rolls back as it is dropped.
             return Ok(verdict);
         }
@@ -277,8 +290,13 @@ impl Sink for PgSink {
         &self,
         group: u32,
         deltas: &[(String, i64)],
+        windows: &[WindowDelta],
     ) -> impl Future<Output = Result<(), SinkError>> + Send {
-        self.apply_now(group, deltas)
+        let refused = no_windows(windows);
+        async move {
+            refused?;
+            self.apply_now(group, deltas).await
+        }
     }
 
     fn apply_fenced(

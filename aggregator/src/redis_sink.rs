@@ -16,6 +16,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use redis::ErrorKind;
 use tally_common::{DeadLetterReason, Keyspace, RedisConn, RedisTarget};
 
+use crate::batch::WindowDelta;
 use crate::config::Atomicity;
 use crate::sink::{Applied, GroupWrite, Rejection, Sink, SinkError, SinkErrorKind, Stamp};
 use crate::transactions::Transactions;
@@ -177,14 +178,21 @@ impl RedisSink {
             .arg(write.expected_ledger)
             .arg(write.next_offset)
             .arg(write.watermark.unwrap_or(""))
-            .arg(write.deltas.len());
+            .arg(write.deltas.len())
+            .arg(write.windows.len());
         let mut key = String::new();
         for (counter, _) in write.deltas {
             ks.write_counter_key(&mut key, write.group, counter);
             invocation.key(&key);
         }
+        for w in write.windows {
+            invocation.key(ks.window_key(write.group, &w.counter, w.width_ms, w.start_ms));
+        }
         for (_, delta) in write.deltas {
             invocation.arg(*delta);
+        }
+        for w in write.windows {
+            invocation.arg(w.delta).arg(w.expire_at_ms);
         }
         for member in write.members {
             invocation
@@ -293,8 +301,13 @@ impl RedisSink {
 }
 
 impl Sink for RedisSink {
-    async fn apply(&self, group: u32, deltas: &[(String, i64)]) -> Result<(), SinkError> {
-        if deltas.is_empty() {
+    async fn apply(
+        &self,
+        group: u32,
+        deltas: &[(String, i64)],
+        windows: &[WindowDelta],
+    ) -> Result<(), SinkError> {
+        if deltas.is_empty() && windows.is_empty() {
             return Ok(());
         }
         let mut pipe = redis::pipe();
@@ -303,6 +316,11 @@ impl Sink for RedisSink {
         for (counter, delta) in deltas {
             self.keyspace.write_counter_key(&mut key, group, counter);
             pipe.cmd("INCRBY").arg(&key).arg(*delta).ignore();
+        }
+        for w in windows {
+            let key = (self.keyspace).window_key(group, &w.counter, w.width_ms, w.start_ms);
+            pipe.cmd("INCRBY").arg(&key).arg(w.delta).ignore();
+            pipe.cmd("PEXPIREAT").arg(&key).arg(w.expire_at_ms).ignore();
         }
         let mut conn = self.conn.clone();
         pipe.query_async::<()>(&mut conn).await?;

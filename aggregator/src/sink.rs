@@ -19,7 +19,7 @@ use std::future::Future;
 use redis::ErrorKind;
 use tally_common::DeadLetterReason;
 
-use crate::batch::Member;
+use crate::batch::{Member, WindowDelta};
 
 /// Why a sink write failed.
 #[derive(Debug, thiserror::Error)]
@@ -121,6 +121,8 @@ pub struct GroupWrite<'a> {
     pub next_offset: i64,
     /// `(counter, delta)` pairs to add.
     pub deltas: &'a [(String, i64)],
+    /// Deltas to add to time buckets of windowed namespaces, each key expiring with its bucket.
+    pub windows: &'a [WindowDelta],
     /// Likes and unlikes: membership changes, each counting only if it changes the membership.
     pub members: &'a [Member],
     /// The watermark to store in this group in the same operation, if it is the home group.
@@ -148,6 +150,8 @@ pub enum Applied {
 pub enum Refused {
     /// `deltas[i]`.
     Delta(usize),
+    /// `windows[i]`.
+    Window(usize),
     /// `members[i]`.
     Member(usize),
 }
@@ -163,12 +167,15 @@ pub struct Rejection {
 }
 
 impl GroupWrite<'_> {
-    /// What the script's 1-based `index` names: the deltas come first, then the memberships.
+    /// What the script's 1-based `index` names: the deltas come first, then the window deltas,
+    /// then the memberships.
     pub(crate) fn refused(&self, index: usize) -> Option<Refused> {
         let deltas = self.deltas.len();
+        let windows = deltas + self.windows.len();
         match index.checked_sub(1)? {
             i if i < deltas => Some(Refused::Delta(i)),
-            i if i - deltas < self.members.len() => Some(Refused::Member(i - deltas)),
+            i if i < windows => Some(Refused::Window(i - deltas)),
+            i if i - windows < self.members.len() => Some(Refused::Member(i - windows)),
             _ => None,
         }
     }
@@ -203,11 +210,13 @@ pub enum Stamp {
 
 /// Applies deltas to shard groups, and keeps the exactly-once bookkeeping beside them.
 pub trait Sink: Clone + Send + Sync + 'static {
-    /// At-least-once: adds each `(counter, delta)` to the counter's key in `group`, all or nothing.
+    /// At-least-once: adds each `(counter, delta)` to the counter's key in `group`, and each
+    /// window delta to its bucket's key, all or nothing.
     fn apply(
         &self,
         group: u32,
         deltas: &[(String, i64)],
+        windows: &[WindowDelta],
     ) -> impl Future<Output = Result<(), SinkError>> + Send;
 
     /// Exactly-once: one fenced, deduplicated, validated write into one group.
@@ -262,8 +271,15 @@ mod tests {
     use super::*;
 
     #[test]
-    fn script_indexes_name_the_deltas_then_the_memberships() {
+    fn script_indexes_name_the_deltas_then_the_windows_then_the_memberships() {
         let deltas = [("a".to_owned(), 1), ("b".to_owned(), 2)];
+        let windows = [WindowDelta {
+            counter: "a".to_owned(),
+            width_ms: 60_000,
+            start_ms: 0,
+            expire_at_ms: 120_000,
+            delta: 1,
+        }];
         let members = [Member {
             counter: "c".to_owned(),
             actor: "u".to_owned(),
@@ -276,16 +292,18 @@ mod tests {
             expected_ledger: -1,
             next_offset: 1,
             deltas: &deltas,
+            windows: &windows,
             members: &members,
             watermark: None,
         };
-        let refused: Vec<Option<Refused>> = (0..5).map(|i| write.refused(i)).collect();
+        let refused: Vec<Option<Refused>> = (0..6).map(|i| write.refused(i)).collect();
         assert_eq!(
             refused,
             [
                 None,
                 Some(Refused::Delta(0)),
                 Some(Refused::Delta(1)),
+                Some(Refused::Window(0)),
                 Some(Refused::Member(0)),
                 None
             ]

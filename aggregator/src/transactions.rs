@@ -23,6 +23,7 @@ use redis::{AsyncConnectionConfig, ErrorKind, Pipeline, ServerErrorKind, Value};
 use tally_common::connection::{DEFAULT_CONNECT_TIMEOUT, DEFAULT_RESPONSE_TIMEOUT};
 use tally_common::{DeadLetterReason, Keyspace, RedisTarget};
 
+use crate::batch::WindowDelta;
 use crate::sink::{Applied, GroupWrite, Refused, Rejection, SinkError, SinkErrorKind, Stamp};
 
 /// How many times one operation starts over after a conflicting write before it reports a
@@ -91,6 +92,18 @@ pub fn rejections(currents: &[Current], deltas: &[(String, i64)]) -> Vec<Rejecti
         .collect()
 }
 
+/// Why these window deltas cannot be applied, as the script gives it.
+fn window_rejections(currents: &[Current], windows: &[WindowDelta]) -> Vec<Rejection> {
+    (currents.iter().zip(windows).enumerate())
+        .filter_map(|(i, (current, w))| {
+            Some(Rejection {
+                refused: Refused::Window(i),
+                reason: current.refusal(w.delta)?,
+            })
+        })
+        .collect()
+}
+
 /// What a membership's keys hold.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MemberState {
@@ -139,6 +152,7 @@ pub fn flush_verdict(
     fence: Option<u64>,
     ledger: Option<i64>,
     currents: &[Current],
+    window_currents: &[Current],
     members: &[MemberState],
     write: &GroupWrite<'_>,
 ) -> Option<Applied> {
@@ -153,6 +167,7 @@ pub fn flush_verdict(
         return Some(Applied::RolledBack);
     }
     let mut rejected = rejections(currents, write.deltas);
+    rejected.extend(window_rejections(window_currents, write.windows));
     rejected.extend(member_rejections(members));
     (!rejected.is_empty()).then_some(Applied::Rejected(rejected))
 }
@@ -281,6 +296,9 @@ impl Transactions {
             .iter()
             .map(|(counter, _)| ks.counter_key(write.group, counter))
             .collect();
+        let window_keys: Vec<String> = (write.windows.iter())
+            .map(|w| ks.window_key(write.group, &w.counter, w.width_ms, w.start_ms))
+            .collect();
         let member_keys: Vec<(String, String)> = write
             .members
             .iter()
@@ -293,6 +311,7 @@ impl Transactions {
             .collect();
         let mut watch = vec![fence_key.clone(), ledger_key.clone()];
         watch.extend(counter_keys.iter().cloned());
+        watch.extend(window_keys.iter().cloned());
         for (set, counter) in &member_keys {
             watch.push(set.clone());
             watch.push(counter.clone());
@@ -302,13 +321,14 @@ impl Transactions {
         reads
             .hget(&fence_key, write.field)
             .hget(&ledger_key, write.field);
-        for key in &counter_keys {
+        for key in counter_keys.iter().chain(&window_keys) {
             reads.get(key);
         }
         for ((set, counter), m) in member_keys.iter().zip(write.members) {
             reads.sismember(set, &m.actor).get(counter);
         }
         let n = counter_keys.len();
+        let w = window_keys.len();
         self.optimistic(&watch, &reads, |replies| {
             let [fence, ledger, rest @ ..] = replies else {
                 return Err(protocol_error(
@@ -316,7 +336,7 @@ impl Transactions {
                     &Value::Array(replies.to_vec()),
                 ));
             };
-            if rest.len() != n + 2 * write.members.len() {
+            if rest.len() != n + w + 2 * write.members.len() {
                 return Err(protocol_error(
                     "short reply",
                     &Value::Array(replies.to_vec()),
@@ -326,7 +346,11 @@ impl Transactions {
                 .iter()
                 .map(current)
                 .collect::<Result<Vec<_>, _>>()?;
-            let states = rest[n..]
+            let window_currents = rest[n..n + w]
+                .iter()
+                .map(current)
+                .collect::<Result<Vec<_>, _>>()?;
+            let states = rest[n + w..]
                 .chunks(2)
                 .map(|pair| {
                     Ok(MemberState {
@@ -339,14 +363,19 @@ impl Transactions {
                     })
                 })
                 .collect::<Result<Vec<_>, SinkError>>()?;
+            let (fence, ledger) = (number(fence)?, number(ledger)?);
             if let Some(verdict) =
-                flush_verdict(number(fence)?, number(ledger)?, &currents, &states, &write)
+                flush_verdict(fence, ledger, &currents, &window_currents, &states, &write)
             {
                 return Ok(Plan::Done(verdict));
             }
             let mut writes = redis::pipe();
             for (key, (_, delta)) in counter_keys.iter().zip(write.deltas) {
                 writes.incr(key, *delta).ignore();
+            }
+            for (key, window) in window_keys.iter().zip(write.windows) {
+                writes.incr(key, window.delta).ignore();
+                writes.pexpire_at(key, window.expire_at_ms).ignore();
             }
             // Reads saw each set before any of this batch's changes; one actor appears once per
             // counter in a batch, so each change is decided on what the set holds now.
@@ -480,6 +509,7 @@ mod tests {
             expected_ledger: 10,
             next_offset: 20,
             deltas,
+            windows: &[],
             members: &[],
             watermark: None,
         }
@@ -490,43 +520,43 @@ mod tests {
         let deltas = [("a".to_owned(), 5), ("b".to_owned(), 1)];
         let ok = [Current::Integer(1), Current::Missing];
         let w = write(&deltas);
-        assert_eq!(flush_verdict(Some(3), Some(10), &ok, &[], &w), None);
+        assert_eq!(flush_verdict(Some(3), Some(10), &ok, &[], &[], &w), None);
         assert_eq!(
-            flush_verdict(Some(4), Some(10), &ok, &[], &w),
+            flush_verdict(Some(4), Some(10), &ok, &[], &[], &w),
             Some(Applied::Fenced)
         );
         assert_eq!(
-            flush_verdict(Some(2), Some(10), &ok, &[], &w),
+            flush_verdict(Some(2), Some(10), &ok, &[], &[], &w),
             Some(Applied::RolledBack)
         );
         assert_eq!(
-            flush_verdict(None, Some(10), &ok, &[], &w),
+            flush_verdict(None, Some(10), &ok, &[], &[], &w),
             Some(Applied::RolledBack)
         );
         assert_eq!(
-            flush_verdict(Some(3), Some(20), &ok, &[], &w),
+            flush_verdict(Some(3), Some(20), &ok, &[], &[], &w),
             Some(Applied::AlreadyApplied)
         );
         assert_eq!(
-            flush_verdict(Some(3), Some(9), &ok, &[], &w),
+            flush_verdict(Some(3), Some(9), &ok, &[], &[], &w),
             Some(Applied::RolledBack)
         );
         assert_eq!(
-            flush_verdict(Some(3), None, &ok, &[], &write(&deltas[..0])),
+            flush_verdict(Some(3), None, &ok, &[], &[], &write(&deltas[..0])),
             Some(Applied::RolledBack)
         );
         // A fence refusal wins over a bad value; a duplicate is recognised before validation.
         let bad = [Current::WrongType, Current::Integer(i64::MAX)];
         assert_eq!(
-            flush_verdict(Some(4), Some(10), &bad, &[], &w),
+            flush_verdict(Some(4), Some(10), &bad, &[], &[], &w),
             Some(Applied::Fenced)
         );
         assert_eq!(
-            flush_verdict(Some(3), Some(25), &bad, &[], &w),
+            flush_verdict(Some(3), Some(25), &bad, &[], &[], &w),
             Some(Applied::AlreadyApplied)
         );
         assert_eq!(
-            flush_verdict(Some(3), Some(10), &bad, &[], &w),
+            flush_verdict(Some(3), Some(10), &bad, &[], &[], &w),
             Some(Applied::Rejected(vec![
                 rejection(Refused::Delta(0), DeadLetterReason::WrongType),
                 rejection(Refused::Delta(1), DeadLetterReason::Overflow),

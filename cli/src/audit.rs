@@ -26,6 +26,7 @@ use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::error::KafkaError;
 use rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
 use tally_common::namespace::WritePath;
+use tally_common::window::format_duration;
 use tally_common::{Namespaces, Reader, codec};
 
 /// Longest one Kafka metadata or offset request may take.
@@ -36,6 +37,9 @@ const STALL_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Counters read from the store per round trip.
 const READ_CHUNK: usize = 2_000;
+
+/// Buckets that expire sooner than this are not compared: Redis may drop them mid-audit.
+pub const EXPIRY_MARGIN_MS: i64 = 60_000;
 
 /// What to audit.
 #[derive(Debug, Clone)]
@@ -95,6 +99,8 @@ pub struct Recount<'a> {
     ambiguous: HashSet<String>,
     /// Counters of namespaces written directly to the store.
     direct: HashSet<String>,
+    /// Windowed namespaces' buckets: `(counter, width, start)` → (sum, expiry).
+    buckets: HashMap<(String, i64, i64), (i64, i64)>,
     /// Events recounted.
     pub events: u64,
     /// Messages the aggregator dead-letters (malformed, or a like without an actor).
@@ -111,13 +117,15 @@ impl<'a> Recount<'a> {
             members: HashMap::new(),
             ambiguous: HashSet::new(),
             direct: HashSet::new(),
+            buckets: HashMap::new(),
             events: 0,
             dead_letters: 0,
         }
     }
 
-    /// Counts one message of `partition`, in log order.
-    pub fn add(&mut self, partition: i32, payload: &[u8]) {
+    /// Counts one message of `partition`, in log order; `kafka_ms` is its Kafka timestamp
+    /// (what windows judge lateness by).
+    pub fn add(&mut self, partition: i32, payload: &[u8], kafka_ms: Option<i64>) {
         let Ok(event) = codec::decode(payload, self.max_message_bytes) else {
             self.dead_letters += 1;
             return;
@@ -129,6 +137,13 @@ impl<'a> Recount<'a> {
             return;
         }
         if !policy.dedup {
+            for bucket in policy.windows.place(event.ts_ms, kafka_ms).buckets() {
+                let key = (event.counter.to_string(), bucket.width_ms, bucket.start_ms);
+                self.buckets
+                    .entry(key)
+                    .or_insert((0, bucket.expire_at_ms))
+                    .0 += event.delta;
+            }
             *self.totals.entry(event.counter.into_owned()).or_default() += event.delta;
             self.events += 1;
             return;
@@ -154,8 +169,8 @@ impl<'a> Recount<'a> {
         }
     }
 
-    /// Each recounted counter's total, and the counters left out (direct, ambiguous).
-    pub fn finish(self) -> (HashMap<String, i64>, HashSet<String>, HashSet<String>) {
+    /// What the recount found.
+    pub fn finish(self) -> Recounted {
         let mut totals = self.totals;
         for ((counter, _), (like, _)) in self.members {
             *totals.entry(counter).or_default() += i64::from(like);
@@ -163,14 +178,32 @@ impl<'a> Recount<'a> {
         for counter in self.ambiguous.iter().chain(&self.direct) {
             totals.remove(counter);
         }
-        (totals, self.direct, self.ambiguous)
+        Recounted {
+            totals,
+            buckets: self.buckets,
+            direct: self.direct,
+            ambiguous: self.ambiguous,
+        }
     }
 }
 
-/// One counter the store and the log disagree on.
+/// What a [`Recount`] found.
+#[derive(Debug)]
+pub struct Recounted {
+    /// Each counter's total.
+    pub totals: HashMap<String, i64>,
+    /// Each bucket of a windowed namespace: `(counter, width, start)` → (sum, expiry).
+    pub buckets: HashMap<(String, i64, i64), (i64, i64)>,
+    /// Counters left out: written directly.
+    pub direct: HashSet<String>,
+    /// Counters left out: one actor's likes came through several partitions.
+    pub ambiguous: HashSet<String>,
+}
+
+/// One counter (or bucket) the store and the log disagree on.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Drift {
-    /// The counter.
+    /// The counter, or for a bucket `<counter>@<width>:<start ms>` (`views:v:1@1h:1764547200000`).
     pub counter: String,
     /// What the store holds.
     pub stored: i64,
@@ -189,6 +222,10 @@ pub struct Report {
     pub dead_letters: u64,
     /// Counters compared.
     pub checked: usize,
+    /// Window buckets compared.
+    pub buckets_checked: usize,
+    /// Window buckets left out because they expire within [`EXPIRY_MARGIN_MS`] (or have).
+    pub buckets_expiring: usize,
     /// Counters that differ, largest difference first.
     pub drift: Vec<Drift>,
     /// Counters left out because events after the durable offsets touch them.
@@ -229,17 +266,32 @@ pub async fn audit(
 
     let mut recount = Recount::new(namespaces, spec.max_message_bytes);
     tokio::task::block_in_place(|| {
-        read_range(&consumer, &spec.topic, &ranges, |p, payload| {
-            recount.add(p, payload)
+        read_range(&consumer, &spec.topic, &ranges, |p, payload, kafka_ms| {
+            recount.add(p, payload, kafka_ms)
         })
     })?;
     let (events, dead_letters) = (recount.events, recount.dead_letters);
-    let (recounted, direct, ambiguous) = recount.finish();
+    let Recounted {
+        totals: recounted,
+        buckets,
+        direct,
+        ambiguous,
+    } = recount.finish();
 
     let counters: Vec<&String> = recounted.keys().collect();
     let mut stored = Vec::with_capacity(counters.len());
     for chunk in counters.chunks(READ_CHUNK) {
         stored.extend(reader.get_many(chunk).await?);
+    }
+    let horizon = tally_common::event::now_ms() + EXPIRY_MARGIN_MS;
+    let cells: Vec<(&str, i64, i64)> = (buckets.iter())
+        .filter(|(_, (_, expire_at))| *expire_at > horizon)
+        .map(|((c, width, start), _)| (c.as_str(), *width, *start))
+        .collect();
+    let buckets_expiring = buckets.len() - cells.len();
+    let mut stored_cells = Vec::with_capacity(cells.len());
+    for chunk in cells.chunks(READ_CHUNK) {
+        stored_cells.extend(reader.bucket_values(chunk).await?);
     }
 
     // Whatever the store held when it was read came from offsets before the log's end now.
@@ -251,7 +303,7 @@ pub async fn audit(
         .collect();
     let mut moving = HashSet::new();
     tokio::task::block_in_place(|| {
-        read_range(&consumer, &spec.topic, &after, |_, payload| {
+        read_range(&consumer, &spec.topic, &after, |_, payload, _| {
             if let Ok(event) = codec::decode(payload, spec.max_message_bytes)
                 && !moving.contains(event.counter.as_ref())
             {
@@ -276,6 +328,21 @@ pub async fn audit(
             });
         }
     }
+    let mut buckets_checked = 0;
+    for ((counter, width, start), stored) in cells.into_iter().zip(stored_cells) {
+        if moving.contains(counter) {
+            continue;
+        }
+        buckets_checked += 1;
+        let recounted = buckets[&(counter.to_owned(), width, start)].0;
+        if stored != recounted {
+            drift.push(Drift {
+                counter: format!("{counter}@{}:{start}", format_duration(width)),
+                stored,
+                recounted,
+            });
+        }
+    }
     drift.sort_by(|a, b| {
         let size = |d: &Drift| d.stored.abs_diff(d.recounted);
         size(b)
@@ -288,6 +355,8 @@ pub async fn audit(
         events,
         dead_letters,
         checked,
+        buckets_checked,
+        buckets_expiring,
         drift,
         moving,
         direct: direct.len(),
@@ -347,12 +416,12 @@ fn read_logs(consumer: &BaseConsumer, spec: &AuditSpec) -> Result<Vec<Log>, Audi
 }
 
 /// Reads `[from, to)` of each `(partition, from, to)` and hands every message's payload to
-/// `each`, in offset order per partition.
+/// `each` with its Kafka timestamp, in offset order per partition.
 fn read_range(
     consumer: &BaseConsumer,
     topic: &str,
     ranges: &[(i32, i64, i64)],
-    mut each: impl FnMut(i32, &[u8]),
+    mut each: impl FnMut(i32, &[u8], Option<i64>),
 ) -> Result<(), AuditError> {
     let mut tpl = TopicPartitionList::new();
     let mut waiting = HashMap::new();
@@ -371,7 +440,8 @@ fn read_range(
                 };
                 progress = Instant::now();
                 if message.offset() < to {
-                    each(p, message.payload().unwrap_or_default());
+                    let kafka_ms = message.timestamp().to_millis();
+                    each(p, message.payload().unwrap_or_default(), kafka_ms);
                 }
                 if message.offset() + 1 >= to {
                     waiting.remove(&p);
@@ -400,6 +470,12 @@ mod tests {
     use tally_common::CounterEvent;
     use tally_common::codec::{DEFAULT_MAX_MESSAGE_BYTES, encode};
 
+    impl Recount<'_> {
+        fn add_at(&mut self, partition: i32, payload: &[u8]) {
+            self.add(partition, payload, Some(1_000))
+        }
+    }
+
     fn event(counter: &str, delta: i64, actor: Option<&str>) -> Vec<u8> {
         let mut e = CounterEvent::new(counter, delta).expect("valid");
         if let Some(actor) = actor {
@@ -415,21 +491,26 @@ mod tests {
         )
         .expect("valid");
         let mut r = Recount::new(&ns, DEFAULT_MAX_MESSAGE_BYTES);
-        r.add(0, &event("views:v:1", 3, None));
-        r.add(1, &event("views:v:1", -1, Some("u1")));
-        r.add(0, &event("likes:p:1", 1, Some("u1")));
-        r.add(0, &event("likes:p:1", 1, Some("u1")));
-        r.add(0, &event("likes:p:1", 1, Some("u2")));
-        r.add(0, &event("likes:p:1", -1, Some("u2")));
-        r.add(0, &event("likes:p:1", 1, None));
-        r.add(0, b"not an event");
-        r.add(2, &event("bids:lot:1", 5, None));
+        r.add_at(0, &event("views:v:1", 3, None));
+        r.add_at(1, &event("views:v:1", -1, Some("u1")));
+        r.add_at(0, &event("likes:p:1", 1, Some("u1")));
+        r.add_at(0, &event("likes:p:1", 1, Some("u1")));
+        r.add_at(0, &event("likes:p:1", 1, Some("u2")));
+        r.add_at(0, &event("likes:p:1", -1, Some("u2")));
+        r.add_at(0, &event("likes:p:1", 1, None));
+        r.add_at(0, b"not an event");
+        r.add_at(2, &event("bids:lot:1", 5, None));
         // u3's like and unlike of p:2 came through two partitions: the outcome is undefined.
-        r.add(0, &event("likes:p:2", 1, Some("u3")));
-        r.add(1, &event("likes:p:2", -1, Some("u3")));
-        r.add(0, &event("likes:p:3", -1, Some("u3")));
+        r.add_at(0, &event("likes:p:2", 1, Some("u3")));
+        r.add_at(1, &event("likes:p:2", -1, Some("u3")));
+        r.add_at(0, &event("likes:p:3", -1, Some("u3")));
         assert_eq!((r.events, r.dead_letters), (10, 2));
-        let (totals, direct, ambiguous) = r.finish();
+        let Recounted {
+            totals,
+            direct,
+            ambiguous,
+            ..
+        } = r.finish();
         assert_eq!(
             totals,
             HashMap::from([
@@ -440,5 +521,33 @@ mod tests {
         );
         assert_eq!(direct, HashSet::from(["bids:lot:1".to_owned()]));
         assert_eq!(ambiguous, HashSet::from(["likes:p:2".to_owned()]));
+    }
+
+    #[test]
+    fn windowed_events_count_in_their_buckets_unless_late() {
+        let ns = Namespaces::from_toml(
+            "[namespaces.views]\nwindows = [\"1m\", \"1h\"]\nwindow_grace = \"10s\"\n",
+        )
+        .expect("valid");
+        let mut r = Recount::new(&ns, DEFAULT_MAX_MESSAGE_BYTES);
+        let at = |ts: i64| {
+            encode(
+                &CounterEvent::new("views:v:1", 2)
+                    .expect("valid")
+                    .with_ts_ms(ts),
+            )
+        };
+        let hour = 3_600_000;
+        r.add(0, &at(hour + 5_000), Some(hour + 6_000));
+        r.add(0, &at(hour + 7_000), Some(hour + 65_000));
+        // Produced 2 minutes after its time: late for its minute, on time for its hour.
+        r.add(0, &at(hour + 1_000), Some(hour + 121_000));
+        let buckets: HashMap<(i64, i64), i64> = (r.finish().buckets.into_iter())
+            .map(|((_, w, s), (sum, _))| ((w, s), sum))
+            .collect();
+        assert_eq!(
+            buckets,
+            HashMap::from([((60_000, hour), 4), ((hour, hour), 6)])
+        );
     }
 }

@@ -65,6 +65,10 @@ struct GetArgs {
     /// Print the count as displayed to people (`10.2K`), in the namespace's style.
     #[arg(long)]
     display: bool,
+    /// Print the sum over the last span instead (`24h`, `7d`, `90m`), from the namespace's
+    /// windows (the current bucket and those before it).
+    #[arg(long, value_parser = tally_common::window::parse_duration)]
+    window: Option<i64>,
     /// Where the aggregator stores counts: redis, or postgres (the share rows, with Redis as
     /// the cache of totals).
     #[arg(long, env = "TALLY_STORE", value_enum, default_value = "redis")]
@@ -287,7 +291,9 @@ async fn main() -> anyhow::Result<ExitCode> {
 async fn get(args: GetArgs) -> anyhow::Result<ExitCode> {
     let namespaces = args.redis.namespaces()?;
     let reader = CachedReader::new(get_reader(&args).await?, Arc::new(namespaces));
-    let totals = if args.cached {
+    let totals = if let Some(span) = args.window {
+        reader.get_window(&args.counters, span).await?
+    } else if args.cached {
         reader.get_many(&args.counters).await?
     } else {
         let mut exact = Vec::with_capacity(args.counters.len());
@@ -531,6 +537,13 @@ async fn run_audit(args: AuditArgs) -> anyhow::Result<ExitCode> {
         report.direct,
         report.ambiguous,
     )?;
+    if report.buckets_checked + report.buckets_expiring > 0 {
+        writeln!(
+            out,
+            "window buckets checked: {}, left out: {} expiring within a minute",
+            report.buckets_checked, report.buckets_expiring,
+        )?;
+    }
     for d in report.drift.iter().take(args.top) {
         writeln!(
             out,

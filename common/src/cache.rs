@@ -30,6 +30,7 @@ use crate::display::display;
 use crate::event::validate_counter;
 use crate::namespace::Namespaces;
 use crate::reader::{ReadError, Reader};
+use crate::window::{Window, Windows, format_duration};
 
 /// How long a process may hold a counter's refresh lock.
 const REFRESH_LOCK_MS: u64 = 2_000;
@@ -177,6 +178,43 @@ impl CachedReader {
             .query_async(&mut self.reader.conn().clone())
             .await?;
         Ok(text.as_deref().and_then(parse_shared))
+    }
+
+    /// The sums of `counters` over the last `span_ms`, in the same order: each read from the
+    /// widest window of its namespace that divides the span (the bucket holding now and those
+    /// before it, see `crate::window`). Read on every call, not cached: one `MGET` per shard
+    /// group for the counters that share a window.
+    pub async fn get_window<S: AsRef<str>>(
+        &self,
+        counters: &[S],
+        span_ms: i64,
+    ) -> Result<Vec<i64>, ReadError> {
+        let now_ms = crate::event::now_ms();
+        let mut plans: Vec<((Window, i64), Vec<usize>)> = Vec::new();
+        for (i, counter) in counters.iter().enumerate() {
+            let counter = counter.as_ref();
+            validate_counter(counter)?;
+            let windows = &self.namespaces.policy(counter).windows;
+            let plan = windows.plan(span_ms).ok_or_else(|| ReadError::Window {
+                counter: counter.to_owned(),
+                why: no_plan(windows, span_ms),
+            })?;
+            match plans.iter_mut().find(|(p, _)| *p == plan) {
+                Some((_, indexes)) => indexes.push(i),
+                None => plans.push((plan, vec![i])),
+            }
+        }
+        let mut sums = vec![0; counters.len()];
+        for ((window, buckets), indexes) in plans {
+            let names: Vec<&str> = indexes.iter().map(|i| counters[*i].as_ref()).collect();
+            let got = (self.reader)
+                .window_sums(&names, window, buckets, now_ms)
+                .await?;
+            for (i, sum) in indexes.into_iter().zip(got) {
+                sums[i] = sum;
+            }
+        }
+        Ok(sums)
     }
 
     /// The exact reader under the cache.
@@ -527,6 +565,21 @@ pub async fn warm(
         .collect();
     query_each::<redis::Value>(reader.conn(), writes).await?;
     Ok(())
+}
+
+/// Why no window of `windows` can sum `span_ms`.
+fn no_plan(windows: &Windows, span_ms: i64) -> String {
+    let span = format_duration(span_ms);
+    if windows.is_empty() {
+        return format!("its namespace keeps no windows, so it has no count over the last {span}");
+    }
+    let kept: Vec<String> = (windows.list().iter())
+        .map(|w| format!("{} kept {}", w.label(), format_duration(w.retention_ms)))
+        .collect();
+    format!(
+        "no window of its namespace sums the last {span}: a span must be a multiple of a window's width that the window keeps ({})",
+        kept.join(", ")
+    )
 }
 
 #[cfg(test)]

@@ -280,6 +280,16 @@ impl Keyspace {
         let _ = write!(out, "{}:{{g{group}}}:c:{counter}", self.prefix);
     }
 
+    /// The key holding `counter`'s share in `group` of the bucket of width `width_ms` starting at
+    /// `start_ms` (windowed namespaces, see `crate::window`): beside its total's share, in the
+    /// same slot, so the flush writes both in one operation.
+    pub fn window_key(&self, group: u32, counter: &str, width_ms: i64, start_ms: i64) -> String {
+        format!(
+            "{}:{{g{group}}}:w:{width_ms}:{start_ms}:{counter}",
+            self.prefix
+        )
+    }
+
     /// The set of actors whose like of `counter` is counted, for actors whose group is `group`
     /// (deduplicating namespaces). It shares the group's slot with the counter's share there, so
     /// the membership change and the increment it guards are one atomic operation.

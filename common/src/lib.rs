@@ -30,6 +30,7 @@ pub mod namespace;
 #[cfg(feature = "postgres")]
 pub mod pg;
 pub mod reader;
+pub mod window;
 
 pub use cache::{CacheStats, CachedReader};
 pub use codec::{DecodeError, EventRef};
@@ -40,3 +41,4 @@ pub use event::{CounterEvent, EventError};
 pub use keyspace::{GroupingRule, Keyspace};
 pub use namespace::{DisplayStyle, Namespaces, Policy, WritePath};
 pub use reader::{ReadError, Reader, StoreOfRecord};
+pub use window::Windows;

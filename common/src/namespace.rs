@@ -23,6 +23,7 @@ use std::path::{Path, PathBuf};
 use serde::Deserialize;
 
 use crate::keyspace::GroupingRule;
+use crate::window::{WindowEntry, Windows};
 
 /// How a namespace's events reach Redis.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
@@ -63,6 +64,8 @@ pub struct Policy {
     pub display: DisplayStyle,
     /// Whether a displayed count may never go down between refreshes (per reader process).
     pub display_never_decreases: bool,
+    /// Sums per time bucket kept beside the total (`crate::window`); none by default.
+    pub windows: Windows,
 }
 
 impl Default for Policy {
@@ -74,6 +77,7 @@ impl Default for Policy {
             grouping: GroupingRule::ByPartition,
             display: DisplayStyle::Compact,
             display_never_decreases: false,
+            windows: Windows::default(),
         }
     }
 }
@@ -91,6 +95,8 @@ struct PolicyEntry {
     grouping: Option<GroupingRule>,
     display: Option<DisplayStyle>,
     display_never_decreases: Option<bool>,
+    windows: Option<Vec<WindowEntry>>,
+    window_grace: Option<String>,
 }
 
 impl PolicyEntry {
@@ -115,15 +121,41 @@ impl PolicyEntry {
                 why: "cache_ttl_ms must be greater than 0".to_owned(),
             });
         }
+        let invalid = |why: String| NamespaceError::Invalid {
+            namespace: name.to_owned(),
+            why,
+        };
+        let grace_ms = match &self.window_grace {
+            Some(grace) => crate::window::parse_duration(grace).map_err(invalid)?,
+            None if base.windows.is_empty() => crate::window::DEFAULT_GRACE_MS,
+            None => base.windows.grace_ms(),
+        };
+        let windows = match &self.windows {
+            Some(entries) => Windows::from_entries(entries, grace_ms).map_err(invalid)?,
+            None => Windows::new(base.windows.list().to_vec(), grace_ms),
+        };
+        let write_path = self.write_path.unwrap_or(base.write_path);
+        if !windows.is_empty() && dedup {
+            return Err(invalid(
+                "windows are not kept in a namespace that counts one per actor (dedup)".to_owned(),
+            ));
+        }
+        if !windows.is_empty() && write_path == WritePath::Direct {
+            return Err(invalid(
+                "windows are written by the aggregator's flush: a direct namespace cannot keep them"
+                    .to_owned(),
+            ));
+        }
         Ok(Policy {
             dedup,
-            write_path: self.write_path.unwrap_or(base.write_path),
+            write_path,
             cache_ttl_ms,
             grouping,
             display: self.display.unwrap_or(base.display),
             display_never_decreases: self
                 .display_never_decreases
                 .unwrap_or(base.display_never_decreases),
+            windows,
         })
     }
 }
@@ -244,6 +276,11 @@ impl Namespaces {
         self.listed.iter().map(|(k, v)| (k.as_str(), v))
     }
 
+    /// Whether any namespace keeps windows.
+    pub fn any_windows(&self) -> bool {
+        !self.defaults.windows.is_empty() || self.listed.values().any(|p| !p.windows.is_empty())
+    }
+
     /// Whether any namespace deduplicates per actor.
     pub fn any_dedup(&self) -> bool {
         self.defaults.dedup || self.listed.values().any(|p| p.dedup)
@@ -315,6 +352,36 @@ write_path = "direct"
         ));
         assert!(Namespaces::from_toml("[namespaces.likes]\ndedupe = true\n").is_err());
         assert!(Namespaces::from_toml("[namespaces.x]\ncache_ttl_ms = 0\n").is_err());
+    }
+
+    #[test]
+    fn windows_are_parsed_and_refused_where_they_cannot_be_kept() {
+        let ns = Namespaces::from_toml(
+            "[namespaces.views]\nwindows = [\"1h\", { width = \"1m\", retention = \"2h\" }]\nwindow_grace = \"5m\"\n",
+        )
+        .expect("valid");
+        let windows = &ns.policy("views:v:1").windows;
+        let widths: Vec<(i64, i64)> = (windows.list().iter())
+            .map(|w| (w.width_ms, w.retention_ms))
+            .collect();
+        assert_eq!(widths, [(60_000, 7_200_000), (3_600_000, 48 * 3_600_000)]);
+        assert_eq!(windows.grace_ms(), 300_000);
+        assert!(ns.policy("likes:p:1").windows.is_empty());
+        for bad in [
+            "[namespaces.likes]\ndedup = true\nwindows = [\"1h\"]\n",
+            "[namespaces.bids]\nwrite_path = \"direct\"\nwindows = [\"1h\"]\n",
+            "[namespaces.v]\nwindows = [\"1h\", \"60m\"]\n",
+            "[namespaces.v]\nwindows = [\"1x\"]\n",
+            "[namespaces.v]\nwindows = [\"10ms\"]\n",
+        ] {
+            assert!(
+                matches!(
+                    Namespaces::from_toml(bad),
+                    Err(NamespaceError::Invalid { .. })
+                ),
+                "{bad}"
+            );
+        }
     }
 
     #[test]

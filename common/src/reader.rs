@@ -12,6 +12,7 @@
 use crate::connection::{RedisConn, query_each};
 use crate::event::{EventError, validate_counter};
 use crate::keyspace::{Keyspace, Watermark, partition_field};
+use crate::window::Window;
 
 /// Trending counters are reported into buckets of this many seconds...
 pub const TOP_BUCKET_S: u64 = 10;
@@ -41,6 +42,14 @@ pub enum ReadError {
     Overflow {
         /// The counter.
         counter: String,
+    },
+    /// The counter's namespace keeps no window that can answer for this span.
+    #[error("{counter}: {why}")]
+    Window {
+        /// The counter.
+        counter: String,
+        /// Why, with the windows the namespace keeps.
+        why: String,
     },
     /// The store of record (PostgreSQL) failed or timed out.
     #[error("the store of record: {0}")]
@@ -282,6 +291,95 @@ impl Reader {
             }
         }
         Ok(totals)
+    }
+}
+
+impl Reader {
+    /// The sums of `counters` over the last `buckets` buckets of `window` at `now_ms` (the
+    /// bucket holding `now_ms` and the `buckets - 1` before it), in the same order: one `MGET`
+    /// per shard group. A bucket never written, or expired, counts 0.
+    pub async fn window_sums<S: AsRef<str>>(
+        &self,
+        counters: &[S],
+        window: Window,
+        buckets: i64,
+        now_ms: i64,
+    ) -> Result<Vec<i64>, ReadError> {
+        for counter in counters {
+            validate_counter(counter.as_ref())?;
+        }
+        if counters.is_empty() || buckets <= 0 {
+            return Ok(vec![0; counters.len()]);
+        }
+        if self.store.is_some() {
+            return Err(ReadError::Window {
+                counter: counters[0].as_ref().to_owned(),
+                why: "windowed counts are kept in Redis only, not with --store postgres".to_owned(),
+            });
+        }
+        let ks = &self.keyspace;
+        let current = window.start_of(now_ms);
+        let starts: Vec<i64> = (0..buckets)
+            .map(|i| current - i * window.width_ms)
+            .collect();
+        let mgets = (0..ks.groups())
+            .map(|group| {
+                let mut mget = redis::cmd("MGET");
+                for c in counters {
+                    for start in &starts {
+                        mget.arg(ks.window_key(group, c.as_ref(), window.width_ms, *start));
+                    }
+                }
+                mget
+            })
+            .collect();
+        let rows: Vec<Vec<Option<String>>> = query_each(&self.conn, mgets).await?;
+        let per = starts.len();
+        counters
+            .iter()
+            .enumerate()
+            .map(|(i, counter)| {
+                let counter = counter.as_ref();
+                let values = (rows.iter())
+                    .flat_map(|row| row.iter().skip(i * per).take(per))
+                    .map(|v| v.as_deref().map(|v| parse_integer(counter, v)).transpose())
+                    .collect::<Result<Vec<_>, _>>()?;
+                sum(counter, &values)
+            })
+            .collect()
+    }
+}
+
+impl Reader {
+    /// The values of single buckets, each `(counter, width_ms, start_ms)` summed over the shard
+    /// groups (0 where never written or expired), in the same order: one `MGET` per group.
+    pub async fn bucket_values(&self, cells: &[(&str, i64, i64)]) -> Result<Vec<i64>, ReadError> {
+        if cells.is_empty() {
+            return Ok(Vec::new());
+        }
+        let ks = &self.keyspace;
+        let mgets = (0..ks.groups())
+            .map(|group| {
+                let mut mget = redis::cmd("MGET");
+                for (counter, width, start) in cells {
+                    mget.arg(ks.window_key(group, counter, *width, *start));
+                }
+                mget
+            })
+            .collect();
+        let rows: Vec<Vec<Option<String>>> = query_each(&self.conn, mgets).await?;
+        (cells.iter().enumerate())
+            .map(|(i, (counter, _, _))| {
+                let values = (rows.iter())
+                    .map(|row| {
+                        (row.get(i).and_then(Option::as_deref))
+                            .map(|v| parse_integer(counter, v))
+                            .transpose()
+                    })
+                    .collect::<Result<Vec<_>, _>>()?;
+                sum(counter, &values)
+            })
+            .collect()
     }
 }
 

@@ -21,8 +21,11 @@ use crate::state::{AppState, MAX_BATCH, MAX_TOP};
 pub struct Total {
     /// The counter id.
     pub counter: String,
-    /// Its total.
+    /// Its total; with a window, its sum over that window.
     pub total: i64,
+    /// The window asked for (`24h`), if any.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub window: Option<String>,
 }
 
 /// `GET /v1/counters/{id}`'s query.
@@ -32,10 +35,21 @@ pub struct ReadQuery {
     /// Sum the shares now instead of serving the cached total.
     #[serde(default)]
     exact: bool,
+    /// The sum over the last span instead of the total (`24h`, `7d`, `90m`): the sum of the
+    /// namespace's buckets of the widest window dividing the span, the current one included.
+    /// Read from Redis every time.
+    window: Option<String>,
+}
+
+/// The span of `?window=`, in ms.
+fn window_span(window: &str) -> Result<i64, ApiError> {
+    tally_common::window::parse_duration(window)
+        .map_err(|why| ApiError::bad_request("invalid_window", format!("window {window:?}: {why}")))
 }
 
 /// A counter's total: through its namespace's cache (TTL per namespace, one refresh per counter
-/// across processes), or with `?exact=true` summed from its shares now.
+/// across processes), or with `?exact=true` summed from its shares now; with `?window=24h`, its
+/// sum over the last 24 hours, from the namespace's windows.
 #[utoipa::path(
     get, path = "/v1/counters/{id}", tag = "counters",
     params(("id" = String, Path, description = "The counter id, e.g. likes:post:42"), ReadQuery),
@@ -54,12 +68,16 @@ pub async fn get_counter(
     let Path(counter) = counter?;
     let Query(query) = query?;
     let reader = state.counts.reader();
-    let total = if query.exact {
-        reader.get_exact(&counter).await?
-    } else {
-        reader.get(&counter).await?
+    let total = match &query.window {
+        Some(window) => reader.get_window(&[&counter], window_span(window)?).await?[0],
+        None if query.exact => reader.get_exact(&counter).await?,
+        None => reader.get(&counter).await?,
     };
-    Ok(Json(Total { counter, total }))
+    Ok(Json(Total {
+        counter,
+        total,
+        window: query.window,
+    }))
 }
 
 /// A `batch-get` body.
@@ -68,6 +86,9 @@ pub async fn get_counter(
 pub struct BatchGet {
     /// The counter ids, at most 1,000.
     counters: Vec<String>,
+    /// Sums over the last span (`24h`) instead of totals, as `GET /v1/counters/{id}?window=`.
+    #[serde(default)]
+    window: Option<String>,
 }
 
 /// `batch-get`'s answer.
@@ -93,7 +114,7 @@ pub async fn batch_get(
     State(state): State<Arc<AppState>>,
     body: Result<Json<BatchGet>, JsonRejection>,
 ) -> Result<Json<Totals>, ApiError> {
-    let Json(BatchGet { counters }) = body?;
+    let Json(BatchGet { counters, window }) = body?;
     if counters.len() > MAX_BATCH {
         return Err(ApiError::bad_request(
             "too_many_counters",
@@ -103,9 +124,20 @@ pub async fn batch_get(
             ),
         ));
     }
-    let totals = state.counts.get_many(&counters).await?;
+    let totals = match &window {
+        Some(w) => {
+            (state.counts.reader())
+                .get_window(&counters, window_span(w)?)
+                .await?
+        }
+        None => state.counts.get_many(&counters).await?,
+    };
     let totals = (counters.into_iter().zip(totals))
-        .map(|(counter, total)| Total { counter, total })
+        .map(|(counter, total)| Total {
+            counter,
+            total,
+            window: window.clone(),
+        })
         .collect();
     Ok(Json(Totals { totals }))
 }

@@ -7,6 +7,7 @@
 //! | `too_many_counters`, `too_many_events` | 400 | over [`crate::MAX_BATCH`] / [`crate::MAX_EVENTS`] |
 //! | `invalid_events` | 400 | `POST /v1/events` with a bad event: `details` gives each one's index and reason |
 //! | `not_deduplicated` | 400 | a like route on a namespace that does not count once per actor |
+//! | `invalid_window`, `no_such_window` | 400 | `?window=` that is not a duration, or that no window of the counter's namespace can sum |
 //! | `unauthorized` | 401 | no bearer token, or an unknown one |
 //! | `forbidden` | 403 | a token without the route's scope |
 //! | `not_found`, `method_not_allowed` | 404, 405 | no such route, or not with that method |
@@ -111,6 +112,7 @@ impl From<ReadError> for ApiError {
     fn from(error: ReadError) -> Self {
         match error {
             ReadError::InvalidCounter(e) => Self::bad_request("invalid_counter", e.to_string()),
+            e @ ReadError::Window { .. } => Self::bad_request("no_such_window", e.to_string()),
             ReadError::Redis(e) => Self::redis(e),
             ReadError::Store(e) => Self::new(
                 StatusCode::SERVICE_UNAVAILABLE,

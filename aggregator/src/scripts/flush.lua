@@ -3,17 +3,20 @@
 --
 -- KEYS[1] fence hash    KEYS[2] ledger hash    KEYS[3] watermark hash
 -- KEYS[4 .. 3+n] counter keys of the n deltas
--- KEYS[4+n ..] per membership: the counter's member set, then its counter key
+-- KEYS[4+n .. 3+n+w] bucket keys of the w window deltas
+-- KEYS[4+n+w ..] per membership: the counter's member set, then its counter key
 -- ARGV[1] partition field ("<topic>/<partition>")    ARGV[2] the writer's epoch
 -- ARGV[3] the ledger entry the writer last saw here    ARGV[4] next offset (the entry after this write)
 -- ARGV[5] watermark value to store, or '' to leave the watermark alone
--- ARGV[6] n, the number of deltas    ARGV[7 .. 6+n] one delta per counter key, in the same order
--- ARGV[7+n ..] per membership: the actor, then '1' (like) or '0' (unlike)
+-- ARGV[6] n, the number of deltas    ARGV[7] w, the number of window deltas
+-- ARGV[8 .. 7+n] one delta per counter key, in the same order
+-- ARGV[8+n .. 7+n+2w] per bucket key: its delta, then when it expires (ms since the epoch)
+-- ARGV[8+n+2w ..] per membership: the actor, then '1' (like) or '0' (unlike)
 --
 -- Returns {'ok'}, {'fenced', current epoch or '0'}, {'duplicate', ledger entry},
 -- {'rolled_back', ledger entry} (the group lost writes the writer had seen land) or
 -- {'rejected', index, reason, index, reason, ...} with 1-based indexes: deltas first, then
--- memberships (index n + j).
+-- window deltas (index n + i), then memberships (index n + w + j).
 local field = ARGV[1]
 local fence = redis.call('HGET', KEYS[1], field)
 if fence ~= ARGV[2] then
@@ -27,7 +30,8 @@ if applied < tonumber(ARGV[3]) then
   return {'rolled_back', tostring(applied)}
 end
 local n = tonumber(ARGV[6])
-local m = (#KEYS - 3 - n) / 2
+local w = tonumber(ARGV[7])
+local m = (#KEYS - 3 - n - w) / 2
 
 -- Why `delta` cannot be added to `current` (the key's value as MGET returned it), or nil.
 local function refusal(current, delta)
@@ -79,29 +83,37 @@ local function values(first, last)
 end
 
 local rejected = {'rejected'}
-if n > 0 then
-  local current = values(4, 3 + n)
-  for i = 1, n do
+-- Checks KEYS[first .. first+count-1], whose deltas are ARGV[arg(i)], reporting index base + i.
+local function check(first, count, arg, base)
+  if count == 0 then
+    return
+  end
+  local current = values(first, first + count - 1)
+  for i = 1, count do
     local reason
     if current[i] == true then
       reason = 'wrong_type'
     else
-      reason = refusal(current[i], tonumber(ARGV[6 + i]))
+      reason = refusal(current[i], tonumber(ARGV[arg(i)]))
     end
     if reason then
-      rejected[#rejected + 1] = tostring(i)
+      rejected[#rejected + 1] = tostring(base + i)
       rejected[#rejected + 1] = reason
     end
   end
 end
+check(4, n, function(i) return 7 + i end, 0)
+check(4 + n, w, function(i) return 7 + n + 2 * i - 1 end, n)
+local mk = 3 + n + w
+local ma = 7 + n + 2 * w
 for j = 1, m do
-  local set = KEYS[3 + n + 2 * j - 1]
+  local set = KEYS[mk + 2 * j - 1]
   local kind = redis.call('TYPE', set)['ok']
   local reason = nil
   if kind ~= 'none' and kind ~= 'set' then
     reason = 'wrong_type'
   else
-    local counter = redis.pcall('GET', KEYS[3 + n + 2 * j])
+    local counter = redis.pcall('GET', KEYS[mk + 2 * j])
     if type(counter) == 'table' then
       reason = 'wrong_type'
     else
@@ -109,7 +121,7 @@ for j = 1, m do
     end
   end
   if reason then
-    rejected[#rejected + 1] = tostring(n + j)
+    rejected[#rejected + 1] = tostring(n + w + j)
     rejected[#rejected + 1] = reason
   end
 end
@@ -117,12 +129,17 @@ if #rejected > 1 then
   return rejected
 end
 for i = 1, n do
-  redis.call('INCRBY', KEYS[3 + i], ARGV[6 + i])
+  redis.call('INCRBY', KEYS[3 + i], ARGV[7 + i])
+end
+for i = 1, w do
+  local key = KEYS[3 + n + i]
+  redis.call('INCRBY', key, ARGV[7 + n + 2 * i - 1])
+  redis.call('PEXPIREAT', key, ARGV[7 + n + 2 * i])
 end
 for j = 1, m do
-  local set, counter = KEYS[3 + n + 2 * j - 1], KEYS[3 + n + 2 * j]
-  local actor = ARGV[6 + n + 2 * j - 1]
-  if ARGV[6 + n + 2 * j] == '1' then
+  local set, counter = KEYS[mk + 2 * j - 1], KEYS[mk + 2 * j]
+  local actor = ARGV[ma + 2 * j - 1]
+  if ARGV[ma + 2 * j] == '1' then
     if redis.call('SADD', set, actor) == 1 then
       redis.call('INCRBY', counter, 1)
     end
