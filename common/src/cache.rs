@@ -38,6 +38,8 @@ const REFRESH_LOCK_MS: u64 = 2_000;
 /// another process refreshes it.
 const SHARED_KEEP_TTLS: u64 = 20;
 const MIN_SHARED_KEEP_MS: u64 = 60_000;
+/// What trending ranks by in a namespace with windows: the last minute.
+const TRENDING_SPAN_MS: i64 = 60_000;
 /// Entries kept in the process before expired ones are swept out.
 const MAX_LOCAL_ENTRIES: usize = 100_000;
 
@@ -164,9 +166,28 @@ impl CachedReader {
         self.reader.has_liked(counter, actor).await
     }
 
-    /// The `k` fastest-moving counters of `namespace` over the last minute (never cached).
+    /// The `k` fastest-moving counters of `namespace` over the last minute (never cached). In a
+    /// namespace that keeps windows, the aggregators' heavy hitters are only the candidates:
+    /// they are ranked by their exact sums in the narrowest window's current bucket and the
+    /// buckets before it that reach back a full minute.
     pub async fn top(&self, namespace: &str, k: usize) -> Result<Vec<(String, f64)>, ReadError> {
-        self.reader.top(namespace, k).await
+        let windows = &self.namespaces.policy(namespace).windows;
+        let Some(narrowest) = windows.list().first().copied() else {
+            return self.reader.top(namespace, k).await;
+        };
+        let candidates = self.reader.top(namespace, 4 * k.max(1)).await?;
+        let names: Vec<&str> = candidates.iter().map(|(c, _)| c.as_str()).collect();
+        let buckets = (TRENDING_SPAN_MS + narrowest.width_ms - 1) / narrowest.width_ms + 1;
+        let sums = (self.reader)
+            .window_sums(&names, narrowest, buckets, crate::event::now_ms())
+            .await?;
+        let mut top: Vec<(String, f64)> = (names.into_iter().zip(sums))
+            .filter(|(_, sum)| *sum != 0)
+            .map(|(c, sum)| (c.to_owned(), sum as f64))
+            .collect();
+        top.sort_by(|a, b| b.1.total_cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+        top.truncate(k);
+        Ok(top)
     }
 
     /// The entry every reader process shares for `counter`: the cached total and when it was

@@ -385,6 +385,13 @@ write_path = "direct"
     }
 
     #[test]
+    fn the_example_file_is_valid() {
+        let ns = Namespaces::from_toml(include_str!("../../deploy/namespaces.example.toml"))
+            .expect("deploy/namespaces.example.toml is valid");
+        assert_eq!(ns.policy("plays:video:9").windows.list().len(), 3);
+    }
+
+    #[test]
     fn the_namespace_is_what_comes_before_the_first_colon() {
         assert_eq!(namespace_of("likes:post:42"), "likes");
         assert_eq!(namespace_of("plain"), "plain");

@@ -386,7 +386,9 @@ pub struct TopQuery {
 pub struct Trending {
     /// The counter id.
     counter: String,
-    /// Its activity over the last minute: the sum of |delta| the aggregators saw.
+    /// Its activity over the last minute: the sum of |delta| the aggregators saw; in a
+    /// namespace that keeps windows, its exact sum in the narrowest window's buckets covering
+    /// the last minute.
     activity: f64,
 }
 

@@ -14,7 +14,7 @@ use tally_tests::{
 };
 
 /// Namespaces: likes count once per actor; views are plain sums.
-const NAMESPACES: &str = "[namespaces.likes]\ndedup = true\ncache_ttl_ms = 1000\n\n[namespaces.views]\ncache_ttl_ms = 1000\n";
+const NAMESPACES: &str = "[namespaces.likes]\ndedup = true\ncache_ttl_ms = 1000\n\n[namespaces.views]\ncache_ttl_ms = 1000\nwindows = [\"1m\", \"1d\"]\n";
 
 fn sha256_hex(token: &str) -> String {
     let out = std::process::Command::new("sha256sum")
@@ -190,6 +190,52 @@ async fn events_and_likes_over_http_are_counted_exactly_and_every_route_answers(
     )
     .await;
     assert!(top["top"].as_array().expect("top").len() <= 3);
+    // views keeps windows: its top counters are ranked by their last minute's window sums,
+    // which here hold every event sent.
+    eventually(
+        Duration::from_secs(30),
+        "the window sum as activity",
+        || async {
+            let (_, body) = server
+                .call("GET", "/v1/namespaces/views/top?k=3", None)
+                .await;
+            let activity = body["top"][0]["activity"].as_f64()?;
+            (activity == expected["views:video:1"] as f64).then_some(())
+        },
+    )
+    .await;
+
+    // Windowed reads: the last 2 days of day buckets hold every event (sent without a time,
+    // so each counts at its Kafka timestamp); spans no window divides, and namespaces without
+    // windows, are refused.
+    for counter in ["views:video:1", "views:video:2"] {
+        let (status, body) = server
+            .call("GET", &format!("/v1/counters/{counter}?window=2d"), None)
+            .await;
+        assert_eq!(status, 200, "{body}");
+        assert_eq!(
+            (body["total"].as_i64(), body["window"].as_str()),
+            (Some(expected[counter]), Some("2d")),
+            "{body}"
+        );
+    }
+    let batch = json!({"counters": ["views:video:1"], "window": "2d"}).to_string();
+    let (status, body) = server
+        .call("POST", "/v1/counters/batch-get", Some(&batch))
+        .await;
+    assert_eq!(
+        (status, body["totals"][0]["total"].as_i64()),
+        (200, Some(expected["views:video:1"])),
+        "{body}"
+    );
+    for (path, code) in [
+        ("/v1/counters/views:video:1?window=7m30s", "invalid_window"),
+        ("/v1/counters/views:video:1?window=90s", "no_such_window"),
+        ("/v1/counters/likes:post:9?window=1h", "no_such_window"),
+    ] {
+        let (status, body) = server.call("GET", path, None).await;
+        assert_eq!((status, error_code(&body)), (400, code), "{path}: {body}");
+    }
     let (status, body) = server
         .call("GET", "/v1/namespaces/views/top?k=0", None)
         .await;

@@ -121,6 +121,23 @@ async fn send(topic: String, seed: u64, now: i64) -> Truth {
     truth
 }
 
+/// The sum of `counter`'s last `n` buckets of `width` at `at` (the current one included).
+fn sliding(
+    buckets: &HashMap<(String, i64, i64), i64>,
+    width: i64,
+    n: i64,
+    counter: &str,
+    at: i64,
+) -> i64 {
+    let current = at - at.rem_euclid(width);
+    (buckets.iter())
+        .filter(|((c, w, s), _)| {
+            c == counter && *w == width && *s <= current && *s > current - n * width
+        })
+        .map(|(_, v)| v)
+        .sum()
+}
+
 type Pending = (rdkafka::producer::DeliveryFuture, String, i64, i64, i64);
 
 async fn settle(pending: &mut Vec<Pending>, truth: &mut Truth) {
@@ -176,15 +193,15 @@ async fn windows_scenario(name: &str, redis: &RedisServer, redis_url: &str) {
 
     let counts = reader(&redis.url(), setup.keyspace()).await;
     wait_for_totals(&counts, &truth.totals, Duration::from_secs(90)).await;
-    let mut cells: Vec<&(String, i64, i64)> = truth.buckets.keys().collect();
+    let mut cells: Vec<(String, i64, i64)> = truth.buckets.keys().cloned().collect();
     cells.sort();
     let asked: Vec<(&str, i64, i64)> = (cells.iter())
         .map(|(c, w, s)| (c.as_str(), *w, *s))
         .collect();
     let stored = counts.bucket_values(&asked).await.expect("bucket reads");
     let wrong: Vec<String> = (cells.iter().zip(&stored))
-        .filter(|(cell, got)| truth.buckets[**cell] != **got)
-        .map(|(cell, got)| format!("{cell:?}: redis {got}, truth {}", truth.buckets[*cell]))
+        .filter(|(cell, got)| truth.buckets[*cell] != **got)
+        .map(|(cell, got)| format!("{cell:?}: redis {got}, truth {}", truth.buckets[cell]))
         .take(10)
         .collect();
     assert!(wrong.is_empty(), "buckets differ: {wrong:?}");
@@ -197,15 +214,6 @@ async fn windows_scenario(name: &str, redis: &RedisServer, redis_url: &str) {
     );
 
     // Sliding sums: the last 30 minutes from minute buckets, the last 2 hours from hour buckets.
-    let sliding = |width: i64, n: i64, counter: &str, at: i64| -> i64 {
-        let current = at - at.rem_euclid(width);
-        (truth.buckets.iter())
-            .filter(|((c, w, s), _)| {
-                c == counter && *w == width && *s <= current && *s > current - n * width
-            })
-            .map(|(_, v)| v)
-            .sum()
-    };
     let counter = "views:video:7";
     let at = tally_common::event::now_ms();
     for (width, n) in [(MINUTE, 30), (HOUR, 2)] {
@@ -219,7 +227,7 @@ async fn windows_scenario(name: &str, redis: &RedisServer, redis_url: &str) {
             .expect("window read");
         assert_eq!(
             got[0],
-            sliding(width, n, counter, at),
+            sliding(&truth.buckets, width, n, counter, at),
             "last {n} x {width} ms"
         );
     }
@@ -249,18 +257,52 @@ async fn windows_scenario(name: &str, redis: &RedisServer, redis_url: &str) {
         assert!(out.status.success(), "tally get: {text}");
         assert_eq!(
             text.trim(),
-            format!("{counter} {}", sliding(HOUR, 2, counter, after))
+            format!(
+                "{counter} {}",
+                sliding(&truth.buckets, HOUR, 2, counter, after)
+            )
         );
         break;
     }
 
-    // A bucket kept 20 s: seen with its sum, then gone by itself; the total stays.
-    let flash = "flash:sale:1";
+    // Trending in a windowed namespace: the heavy hitters, ranked by their window sums.
+    let hot = "views:video:hot";
     let producer = tally_producer::Producer::new(&tally_producer::ProducerConfig::new(
         brokers(),
         &setup.topic,
     ))
     .expect("producer");
+    let mut acks = Vec::new();
+    for _ in 0..1_000 {
+        let event = CounterEvent::new(hot, 5).expect("valid");
+        let ts = event.ts_ms();
+        acks.push((producer.enqueue(&event).await.expect("enqueued"), ts));
+    }
+    let mut truth = truth;
+    for (ack, ts) in acks {
+        ack.acked().await.expect("acknowledged");
+        // The producer stamps the Kafka timestamp after the event time: within the grace.
+        truth.record(hot, 5, ts, ts);
+    }
+    eventually(Duration::from_secs(30), "the hot counter on top", || {
+        let cached = &cached;
+        let truth = &truth;
+        async move {
+            let top = cached.top("views", 3).await.ok()?;
+            let want = sliding(
+                &truth.buckets,
+                MINUTE,
+                2,
+                hot,
+                tally_common::event::now_ms(),
+            );
+            (top.first() == Some(&(hot.to_owned(), want as f64))).then_some(())
+        }
+    })
+    .await;
+
+    // A bucket kept 20 s: seen with its sum, then gone by itself; the total stays.
+    let flash = "flash:sale:1";
     let sent_at = tally_common::event::now_ms();
     for _ in 0..10 {
         let event = CounterEvent::new(flash, 3)
@@ -305,11 +347,11 @@ async fn windows_scenario(name: &str, redis: &RedisServer, redis_url: &str) {
     assert!(
         audit
             .stdout
-            .contains(&format!("window buckets checked: {}", cells.len())),
+            .contains(&format!("window buckets checked: {}", truth.buckets.len())),
         "every bucket checked: {}",
         audit.stdout
     );
-    let (c, w, s) = cells[0];
+    let (c, w, s) = &cells[0];
     let _: i64 = redis::cmd("INCRBY")
         .arg(keyspace.window_key(5, c, *w, *s))
         .arg(3)
@@ -319,7 +361,7 @@ async fn windows_scenario(name: &str, redis: &RedisServer, redis_url: &str) {
     let damaged = setup.audit(&["--namespaces", ns_path]);
     eprintln!("{}", damaged.stdout);
     let label = if *w == MINUTE { "1m" } else { "1h" };
-    let value = truth.buckets[cells[0]];
+    let value = truth.buckets[&cells[0]];
     assert_eq!(
         damaged.drift,
         [(format!("{c}@{label}:{s}"), value + 3, value)],
