@@ -373,9 +373,14 @@ impl Transactions {
             for (key, (_, delta)) in counter_keys.iter().zip(write.deltas) {
                 writes.incr(key, *delta).ignore();
             }
-            for (key, window) in window_keys.iter().zip(write.windows) {
+            // As the script: the expiry is set where the write creates the key (or finds 0).
+            for ((key, window), current) in
+                window_keys.iter().zip(write.windows).zip(&window_currents)
+            {
                 writes.incr(key, window.delta).ignore();
-                writes.pexpire_at(key, window.expire_at_ms).ignore();
+                if matches!(current, Current::Missing | Current::Integer(0)) {
+                    writes.pexpire_at(key, window.expire_at_ms).ignore();
+                }
             }
             // Reads saw each set before any of this batch's changes; one actor appears once per
             // counter in a batch, so each change is decided on what the set holds now.

@@ -361,6 +361,33 @@ pub fn markdown(args: &Args, r: &Results) -> String {
             p.postgres_cpu_seconds_per_million,
         );
     }
+    if !r.windows.is_empty() {
+        let base = r
+            .windows
+            .first()
+            .map(|w| w.catch_up.events_per_second_from_launch);
+        let _ = writeln!(
+            out,
+            "\n## Windows\n\nThe exactly-once catch-up over the same topic, its namespace keeping 0, 1 (`1h`) and 3 (`1m`, `1h`, `1d`) windows; each counter has one live bucket per window (the events are minutes old). Memory is Redis's `used_memory` added per distinct counter.\n\n| windows | events/s from launch | vs 0 windows | Redis commands/event | requests/event | aggregator CPU s per M | memory bytes/counter |\n|---|---|---|---|---|---|---|"
+        );
+        for w in &r.windows {
+            let c = &w.catch_up;
+            let _ = writeln!(
+                out,
+                "| {} | {:.0} | {} | {:.3} | {:.4} | {:.2} | {:.0} |",
+                w.windows,
+                c.events_per_second_from_launch,
+                base.map_or("".to_owned(), |b| format!(
+                    "{:.2}",
+                    c.events_per_second_from_launch / b
+                )),
+                c.redis_commands_per_event,
+                c.redis_requests_per_event,
+                c.run.cpu_seconds_per_million,
+                w.memory_bytes_per_counter,
+            );
+        }
+    }
     if let Some(s) = &r.steady {
         let _ = writeln!(
             out,

@@ -126,6 +126,17 @@ pub struct PostgresRun {
     pub postgres_cpu_seconds_per_million: f64,
 }
 
+/// The catch-up with a number of windows, and what it cost.
+#[derive(Debug, Clone, Serialize)]
+pub struct WindowsRun {
+    /// Windows the namespace keeps.
+    pub windows: usize,
+    /// The catch-up.
+    pub catch_up: CatchUp,
+    /// Redis memory added per distinct counter (`used_memory` after − before), bytes.
+    pub memory_bytes_per_counter: f64,
+}
+
 /// Everything measured.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct Results {
@@ -164,6 +175,8 @@ pub struct Results {
     pub reads: Vec<ReadLatency>,
     /// The catch-up into the PostgreSQL store.
     pub postgres: Option<PostgresRun>,
+    /// The catch-up with 0, 1 and 3 windows.
+    pub windows: Vec<WindowsRun>,
     /// Decode + aggregate on one core (criterion), events per second, per format.
     pub micro: Vec<(String, f64)>,
 }

@@ -131,10 +131,14 @@ end
 for i = 1, n do
   redis.call('INCRBY', KEYS[3 + i], ARGV[7 + i])
 end
+-- A bucket key gets its expiry when this script creates it (the sum is then the delta alone); a
+-- key that exists got it then, so most writes of a bucket cost one INCRBY.
 for i = 1, w do
   local key = KEYS[3 + n + i]
-  redis.call('INCRBY', key, ARGV[7 + n + 2 * i - 1])
-  redis.call('PEXPIREAT', key, ARGV[7 + n + 2 * i])
+  local delta = ARGV[7 + n + 2 * i - 1]
+  if redis.call('INCRBY', key, delta) == tonumber(delta) then
+    redis.call('PEXPIREAT', key, ARGV[7 + n + 2 * i])
+  end
 end
 for j = 1, m do
   local set, counter = KEYS[mk + 2 * j - 1], KEYS[mk + 2 * j]

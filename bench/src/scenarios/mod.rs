@@ -7,6 +7,7 @@ mod naive;
 mod postgres;
 mod reads;
 mod steady;
+mod windows;
 mod yardsticks;
 
 use anyhow::Context;
@@ -19,6 +20,7 @@ use naive::naive;
 use postgres::{postgres_catch_up, postgres_reads};
 use reads::reads;
 use steady::steady;
+use windows::windows;
 use yardsticks::{kcat_consume, kcat_produce, micro, redis_benchmark};
 
 /// Runs every scenario the arguments ask for.
@@ -46,9 +48,16 @@ pub async fn run_all(args: &Args) -> anyhow::Result<Results> {
     let zipf = args.zipf.to_string();
     let counters = args.counters.to_string();
     let preloaded = env.name("events");
-    let needs_preload = ["producer", "catch-up", "postgres", "naive", "yardsticks"]
-        .iter()
-        .any(|s| args.runs(s));
+    let needs_preload = [
+        "producer",
+        "catch-up",
+        "postgres",
+        "windows",
+        "naive",
+        "yardsticks",
+    ]
+    .iter()
+    .any(|s| args.runs(s));
     if needs_preload {
         for routing in ["counter", "actor", "random"] {
             if routing != "counter" && !args.runs("producer") {
@@ -119,6 +128,10 @@ pub async fn run_all(args: &Args) -> anyhow::Result<Results> {
             run.commits_per_event
         );
         results.postgres = Some(run);
+    }
+    if args.runs("windows") {
+        let distinct = results.producer.first().map_or(0, |p| p.distinct_counters);
+        results.windows = windows(&mut env, &preloaded, args.events, distinct).await?;
     }
     if args.runs("json") {
         json_catch_up(&mut env, &mut results).await?;

@@ -1,0 +1,57 @@
+//! What windowed counts cost: the exactly-once catch-up over the same preloaded topic with its
+//! namespace keeping 0, 1 (`1h`) and 3 (`1m`, `1h`, `1d`) windows, with the Redis commands per
+//! event and the memory each counter adds (`INFO memory`'s `used_memory` before and after each
+//! run, over the distinct counters). The preloaded events were produced moments before, so each
+//! counter has one live bucket per window: memory per counter grows by one key per window.
+
+use anyhow::Context;
+
+use crate::env::Env;
+use crate::results::WindowsRun;
+
+/// Redis's `used_memory`, in bytes.
+async fn used_memory(conn: &mut redis::aio::MultiplexedConnection) -> anyhow::Result<f64> {
+    let info: String = redis::cmd("INFO").arg("memory").query_async(conn).await?;
+    info.lines()
+        .find_map(|l| l.strip_prefix("used_memory:"))
+        .and_then(|v| v.trim().parse().ok())
+        .context("INFO memory has no used_memory")
+}
+
+/// The catch-up of `events` events on `topic` (`distinct` counters, all `likes:post:*`) with
+/// 0, 1 and 3 windows.
+pub(crate) async fn windows(
+    env: &mut Env<'_>,
+    topic: &str,
+    events: u64,
+    distinct: u64,
+) -> anyhow::Result<Vec<WindowsRun>> {
+    let dir = std::env::temp_dir().join(env.name("windows"));
+    std::fs::create_dir_all(&dir)?;
+    let mut runs = Vec::new();
+    for (count, windows) in [
+        (0, ""),
+        (1, "windows = [\"1h\"]\n"),
+        (3, "windows = [\"1m\", \"1h\", \"1d\"]\n"),
+    ] {
+        let file = dir.join(format!("namespaces-{count}.toml"));
+        std::fs::write(&file, format!("[namespaces.likes]\n{windows}"))?;
+        let path = file.to_str().context("a UTF-8 temp path")?;
+        println!("windows: the aggregator with {count} windows, over {events} events");
+        let before = used_memory(&mut env.redis).await?;
+        let mut run = env.catch_up(topic, events, &["--namespaces", path]).await?;
+        let after = used_memory(&mut env.redis).await?;
+        run.distinct_counters = distinct;
+        println!(
+            "  {:.0} events/s from launch, {:.3} Redis commands/event",
+            run.events_per_second_from_launch, run.redis_commands_per_event
+        );
+        runs.push(WindowsRun {
+            windows: count,
+            memory_bytes_per_counter: (after - before) / distinct.max(1) as f64,
+            catch_up: run,
+        });
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(runs)
+}
