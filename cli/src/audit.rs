@@ -52,6 +52,9 @@ pub struct AuditSpec {
     pub group: String,
     /// Messages larger than this are dead letters (the aggregator's `max_message_bytes`).
     pub max_message_bytes: usize,
+    /// Audit only the log from this time on (ms since the epoch): the window buckets whose
+    /// events all lie in it, no totals. `None`: the whole log, totals and buckets.
+    pub since_ms: Option<i64>,
 }
 
 /// Why an audit could not run.
@@ -250,18 +253,24 @@ pub async fn audit(
     let durable = reader
         .durable_offsets(&spec.topic, logs.len() as i32)
         .await?;
+    let starts = match spec.since_ms {
+        Some(since) => {
+            tokio::task::block_in_place(|| starts_at(&consumer, spec, since, logs.len()))?
+        }
+        None => logs.iter().map(|log| log.start).collect(),
+    };
     let mut ranges = Vec::with_capacity(logs.len());
-    for (partition, (log, watermark)) in logs.iter().zip(durable).enumerate() {
+    for (partition, ((log, watermark), start)) in logs.iter().zip(durable).zip(starts).enumerate() {
         let partition = partition as i32;
         let durable = watermark.or(log.committed).unwrap_or(log.start);
-        if log.start > 0 {
+        if (log.start > 0 && spec.since_ms.is_none()) || start < log.start {
             return Err(AuditError::Truncated {
                 topic: spec.topic.clone(),
                 partition,
                 start: log.start,
             });
         }
-        ranges.push((partition, log.start, durable));
+        ranges.push((partition, start, durable.max(start)));
     }
 
     let mut recount = Recount::new(namespaces, spec.max_message_bytes);
@@ -278,17 +287,29 @@ pub async fn audit(
         ambiguous,
     } = recount.finish();
 
-    let counters: Vec<&String> = recounted.keys().collect();
+    // From a time, totals include events before it: only buckets are compared.
+    let counters: Vec<&String> = match spec.since_ms {
+        Some(_) => Vec::new(),
+        None => recounted.keys().collect(),
+    };
     let mut stored = Vec::with_capacity(counters.len());
     for chunk in counters.chunks(READ_CHUNK) {
         stored.extend(reader.get_many(chunk).await?);
     }
     let horizon = tally_common::event::now_ms() + EXPIRY_MARGIN_MS;
+    // From a time `T`, a bucket is whole in the range read when every event that can count in
+    // it was produced at `T` or later: its start minus the grace (see `tally_common::window`).
+    // The range starts at each partition's first offset stamped `T` or later, so every offset
+    // before it was stamped earlier and counts in no such bucket.
+    let first_whole = spec.since_ms.map(|since| since + max_grace(namespaces));
     let cells: Vec<(&str, i64, i64)> = (buckets.iter())
         .filter(|(_, (_, expire_at))| *expire_at > horizon)
+        .filter(|((_, _, start), _)| first_whole.is_none_or(|first| *start >= first))
         .map(|((c, width, start), _)| (c.as_str(), *width, *start))
         .collect();
-    let buckets_expiring = buckets.len() - cells.len();
+    let buckets_expiring = (buckets.values())
+        .filter(|(_, expire_at)| *expire_at <= horizon)
+        .count();
     let mut stored_cells = Vec::with_capacity(cells.len());
     for chunk in cells.chunks(READ_CHUNK) {
         stored_cells.extend(reader.bucket_values(chunk).await?);
@@ -363,6 +384,43 @@ pub async fn audit(
         ambiguous: ambiguous.len(),
         elapsed: started.elapsed(),
     })
+}
+
+/// The largest grace of any namespace's windows.
+fn max_grace(namespaces: &Namespaces) -> i64 {
+    (namespaces.listed().map(|(_, p)| p))
+        .chain([namespaces.defaults()])
+        .filter(|p| !p.windows.is_empty())
+        .map(|p| p.windows.grace_ms())
+        .max()
+        .unwrap_or(0)
+}
+
+/// Each partition's first offset whose Kafka timestamp is `since_ms` or later (its log end if
+/// none is).
+fn starts_at(
+    consumer: &BaseConsumer,
+    spec: &AuditSpec,
+    since_ms: i64,
+    partitions: usize,
+) -> Result<Vec<i64>, AuditError> {
+    let mut tpl = TopicPartitionList::new();
+    for p in 0..partitions as i32 {
+        tpl.add_partition_offset(&spec.topic, p, Offset::Offset(since_ms))?;
+    }
+    let found = consumer.offsets_for_times(tpl, KAFKA_TIMEOUT)?;
+    (0..partitions as i32)
+        .map(|p| {
+            let entry = found.find_partition(&spec.topic, p);
+            match entry.map(|e| e.offset()) {
+                Some(Offset::Offset(o)) => Ok(o),
+                _ => {
+                    let (_, end) = consumer.fetch_watermarks(&spec.topic, p, KAFKA_TIMEOUT)?;
+                    Ok(end)
+                }
+            }
+        })
+        .collect()
 }
 
 /// What Kafka says of one partition.

@@ -216,8 +216,21 @@ struct AuditArgs {
     /// How many of the largest differences to print.
     #[arg(long, default_value_t = 10)]
     top: usize,
+    /// Audit only the log from this time: a duration ago (`2h`) or Unix ms. Totals include
+    /// older events, so only the window buckets wholly inside the range are compared.
+    #[arg(long, value_parser = parse_since)]
+    since: Option<i64>,
     #[command(flatten)]
     redis: RedisArgs,
+}
+
+/// `--since`: Unix ms, or a duration ago.
+fn parse_since(text: &str) -> Result<i64, String> {
+    if let Ok(ms) = text.parse::<i64>() {
+        return Ok(ms);
+    }
+    let ago = tally_common::window::parse_duration(text)?;
+    Ok(tally_common::event::now_ms() - ago)
 }
 
 #[derive(Debug, clap::Args)]
@@ -516,12 +529,17 @@ async fn run_audit(args: AuditArgs) -> anyhow::Result<ExitCode> {
         topic: args.kafka.topic.clone(),
         group: args.group.clone(),
         max_message_bytes: args.max_message_bytes,
+        since_ms: args.since,
     };
     let report = audit::audit(&spec, &namespaces, &reader).await?;
     let mut out = std::io::stdout().lock();
+    let range = match spec.since_ms {
+        Some(since) => format!("from {since} ms (window buckets only)"),
+        None => "from the start".to_owned(),
+    };
     writeln!(
         out,
-        "recounted {} events of {} ({} partitions, up to the durable offsets) in {:.1} s; {} dead letters not counted",
+        "recounted {} events of {} ({} partitions, {range} up to the durable offsets) in {:.1} s; {} dead letters not counted",
         report.events,
         spec.topic,
         report.partitions,
