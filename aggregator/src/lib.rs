@@ -48,6 +48,7 @@ pub mod secrets;
 pub mod shard_monitor;
 pub mod shutdown;
 pub mod sink;
+pub mod topic;
 pub mod transactions;
 pub mod trending;
 

@@ -25,6 +25,7 @@ use std::time::{Duration, Instant};
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::error::KafkaError;
 use rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
+use tally_aggregator::topic::{PartitionLog, partition_logs};
 use tally_common::namespace::WritePath;
 use tally_common::window::format_duration;
 use tally_common::{Namespaces, Reader, codec};
@@ -423,14 +424,6 @@ fn starts_at(
         .collect()
 }
 
-/// What Kafka says of one partition.
-#[derive(Debug, Clone, Copy)]
-struct Log {
-    start: i64,
-    end: i64,
-    committed: Option<i64>,
-}
-
 fn consumer(spec: &AuditSpec) -> Result<BaseConsumer, AuditError> {
     let mut config = spec.kafka.clone();
     config
@@ -444,33 +437,9 @@ fn consumer(spec: &AuditSpec) -> Result<BaseConsumer, AuditError> {
 }
 
 /// Each partition's log start and end and the group's committed offset.
-fn read_logs(consumer: &BaseConsumer, spec: &AuditSpec) -> Result<Vec<Log>, AuditError> {
-    let topic = &spec.topic;
-    let metadata = consumer.fetch_metadata(Some(topic), KAFKA_TIMEOUT)?;
-    let partitions = (metadata.topics().first())
-        .filter(|t| t.error().is_none())
-        .map(|t| t.partitions().len() as i32)
-        .filter(|n| *n > 0)
-        .ok_or_else(|| AuditError::Kafka(format!("topic {topic} does not exist")))?;
-    let mut tpl = TopicPartitionList::new();
-    for p in 0..partitions {
-        tpl.add_partition(topic, p);
-    }
-    let committed = consumer.committed_offsets(tpl, KAFKA_TIMEOUT)?;
-    (0..partitions)
-        .map(|p| {
-            let (start, end) = consumer.fetch_watermarks(topic, p, KAFKA_TIMEOUT)?;
-            let committed = match committed.find_partition(topic, p).map(|e| e.offset()) {
-                Some(Offset::Offset(o)) => Some(o),
-                _ => None,
-            };
-            Ok(Log {
-                start,
-                end,
-                committed,
-            })
-        })
-        .collect()
+fn read_logs(consumer: &BaseConsumer, spec: &AuditSpec) -> Result<Vec<PartitionLog>, AuditError> {
+    partition_logs(consumer, &spec.topic, KAFKA_TIMEOUT)
+        .map_err(|e| AuditError::Kafka(e.to_string()))
 }
 
 /// Reads `[from, to)` of each `(partition, from, to)` and hands every message's payload to

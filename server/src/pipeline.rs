@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
 use serde::Serialize;
+use tally_aggregator::topic::partition_logs;
 use tally_common::event::now_ms;
 use utoipa::ToSchema;
 
@@ -78,13 +79,6 @@ impl std::fmt::Debug for Pipeline {
     }
 }
 
-/// What Kafka says of one partition.
-struct Log {
-    start: i64,
-    end: i64,
-    committed: Option<i64>,
-}
-
 impl Pipeline {
     /// A reader of `topic`'s progress, for the aggregators' `group`; `kafka` holds the brokers
     /// and any security options.
@@ -106,38 +100,6 @@ impl Pipeline {
             consumer: Arc::new(Mutex::new(config.create()?)),
             last: tokio::sync::Mutex::new(None),
         })
-    }
-
-    /// The log's watermarks and the group's committed offsets, per partition.
-    fn logs(consumer: &BaseConsumer, topic: &str) -> Result<Vec<Log>, String> {
-        let metadata =
-            (consumer.fetch_metadata(Some(topic), KAFKA_TIMEOUT)).map_err(|e| e.to_string())?;
-        let partitions = (metadata.topics().first())
-            .filter(|t| t.error().is_none())
-            .map(|t| t.partitions().len() as i32)
-            .filter(|n| *n > 0)
-            .ok_or_else(|| format!("topic {topic} does not exist"))?;
-        let mut tpl = TopicPartitionList::new();
-        for p in 0..partitions {
-            tpl.add_partition(topic, p);
-        }
-        let committed =
-            (consumer.committed_offsets(tpl, KAFKA_TIMEOUT)).map_err(|e| e.to_string())?;
-        (0..partitions)
-            .map(|p| {
-                let (start, end) = (consumer.fetch_watermarks(topic, p, KAFKA_TIMEOUT))
-                    .map_err(|e| e.to_string())?;
-                let committed = match committed.find_partition(topic, p).map(|e| e.offset()) {
-                    Some(Offset::Offset(o)) => Some(o),
-                    _ => None,
-                };
-                Ok(Log {
-                    start,
-                    end,
-                    committed,
-                })
-            })
-            .collect()
     }
 
     /// The timestamps (ms) of the events at `at` (partition, offset), read within a deadline.
@@ -183,7 +145,7 @@ impl Pipeline {
         let (consumer, topic) = (self.consumer.clone(), self.topic.clone());
         let logs = tokio::task::spawn_blocking(move || {
             let consumer = consumer.lock().unwrap_or_else(PoisonError::into_inner);
-            Self::logs(&consumer, &topic)
+            partition_logs(&consumer, &topic, KAFKA_TIMEOUT)
         })
         .await
         .map_err(ApiError::kafka)?
