@@ -420,6 +420,13 @@ impl Settings {
                 why: "namespaces that deduplicate need exactly-once delivery".to_owned(),
             });
         }
+        if delivery == Delivery::AtLeastOnce && namespaces.widest_idempotency_window_ms().is_some()
+        {
+            return Err(ConfigError::Invalid {
+                name: "delivery",
+                why: "namespaces with an idempotency window need exactly-once delivery".to_owned(),
+            });
+        }
         check_kafka_options(&self.kafka, delivery)?;
         let redis = RedisTarget::parse(self.redis_url.as_deref().unwrap_or(defaults::REDIS_URL))
             .map_err(|e| ConfigError::Invalid {

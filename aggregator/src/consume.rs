@@ -43,6 +43,7 @@ use crate::config::Delivery;
 use crate::dead_letter::DeadLetter;
 use crate::fence::{self, Owner, Resume};
 use crate::flush::{FlushOutcome, Flusher, Standing};
+use crate::idempotency::{self, RecentIds, WarmUp};
 use crate::metrics::Metrics;
 use crate::partition::{Action, Drain, Entry, Handled, NotDrained, Partition};
 use crate::sink::Sink;
@@ -93,6 +94,9 @@ pub(crate) struct Slot {
     task: Option<Task>,
     /// The acquisition running for it.
     acquiring: Option<JoinHandle<()>>,
+    /// The ids counted over the last idempotency window (namespaces that keep one), rebuilt
+    /// from the log on each acquisition.
+    ids: Option<RecentIds>,
 }
 
 /// A flush or a check, running as its own task.
@@ -125,6 +129,8 @@ enum Done {
         resume: Resume,
         /// The partition's high watermark when it was acquired, if the brokers told.
         log_end: Option<i64>,
+        /// Its recent ids, read from the log before `resume` (namespaces with idempotency).
+        ids: Option<RecentIds>,
     },
 }
 
@@ -158,6 +164,33 @@ pub(crate) struct Shared<S> {
     /// Cancels every flush still retrying: fired when the shutdown deadline passes.
     hard_stop: CancellationToken,
     runtime: tokio::runtime::Handle,
+    /// Rebuilds recent ids on acquisition, when a namespace keeps an idempotency window.
+    warm_up: Option<Arc<WarmUp>>,
+}
+
+/// A partition's recent ids as of `resume`, read from the log on a blocking thread.
+async fn warm_up_ids(
+    warm_up: &Arc<WarmUp>,
+    partition: i32,
+    resume: Resume,
+) -> Result<RecentIds, String> {
+    let Resume::At(resume) = resume else {
+        return Ok(warm_up.empty());
+    };
+    let reader = warm_up.clone();
+    let warmed = tokio::task::spawn_blocking(move || reader.read(partition, resume))
+        .await
+        .map_err(|e| e.to_string())?
+        .map_err(|e| e.to_string())?;
+    tracing::info!(
+        partition,
+        resume,
+        messages = warmed.messages,
+        ids = warmed.ids.len(),
+        ms = warmed.elapsed.as_millis() as u64,
+        "recent ids read from the log"
+    );
+    Ok(warmed.ids)
 }
 
 fn lock(m: &Mutex<Partitions>) -> MutexGuard<'_, Partitions> {
@@ -169,6 +202,7 @@ impl<S: Sink> Shared<S> {
     pub(crate) fn new(
         settings: LoopSettings,
         flusher: Flusher<S>,
+        warm_up: Option<WarmUp>,
     ) -> (Arc<Self>, mpsc::UnboundedReceiver<Report>) {
         let (done_tx, done_rx) = mpsc::unbounded_channel();
         let metrics = flusher.metrics.clone();
@@ -181,6 +215,7 @@ impl<S: Sink> Shared<S> {
             flushes: std::sync::atomic::AtomicU64::new(0),
             hard_stop: CancellationToken::new(),
             runtime: tokio::runtime::Handle::current(),
+            warm_up: warm_up.map(Arc::new),
         });
         (shared, done_rx)
     }
@@ -236,6 +271,16 @@ impl<S: Sink> Shared<S> {
         let limits = &self.settings.limits;
         let mut placement = Placement::default();
         let (handled, action) = match &decoded {
+            Ok(event)
+                if slot.ids.as_mut().is_some_and(|ids| {
+                    let kafka_ms = message.timestamp().to_millis().unwrap_or(0);
+                    let namespaces = &self.settings.namespaces;
+                    idempotency::decide(ids, namespaces, event, offset, kafka_ms) == Some(true)
+                }) =>
+            {
+                self.metrics.repeated_id();
+                slot.machine.on_message(offset, Entry::Repeat, limits)
+            }
             Ok(event) => {
                 let policy = self.settings.namespaces.policy(&event.counter);
                 let actor = event.actor.as_deref();
@@ -347,8 +392,10 @@ impl<S: Sink> Shared<S> {
                 owner,
                 resume,
                 log_end,
+                ids,
             } => {
                 slot.acquiring = None;
+                slot.ids = ids;
                 tracing::info!(partition, epoch = owner.epoch, ?resume, "partition owned");
                 vec![slot.machine.on_acquired(owner, resume, log_end)]
             }
@@ -457,6 +504,7 @@ impl<S: Sink> Shared<S> {
         let metrics = self.metrics.clone();
         let done_tx = self.done_tx.clone();
         let (initial, max) = (self.flusher.retry_initial, self.flusher.retry_max);
+        let warm_up = self.warm_up.clone();
         tokio::spawn(async move {
             let mut backoff = Backoff::new(initial, max);
             loop {
@@ -473,6 +521,17 @@ impl<S: Sink> Shared<S> {
                             (Resume::Beginning, Some((low, _))) => Resume::At(low),
                             (resume, _) => resume,
                         };
+                        let ids = match &warm_up {
+                            Some(warm_up) => match warm_up_ids(warm_up, partition, resume).await {
+                                Ok(ids) => Some(ids),
+                                Err(error) => {
+                                    tracing::warn!(partition, %error, "reading the recent ids from the log failed; retrying");
+                                    tokio::time::sleep(backoff.next_delay()).await;
+                                    continue;
+                                }
+                            },
+                            None => None,
+                        };
                         let _ = done_tx.send(Report {
                             partition,
                             generation,
@@ -480,6 +539,7 @@ impl<S: Sink> Shared<S> {
                                 owner,
                                 resume,
                                 log_end: watermarks.map(|(_, high)| high),
+                                ids,
                             },
                         });
                         return;
@@ -570,6 +630,7 @@ impl<S: Sink> Shared<S> {
                 machine,
                 task: None,
                 acquiring: None,
+                ids: None,
             };
             if let Some(action) = action {
                 self.execute(consumer, partition, &mut slot, action);

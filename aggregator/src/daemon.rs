@@ -16,6 +16,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::consume::{LoopSettings, Report, RunSummary, Shared};
 use crate::flush::Flusher;
+use crate::idempotency::WarmUp;
 use crate::rebalance::AggregatorContext;
 use crate::sink::Sink;
 
@@ -69,7 +70,15 @@ impl<S: Sink> Aggregator<S> {
         settings: LoopSettings,
         flusher: Flusher<S>,
     ) -> Result<Self, KafkaError> {
-        let (shared, done_rx) = Shared::new(settings, flusher);
+        // Idempotency keys: partitions rebuild their recent ids from the log with a consumer of
+        // their own, with the operator's Kafka settings (security...).
+        let warm_up = WarmUp::new(
+            kafka,
+            &settings.topic,
+            settings.namespaces.clone(),
+            settings.max_message_bytes,
+        );
+        let (shared, done_rx) = Shared::new(settings, flusher, warm_up);
         // tally's consumer settings under the operator's: start from the operator's (copying the
         // config, never its `config_map()`, which masks secrets such as `sasl.password`).
         let mut config = kafka.clone();

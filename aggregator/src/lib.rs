@@ -37,6 +37,7 @@ pub mod dead_letter;
 pub mod fence;
 pub mod flush;
 pub mod http;
+pub mod idempotency;
 #[cfg(test)]
 mod memory_sink;
 pub mod metrics;

@@ -21,6 +21,8 @@ pub struct Metrics {
     events_consumed: IntCounter,
     /// Malformed messages copied to the dead-letter topic, by reason.
     events_dead_lettered: IntCounterVec,
+    /// Events not counted because they repeat an idempotency key counted within its window.
+    repeated_ids: IntCounter,
     /// Events left out of a window's bucket, by reason (`late`, `future`).
     window_dropped: IntCounterVec,
     /// Batches made durable.
@@ -120,6 +122,10 @@ impl Metrics {
                 "tally_events_dead_lettered_total",
                 "Malformed messages copied to the dead-letter topic, by reason.",
                 &["reason"],
+            ),
+            repeated_ids: r.counter(
+                "tally_repeated_ids_total",
+                "Events not counted because they repeat an event_id counted within their namespace's idempotency window.",
             ),
             window_dropped: r.counter_vec(
                 "tally_window_events_dropped_total",
@@ -233,6 +239,11 @@ impl Metrics {
         self.events_dead_lettered
             .with_label_values(&[reason.as_str()])
             .inc();
+    }
+
+    /// An event repeated an idempotency key and was not counted.
+    pub fn repeated_id(&self) {
+        self.repeated_ids.inc();
     }
 
     /// An event was left out of `late` windows, or of every window when from the `future`.

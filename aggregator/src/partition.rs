@@ -102,6 +102,9 @@ pub(crate) enum Entry<'a> {
         /// Like or unlike.
         like: bool,
     },
+    /// An event repeating an idempotency key counted within its window: not counted, but read
+    /// past like any other.
+    Repeat,
     /// A message to copy to the dead-letter topic, with the group its event would have gone
     /// to if it decoded that far (a like without an actor).
     DeadLetter {
@@ -230,6 +233,7 @@ impl Partition {
         let group = match &entry {
             Entry::Delta { group, .. } | Entry::Member { group, .. } => Some(*group),
             Entry::DeadLetter { group, .. } => *group,
+            Entry::Repeat => None,
         };
         let already_applied = group.is_some_and(|group| {
             self.ledgers()
@@ -258,6 +262,7 @@ impl Partition {
                     like,
                 } => self.buffer.add_member(group, counter, actor, like, offset),
                 Entry::DeadLetter { letter, .. } => self.buffer.add_dead_letter(letter, offset),
+                Entry::Repeat => self.buffer.skip(offset),
             }
             Handled::Buffered
         };

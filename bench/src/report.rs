@@ -388,6 +388,25 @@ pub fn markdown(args: &Args, r: &Results) -> String {
             );
         }
     }
+    if let [without, with, ..] = r.idempotency.as_slice() {
+        let (a, b) = (&without.catch_up, &with.catch_up);
+        let events = b.run.events.max(1) as f64;
+        let _ = writeln!(
+            out,
+            "\n## Idempotency keys\n\nThe exactly-once catch-up of {} events that each carry an id, without and with a 10-minute idempotency window (every id of the run is held): {:.0} and {:.0} events/s from launch ({:.2} x); aggregator CPU {:.2} and {:.2} s per million events; peak RSS {:.0} and {:.0} MiB, {:.0} bytes per id held; Redis commands per event {:.3} and {:.3} (ids cost Redis nothing).",
+            b.run.events,
+            a.events_per_second_from_launch,
+            b.events_per_second_from_launch,
+            b.events_per_second_from_launch / a.events_per_second_from_launch.max(1.0),
+            a.run.cpu_seconds_per_million,
+            b.run.cpu_seconds_per_million,
+            a.run.peak_rss_mib,
+            b.run.peak_rss_mib,
+            (b.run.peak_rss_mib - a.run.peak_rss_mib) * 1_048_576.0 / events,
+            a.redis_commands_per_event,
+            b.redis_commands_per_event,
+        );
+    }
     if let Some(s) = &r.steady {
         let _ = writeln!(
             out,

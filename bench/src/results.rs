@@ -137,6 +137,15 @@ pub struct WindowsRun {
     pub memory_bytes_per_counter: f64,
 }
 
+/// The catch-up of events with ids, with or without an idempotency window.
+#[derive(Debug, Clone, Serialize)]
+pub struct IdempotencyRun {
+    /// The namespace's idempotency window (`none`, `10m`).
+    pub window: String,
+    /// The catch-up.
+    pub catch_up: CatchUp,
+}
+
 /// Everything measured.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct Results {
@@ -177,6 +186,8 @@ pub struct Results {
     pub postgres: Option<PostgresRun>,
     /// The catch-up with 0, 1 and 3 windows.
     pub windows: Vec<WindowsRun>,
+    /// The catch-up of events with ids, without and with an idempotency window.
+    pub idempotency: Vec<IdempotencyRun>,
     /// Decode + aggregate on one core (criterion), events per second, per format.
     pub micro: Vec<(String, f64)>,
 }

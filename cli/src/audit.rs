@@ -25,6 +25,7 @@ use std::time::{Duration, Instant};
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::error::KafkaError;
 use rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
+use tally_aggregator::idempotency::{self, RecentIds};
 use tally_aggregator::topic::{PartitionLog, partition_logs};
 use tally_common::namespace::WritePath;
 use tally_common::window::format_duration;
@@ -105,8 +106,16 @@ pub struct Recount<'a> {
     direct: HashSet<String>,
     /// Windowed namespaces' buckets: `(counter, width, start)` → (sum, expiry).
     buckets: HashMap<(String, i64, i64), (i64, i64)>,
+    /// Each partition's recent idempotency keys, decided as the aggregator decides them.
+    ids: HashMap<i32, RecentIds>,
+    /// The widest idempotency window, if a namespace keeps one.
+    widest_window_ms: Option<i64>,
+    /// Per partition, the first offset counted: those before only feed the recent ids.
+    count_from: HashMap<i32, i64>,
     /// Events recounted.
     pub events: u64,
+    /// Events not counted because they repeat an idempotency key within its window.
+    pub repeats: u64,
     /// Messages the aggregator dead-letters (malformed, or a like without an actor).
     pub dead_letters: u64,
 }
@@ -122,18 +131,39 @@ impl<'a> Recount<'a> {
             ambiguous: HashSet::new(),
             direct: HashSet::new(),
             buckets: HashMap::new(),
+            ids: HashMap::new(),
+            widest_window_ms: namespaces.widest_idempotency_window_ms(),
+            count_from: HashMap::new(),
             events: 0,
+            repeats: 0,
             dead_letters: 0,
         }
     }
 
-    /// Counts one message of `partition`, in log order; `kafka_ms` is its Kafka timestamp
-    /// (what windows judge lateness by).
-    pub fn add(&mut self, partition: i32, payload: &[u8], kafka_ms: Option<i64>) {
+    /// Counts `partition`'s events from `offset` on; those before only feed its recent ids.
+    pub fn count_from(&mut self, partition: i32, offset: i64) {
+        self.count_from.insert(partition, offset);
+    }
+
+    /// Counts the message at `offset` of `partition`, in log order; `kafka_ms` is its Kafka
+    /// timestamp (what windows and idempotency windows go by).
+    pub fn add(&mut self, partition: i32, offset: i64, payload: &[u8], kafka_ms: Option<i64>) {
+        let counted = offset >= self.count_from.get(&partition).copied().unwrap_or(0);
         let Ok(event) = codec::decode(payload, self.max_message_bytes) else {
-            self.dead_letters += 1;
+            self.dead_letters += u64::from(counted);
             return;
         };
+        if let Some(widest) = self.widest_window_ms {
+            let ids = (self.ids.entry(partition)).or_insert_with(|| RecentIds::new(widest));
+            let kafka = kafka_ms.unwrap_or(0);
+            if idempotency::decide(ids, self.namespaces, &event, offset, kafka) == Some(true) {
+                self.repeats += u64::from(counted);
+                return;
+            }
+        }
+        if !counted {
+            return;
+        }
         let policy = self.namespaces.policy(&event.counter);
         if policy.write_path == WritePath::Direct {
             self.direct.insert(event.counter.into_owned());
@@ -222,6 +252,8 @@ pub struct Report {
     pub partitions: usize,
     /// Events recounted (up to the durable offsets).
     pub events: u64,
+    /// Events not counted because they repeat an idempotency key within its window.
+    pub repeats: u64,
     /// Messages the aggregator dead-letters, not counted.
     pub dead_letters: u64,
     /// Counters compared.
@@ -275,12 +307,26 @@ pub async fn audit(
     }
 
     let mut recount = Recount::new(namespaces, spec.max_message_bytes);
+    // From a time, with idempotency keys: read the widest window (and the skew) before it too,
+    // so that a repeat of an event just before the time is known as one.
+    if let (Some(since), Some(widest)) = (spec.since_ms, namespaces.widest_idempotency_window_ms())
+    {
+        let earlier = since - widest - idempotency::CLOCK_SKEW_MS;
+        let warm = tokio::task::block_in_place(|| starts_at(&consumer, spec, earlier, logs.len()))?;
+        for (range, warm) in ranges.iter_mut().zip(warm) {
+            recount.count_from(range.0, range.1);
+            range.1 = warm.max(logs[range.0 as usize].start).min(range.1);
+        }
+    }
     tokio::task::block_in_place(|| {
-        read_range(&consumer, &spec.topic, &ranges, |p, payload, kafka_ms| {
-            recount.add(p, payload, kafka_ms)
-        })
+        read_range(
+            &consumer,
+            &spec.topic,
+            &ranges,
+            |p, offset, payload, kafka_ms| recount.add(p, offset, payload, kafka_ms),
+        )
     })?;
-    let (events, dead_letters) = (recount.events, recount.dead_letters);
+    let (events, dead_letters, repeats) = (recount.events, recount.dead_letters, recount.repeats);
     let Recounted {
         totals: recounted,
         buckets,
@@ -325,7 +371,7 @@ pub async fn audit(
         .collect();
     let mut moving = HashSet::new();
     tokio::task::block_in_place(|| {
-        read_range(&consumer, &spec.topic, &after, |_, payload, _| {
+        read_range(&consumer, &spec.topic, &after, |_, _, payload, _| {
             if let Ok(event) = codec::decode(payload, spec.max_message_bytes)
                 && !moving.contains(event.counter.as_ref())
             {
@@ -375,6 +421,7 @@ pub async fn audit(
     Ok(Report {
         partitions: logs.len(),
         events,
+        repeats,
         dead_letters,
         checked,
         buckets_checked,
@@ -448,7 +495,7 @@ fn read_range(
     consumer: &BaseConsumer,
     topic: &str,
     ranges: &[(i32, i64, i64)],
-    mut each: impl FnMut(i32, &[u8], Option<i64>),
+    mut each: impl FnMut(i32, i64, &[u8], Option<i64>),
 ) -> Result<(), AuditError> {
     let mut tpl = TopicPartitionList::new();
     let mut waiting = HashMap::new();
@@ -468,7 +515,12 @@ fn read_range(
                 progress = Instant::now();
                 if message.offset() < to {
                     let kafka_ms = message.timestamp().to_millis();
-                    each(p, message.payload().unwrap_or_default(), kafka_ms);
+                    each(
+                        p,
+                        message.offset(),
+                        message.payload().unwrap_or_default(),
+                        kafka_ms,
+                    );
                 }
                 if message.offset() + 1 >= to {
                     waiting.remove(&p);
@@ -499,7 +551,7 @@ mod tests {
 
     impl Recount<'_> {
         fn add_at(&mut self, partition: i32, payload: &[u8]) {
-            self.add(partition, payload, Some(1_000))
+            self.add(partition, 0, payload, Some(1_000))
         }
     }
 
@@ -551,6 +603,32 @@ mod tests {
     }
 
     #[test]
+    fn repeated_ids_count_once_and_a_warm_up_only_remembers() {
+        let ns = Namespaces::from_toml("[namespaces.views]\nidempotency_window = \"10m\"\n")
+            .expect("valid");
+        let with_id = |id: &str| {
+            encode(
+                &CounterEvent::new("views:v:1", 3)
+                    .and_then(|e| e.with_event_id(id))
+                    .expect("valid"),
+            )
+        };
+        let mut r = Recount::new(&ns, DEFAULT_MAX_MESSAGE_BYTES);
+        r.count_from(0, 2);
+        r.add(0, 0, &with_id("a"), Some(1_000)); // before the range: remembered only
+        r.add(0, 1, &with_id("b"), Some(1_000));
+        r.add(0, 2, &with_id("a"), Some(2_000)); // a repeat of offset 0
+        r.add(0, 3, &with_id("c"), Some(2_000));
+        r.add(0, 4, &with_id("c"), Some(3_000));
+        r.add(1, 0, &with_id("c"), Some(3_000)); // another partition: another event
+        assert_eq!((r.events, r.repeats), (2, 2));
+        assert_eq!(
+            r.finish().totals,
+            HashMap::from([("views:v:1".to_owned(), 6)])
+        );
+    }
+
+    #[test]
     fn windowed_events_count_in_their_buckets_unless_late() {
         let ns = Namespaces::from_toml(
             "[namespaces.views]\nwindows = [\"1m\", \"1h\"]\nwindow_grace = \"10s\"\n",
@@ -565,10 +643,10 @@ mod tests {
             )
         };
         let hour = 3_600_000;
-        r.add(0, &at(hour + 5_000), Some(hour + 6_000));
-        r.add(0, &at(hour + 7_000), Some(hour + 65_000));
+        r.add(0, 0, &at(hour + 5_000), Some(hour + 6_000));
+        r.add(0, 0, &at(hour + 7_000), Some(hour + 65_000));
         // Produced 2 minutes after its time: late for its minute, on time for its hour.
-        r.add(0, &at(hour + 1_000), Some(hour + 121_000));
+        r.add(0, 0, &at(hour + 1_000), Some(hour + 121_000));
         let buckets: HashMap<(i64, i64), i64> = (r.finish().buckets.into_iter())
             .map(|((_, w, s), (sum, _))| ((w, s), sum))
             .collect();

@@ -8,6 +8,7 @@
 
 use std::borrow::Cow;
 use std::collections::HashMap;
+use std::fmt::Write as _;
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
@@ -50,6 +51,8 @@ pub struct LoadSpec {
     /// One event per counter: event `i` goes to `<prefix><i>` (`counters` and `zipf` are
     /// ignored), for a stream of distinct counters.
     pub distinct: bool,
+    /// Each event carries an id, `e<i>` (for namespaces with idempotency keys).
+    pub event_ids: bool,
 }
 
 impl Default for LoadSpec {
@@ -67,6 +70,7 @@ impl Default for LoadSpec {
             window: 400_000,
             hot_share: 0.0,
             distinct: false,
+            event_ids: false,
         }
     }
 }
@@ -294,6 +298,7 @@ fn run_blocking(config: &ProducerConfig, spec: &LoadSpec) -> Result<LoadReport, 
     let window = spec.window.max(1);
     let started = Instant::now();
     let mut ts_ms = now_ms();
+    let mut id = String::new();
     for i in 0..spec.events {
         // The event time, read once per 256 events: a clock read per event is a tenth of the cost.
         if i % 256 == 0 {
@@ -312,13 +317,18 @@ fn run_blocking(config: &ProducerConfig, spec: &LoadSpec) -> Result<LoadReport, 
         while i % 64 == 0 && producer.in_flight() >= window {
             producer.poll(Duration::from_millis(1));
         }
+        if spec.event_ids {
+            id.clear();
+            // Writing to a String cannot fail.
+            let _ = write!(id, "e{i}");
+        }
         let event = EventRef {
             counter: Cow::Borrowed(&counters[draw.counter as usize]),
             delta: i64::from(draw.delta),
             actor: (draw.actor != NO_ACTOR)
                 .then(|| Cow::Borrowed(actors[draw.actor as usize].as_str())),
             ts_ms,
-            event_id: None,
+            event_id: spec.event_ids.then_some(Cow::Borrowed(id.as_str())),
         };
         if let Err(e) = producer.send(&event, token(draw.counter, i64::from(draw.delta))) {
             acks.fail(&e);

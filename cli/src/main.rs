@@ -182,6 +182,9 @@ struct LoadArgs {
     /// Write every `<counter> <total>` sent to this file.
     #[arg(long)]
     totals_out: Option<PathBuf>,
+    /// Give each event an id, `e<i>` (namespaces with idempotency keys).
+    #[arg(long)]
+    event_ids: bool,
 }
 
 #[derive(Debug, clap::Args)]
@@ -453,6 +456,7 @@ async fn run_load(args: LoadArgs) -> anyhow::Result<ExitCode> {
         seed: args.seed,
         hot_share: args.hot_share,
         distinct: args.distinct,
+        event_ids: args.event_ids,
         ..LoadSpec::default()
     };
     let report = load::run(&config, &spec).await?;
@@ -539,12 +543,13 @@ async fn run_audit(args: AuditArgs) -> anyhow::Result<ExitCode> {
     };
     writeln!(
         out,
-        "recounted {} events of {} ({} partitions, {range} up to the durable offsets) in {:.1} s; {} dead letters not counted",
+        "recounted {} events of {} ({} partitions, {range} up to the durable offsets) in {:.1} s; {} dead letters and {} repeated ids not counted",
         report.events,
         spec.topic,
         report.partitions,
         report.elapsed.as_secs_f64(),
         report.dead_letters,
+        report.repeats,
     )?;
     writeln!(
         out,

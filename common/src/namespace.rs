@@ -66,6 +66,9 @@ pub struct Policy {
     pub display_never_decreases: bool,
     /// Sums per time bucket kept beside the total (`crate::window`); none by default.
     pub windows: Windows,
+    /// Events with the same `event_id` for the same counter count once within this many ms of
+    /// the first counted (by Kafka timestamp, in one partition); `None`: ids are not acted on.
+    pub idempotency_window_ms: Option<i64>,
 }
 
 impl Default for Policy {
@@ -78,6 +81,7 @@ impl Default for Policy {
             display: DisplayStyle::Compact,
             display_never_decreases: false,
             windows: Windows::default(),
+            idempotency_window_ms: None,
         }
     }
 }
@@ -97,6 +101,7 @@ struct PolicyEntry {
     display_never_decreases: Option<bool>,
     windows: Option<Vec<WindowEntry>>,
     window_grace: Option<String>,
+    idempotency_window: Option<String>,
 }
 
 impl PolicyEntry {
@@ -135,6 +140,16 @@ impl PolicyEntry {
             None => Windows::new(base.windows.list().to_vec(), grace_ms),
         };
         let write_path = self.write_path.unwrap_or(base.write_path);
+        let idempotency_window_ms = match &self.idempotency_window {
+            Some(w) => Some(crate::window::parse_duration(w).map_err(invalid)?),
+            None => base.idempotency_window_ms,
+        };
+        if idempotency_window_ms.is_some() && write_path == WritePath::Direct {
+            return Err(invalid(
+                "idempotency keys are acted on by the aggregator: a direct namespace cannot keep them"
+                    .to_owned(),
+            ));
+        }
         if !windows.is_empty() && dedup {
             return Err(invalid(
                 "windows are not kept in a namespace that counts one per actor (dedup)".to_owned(),
@@ -156,6 +171,7 @@ impl PolicyEntry {
                 .display_never_decreases
                 .unwrap_or(base.display_never_decreases),
             windows,
+            idempotency_window_ms,
         })
     }
 }
@@ -276,6 +292,14 @@ impl Namespaces {
         self.listed.iter().map(|(k, v)| (k.as_str(), v))
     }
 
+    /// The widest idempotency window of any namespace, if any keeps one.
+    pub fn widest_idempotency_window_ms(&self) -> Option<i64> {
+        (self.listed.values())
+            .chain([&self.defaults])
+            .filter_map(|p| p.idempotency_window_ms)
+            .max()
+    }
+
     /// Whether any namespace keeps windows.
     pub fn any_windows(&self) -> bool {
         !self.defaults.windows.is_empty() || self.listed.values().any(|p| !p.windows.is_empty())
@@ -367,12 +391,18 @@ write_path = "direct"
         assert_eq!(widths, [(60_000, 7_200_000), (3_600_000, 48 * 3_600_000)]);
         assert_eq!(windows.grace_ms(), 300_000);
         assert!(ns.policy("likes:p:1").windows.is_empty());
+        let ids = Namespaces::from_toml("[namespaces.views]\nidempotency_window = \"10m\"\n")
+            .expect("valid");
+        assert_eq!(ids.policy("views:v:1").idempotency_window_ms, Some(600_000));
+        assert_eq!(ids.policy("likes:p:1").idempotency_window_ms, None);
+        assert_eq!(ids.widest_idempotency_window_ms(), Some(600_000));
         for bad in [
             "[namespaces.likes]\ndedup = true\nwindows = [\"1h\"]\n",
             "[namespaces.bids]\nwrite_path = \"direct\"\nwindows = [\"1h\"]\n",
             "[namespaces.v]\nwindows = [\"1h\", \"60m\"]\n",
             "[namespaces.v]\nwindows = [\"1x\"]\n",
             "[namespaces.v]\nwindows = [\"10ms\"]\n",
+            "[namespaces.b]\nwrite_path = \"direct\"\nidempotency_window = \"1m\"\n",
         ] {
             assert!(
                 matches!(

@@ -135,9 +135,9 @@ where
             Routing::Random => None,
         };
         loop {
+            // No record timestamp: Kafka stamps when it was produced (see `Producer::enqueue`).
             let mut record = BaseRecord::<str, [u8], usize>::with_opaque_to(&self.topic, token)
-                .payload(&self.payload)
-                .timestamp(event.ts_ms);
+                .payload(&self.payload);
             if let Some(key) = key {
                 record = record.key(key);
             }

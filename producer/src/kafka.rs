@@ -1,16 +1,21 @@
 //! Appending events to the Kafka topic: [`ProducerConfig`] and [`Routing`] (what to build),
 //! [`Producer`] (sending), [`Pending`] and [`Delivered`] (acknowledgements), [`ProduceError`].
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
+use std::sync::Arc;
 use std::time::Duration;
 
 use rdkafka::ClientConfig;
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord, Producer as _};
-use tally_common::{CounterEvent, EventError, codec};
+use tally_common::{CounterEvent, EventError, Namespaces, codec};
 
 /// How long [`Producer::flush`] waits for outstanding events by default.
 pub const DEFAULT_FLUSH_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// How many times [`Producer::send`] sends an event with an idempotency key again by default.
+pub const DEFAULT_IDEMPOTENT_RETRIES: u32 = 3;
 
 /// How events are spread over the topic's partitions.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -53,6 +58,12 @@ pub struct ProducerConfig {
     /// Raw librdkafka options, applied last so they override tally's defaults
     /// (e.g. `security.protocol`, `sasl.mechanisms`, `linger.ms`).
     pub options: BTreeMap<String, String>,
+    /// The namespaces' policies: in a namespace with an idempotency window, an event sent
+    /// without an `event_id` gets a random one, and [`Producer::send`] retries a send Kafka did
+    /// not acknowledge with the same id (the aggregator counts it once).
+    pub namespaces: Option<Arc<Namespaces>>,
+    /// How many times [`Producer::send`] sends such an event again before giving up.
+    pub idempotent_retries: u32,
 }
 
 impl std::fmt::Debug for ProducerConfig {
@@ -62,7 +73,8 @@ impl std::fmt::Debug for ProducerConfig {
             .field("topic", &self.topic)
             .field("routing", &self.routing)
             .field("options", &self.options.keys().collect::<Vec<_>>())
-            .finish()
+            .field("idempotent_retries", &self.idempotent_retries)
+            .finish_non_exhaustive()
     }
 }
 
@@ -74,7 +86,15 @@ impl ProducerConfig {
             topic: topic.into(),
             routing: Routing::default(),
             options: BTreeMap::new(),
+            namespaces: None,
+            idempotent_retries: DEFAULT_IDEMPOTENT_RETRIES,
         }
+    }
+
+    /// Sets the namespaces' policies (idempotency keys, see the field).
+    pub fn namespaces(mut self, namespaces: Arc<Namespaces>) -> Self {
+        self.namespaces = Some(namespaces);
+        self
     }
 
     /// Sets the routing.
@@ -174,6 +194,10 @@ pub struct Producer {
     topic: String,
     /// How events are keyed.
     routing: Routing,
+    /// The namespaces' policies, for idempotency keys.
+    namespaces: Option<Arc<Namespaces>>,
+    /// Sends again of an event with an idempotency key.
+    idempotent_retries: u32,
 }
 
 impl std::fmt::Debug for Producer {
@@ -196,6 +220,8 @@ impl Producer {
             inner,
             topic: config.topic.clone(),
             routing: config.routing,
+            namespaces: config.namespaces.clone(),
+            idempotent_retries: config.idempotent_retries,
         })
     }
 
@@ -218,23 +244,70 @@ impl Producer {
             .await
     }
 
-    /// Sends one event; returns once Kafka has acknowledged it.
+    /// Sends one event; returns once Kafka has acknowledged it. In a namespace with an
+    /// idempotency window the event carries an id (its own, or a random one given here), and a
+    /// send Kafka did not acknowledge is sent again with the same id, up to
+    /// [`ProducerConfig::idempotent_retries`] times: the aggregator counts it once.
     pub async fn send(&self, event: &CounterEvent) -> Result<Delivered, ProduceError> {
-        self.enqueue(event).await?.acked().await
+        let event = self.identified(event)?;
+        let retries = if self.idempotent(&event) {
+            self.idempotent_retries
+        } else {
+            0
+        };
+        let mut attempt = 0;
+        loop {
+            match self.enqueue(&event).await?.acked().await {
+                Err(ProduceError::Kafka(error)) if attempt < retries => {
+                    attempt += 1;
+                    tracing::warn!(
+                        counter = event.counter(),
+                        event_id = event.event_id(),
+                        attempt,
+                        %error,
+                        "Kafka did not acknowledge the event; sending it again with the same id"
+                    );
+                }
+                done => return done,
+            }
+        }
+    }
+
+    /// Whether `event`'s namespace acts on idempotency keys.
+    fn idempotent(&self, event: &CounterEvent) -> bool {
+        (self.namespaces.as_ref())
+            .is_some_and(|ns| ns.policy(event.counter()).idempotency_window_ms.is_some())
+    }
+
+    /// `event`, with a random id if its namespace acts on ids and it has none.
+    fn identified<'e>(
+        &self,
+        event: &'e CounterEvent,
+    ) -> Result<Cow<'e, CounterEvent>, ProduceError> {
+        if event.event_id().is_some() || !self.idempotent(event) {
+            return Ok(Cow::Borrowed(event));
+        }
+        let id = format!("{:032x}", rand::random::<u128>());
+        Ok(Cow::Owned(event.clone().with_event_id(id)?))
     }
 
     /// Hands one event to librdkafka, waiting while its queue is full, and returns the pending
-    /// acknowledgement. Events enqueued by one task keep their order within a partition.
+    /// acknowledgement. Events enqueued by one task keep their order within a partition. In a
+    /// namespace with an idempotency window, an event without an id gets a random one; to send
+    /// it again yourself, give it your own id (or use [`Producer::send`], which retries).
     pub async fn enqueue(&self, event: &CounterEvent) -> Result<Pending, ProduceError> {
-        let payload = codec::encode(event);
+        let event = self.identified(event)?;
+        let payload = codec::encode(&event);
         let key = match self.routing {
             Routing::ByCounter => Some(event.counter()),
             Routing::ByActor => Some(event.actor().unwrap_or(event.counter())),
             Routing::Random => None,
         };
-        let mut record = FutureRecord::<str, [u8]>::to(&self.topic)
-            .payload(&payload)
-            .timestamp(event.ts_ms());
+        // No record timestamp: librdkafka stamps the time of this call, so the Kafka timestamp is
+        // when the event was produced and `ts_ms` (in the payload) when it happened. Windows
+        // judge lateness by the difference, the pipeline's lag in seconds is the age since it
+        // was produced, and `tally audit --since` finds offsets by it.
+        let mut record = FutureRecord::<str, [u8]>::to(&self.topic).payload(&payload);
         if let Some(key) = key {
             record = record.key(key);
         }
@@ -297,6 +370,29 @@ mod tests {
             shown.contains("sasl.password") && !shown.contains("hunter2"),
             "{shown}"
         );
+    }
+
+    #[test]
+    fn events_of_idempotent_namespaces_get_an_id_unless_they_have_one() {
+        let namespaces =
+            Namespaces::from_toml("[namespaces.views]\nidempotency_window = \"10m\"\n")
+                .expect("valid");
+        let config = ProducerConfig::new("127.0.0.1:1", "t").namespaces(Arc::new(namespaces));
+        let producer = Producer::new(&config).expect("created");
+        let view = CounterEvent::new("views:v:1", 1).expect("valid");
+        let given = producer.identified(&view).expect("identified");
+        let id = given.event_id().expect("an id given");
+        assert!(
+            id.len() == 32 && id.chars().all(|c| c.is_ascii_hexdigit()),
+            "{id}"
+        );
+        let own = view.clone().with_event_id("mine").expect("valid");
+        assert_eq!(
+            producer.identified(&own).expect("kept").event_id(),
+            Some("mine")
+        );
+        let like = CounterEvent::new("likes:p:1", 1).expect("valid");
+        assert_eq!(producer.identified(&like).expect("kept").event_id(), None);
     }
 
     #[tokio::test]

@@ -206,8 +206,8 @@ async fn events_and_likes_over_http_are_counted_exactly_and_every_route_answers(
     .await;
 
     // Windowed reads: the last 2 days of day buckets hold every event (sent without a time,
-    // so each counts at its Kafka timestamp); spans no window divides, and namespaces without
-    // windows, are refused.
+    // so stamped with the time the server received it); spans no window divides, and namespaces
+    // without windows, are refused.
     for counter in ["views:video:1", "views:video:2"] {
         let (status, body) = server
             .call("GET", &format!("/v1/counters/{counter}?window=2d"), None)

@@ -2,6 +2,7 @@
 //! with the release binaries, on topics and key prefixes of its own; [`run_all`] runs those
 //! the arguments ask for, in an order where each can use the figures before it.
 
+mod idempotency;
 mod json;
 mod naive;
 mod postgres;
@@ -15,6 +16,7 @@ use anyhow::Context;
 use crate::args::Args;
 use crate::env::{Env, cleanup, machine, payload_bytes};
 use crate::results::Results;
+use idempotency::idempotency;
 use json::json_catch_up;
 use naive::naive;
 use postgres::{postgres_catch_up, postgres_reads};
@@ -132,6 +134,9 @@ pub async fn run_all(args: &Args) -> anyhow::Result<Results> {
     if args.runs("windows") {
         let distinct = results.producer.first().map_or(0, |p| p.distinct_counters);
         results.windows = windows(&mut env, &preloaded, args.events, distinct).await?;
+    }
+    if args.runs("idempotency") {
+        results.idempotency = idempotency(&mut env).await?;
     }
     if args.runs("json") {
         json_catch_up(&mut env, &mut results).await?;

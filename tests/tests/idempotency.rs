@@ -1,0 +1,183 @@
+//! Idempotency keys end to end: 200,000 events with ids, of which about 10% are sent again with
+//! the same id (at once, a few seconds later, and after the last of 5 aggregator SIGKILLs), in a
+//! namespace with a 10-minute idempotency window, grouped by partition and by actor. Every total
+//! equals the sum over distinct ids, and `tally audit` agrees. Then the window itself, with
+//! explicit Kafka timestamps: a repeat 30 s after the first counts nothing, one 61 s after counts
+//! again (a 1-minute window), and one 30 s after that repeats the second.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use rand::{Rng, SeedableRng};
+use rdkafka::ClientConfig;
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use tally_common::CounterEvent;
+use tally_common::codec::encode;
+use tally_producer::{Pending, Producer, ProducerConfig};
+use tally_tests::{
+    AggregatorSetup, RedisServer, TempDir, brokers, kill_repeatedly, reader, seed, unique,
+    wait_for_totals,
+};
+
+const EVENTS: u64 = 200_000;
+const RATE: u64 = 10_000;
+const NAMESPACES: &str = r#"
+[namespaces.views]
+idempotency_window = "10m"
+
+[namespaces.clicks]
+idempotency_window = "1m"
+"#;
+
+/// What was sent: every distinct id's delta, and the resends kept for after the kills.
+struct Sent {
+    totals: HashMap<String, i64>,
+    later: Vec<CounterEvent>,
+    repeats: u64,
+}
+
+async fn send(topic: String, seed: u64) -> Sent {
+    let producer = Producer::new(&ProducerConfig::new(brokers(), topic)).expect("producer");
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let mut totals: HashMap<String, i64> = HashMap::new();
+    let mut pending: Vec<Pending> = Vec::new();
+    let mut soon: Vec<(u64, CounterEvent)> = Vec::new();
+    let mut later = Vec::new();
+    let mut repeats = 0;
+    let started = tokio::time::Instant::now();
+    for i in 0..EVENTS {
+        let counter = format!("views:video:{}", rng.random_range(0..1_000));
+        let delta = rng.random_range(1..=5);
+        let event = CounterEvent::new(counter.clone(), delta)
+            .and_then(|e| e.with_actor(format!("u{}", rng.random_range(0..5_000))))
+            .and_then(|e| e.with_event_id(format!("e{i}")))
+            .expect("valid");
+        *totals.entry(counter).or_default() += delta;
+        pending.push(producer.enqueue(&event).await.expect("enqueued"));
+        if rng.random_bool(0.1) {
+            repeats += 1;
+            match rng.random_range(0..3) {
+                0 => pending.push(producer.enqueue(&event).await.expect("enqueued")),
+                // 2 to 5 seconds later, at this rate.
+                1 => soon.push((i + rng.random_range(2 * RATE..5 * RATE), event)),
+                _ => later.push(event),
+            }
+        }
+        while soon.first().is_some_and(|(due, _)| *due <= i) {
+            let (_, event) = soon.remove(0);
+            pending.push(producer.enqueue(&event).await.expect("enqueued"));
+        }
+        soon.sort_by_key(|(due, _)| *due);
+        if pending.len() >= 5_000 {
+            for ack in pending.drain(..) {
+                ack.acked().await.expect("acknowledged");
+            }
+        }
+        if i % 100 == 0 {
+            let due = started + Duration::from_secs_f64(i as f64 / RATE as f64);
+            tokio::time::sleep_until(due).await;
+        }
+    }
+    for (_, event) in soon {
+        pending.push(producer.enqueue(&event).await.expect("enqueued"));
+    }
+    for ack in pending {
+        ack.acked().await.expect("acknowledged");
+    }
+    Sent {
+        totals,
+        later,
+        repeats,
+    }
+}
+
+async fn repeats_count_once(name: &str, grouping: &str) {
+    let redis = RedisServer::start().await;
+    let seed = seed();
+    let dir = TempDir::new("tally-ids");
+    let setup = AggregatorSetup::create(name, &redis.url(), 8).await;
+    let namespaces = dir.path().join("namespaces.toml");
+    std::fs::write(&namespaces, NAMESPACES).expect("namespace file");
+    let ns_path = namespaces.to_str().expect("utf-8 path");
+    let member = format!("group.instance.id={}", unique("member"));
+    let flags = [
+        "--namespaces",
+        ns_path,
+        "--grouping",
+        grouping,
+        "--kafka-option",
+        &member,
+    ];
+    let first = setup.spawn(dir.path(), &flags);
+    let load = tokio::spawn(send(setup.topic.clone(), seed));
+    let mut last = kill_repeatedly(&setup, dir.path(), &flags, first, 5, seed, &load).await;
+    let sent = load.await.expect("load task");
+    // After the last kill: the rest of the repeats.
+    let producer = Producer::new(&ProducerConfig::new(brokers(), &setup.topic)).expect("producer");
+    for event in &sent.later {
+        producer.send(event).await.expect("sent again");
+    }
+    eprintln!(
+        "{EVENTS} events, {} sent again ({} after the kills)",
+        sent.repeats,
+        sent.later.len()
+    );
+    wait_for_totals(
+        &reader(&redis.url(), setup.keyspace()).await,
+        &sent.totals,
+        Duration::from_secs(90),
+    )
+    .await;
+    let repeated = last
+        .wait_metric("tally_repeated_ids_total", 1.0, Duration::from_secs(10))
+        .await;
+    eprintln!("the last aggregator passed over {repeated} repeats");
+
+    // The window, by Kafka timestamp: a 1-minute window on clicks.
+    let raw: FutureProducer = ClientConfig::new()
+        .set("bootstrap.servers", brokers())
+        .create()
+        .expect("producer");
+    let t = tally_common::event::now_ms() - 10 * 60_000;
+    for (stamp, delta) in [(t, 2), (t + 30_000, 2), (t + 61_000, 2), (t + 91_000, 2)] {
+        let event = CounterEvent::new("clicks:ad:1", delta)
+            .and_then(|e| e.with_event_id("click-1"))
+            .expect("valid");
+        let payload = encode(&event);
+        raw.send(
+            FutureRecord::to(&setup.topic)
+                .key("clicks:ad:1")
+                .payload(&payload)
+                .timestamp(stamp),
+            Duration::from_secs(10),
+        )
+        .await
+        .expect("acknowledged");
+    }
+    let mut totals = sent.totals.clone();
+    totals.insert("clicks:ad:1".to_owned(), 4);
+    wait_for_totals(
+        &reader(&redis.url(), setup.keyspace()).await,
+        &totals,
+        Duration::from_secs(30),
+    )
+    .await;
+    last.stop_gracefully().await;
+
+    let audit = setup.audit(&["--namespaces", ns_path]);
+    eprintln!("{}", audit.stdout);
+    assert!(audit.clean, "no drift: {}", audit.stdout);
+    assert_eq!(audit.checked, totals.len());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn repeated_ids_count_once_under_sigkills_grouped_by_partition() {
+    let _serial = tally_tests::serial().await;
+    repeats_count_once("ids", "partition").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn repeated_ids_count_once_under_sigkills_grouped_by_actor() {
+    let _serial = tally_tests::serial().await;
+    repeats_count_once("ids-actor", "actor").await;
+}
