@@ -194,6 +194,8 @@ struct GroupBuffer {
     members: HashMap<(String, String), bool, Hasher>,
     /// Summed deltas per counter and bucket, in windowed namespaces (a few buckets per counter).
     windows: HashMap<String, Vec<(Bucket, i64)>, Hasher>,
+    /// Counters to clear before this batch's writes (resets).
+    resets: Vec<String>,
 }
 
 /// One shard group's part of a sealed batch.
@@ -205,6 +207,9 @@ pub struct GroupBatch {
     pub deltas: Vec<(String, i64)>,
     /// Non-zero summed deltas per counter and time bucket.
     pub windows: Vec<WindowDelta>,
+    /// Counters whose share (and member set, and compaction journal) here is cleared before
+    /// the deltas and memberships are applied.
+    pub resets: Vec<String>,
     /// Likes and unlikes, one per (counter, actor).
     pub members: Vec<Member>,
 }
@@ -212,7 +217,7 @@ pub struct GroupBatch {
 impl GroupBatch {
     /// Distinct writes: counters with a delta, buckets with a delta, and memberships.
     pub fn writes(&self) -> usize {
-        self.deltas.len() + self.windows.len() + self.members.len()
+        self.deltas.len() + self.windows.len() + self.members.len() + self.resets.len()
     }
 }
 
@@ -290,6 +295,24 @@ impl Batch {
             }
         }
         self.entries += added;
+    }
+
+    /// Adds a reset of `counter` at `offset`: what the batch holds for it (deltas, likes and
+    /// unlikes; bucket deltas stay, windows are not reset) is dropped, and each of `groups` will
+    /// clear the counter before applying what comes after.
+    pub fn reset(&mut self, counter: &str, groups: impl Iterator<Item = u32>, offset: i64) {
+        for (_, buffer) in &mut self.groups {
+            buffer.deltas.remove(counter);
+            buffer.members.retain(|(c, _), _| c != counter);
+        }
+        for group in groups {
+            let resets = &mut self.group(group).resets;
+            if !resets.iter().any(|c| c == counter) {
+                resets.push(counter.to_owned());
+                self.entries += 1;
+            }
+        }
+        self.advance(offset);
     }
 
     /// Adds a like (or unlike) of `counter` by `actor` at `offset`, bound for `group` (the
@@ -389,6 +412,7 @@ impl Batch {
                                 })
                         })
                         .collect(),
+                    resets: buffer.resets,
                     members: buffer
                         .members
                         .into_iter()
@@ -417,8 +441,33 @@ mod tests {
             group,
             deltas: deltas.iter().map(|(c, d)| ((*c).to_owned(), *d)).collect(),
             windows: Vec::new(),
+            resets: Vec::new(),
             members: Vec::new(),
         }
+    }
+
+    #[test]
+    fn a_reset_drops_what_came_before_it_and_clears_every_group() {
+        let mut b = Batch::default();
+        b.add(1, "v:1", 5, 0);
+        b.add(1, "v:2", 2, 1);
+        b.add_member(3, "v:1", "u1", true, 2);
+        b.reset("v:1", 0..4, 3);
+        b.add(1, "v:1", 7, 4);
+        let sealed = b.seal().expect("sealed");
+        assert_eq!(sealed.groups.len(), 4, "every group clears it");
+        for g in &sealed.groups {
+            assert_eq!(g.resets, ["v:1".to_owned()]);
+            assert!(g.members.is_empty(), "the like before the reset is dropped");
+        }
+        let group1 = sealed
+            .groups
+            .iter()
+            .find(|g| g.group == 1)
+            .expect("group 1");
+        let mut deltas = group1.deltas.clone();
+        deltas.sort();
+        assert_eq!(deltas, [("v:1".to_owned(), 7), ("v:2".to_owned(), 2)]);
     }
 
     #[test]

@@ -281,6 +281,13 @@ impl<S: Sink> Shared<S> {
                 self.metrics.repeated_id();
                 slot.machine.on_message(offset, Entry::Repeat, limits)
             }
+            Ok(event) if event.reset => {
+                let entry = Entry::Reset {
+                    counter: &event.counter,
+                    groups: self.settings.keyspace.groups(),
+                };
+                slot.machine.on_message(offset, entry, limits)
+            }
             Ok(event) => {
                 let policy = self.settings.namespaces.policy(&event.counter);
                 let actor = event.actor.as_deref();

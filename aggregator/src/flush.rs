@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
 
 use crate::backoff::Backoff;
-use crate::batch::{GroupBatch, Member, SealedBatch, WindowDelta};
+use crate::batch::{GroupBatch, SealedBatch};
 use crate::dead_letter::{DeadLetter, DeadLetterQueue};
 use crate::fence::{Owner, Watermark};
 use crate::metrics::Metrics;
@@ -99,13 +99,14 @@ impl<S: Sink> Flusher<S> {
                     // Memberships never reach this path: dedup namespaces need exactly-once.
                     let applied = self
                         .retry(partition, g.group, cancel, || {
-                            self.sink.apply(g.group, &g.deltas, &g.windows)
+                            self.sink.apply(g.group, &g.deltas, &g.windows, &g.resets)
                         })
                         .await;
                     if applied.is_none() {
                         return FlushOutcome::Cancelled;
                     }
                 }
+                self.forget_cached(&batch).await;
                 None
             }
             Some(owner) => match self
@@ -148,6 +149,7 @@ impl<S: Sink> Flusher<S> {
             group,
             deltas,
             windows,
+            resets,
             members,
         } in &mut batch.groups
         {
@@ -166,6 +168,7 @@ impl<S: Sink> Flusher<S> {
                     next_offset,
                     deltas,
                     windows,
+                    resets,
                     members,
                     watermark: watermark.as_deref(),
                 };
@@ -178,13 +181,7 @@ impl<S: Sink> Flusher<S> {
                     Applied::Fenced => return Err(self.fenced(partition, group)),
                     Applied::RolledBack => return Err(self.rolled_back(partition, group)),
                     Applied::Rejected(rejected) => {
-                        let letters = rejected_letters(
-                            partition,
-                            group,
-                            next_offset,
-                            (deltas, windows, members),
-                            &rejected,
-                        );
+                        let letters = rejected_letters(partition, &write, &rejected);
                         if !self.send_dead_letters(partition, &letters, cancel).await {
                             return Err(FlushOutcome::Cancelled);
                         }
@@ -201,6 +198,9 @@ impl<S: Sink> Flusher<S> {
                                 }
                                 Refused::Window(i) => {
                                     windows.swap_remove(i);
+                                }
+                                Refused::Reset(i) => {
+                                    resets.swap_remove(i);
                                 }
                                 Refused::Member(i) => {
                                     members.swap_remove(i);
@@ -228,7 +228,24 @@ impl<S: Sink> Flusher<S> {
                 _ => {}
             }
         }
+        self.forget_cached(batch).await;
         Ok(owner)
+    }
+
+    /// Drops the shared cached totals of the counters the batch reset (best effort: they expire
+    /// within their namespace's TTL anyway).
+    async fn forget_cached(&self, batch: &SealedBatch) {
+        let mut reset: Vec<String> = (batch.groups.iter())
+            .flat_map(|g| g.resets.iter().cloned())
+            .collect();
+        if reset.is_empty() {
+            return;
+        }
+        reset.sort_unstable();
+        reset.dedup();
+        if let Err(error) = self.sink.forget_cached(&reset).await {
+            tracing::warn!(%error, "could not drop the cached totals of reset counters");
+        }
     }
 
     /// Checks an idle partition's standing in Redis ([`crate::fence::verify`]): a rollback found
@@ -345,11 +362,12 @@ impl<S: Sink> Flusher<S> {
 /// Dead letters for deltas that Redis cannot take: the summed delta and why, one per counter.
 fn rejected_letters(
     partition: i32,
-    group: u32,
-    next_offset: i64,
-    (deltas, windows, members): (&[(String, i64)], &[WindowDelta], &[Member]),
+    write: &GroupWrite<'_>,
     rejected: &[Rejection],
 ) -> Vec<DeadLetter> {
+    let (group, next_offset) = (write.group, write.next_offset);
+    let (deltas, windows, resets, members) =
+        (write.deltas, write.windows, write.resets, write.members);
     rejected
         .iter()
         .map(|rejection| {
@@ -368,6 +386,11 @@ fn rejected_letters(
                         "bucket_start_ms": w.start_ms,
                     });
                     (&w.counter, payload, w.delta)
+                }
+                Refused::Reset(i) => {
+                    let counter = &resets[i];
+                    let payload = serde_json::json!({ "counter": counter, "reset": true });
+                    (counter, payload, 0)
                 }
                 Refused::Member(i) => {
                     let m = &members[i];

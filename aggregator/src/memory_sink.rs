@@ -84,8 +84,12 @@ impl MemorySink {
         group: u32,
         deltas: &[(String, i64)],
         windows: &[WindowDelta],
+        resets: &[String],
     ) -> Result<(), SinkError> {
-        assert!(windows.is_empty(), "windows are not modelled here");
+        assert!(
+            windows.is_empty() && resets.is_empty(),
+            "windows and resets are not modelled here"
+        );
         let mut state = self.reach()?;
         for (counter, delta) in deltas {
             *state.counters.entry((group, counter.clone())).or_default() += delta;
@@ -103,8 +107,8 @@ impl MemorySink {
             })
             .collect();
         assert!(
-            write.members.is_empty() && write.windows.is_empty(),
-            "memberships and windows are not modelled here"
+            write.members.is_empty() && write.windows.is_empty() && write.resets.is_empty(),
+            "memberships, windows and resets are not modelled here"
         );
         let members: [MemberState; 0] = [];
         let fence = state.fences.get(&key).copied();
@@ -166,8 +170,9 @@ impl Sink for MemorySink {
         group: u32,
         deltas: &[(String, i64)],
         windows: &[WindowDelta],
+        resets: &[String],
     ) -> impl Future<Output = Result<(), SinkError>> + Send {
-        std::future::ready(self.apply_now(group, deltas, windows))
+        std::future::ready(self.apply_now(group, deltas, windows, resets))
     }
 
     fn apply_fenced(

@@ -105,6 +105,14 @@ pub(crate) enum Entry<'a> {
     /// An event repeating an idempotency key counted within its window: not counted, but read
     /// past like any other.
     Repeat,
+    /// A reset of a counter: its shares in every one of the `groups` shard groups are cleared
+    /// before anything after it is added.
+    Reset {
+        /// The counter.
+        counter: &'a str,
+        /// How many shard groups there are.
+        groups: u32,
+    },
     /// A message to copy to the dead-letter topic, with the group its event would have gone
     /// to if it decoded that far (a like without an actor).
     DeadLetter {
@@ -233,7 +241,7 @@ impl Partition {
         let group = match &entry {
             Entry::Delta { group, .. } | Entry::Member { group, .. } => Some(*group),
             Entry::DeadLetter { group, .. } => *group,
-            Entry::Repeat => None,
+            Entry::Repeat | Entry::Reset { .. } => None,
         };
         let already_applied = group.is_some_and(|group| {
             self.ledgers()
@@ -263,6 +271,17 @@ impl Partition {
                 } => self.buffer.add_member(group, counter, actor, like, offset),
                 Entry::DeadLetter { letter, .. } => self.buffer.add_dead_letter(letter, offset),
                 Entry::Repeat => self.buffer.skip(offset),
+                Entry::Reset { counter, groups } => {
+                    // Only in the groups that have not applied it yet (a crash may have fallen
+                    // between two groups' writes of the flush that carried it).
+                    let ledgers = self.ledgers();
+                    let pending: Vec<u32> = (0..groups)
+                        .filter(|g| {
+                            ledgers.is_none_or(|l| l.get(*g as usize).is_none_or(|l| offset >= *l))
+                        })
+                        .collect();
+                    self.buffer.reset(counter, pending.into_iter(), offset)
+                }
             }
             Handled::Buffered
         };

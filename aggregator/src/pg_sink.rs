@@ -25,10 +25,11 @@ use deadpool_postgres::{Pool, PoolError};
 use tokio_postgres::error::SqlState;
 
 use crate::batch::WindowDelta;
-use crate::sink::{Applied, GroupWrite, Sink, SinkError, Stamp};
+use crate::sink::{Applied, GroupWrite, Refused, Rejection, Sink, SinkError, Stamp};
 use crate::transactions::{
     Current, MemberState, flush_verdict, next_epoch_after, stamp_refusal, watermark_refusal,
 };
+use tally_common::DeadLetterReason;
 use tally_common::pg::Schema;
 
 /// Classifies a PostgreSQL error.
@@ -130,6 +131,17 @@ impl PgSink {
     async fn apply_fenced_now(&self, write: GroupWrite<'_>) -> Result<Applied, SinkError> {
         let sql = &self.schema.sql;
         no_windows(write.windows)?;
+        if !write.resets.is_empty() {
+            // Not supported here: each is dead-lettered, and the rest of the write goes on.
+            return Ok(Applied::Rejected(
+                (0..write.resets.len())
+                    .map(|i| Rejection {
+                        refused: Refused::Reset(i),
+                        reason: DeadLetterReason::Rejected,
+                    })
+                    .collect(),
+            ));
+        }
         let mut client = self.client().await?;
         let tx = client.transaction().await?;
         let shard = write.group as i32;
@@ -291,10 +303,18 @@ impl Sink for PgSink {
         group: u32,
         deltas: &[(String, i64)],
         windows: &[WindowDelta],
+        resets: &[String],
     ) -> impl Future<Output = Result<(), SinkError>> + Send {
         let refused = no_windows(windows);
         async move {
             refused?;
+            if !resets.is_empty() {
+                // At least once there are no member sets: a reset is the counter's rows here.
+                let client = self.client().await?;
+                client
+                    .execute(&self.schema.sql.reset_shares, &[&(group as i32), &resets])
+                    .await?;
+            }
             self.apply_now(group, deltas).await
         }
     }

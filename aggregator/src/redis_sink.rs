@@ -179,7 +179,8 @@ impl RedisSink {
             .arg(write.next_offset)
             .arg(write.watermark.unwrap_or(""))
             .arg(write.deltas.len())
-            .arg(write.windows.len());
+            .arg(write.windows.len())
+            .arg(write.resets.len());
         let mut key = String::new();
         for (counter, _) in write.deltas {
             ks.write_counter_key(&mut key, write.group, counter);
@@ -187,6 +188,12 @@ impl RedisSink {
         }
         for w in write.windows {
             invocation.key(ks.window_key(write.group, &w.counter, w.width_ms, w.start_ms));
+        }
+        for counter in write.resets {
+            invocation
+                .key(ks.counter_key(write.group, counter))
+                .key(ks.member_key(write.group, counter))
+                .key(ks.journal_key(write.group, counter));
         }
         for (_, delta) in write.deltas {
             invocation.arg(*delta);
@@ -306,12 +313,21 @@ impl Sink for RedisSink {
         group: u32,
         deltas: &[(String, i64)],
         windows: &[WindowDelta],
+        resets: &[String],
     ) -> Result<(), SinkError> {
-        if deltas.is_empty() && windows.is_empty() {
+        if deltas.is_empty() && windows.is_empty() && resets.is_empty() {
             return Ok(());
         }
         let mut pipe = redis::pipe();
         pipe.atomic();
+        for counter in resets {
+            let ks = &self.keyspace;
+            pipe.cmd("DEL")
+                .arg(ks.counter_key(group, counter))
+                .arg(ks.member_key(group, counter))
+                .arg(ks.journal_key(group, counter))
+                .ignore();
+        }
         let mut key = String::new();
         for (counter, delta) in deltas {
             self.keyspace.write_counter_key(&mut key, group, counter);
@@ -330,6 +346,19 @@ impl Sink for RedisSink {
     async fn apply_fenced(&self, write: GroupWrite<'_>) -> Result<Applied, SinkError> {
         self.either(self.script_apply_fenced(write), |t| t.apply_fenced(write))
             .await
+    }
+
+    async fn forget_cached(&self, counters: &[String]) -> Result<(), SinkError> {
+        // One DEL per key: the cache keys carry no hash tag, so on a cluster they live anywhere.
+        let mut pipe = redis::pipe();
+        for counter in counters {
+            pipe.cmd("DEL")
+                .arg(self.keyspace.cache_key(counter))
+                .ignore();
+        }
+        let mut conn = self.conn.clone();
+        pipe.query_async::<()>(&mut conn).await?;
+        Ok(())
     }
 
     async fn next_epoch(&self, home: u32, field: &str, at_least: u64) -> Result<u64, SinkError> {

@@ -123,6 +123,8 @@ pub struct GroupWrite<'a> {
     pub deltas: &'a [(String, i64)],
     /// Deltas to add to time buckets of windowed namespaces, each key expiring with its bucket.
     pub windows: &'a [WindowDelta],
+    /// Counters to clear here first (resets): their share, member set and compaction journal.
+    pub resets: &'a [String],
     /// Likes and unlikes: membership changes, each counting only if it changes the membership.
     pub members: &'a [Member],
     /// The watermark to store in this group in the same operation, if it is the home group.
@@ -152,6 +154,8 @@ pub enum Refused {
     Delta(usize),
     /// `windows[i]`.
     Window(usize),
+    /// `resets[i]` (a store that cannot reset).
+    Reset(usize),
     /// `members[i]`.
     Member(usize),
 }
@@ -210,13 +214,15 @@ pub enum Stamp {
 
 /// Applies deltas to shard groups, and keeps the exactly-once bookkeeping beside them.
 pub trait Sink: Clone + Send + Sync + 'static {
-    /// At-least-once: adds each `(counter, delta)` to the counter's key in `group`, and each
-    /// window delta to its bucket's key, all or nothing.
+    /// At-least-once: clears the `resets` counters' keys in `group`, then adds each
+    /// `(counter, delta)` to the counter's key there and each window delta to its bucket's key,
+    /// all or nothing.
     fn apply(
         &self,
         group: u32,
         deltas: &[(String, i64)],
         windows: &[WindowDelta],
+        resets: &[String],
     ) -> impl Future<Output = Result<(), SinkError>> + Send;
 
     /// Exactly-once: one fenced, deduplicated, validated write into one group.
@@ -258,6 +264,16 @@ pub trait Sink: Clone + Send + Sync + 'static {
         field: &str,
     ) -> impl Future<Output = Result<(Option<u64>, Option<i64>), SinkError>> + Send;
 
+    /// Drops the cached totals of `counters` that readers share (after a reset); a store without
+    /// such a cache does nothing.
+    fn forget_cached(
+        &self,
+        counters: &[String],
+    ) -> impl Future<Output = Result<(), SinkError>> + Send {
+        let _ = counters;
+        std::future::ready(Ok(()))
+    }
+
     /// Reads the partition's watermark from its home group.
     fn read_watermark(
         &self,
@@ -293,6 +309,7 @@ mod tests {
             next_offset: 1,
             deltas: &deltas,
             windows: &windows,
+            resets: &[],
             members: &members,
             watermark: None,
         };

@@ -363,6 +363,14 @@ impl Transactions {
                     })
                 })
                 .collect::<Result<Vec<_>, SinkError>>()?;
+            // A counter reset here first starts with no members and no share.
+            let mut states = states;
+            for (state, m) in states.iter_mut().zip(write.members) {
+                if write.resets.contains(&m.counter) {
+                    state.member = Some(false);
+                    state.counter = Current::Missing;
+                }
+            }
             let (fence, ledger) = (number(fence)?, number(ledger)?);
             if let Some(verdict) =
                 flush_verdict(fence, ledger, &currents, &window_currents, &states, &write)
@@ -370,6 +378,15 @@ impl Transactions {
                 return Ok(Plan::Done(verdict));
             }
             let mut writes = redis::pipe();
+            for counter in write.resets {
+                writes
+                    .del(&[
+                        ks.counter_key(write.group, counter),
+                        ks.member_key(write.group, counter),
+                        ks.journal_key(write.group, counter),
+                    ])
+                    .ignore();
+            }
             for (key, (_, delta)) in counter_keys.iter().zip(write.deltas) {
                 writes.incr(key, *delta).ignore();
             }
@@ -515,6 +532,7 @@ mod tests {
             next_offset: 20,
             deltas,
             windows: &[],
+            resets: &[],
             members: &[],
             watermark: None,
         }

@@ -164,6 +164,14 @@ impl<'a> Recount<'a> {
         if !counted {
             return;
         }
+        if event.reset {
+            // Everything before it in the log is cleared; its windows are not.
+            self.events += 1;
+            self.totals.remove(event.counter.as_ref());
+            self.members.retain(|(c, _), _| c != event.counter.as_ref());
+            self.totals.insert(event.counter.into_owned(), 0);
+            return;
+        }
         let policy = self.namespaces.policy(&event.counter);
         if policy.write_path == WritePath::Direct {
             self.direct.insert(event.counter.into_owned());
@@ -625,6 +633,38 @@ mod tests {
         assert_eq!(
             r.finish().totals,
             HashMap::from([("views:v:1".to_owned(), 6)])
+        );
+    }
+
+    #[test]
+    fn a_reset_clears_what_came_before_it() {
+        let ns = Namespaces::from_toml("[namespaces.likes]\ndedup = true\n").expect("valid");
+        let mut r = Recount::new(&ns, DEFAULT_MAX_MESSAGE_BYTES);
+        r.add_at(0, &event("views:v:1", 5, None));
+        r.add_at(
+            0,
+            &encode(&CounterEvent::reset("views:v:1").expect("valid")),
+        );
+        r.add_at(0, &event("views:v:1", 2, None));
+        r.add_at(0, &event("likes:p:1", 1, Some("u1")));
+        r.add_at(0, &event("likes:p:1", 1, Some("u2")));
+        r.add_at(
+            0,
+            &encode(&CounterEvent::reset("likes:p:1").expect("valid")),
+        );
+        r.add_at(0, &event("likes:p:1", 1, Some("u1")));
+        r.add_at(
+            0,
+            &encode(&CounterEvent::reset("views:v:2").expect("valid")),
+        );
+        let totals = r.finish().totals;
+        assert_eq!(
+            totals,
+            HashMap::from([
+                ("views:v:1".to_owned(), 2),
+                ("likes:p:1".to_owned(), 1),
+                ("views:v:2".to_owned(), 0),
+            ])
         );
     }
 

@@ -329,6 +329,7 @@ fn run_blocking(config: &ProducerConfig, spec: &LoadSpec) -> Result<LoadReport, 
                 .then(|| Cow::Borrowed(actors[draw.actor as usize].as_str())),
             ts_ms,
             event_id: spec.event_ids.then_some(Cow::Borrowed(id.as_str())),
+            reset: false,
         };
         if let Err(e) = producer.send(&event, token(draw.counter, i64::from(draw.delta))) {
             acks.fail(&e);

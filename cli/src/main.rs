@@ -35,6 +35,10 @@ enum Command {
     Like(LikeArgs),
     /// Take back an actor's like of a counter (through Kafka).
     Unlike(LikeArgs),
+    /// Reset counters to zero through Kafka: ordered with their increments, everything before
+    /// is cleared (every share, member set and pending compaction journal), everything after
+    /// counts.
+    Reset(ResetArgs),
     /// Collapse the shares of cold counters into one key each, crash-safe; once, or in a loop.
     Compact(CompactArgs),
     /// Show a counter's shard count, its share in each group, and each share's writes per
@@ -87,6 +91,15 @@ struct LikeArgs {
     counter: String,
     /// Whose like.
     actor: String,
+    #[command(flatten)]
+    kafka: KafkaArgs,
+}
+
+#[derive(Debug, clap::Args)]
+struct ResetArgs {
+    /// The counters.
+    #[arg(required = true)]
+    counters: Vec<String>,
     #[command(flatten)]
     kafka: KafkaArgs,
 }
@@ -294,6 +307,7 @@ async fn main() -> anyhow::Result<ExitCode> {
         Command::Get(args) => get(args).await,
         Command::Like(args) => like(args, true).await,
         Command::Unlike(args) => like(args, false).await,
+        Command::Reset(args) => reset(args).await,
         Command::Compact(args) => compact(args).await,
         Command::Shards(args) => shards(args).await,
         Command::Top(args) => top(args).await,
@@ -359,6 +373,19 @@ async fn like(args: LikeArgs, add: bool) -> anyhow::Result<ExitCode> {
         producer.like(&args.counter, &args.actor).await?;
     } else {
         producer.unlike(&args.counter, &args.actor).await?;
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `tally reset`.
+async fn reset(args: ResetArgs) -> anyhow::Result<ExitCode> {
+    let producer = args.kafka.producer()?;
+    for counter in &args.counters {
+        let delivered = producer.reset(counter).await?;
+        println!(
+            "{counter} reset at partition {} offset {}",
+            delivered.partition, delivered.offset
+        );
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -157,7 +157,8 @@ pub fn validate(
 pub struct CounterEvent {
     /// The counter id, e.g. `likes:post:42`. Validated by [`validate_counter`].
     counter: String,
-    /// What to add; negative to take away. Non-zero, |delta| <= [`MAX_ABS_DELTA`].
+    /// What to add; negative to take away. Non-zero, |delta| <= [`MAX_ABS_DELTA`], except in a
+    /// reset ([`CounterEvent::reset`]), where it is 0.
     delta: i64,
     /// Who did it (a user id), if known. Routing by actor and, later, deduplication use it.
     actor: Option<String>,
@@ -180,6 +181,25 @@ impl CounterEvent {
             ts_ms: now_ms(),
             event_id: None,
         })
+    }
+
+    /// A reset of `counter`: everything counted before it (in its partition of the log) is
+    /// cleared, everything after counts from zero. Stamped with the current time.
+    pub fn reset(counter: impl Into<String>) -> Result<Self, EventError> {
+        let counter = counter.into();
+        validate_counter(&counter)?;
+        Ok(Self {
+            counter,
+            delta: 0,
+            actor: None,
+            ts_ms: now_ms(),
+            event_id: None,
+        })
+    }
+
+    /// Whether this is a reset (its delta is 0).
+    pub fn is_reset(&self) -> bool {
+        self.delta == 0
     }
 
     /// Names the actor (who did it).
@@ -228,7 +248,11 @@ impl CounterEvent {
 
 impl fmt::Display for CounterEvent {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{} {:+}", self.counter, self.delta)?;
+        if self.is_reset() {
+            write!(f, "{} reset", self.counter)?;
+        } else {
+            write!(f, "{} {:+}", self.counter, self.delta)?;
+        }
         if let Some(actor) = &self.actor {
             write!(f, " by {actor}")?;
         }

@@ -69,6 +69,8 @@ pub struct Schema {
 pub struct Statements {
     /// `$1` shard, `$2` counters, `$3` deltas: adds each delta to its share.
     pub upsert_shares: String,
+    /// `$1` shard, `$2` counters: deletes their shares there (a reset).
+    pub reset_shares: String,
     /// `$1` shard, `$2` counters: their shares there, locked, in counter order.
     pub lock_shares: String,
     /// `$1` field, `$2` shard: the fence and ledger, locked.
@@ -114,6 +116,7 @@ impl Schema {
                  SELECT u.c, $1, u.d FROM unnest($2::text[], $3::bigint[]) AS u(c, d) \
                  ON CONFLICT (counter, shard) DO UPDATE SET value = t.value + EXCLUDED.value"
             ),
+            reset_shares: format!("DELETE FROM {s}.shares WHERE shard = $1 AND counter = ANY($2)"),
             lock_shares: format!(
                 "SELECT counter, value FROM {s}.shares WHERE shard = $1 AND counter = ANY($2) \
                  ORDER BY counter FOR UPDATE"

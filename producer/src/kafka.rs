@@ -244,6 +244,13 @@ impl Producer {
             .await
     }
 
+    /// Resets `counter` through the stream: ordered with its increments (routing by counter), so
+    /// everything sent before it is cleared and everything after counts from zero; returns once
+    /// acknowledged. See `docs/guarantees.md` for what a reset clears.
+    pub async fn reset(&self, counter: &str) -> Result<Delivered, ProduceError> {
+        self.send(&CounterEvent::reset(counter)?).await
+    }
+
     /// Sends one event; returns once Kafka has acknowledged it. In a namespace with an
     /// idempotency window the event carries an id (its own, or a random one given here), and a
     /// send Kafka did not acknowledge is sent again with the same id, up to

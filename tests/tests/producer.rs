@@ -121,6 +121,7 @@ async fn the_bulk_producer_waits_on_a_full_queue_and_reports_every_event_once() 
                 actor: None,
                 ts_ms: 0,
                 event_id: None,
+                reset: false,
             };
             producer.send(&event, token).expect("handed over");
         }
@@ -130,6 +131,7 @@ async fn the_bulk_producer_waits_on_a_full_queue_and_reports_every_event_once() 
             actor: None,
             ts_ms: 0,
             event_id: None,
+            reset: false,
         };
         assert!(matches!(
             producer.send(&invalid, 9_999),

@@ -4,14 +4,16 @@
 -- KEYS[1] fence hash    KEYS[2] ledger hash    KEYS[3] watermark hash
 -- KEYS[4 .. 3+n] counter keys of the n deltas
 -- KEYS[4+n .. 3+n+w] bucket keys of the w window deltas
--- KEYS[4+n+w ..] per membership: the counter's member set, then its counter key
+-- KEYS[4+n+w .. 3+n+w+3r] per reset: the counter's key, member set and compaction journal
+-- KEYS[4+n+w+3r ..] per membership: the counter's member set, then its counter key
 -- ARGV[1] partition field ("<topic>/<partition>")    ARGV[2] the writer's epoch
 -- ARGV[3] the ledger entry the writer last saw here    ARGV[4] next offset (the entry after this write)
 -- ARGV[5] watermark value to store, or '' to leave the watermark alone
 -- ARGV[6] n, the number of deltas    ARGV[7] w, the number of window deltas
--- ARGV[8 .. 7+n] one delta per counter key, in the same order
--- ARGV[8+n .. 7+n+2w] per bucket key: its delta, then when it expires (ms since the epoch)
--- ARGV[8+n+2w ..] per membership: the actor, then '1' (like) or '0' (unlike)
+-- ARGV[8] r, the number of resets (their keys are deleted before anything is added)
+-- ARGV[9 .. 8+n] one delta per counter key, in the same order
+-- ARGV[9+n .. 8+n+2w] per bucket key: its delta, then when it expires (ms since the epoch)
+-- ARGV[9+n+2w ..] per membership: the actor, then '1' (like) or '0' (unlike)
 --
 -- Returns {'ok'}, {'fenced', current epoch or '0'}, {'duplicate', ledger entry},
 -- {'rolled_back', ledger entry} (the group lost writes the writer had seen land) or
@@ -31,7 +33,8 @@ if applied < tonumber(ARGV[3]) then
 end
 local n = tonumber(ARGV[6])
 local w = tonumber(ARGV[7])
-local m = (#KEYS - 3 - n - w) / 2
+local r = tonumber(ARGV[8])
+local m = (#KEYS - 3 - n - w - 3 * r) / 2
 
 -- Why `delta` cannot be added to `current` (the key's value as MGET returned it), or nil.
 local function refusal(current, delta)
@@ -102,10 +105,10 @@ local function check(first, count, arg, base)
     end
   end
 end
-check(4, n, function(i) return 7 + i end, 0)
-check(4 + n, w, function(i) return 7 + n + 2 * i - 1 end, n)
-local mk = 3 + n + w
-local ma = 7 + n + 2 * w
+check(4, n, function(i) return 8 + i end, 0)
+check(4 + n, w, function(i) return 8 + n + 2 * i - 1 end, n)
+local mk = 3 + n + w + 3 * r
+local ma = 8 + n + 2 * w
 for j = 1, m do
   local set = KEYS[mk + 2 * j - 1]
   local kind = redis.call('TYPE', set)['ok']
@@ -128,16 +131,19 @@ end
 if #rejected > 1 then
   return rejected
 end
+for i = 1, 3 * r do
+  redis.call('DEL', KEYS[3 + n + w + i])
+end
 for i = 1, n do
-  redis.call('INCRBY', KEYS[3 + i], ARGV[7 + i])
+  redis.call('INCRBY', KEYS[3 + i], ARGV[8 + i])
 end
 -- A bucket key gets its expiry when this script creates it (the sum is then the delta alone); a
 -- key that exists got it then, so most writes of a bucket cost one INCRBY.
 for i = 1, w do
   local key = KEYS[3 + n + i]
-  local delta = ARGV[7 + n + 2 * i - 1]
+  local delta = ARGV[8 + n + 2 * i - 1]
   if redis.call('INCRBY', key, delta) == tonumber(delta) then
-    redis.call('PEXPIREAT', key, ARGV[7 + n + 2 * i])
+    redis.call('PEXPIREAT', key, ARGV[8 + n + 2 * i])
   end
 end
 for j = 1, m do

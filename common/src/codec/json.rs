@@ -55,6 +55,7 @@ pub(super) fn parse(payload: &[u8]) -> Option<EventRef<'_>> {
         actor: actor.map(Cow::Borrowed),
         ts_ms: ts_ms.unwrap_or(0),
         event_id: event_id.map(Cow::Borrowed),
+        reset: false,
     })
 }
 

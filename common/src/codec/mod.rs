@@ -117,6 +117,10 @@ pub struct EventRef<'a> {
     /// The event id, if any.
     #[serde(borrow, default)]
     pub event_id: Option<Cow<'a, str>>,
+    /// A reset of the counter rather than a delta (its `delta` is then 0). In JSON,
+    /// `"reset": true`; in the binary form, a delta of 0.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub reset: bool,
 }
 
 fn default_delta() -> i64 {
@@ -127,9 +131,11 @@ impl EventRef<'_> {
     /// Checks every field against the event rules (what [`CounterEvent::new`] and its builders
     /// check for an owned event).
     pub fn validate(&self) -> Result<(), EventError> {
+        // A reset carries no delta to check.
+        let delta = if self.reset { 1 } else { self.delta };
         event::validate(
             &self.counter,
-            self.delta,
+            delta,
             self.actor.as_deref(),
             self.event_id.as_deref(),
         )
@@ -137,7 +143,12 @@ impl EventRef<'_> {
 
     /// Copies the event into an owned [`CounterEvent`].
     pub fn to_owned_event(&self) -> Result<CounterEvent, EventError> {
-        let mut e = CounterEvent::new(self.counter.as_ref(), self.delta)?.with_ts_ms(self.ts_ms);
+        let mut e = if self.reset {
+            CounterEvent::reset(self.counter.as_ref())?
+        } else {
+            CounterEvent::new(self.counter.as_ref(), self.delta)?
+        }
+        .with_ts_ms(self.ts_ms);
         if let Some(actor) = &self.actor {
             e = e.with_actor(actor.as_ref())?;
         }
@@ -212,6 +223,7 @@ pub fn encode_json(event: &CounterEvent) -> String {
         actor: event.actor().map(Cow::Borrowed),
         ts_ms: event.ts_ms(),
         event_id: event.event_id().map(Cow::Borrowed),
+        reset: event.is_reset(),
     };
     serde_json::to_string(&view).expect("an event always serializes to JSON")
 }
@@ -244,6 +256,10 @@ pub fn decode(payload: &[u8], max_bytes: usize) -> Result<EventRef<'_>, DecodeEr
         },
         _ => return Err(DecodeError::UnknownFormat { first }),
     };
+    let mut event = event;
+    if event.reset {
+        event.delta = 0;
+    }
     event.validate()?;
     Ok(event)
 }
@@ -266,6 +282,8 @@ fn decode_binary_v1(body: &[u8]) -> Result<EventRef<'_>, DecodeError> {
         actor: wire.actor.map(Cow::Borrowed),
         ts_ms: wire.ts_ms,
         event_id: wire.event_id.map(Cow::Borrowed),
+        // The binary form writes a reset as a delta of 0, which no delta may be.
+        reset: wire.delta == 0,
     })
 }
 
@@ -316,6 +334,27 @@ mod tests {
             decode(json.as_bytes(), MAX).map(|e| e.to_owned_event()),
             Ok(Ok(event))
         );
+    }
+
+    #[test]
+    fn a_reset_round_trips_both_ways_and_a_zero_delta_is_still_refused() {
+        let reset = CounterEvent::reset("likes:post:42").expect("valid");
+        let bytes = encode(&reset);
+        let binary = decode(&bytes, MAX).expect("decodes");
+        assert!(binary.reset && binary.delta == 0);
+        assert_eq!(binary.to_owned_event(), Ok(reset.clone()));
+        let json = encode_json(&reset);
+        assert!(json.contains(r#""reset":true"#), "{json}");
+        assert_eq!(
+            decode(json.as_bytes(), MAX).map(|e| e.to_owned_event()),
+            Ok(Ok(reset))
+        );
+        let typed = decode(br#"{"counter":"likes:post:42","reset":true}"#, MAX).expect("decodes");
+        assert!(typed.reset && typed.delta == 0);
+        assert!(matches!(
+            decode(br#"{"counter":"likes:post:42","delta":0}"#, MAX),
+            Err(DecodeError::Invalid(_))
+        ));
     }
 
     #[test]
@@ -373,20 +412,21 @@ mod tests {
 
     #[test]
     fn binary_event_that_breaks_a_rule_is_rejected_after_decoding() {
-        // Hand-build a binary body whose delta is zero: decoding works, validation must not.
+        // Hand-build a binary body whose delta is out of range: decoding works, validation must
+        // not. (A delta of 0 is a reset there.)
         let mut bytes = vec![BINARY_V1];
         let body = Binary {
             counter: "c",
-            delta: 0,
+            delta: 2_000_000_000_000,
             actor: None,
             ts_ms: 0,
             event_id: None,
         };
         bincode::serde::encode_into_std_write(&body, &mut bytes, bincode_config())
             .expect("encodes");
-        assert_eq!(
+        assert!(matches!(
             decode(&bytes, MAX),
-            Err(DecodeError::Invalid(EventError::ZeroDelta))
-        );
+            Err(DecodeError::Invalid(EventError::DeltaOutOfRange { .. }))
+        ));
     }
 }
