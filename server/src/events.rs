@@ -49,8 +49,12 @@ pub struct WireEvent {
     actor: Option<String>,
     /// Event time, ms since the Unix epoch (default: when the server received it).
     ts_ms: Option<i64>,
-    /// The sender's id for the event.
+    /// The sender's id for the event; in a namespace with an idempotency window, repeats of it
+    /// for the same counter within the window count once.
     event_id: Option<String>,
+    /// `true`: reset the counter instead (everything sent before it is cleared); `delta` is then
+    /// ignored.
+    reset: Option<bool>,
 }
 
 /// One event, or an array of them.

@@ -98,6 +98,16 @@ async fn events_and_likes_over_http_are_counted_exactly_and_every_route_answers(
         assert_eq!((status, &body), (200, &json!({"accepted": 250})));
         sent += 250;
     }
+    // A reset through the API: views:video:8 counts from zero, then 3 more.
+    for body in [
+        r#"{"counter": "views:video:8", "reset": true}"#,
+        r#"{"counter": "views:video:8", "delta": 3}"#,
+    ] {
+        let (status, body) = server.call("POST", "/v1/events", Some(body)).await;
+        assert_eq!((status, &body), (200, &json!({"accepted": 1})));
+        sent += 1;
+    }
+    expected.insert("views:video:8".to_owned(), 3);
 
     // Likes: u1 twice, u2 then taken back, u3: two likes counted.
     for (method, actor) in [
