@@ -239,6 +239,15 @@ impl AggregatorSetup {
             stdout,
         }
     }
+
+    /// Runs `tally audit` with `extra` flags and asserts it found no drift over exactly
+    /// `counters` counters.
+    pub fn assert_audit_clean(&self, extra: &[&str], counters: usize) {
+        let audit = self.audit(extra);
+        eprintln!("{}", audit.stdout);
+        assert!(audit.clean, "no drift: {}", audit.stdout);
+        assert_eq!(audit.checked, counters, "every counter checked");
+    }
 }
 
 impl AggregatorProcess {

@@ -145,10 +145,8 @@ async fn like_storm(name: &str, redis: &RedisServer, redis_url: &str, postgres: 
     }
     last.stop_gracefully().await;
     if postgres.is_none() {
-        let audit = setup.audit(&["--namespaces", namespaces.to_str().expect("utf-8 path")]);
-        eprintln!("{}", audit.stdout);
-        assert!(audit.clean, "no drift: {}", audit.stdout);
-        assert_eq!(audit.checked, totals.len(), "every counter checked");
+        let namespaces = namespaces.to_str().expect("utf-8 path");
+        setup.assert_audit_clean(&["--namespaces", namespaces], totals.len());
     }
 }
 

@@ -4,15 +4,15 @@
 //! Every counter ends exactly at the ground truth: nothing lost, nothing applied twice, and
 //! `tally audit`, recounting the log, finds no drift.
 
+use tally_tests::RedisServer;
 use tally_tests::scenarios::sigkill_storm;
-use tally_tests::{AggregatorSetup, RedisServer};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ten_sigkills_during_half_a_million_events_count_every_event_once() {
     let _serial = tally_tests::serial().await;
     let redis = RedisServer::start().await;
     let (setup, totals) = sigkill_storm("sigkill", &redis.url(), "partition", 500_000, 10).await;
-    audit_is_clean(&setup, totals.len());
+    setup.assert_audit_clean(&[], totals.len());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -20,13 +20,5 @@ async fn ten_sigkills_with_actor_grouping_count_every_event_once() {
     let _serial = tally_tests::serial().await;
     let redis = RedisServer::start().await;
     let (setup, totals) = sigkill_storm("sigkill-actor", &redis.url(), "actor", 500_000, 10).await;
-    audit_is_clean(&setup, totals.len());
-}
-
-/// `tally audit` recounts the log after the storm and finds every counter exact.
-fn audit_is_clean(setup: &AggregatorSetup, counters: usize) {
-    let audit = setup.audit(&[]);
-    eprintln!("{}", audit.stdout);
-    assert!(audit.clean, "no drift: {}", audit.stdout);
-    assert_eq!(audit.checked, counters, "every counter checked");
+    setup.assert_audit_clean(&[], totals.len());
 }

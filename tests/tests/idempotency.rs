@@ -164,10 +164,7 @@ async fn repeats_count_once(name: &str, grouping: &str) {
     .await;
     last.stop_gracefully().await;
 
-    let audit = setup.audit(&["--namespaces", ns_path]);
-    eprintln!("{}", audit.stdout);
-    assert!(audit.clean, "no drift: {}", audit.stdout);
-    assert_eq!(audit.checked, totals.len());
+    setup.assert_audit_clean(&["--namespaces", ns_path], totals.len());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -102,10 +102,7 @@ async fn resets_clear_what_came_before(name: &str, grouping: &str) {
     );
     last.stop_gracefully().await;
 
-    let audit = setup.audit(&["--namespaces", ns_path]);
-    eprintln!("{}", audit.stdout);
-    assert!(audit.clean, "no drift: {}", audit.stdout);
-    assert_eq!(audit.checked, truth.len());
+    setup.assert_audit_clean(&["--namespaces", ns_path], truth.len());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
