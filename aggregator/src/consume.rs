@@ -269,15 +269,17 @@ impl<S: Sink> Shared<S> {
         let payload = message.payload().unwrap_or_default();
         let decoded = codec::decode(payload, self.settings.max_message_bytes);
         let limits = &self.settings.limits;
-        let mut placement = Placement::default();
+        // Idempotency keys: every event read is decided (and its id recorded) in log order.
+        let repeat = match (&decoded, slot.ids.as_mut()) {
+            (Ok(event), Some(ids)) => {
+                let kafka_ms = message.timestamp().to_millis().unwrap_or(0);
+                let namespaces = &self.settings.namespaces;
+                idempotency::decide(ids, namespaces, event, offset, kafka_ms) == Some(true)
+            }
+            _ => false,
+        };
         let (handled, action) = match &decoded {
-            Ok(event)
-                if slot.ids.as_mut().is_some_and(|ids| {
-                    let kafka_ms = message.timestamp().to_millis().unwrap_or(0);
-                    let namespaces = &self.settings.namespaces;
-                    idempotency::decide(ids, namespaces, event, offset, kafka_ms) == Some(true)
-                }) =>
-            {
+            Ok(_) if repeat => {
                 self.metrics.repeated_id();
                 slot.machine.on_message(offset, Entry::Repeat, limits)
             }
@@ -293,18 +295,19 @@ impl<S: Sink> Shared<S> {
                 let actor = event.actor.as_deref();
                 let keyspace = &self.settings.keyspace;
                 let group = keyspace.group_for_event(policy.grouping, partition, actor);
-                if !policy.windows.is_empty() {
-                    let kafka_ms = message.timestamp().to_millis();
-                    placement = policy.windows.place(event.ts_ms, kafka_ms);
-                    self.metrics
-                        .window_dropped(placement.late, placement.future);
-                }
+                // Only windowed namespaces pay for a placement.
+                let placement = (!policy.windows.is_empty()).then(|| {
+                    let placed =
+                        (policy.windows).place(event.ts_ms, message.timestamp().to_millis());
+                    self.metrics.window_dropped(placed.late, placed.future);
+                    placed
+                });
                 let entry = match actor {
                     _ if !policy.dedup => Entry::Delta {
                         group,
                         counter: &event.counter,
                         delta: event.delta,
-                        buckets: placement.buckets(),
+                        buckets: placement.as_ref().map_or(&[], Placement::buckets),
                     },
                     Some(actor) => Entry::Member {
                         group,

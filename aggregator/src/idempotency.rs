@@ -22,8 +22,10 @@ use std::time::{Duration, Instant};
 
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::error::KafkaError;
-use rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
+use rdkafka::{ClientConfig, Message};
 use tally_common::{Namespaces, codec};
+
+use crate::topic::{offsets_at_time, read_ranges};
 
 /// How far a partition's Kafka timestamps may run backwards (producers' clocks apart) while
 /// duplicates are still recognised: ids are kept this much longer than the widest window.
@@ -191,86 +193,39 @@ impl WarmUp {
             });
         }
         // The time of the first message to decide: the horizon is measured back from it.
-        let anchor = if resume < high {
-            first_timestamp(&consumer, &self.topic, partition, resume)?
-        } else {
-            None
-        };
+        let mut anchor = None;
+        if resume < high {
+            let first = [(partition, resume, resume + 1)];
+            read_ranges(&consumer, &self.topic, &first, WARM_UP_STALL, |m| {
+                anchor = m.timestamp().to_millis();
+            })?;
+        }
         let anchor = anchor.unwrap_or_else(tally_common::event::now_ms);
         let horizon = anchor.saturating_sub(self.widest_window_ms + CLOCK_SKEW_MS);
-        let mut tpl = TopicPartitionList::new();
-        tpl.add_partition_offset(&self.topic, partition, Offset::Offset(horizon.max(0)))?;
-        let found = consumer.offsets_for_times(tpl, WARM_UP_STALL)?;
-        let from = match found
-            .find_partition(&self.topic, partition)
-            .map(|e| e.offset())
-        {
-            Some(Offset::Offset(o)) => o.max(low),
-            _ => resume,
-        };
+        let found = offsets_at_time(&consumer, &self.topic, &[partition], horizon, WARM_UP_STALL)?;
+        let from = found[0].map_or(resume, |o| o.max(low));
         let mut messages = 0;
-        if from < resume {
-            let mut tpl = TopicPartitionList::new();
-            tpl.add_partition_offset(&self.topic, partition, Offset::Offset(from))?;
-            consumer.assign(&tpl)?;
-            let mut progress = Instant::now();
-            'read: loop {
-                match consumer.poll(Duration::from_millis(100)) {
-                    Some(Ok(message)) => {
-                        progress = Instant::now();
-                        let offset = message.offset();
-                        if offset >= resume {
-                            break 'read;
-                        }
-                        messages += 1;
-                        let payload = message.payload().unwrap_or_default();
-                        if let Ok(event) = codec::decode(payload, self.max_message_bytes) {
-                            let kafka_ms = message.timestamp().to_millis().unwrap_or(0);
-                            decide(&mut ids, &self.namespaces, &event, offset, kafka_ms);
-                        }
-                        if offset + 1 >= resume {
-                            break 'read;
-                        }
-                    }
-                    Some(Err(KafkaError::PartitionEOF(_))) => break 'read,
-                    Some(Err(e)) => return Err(e),
-                    None if progress.elapsed() > WARM_UP_STALL => {
-                        return Err(KafkaError::MessageConsumption(
-                            rdkafka::types::RDKafkaErrorCode::OperationTimedOut,
-                        ));
-                    }
-                    None => {}
-                }
+        let range = [(partition, from, resume)];
+        read_ranges(&consumer, &self.topic, &range, WARM_UP_STALL, |message| {
+            messages += 1;
+            let payload = message.payload().unwrap_or_default();
+            if let Ok(event) = codec::decode(payload, self.max_message_bytes) {
+                let kafka_ms = message.timestamp().to_millis().unwrap_or(0);
+                decide(
+                    &mut ids,
+                    &self.namespaces,
+                    &event,
+                    message.offset(),
+                    kafka_ms,
+                );
             }
-        }
+        })?;
         Ok(WarmedUp {
             ids,
             messages,
             elapsed: started.elapsed(),
         })
     }
-}
-
-/// The Kafka timestamp of the message at `offset`, if it arrives within the stall timeout.
-fn first_timestamp(
-    consumer: &BaseConsumer,
-    topic: &str,
-    partition: i32,
-    offset: i64,
-) -> Result<Option<i64>, KafkaError> {
-    let mut tpl = TopicPartitionList::new();
-    tpl.add_partition_offset(topic, partition, Offset::Offset(offset))?;
-    consumer.assign(&tpl)?;
-    let started = Instant::now();
-    while started.elapsed() < WARM_UP_STALL {
-        match consumer.poll(Duration::from_millis(100)) {
-            Some(Ok(message)) => return Ok(message.timestamp().to_millis()),
-            Some(Err(KafkaError::PartitionEOF(_))) => return Ok(None),
-            Some(Err(e)) => return Err(e),
-            None => {}
-        }
-    }
-    Ok(None)
 }
 
 #[cfg(test)]

@@ -1,12 +1,17 @@
-//! What Kafka says of tally's topic, per partition: where its log starts and ends, and the
-//! aggregators' committed offset. The API server's pipeline route and `tally audit` read it with
-//! consumers of their own that join no group.
+//! Reading tally's topic outside the consume loop, with consumers of their own that join no
+//! group: where each partition's log starts and ends and the aggregators' committed offset
+//! ([`partition_logs`], for the API server's pipeline route and `tally audit`), the first offset
+//! stamped at or after a time ([`offsets_at_time`]), and ranges of offsets read to their end
+//! ([`read_ranges`], for the audit and the idempotency warm-up).
 
-use std::time::Duration;
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
 
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::error::KafkaError;
-use rdkafka::{Offset, TopicPartitionList};
+use rdkafka::message::BorrowedMessage;
+use rdkafka::types::RDKafkaErrorCode;
+use rdkafka::{Message, Offset, TopicPartitionList};
 
 /// One partition of the topic.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -62,4 +67,79 @@ pub fn partition_logs(
             })
         })
         .collect()
+}
+
+/// Each of `partitions`' first offset whose Kafka timestamp is `ms` or later, in the same order
+/// (`None` where no message is stamped that late).
+pub fn offsets_at_time(
+    consumer: &BaseConsumer,
+    topic: &str,
+    partitions: &[i32],
+    ms: i64,
+    timeout: Duration,
+) -> Result<Vec<Option<i64>>, KafkaError> {
+    let mut tpl = TopicPartitionList::new();
+    for &p in partitions {
+        tpl.add_partition_offset(topic, p, Offset::Offset(ms.max(0)))?;
+    }
+    let found = consumer.offsets_for_times(tpl, timeout)?;
+    Ok(partitions
+        .iter()
+        .map(
+            |&p| match found.find_partition(topic, p).map(|e| e.offset()) {
+                Some(Offset::Offset(o)) => Some(o),
+                _ => None,
+            },
+        )
+        .collect())
+}
+
+/// Reads `[from, to)` of each `(partition, from, to)` and hands every message to `each`, in
+/// offset order per partition; a partition is done at `to` or at the end of its log. Fails if
+/// nothing the read still waits for arrives for `stall`. `consumer` must have
+/// `enable.partition.eof` set.
+pub fn read_ranges(
+    consumer: &BaseConsumer,
+    topic: &str,
+    ranges: &[(i32, i64, i64)],
+    stall: Duration,
+    mut each: impl FnMut(&BorrowedMessage<'_>),
+) -> Result<(), KafkaError> {
+    let mut tpl = TopicPartitionList::new();
+    let mut waiting = HashMap::new();
+    for &(p, from, to) in ranges.iter().filter(|(_, from, to)| from < to) {
+        tpl.add_partition_offset(topic, p, Offset::Offset(from))?;
+        waiting.insert(p, to);
+    }
+    consumer.assign(&tpl)?;
+    let mut progress = Instant::now();
+    while !waiting.is_empty() {
+        match consumer.poll(Duration::from_millis(100)) {
+            Some(Ok(message)) => {
+                let p = message.partition();
+                let Some(&to) = waiting.get(&p) else {
+                    continue;
+                };
+                progress = Instant::now();
+                if message.offset() < to {
+                    each(&message);
+                }
+                if message.offset() + 1 >= to {
+                    waiting.remove(&p);
+                }
+            }
+            Some(Err(KafkaError::PartitionEOF(p))) => {
+                waiting.remove(&p);
+            }
+            Some(Err(e)) => return Err(e),
+            None if progress.elapsed() > stall => {
+                tracing::warn!(partitions = ?waiting.keys().collect::<Vec<_>>(), ?stall, "reading the topic stalled");
+                return Err(KafkaError::MessageConsumption(
+                    RDKafkaErrorCode::OperationTimedOut,
+                ));
+            }
+            None => {}
+        }
+    }
+    consumer.unassign()
 }

@@ -30,6 +30,23 @@ impl Env<'_> {
         format!("{}-{what}", self.run_id)
     }
 
+    /// Runs the catch-up of [`Env::catch_up`] with `namespaces` (a namespace file's text) given
+    /// to the aggregator.
+    pub(crate) async fn catch_up_with_namespaces(
+        &mut self,
+        topic: &str,
+        events: u64,
+        namespaces: &str,
+    ) -> anyhow::Result<CatchUp> {
+        let file =
+            std::env::temp_dir().join(self.name(&format!("ns-{}.toml", rand::random::<u32>())));
+        std::fs::write(&file, namespaces)?;
+        let path = file.to_str().context("a UTF-8 temp path")?.to_owned();
+        let run = self.catch_up(topic, events, &["--namespaces", &path]).await;
+        let _ = std::fs::remove_file(&file);
+        run
+    }
+
     pub(crate) async fn create_topic(&self, topic: &str, partitions: i32) -> anyhow::Result<()> {
         let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
             .set("bootstrap.servers", &self.args.brokers)

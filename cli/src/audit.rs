@@ -24,9 +24,9 @@ use std::time::{Duration, Instant};
 
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::error::KafkaError;
-use rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
+use rdkafka::{ClientConfig, Message};
 use tally_aggregator::idempotency::{self, RecentIds};
-use tally_aggregator::topic::{PartitionLog, partition_logs};
+use tally_aggregator::topic::{PartitionLog, offsets_at_time, partition_logs, read_ranges};
 use tally_common::namespace::WritePath;
 use tally_common::window::format_duration;
 use tally_common::{Namespaces, Reader, codec};
@@ -167,7 +167,6 @@ impl<'a> Recount<'a> {
         if event.reset {
             // Everything before it in the log is cleared; its windows are not.
             self.events += 1;
-            self.totals.remove(event.counter.as_ref());
             self.members.retain(|(c, _), _| c != event.counter.as_ref());
             self.totals.insert(event.counter.into_owned(), 0);
             return;
@@ -460,21 +459,12 @@ fn starts_at(
     since_ms: i64,
     partitions: usize,
 ) -> Result<Vec<i64>, AuditError> {
-    let mut tpl = TopicPartitionList::new();
-    for p in 0..partitions as i32 {
-        tpl.add_partition_offset(&spec.topic, p, Offset::Offset(since_ms))?;
-    }
-    let found = consumer.offsets_for_times(tpl, KAFKA_TIMEOUT)?;
-    (0..partitions as i32)
-        .map(|p| {
-            let entry = found.find_partition(&spec.topic, p);
-            match entry.map(|e| e.offset()) {
-                Some(Offset::Offset(o)) => Ok(o),
-                _ => {
-                    let (_, end) = consumer.fetch_watermarks(&spec.topic, p, KAFKA_TIMEOUT)?;
-                    Ok(end)
-                }
-            }
+    let all: Vec<i32> = (0..partitions as i32).collect();
+    let found = offsets_at_time(consumer, &spec.topic, &all, since_ms, KAFKA_TIMEOUT)?;
+    (all.iter().zip(found))
+        .map(|(&p, offset)| match offset {
+            Some(o) => Ok(o),
+            None => Ok(consumer.fetch_watermarks(&spec.topic, p, KAFKA_TIMEOUT)?.1),
         })
         .collect()
 }
@@ -497,57 +487,23 @@ fn read_logs(consumer: &BaseConsumer, spec: &AuditSpec) -> Result<Vec<PartitionL
         .map_err(|e| AuditError::Kafka(e.to_string()))
 }
 
-/// Reads `[from, to)` of each `(partition, from, to)` and hands every message's payload to
-/// `each` with its Kafka timestamp, in offset order per partition.
+/// Reads `[from, to)` of each `(partition, from, to)` and hands each message's partition,
+/// offset, payload and Kafka timestamp to `each`, in offset order per partition.
 fn read_range(
     consumer: &BaseConsumer,
     topic: &str,
     ranges: &[(i32, i64, i64)],
     mut each: impl FnMut(i32, i64, &[u8], Option<i64>),
 ) -> Result<(), AuditError> {
-    let mut tpl = TopicPartitionList::new();
-    let mut waiting = HashMap::new();
-    for &(p, from, to) in ranges.iter().filter(|(_, from, to)| from < to) {
-        tpl.add_partition_offset(topic, p, Offset::Offset(from))?;
-        waiting.insert(p, to);
-    }
-    consumer.assign(&tpl)?;
-    let mut progress = Instant::now();
-    while !waiting.is_empty() {
-        match consumer.poll(Duration::from_millis(100)) {
-            Some(Ok(message)) => {
-                let p = message.partition();
-                let Some(&to) = waiting.get(&p) else {
-                    continue;
-                };
-                progress = Instant::now();
-                if message.offset() < to {
-                    let kafka_ms = message.timestamp().to_millis();
-                    each(
-                        p,
-                        message.offset(),
-                        message.payload().unwrap_or_default(),
-                        kafka_ms,
-                    );
-                }
-                if message.offset() + 1 >= to {
-                    waiting.remove(&p);
-                }
-            }
-            Some(Err(KafkaError::PartitionEOF(p))) => {
-                waiting.remove(&p);
-            }
-            Some(Err(e)) => return Err(e.into()),
-            None if progress.elapsed() > STALL_TIMEOUT => {
-                return Err(AuditError::Kafka(format!(
-                    "partitions {:?} delivered nothing for {STALL_TIMEOUT:?}",
-                    waiting.keys().collect::<Vec<_>>()
-                )));
-            }
-            None => {}
-        }
-    }
-    consumer.unassign()?;
+    read_ranges(consumer, topic, ranges, STALL_TIMEOUT, |m| {
+        let payload = m.payload().unwrap_or_default();
+        each(
+            m.partition(),
+            m.offset(),
+            payload,
+            m.timestamp().to_millis(),
+        );
+    })?;
     Ok(())
 }
 

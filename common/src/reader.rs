@@ -317,34 +317,19 @@ impl Reader {
                 why: "windowed counts are kept in Redis only, not with --store postgres".to_owned(),
             });
         }
-        let ks = &self.keyspace;
         let current = window.start_of(now_ms);
-        let starts: Vec<i64> = (0..buckets)
-            .map(|i| current - i * window.width_ms)
-            .collect();
-        let mgets = (0..ks.groups())
-            .map(|group| {
-                let mut mget = redis::cmd("MGET");
-                for c in counters {
-                    for start in &starts {
-                        mget.arg(ks.window_key(group, c.as_ref(), window.width_ms, *start));
-                    }
-                }
-                mget
+        let per = buckets as usize;
+        let cells: Vec<(&str, i64, i64)> = (counters.iter())
+            .flat_map(|c| {
+                (0..buckets)
+                    .map(move |i| (c.as_ref(), window.width_ms, current - i * window.width_ms))
             })
             .collect();
-        let rows: Vec<Vec<Option<String>>> = query_each(&self.conn, mgets).await?;
-        let per = starts.len();
-        counters
-            .iter()
-            .enumerate()
-            .map(|(i, counter)| {
-                let counter = counter.as_ref();
-                let values = (rows.iter())
-                    .flat_map(|row| row.iter().skip(i * per).take(per))
-                    .map(|v| v.as_deref().map(|v| parse_integer(counter, v)).transpose())
-                    .collect::<Result<Vec<_>, _>>()?;
-                sum(counter, &values)
+        let values = self.bucket_values(&cells).await?;
+        (counters.iter().zip(values.chunks(per)))
+            .map(|(counter, buckets)| {
+                let buckets: Vec<Option<i64>> = buckets.iter().copied().map(Some).collect();
+                sum(counter.as_ref(), &buckets)
             })
             .collect()
     }

@@ -264,7 +264,7 @@ impl Producer {
         };
         let mut attempt = 0;
         loop {
-            match self.enqueue(&event).await?.acked().await {
+            match self.enqueue_identified(&event).await?.acked().await {
                 Err(ProduceError::Kafka(error)) if attempt < retries => {
                     attempt += 1;
                     tracing::warn!(
@@ -304,7 +304,12 @@ impl Producer {
     /// it again yourself, give it your own id (or use [`Producer::send`], which retries).
     pub async fn enqueue(&self, event: &CounterEvent) -> Result<Pending, ProduceError> {
         let event = self.identified(event)?;
-        let payload = codec::encode(&event);
+        self.enqueue_identified(&event).await
+    }
+
+    /// [`Producer::enqueue`] for an event that already carries the id its namespace needs.
+    async fn enqueue_identified(&self, event: &CounterEvent) -> Result<Pending, ProduceError> {
+        let payload = codec::encode(event);
         let key = match self.routing {
             Routing::ByCounter => Some(event.counter()),
             Routing::ByActor => Some(event.actor().unwrap_or(event.counter())),

@@ -8,6 +8,8 @@ use rdkafka::ClientConfig;
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use rdkafka::client::DefaultClientContext;
 use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::message::ToBytes;
+use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord};
 use rdkafka::{Offset, TopicPartitionList};
 use tally_cli::load::{self, LoadError, LoadReport, LoadSpec};
 use tally_producer::ProducerConfig;
@@ -19,6 +21,29 @@ use crate::support::{eventually, unique};
 pub fn brokers() -> String {
     std::env::var("TALLY_TEST_BROKERS")
         .unwrap_or_else(|_| tally_common::defaults::BROKERS.to_owned())
+}
+
+/// Hands `record` to a raw librdkafka producer (an independent client, not tally's), panicking
+/// if it is refused; wait for it with [`assert_delivered`].
+pub fn enqueue_raw<K: ToBytes + ?Sized, P: ToBytes + ?Sized>(
+    producer: &FutureProducer,
+    record: FutureRecord<'_, K, P>,
+) -> DeliveryFuture {
+    producer
+        .send_result(record)
+        .map_err(|(e, _)| e)
+        .expect("enqueued")
+}
+
+/// Waits for every delivery and asserts Kafka acknowledged each.
+pub async fn assert_delivered(deliveries: impl IntoIterator<Item = DeliveryFuture>) {
+    for delivery in deliveries {
+        delivery
+            .await
+            .expect("delivery report")
+            .map_err(|(e, _)| e)
+            .expect("Kafka acknowledged the message");
+    }
 }
 
 /// Creates `topic` with `partitions` partitions; fails loudly if Kafka is not reachable.

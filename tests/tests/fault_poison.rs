@@ -54,19 +54,9 @@ async fn deltas_redis_cannot_take_are_dead_lettered_and_the_rest_counts() {
         let record = FutureRecord::<String, String>::to(&setup.topic)
             .key(&counter)
             .payload(&payload);
-        deliveries.push(
-            plain
-                .send_result(record)
-                .map_err(|(e, _)| e)
-                .expect("enqueued"),
-        );
+        deliveries.push(tally_tests::enqueue_raw(&plain, record));
     }
-    for d in deliveries {
-        d.await
-            .expect("delivery report")
-            .map_err(|(e, _)| e)
-            .expect("acknowledged");
-    }
+    tally_tests::assert_delivered(deliveries).await;
 
     let reader = redis.reader(keyspace.clone()).await;
     wait_for_totals(&reader, &expected, Duration::from_secs(60)).await;

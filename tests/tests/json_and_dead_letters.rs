@@ -96,20 +96,9 @@ async fn json_events_count_and_malformed_ones_are_dead_lettered() {
         if let Some(key) = key {
             record = record.key(key);
         }
-        deliveries.push(
-            plain
-                .send_result(record)
-                .map_err(|(e, _)| e)
-                .expect("enqueued"),
-        );
+        deliveries.push(tally_tests::enqueue_raw(&plain, record));
     }
-    for delivery in deliveries {
-        delivery
-            .await
-            .expect("delivery report")
-            .map_err(|(e, _)| e)
-            .expect("Kafka acknowledges");
-    }
+    tally_tests::assert_delivered(deliveries).await;
 
     let reader = redis.reader(setup.keyspace()).await;
     wait_for_totals(&reader, &expected, Duration::from_secs(60)).await;

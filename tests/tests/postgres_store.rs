@@ -448,19 +448,9 @@ async fn overflow_is_refused_and_bad_messages_dead_lettered_with_postgres() {
             }
         };
         let record = FutureRecord::<(), String>::to(&setup.topic).payload(&payload);
-        deliveries.push(
-            plain
-                .send_result(record)
-                .map_err(|(e, _)| e)
-                .expect("enqueued"),
-        );
+        deliveries.push(tally_tests::enqueue_raw(&plain, record));
     }
-    for d in deliveries {
-        d.await
-            .expect("delivery report")
-            .map_err(|(e, _)| e)
-            .expect("acknowledged");
-    }
+    tally_tests::assert_delivered(deliveries).await;
     wait_for_postgres_totals(&redis.url(), &url, &setup, &expected).await;
     let big: i64 = client
         .query_one(

@@ -3,8 +3,6 @@
 //! their namespace. Every id of the run falls in the window, so the aggregator holds them all:
 //! the difference of peak RSS over the events is the memory per id held.
 
-use anyhow::Context;
-
 use crate::env::Env;
 use crate::results::IdempotencyRun;
 
@@ -22,16 +20,12 @@ pub(crate) async fn idempotency(env: &mut Env<'_>) -> anyhow::Result<Vec<Idempot
         &["--counters", &counters, "--zipf", &zipf, "--event-ids"],
     )
     .await?;
-    let dir = std::env::temp_dir().join(env.name("idempotency"));
-    std::fs::create_dir_all(&dir)?;
     let mut runs = Vec::new();
     for (window, entry) in [("none", ""), ("10m", "idempotency_window = \"10m\"\n")] {
-        let file = dir.join(format!("namespaces-{window}.toml"));
-        std::fs::write(&file, format!("[namespaces.likes]\n{entry}"))?;
-        let path = file.to_str().context("a UTF-8 temp path")?;
         println!("idempotency: the aggregator, idempotency window {window}");
+        let namespaces = format!("[namespaces.likes]\n{entry}");
         let run = env
-            .catch_up(&topic, args.events, &["--namespaces", path])
+            .catch_up_with_namespaces(&topic, args.events, &namespaces)
             .await?;
         println!(
             "  {:.0} events/s from launch, peak RSS {:.0} MiB",
@@ -42,6 +36,5 @@ pub(crate) async fn idempotency(env: &mut Env<'_>) -> anyhow::Result<Vec<Idempot
             catch_up: run,
         });
     }
-    let _ = std::fs::remove_dir_all(&dir);
     Ok(runs)
 }

@@ -26,20 +26,16 @@ pub(crate) async fn windows(
     events: u64,
     distinct: u64,
 ) -> anyhow::Result<Vec<WindowsRun>> {
-    let dir = std::env::temp_dir().join(env.name("windows"));
-    std::fs::create_dir_all(&dir)?;
     let mut runs = Vec::new();
     for (count, windows) in [
         (0, ""),
         (1, "windows = [\"1h\"]\n"),
         (3, "windows = [\"1m\", \"1h\", \"1d\"]\n"),
     ] {
-        let file = dir.join(format!("namespaces-{count}.toml"));
-        std::fs::write(&file, format!("[namespaces.likes]\n{windows}"))?;
-        let path = file.to_str().context("a UTF-8 temp path")?;
         println!("windows: the aggregator with {count} windows, over {events} events");
         let before = used_memory(&mut env.redis).await?;
-        let mut run = env.catch_up(topic, events, &["--namespaces", path]).await?;
+        let namespaces = format!("[namespaces.likes]\n{windows}");
+        let mut run = (env.catch_up_with_namespaces(topic, events, &namespaces)).await?;
         let after = used_memory(&mut env.redis).await?;
         run.distinct_counters = distinct;
         println!(
@@ -52,6 +48,5 @@ pub(crate) async fn windows(
             catch_up: run,
         });
     }
-    let _ = std::fs::remove_dir_all(&dir);
     Ok(runs)
 }
