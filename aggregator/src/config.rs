@@ -427,6 +427,12 @@ impl Settings {
                 why: "namespaces with an idempotency window need exactly-once delivery".to_owned(),
             });
         }
+        if delivery == Delivery::AtLeastOnce && namespaces.shortest_expiry_ms().is_some() {
+            return Err(ConfigError::Invalid {
+                name: "delivery",
+                why: "namespaces whose counters expire need exactly-once delivery".to_owned(),
+            });
+        }
         check_kafka_options(&self.kafka, delivery)?;
         let redis = RedisTarget::parse(self.redis_url.as_deref().unwrap_or(defaults::REDIS_URL))
             .map_err(|e| ConfigError::Invalid {
@@ -446,6 +452,12 @@ impl Settings {
             return Err(ConfigError::Invalid {
                 name: "store",
                 why: "windowed counts are kept in Redis only: a namespace with windows needs --store redis".to_owned(),
+            });
+        }
+        if store == Store::Postgres && namespaces.shortest_expiry_ms().is_some() {
+            return Err(ConfigError::Invalid {
+                name: "store",
+                why: "counters expire in Redis only for now: a namespace with expire_after needs --store redis".to_owned(),
             });
         }
         let postgres = PostgresTarget::from_settings(

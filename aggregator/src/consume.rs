@@ -156,7 +156,7 @@ pub(crate) struct Drained {
 pub(crate) struct Shared<S> {
     pub(crate) settings: LoopSettings,
     partitions: Mutex<Partitions>,
-    flusher: Flusher<S>,
+    pub(crate) flusher: Flusher<S>,
     pub(crate) metrics: Arc<Metrics>,
     done_tx: mpsc::UnboundedSender<Report>,
     /// Durable flushes so far (for the crash failpoint).
@@ -220,6 +220,15 @@ impl<S: Sink> Shared<S> {
         (shared, done_rx)
     }
 
+    /// The partitions this aggregator owns now (exactly-once).
+    pub(crate) fn owned_partitions(&self) -> Vec<i32> {
+        let parts = lock(&self.partitions);
+        (parts.map.iter())
+            .filter(|(_, slot)| slot.machine.ledgers().is_some())
+            .map(|(p, _)| *p)
+            .collect()
+    }
+
     /// Handles a run of messages under one lock of the partitions.
     pub(crate) fn handle_messages<X: ConsumerContext, K: Consumer<X>>(
         &self,
@@ -267,8 +276,26 @@ impl<S: Sink> Shared<S> {
             offset,
         };
         let payload = message.payload().unwrap_or_default();
-        let decoded = codec::decode(payload, self.settings.max_message_bytes);
         let limits = &self.settings.limits;
+        // An expiry record, written into the partition by an expirer (`crate::expiry`).
+        if let Some(expiry) = codec::decode_expiry(payload) {
+            let entry = match &expiry {
+                Ok(expiry) => Entry::Expire {
+                    counter: &expiry.counter,
+                    deadline_ms: expiry.deadline_ms,
+                    groups: self.settings.keyspace.groups(),
+                },
+                Err(error) => Entry::DeadLetter {
+                    group: None,
+                    letter: dead_letter(error.reason(), error.to_string()),
+                },
+            };
+            if let (_, Some(action)) = slot.machine.on_message(offset, entry, limits) {
+                self.execute(consumer, partition, slot, action);
+            }
+            return;
+        }
+        let decoded = codec::decode(payload, self.settings.max_message_bytes);
         // Idempotency keys: every event read is decided (and its id recorded) in log order.
         let repeat = match (&decoded, slot.ids.as_mut()) {
             (Ok(event), Some(ids)) => {
@@ -302,12 +329,16 @@ impl<S: Sink> Shared<S> {
                     self.metrics.window_dropped(placed.late, placed.future);
                     placed
                 });
+                let idle_deadline = policy.expire_after_ms.map(|after| {
+                    message.timestamp().to_millis().unwrap_or(0).saturating_add(after)
+                });
                 let entry = match actor {
                     _ if !policy.dedup => Entry::Delta {
                         group,
                         counter: &event.counter,
                         delta: event.delta,
                         buckets: placement.as_ref().map_or(&[], Placement::buckets),
+                        idle_deadline,
                     },
                     Some(actor) => Entry::Member {
                         group,

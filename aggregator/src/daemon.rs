@@ -133,6 +133,10 @@ impl<S: Sink> Aggregator<S> {
         let mut tick = tokio::time::interval(period);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
         let mut stream = self.consumer.stream();
+        if let Some(shortest) = shared.settings.namespaces.shortest_expiry_ms() {
+            let every = crate::expiry::interval(shortest);
+            tokio::spawn(crate::expiry::run(shared.clone(), every, shutdown.clone()));
+        }
         loop {
             tokio::select! {
                 biased;

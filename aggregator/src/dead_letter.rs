@@ -140,6 +140,25 @@ impl DeadLetterQueue {
             .map_err(|(e, _)| e)
     }
 
+    /// Appends a record (an expiry record, `crate::expiry`) to `partition` of the consumed topic
+    /// and waits for Kafka's acknowledgement; returns its offset.
+    pub async fn append(
+        &self,
+        partition: i32,
+        key: &[u8],
+        payload: &[u8],
+    ) -> Result<i64, KafkaError> {
+        let record = FutureRecord::<[u8], [u8]>::to(&self.source_topic)
+            .partition(partition)
+            .key(key)
+            .payload(payload);
+        self.producer
+            .send(record, Timeout::Never)
+            .await
+            .map(|delivered| delivered.offset)
+            .map_err(|(e, _)| e)
+    }
+
     /// Where `partition` of the consumed topic starts and ends (its low and high watermarks),
     /// asked of the brokers: the dead-letter producer is also the aggregator's client for such
     /// questions, off the consume loop. `None` if the brokers did not answer within 5 s.

@@ -23,6 +23,7 @@ use tokio_util::sync::CancellationToken;
 use crate::backoff::Backoff;
 use crate::batch::{GroupBatch, SealedBatch};
 use crate::dead_letter::{DeadLetter, DeadLetterQueue};
+use crate::expiry::{IdleWrite, Marked};
 use crate::fence::{Owner, Watermark};
 use crate::metrics::Metrics;
 use crate::sink::{Applied, GroupWrite, Refused, Rejection, Sink, SinkError, SinkErrorKind};
@@ -96,7 +97,8 @@ impl<S: Sink> Flusher<S> {
         let owner = match owner {
             None => {
                 for g in &batch.groups {
-                    // Memberships never reach this path: dedup namespaces need exactly-once.
+                    // Memberships never reach this path: dedup namespaces need exactly-once;
+                    // nor do expiries (expiring namespaces need it too).
                     let applied = self
                         .retry(partition, g.group, cancel, || {
                             self.sink.apply(g.group, &g.deltas, &g.windows, &g.resets)
@@ -143,6 +145,27 @@ impl<S: Sink> Flusher<S> {
         cancel: &CancellationToken,
     ) -> Result<Owner, FlushOutcome> {
         let next_offset = batch.next_offset;
+        if !batch.expiries.is_empty() || !batch.touched.is_empty() {
+            let write = IdleWrite {
+                home: owner.home,
+                field: &owner.field,
+                epoch: owner.epoch,
+                expiries: &batch.expiries,
+                touched: &batch.touched,
+            };
+            let marked = self
+                .retry(partition, owner.home, cancel, || self.sink.mark_idle(write))
+                .await
+                .ok_or(FlushOutcome::Cancelled)?;
+            match marked {
+                Marked::Decided(expired) => {
+                    let expired = batch.settle(&expired);
+                    self.metrics.expired(expired);
+                }
+                Marked::Refused(Applied::Fenced) => return Err(self.fenced(partition, owner.home)),
+                Marked::Refused(_) => return Err(self.rolled_back(partition, owner.home)),
+            }
+        }
         // A batch that wrote only into the home group moves the watermark in the same operation.
         let home_only = batch.groups.len() == 1 && batch.groups[0].group == owner.home;
         for GroupBatch {

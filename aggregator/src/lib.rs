@@ -22,6 +22,7 @@
 //! - [`dead_letter`]: the dead-letter topic for malformed messages.
 //! - [`metrics`] and [`http`]: Prometheus metrics on `/metrics`, `/healthz` and `/readyz`.
 //! - [`backoff`]: capped exponential backoff.
+//! - [`expiry`]: counters that expire: the idle index, expiry records and their decision.
 //! - [`compact`]: collapsing cold counters' shares into one key, crash-safe (`tally compact`).
 //! - [`shard_monitor`]: raises the shard counts of directly written counters that run hot.
 //! - [`shutdown`]: signals into a cancellation token.
@@ -34,6 +35,7 @@ pub mod config_error;
 pub mod consume;
 pub mod daemon;
 pub mod dead_letter;
+pub mod expiry;
 pub mod fence;
 pub mod flush;
 pub mod http;

@@ -318,6 +318,7 @@ mod tests {
                     counter: "likes:post:1",
                     delta: 1,
                     buckets: &[],
+                    idle_deadline: None,
                 };
                 p.on_message(offset, entry, &limits).1
             })

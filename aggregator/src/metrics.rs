@@ -23,6 +23,8 @@ pub struct Metrics {
     events_dead_lettered: IntCounterVec,
     /// Events not counted because they repeat an idempotency key counted within its window.
     repeated_ids: IntCounter,
+    expiry_records: IntCounter,
+    expired: IntCounter,
     /// Events left out of a window's bucket, by reason (`late`, `future`).
     window_dropped: IntCounterVec,
     /// Batches made durable.
@@ -126,6 +128,14 @@ impl Metrics {
             repeated_ids: r.counter(
                 "tally_repeated_ids_total",
                 "Events not counted because they repeat an event_id counted within their namespace's idempotency window.",
+            ),
+            expiry_records: r.counter(
+                "tally_expiry_records_total",
+                "Expiry records this aggregator's expirer wrote into the partitions it owns (one per counter found past its idle deadline).",
+            ),
+            expired: r.counter(
+                "tally_counters_expired_total",
+                "Counters cleared by an expiry record, decided idle where it stands in the log (flushes retried after a crash count again).",
             ),
             window_dropped: r.counter_vec(
                 "tally_window_events_dropped_total",
@@ -244,6 +254,16 @@ impl Metrics {
     /// An event repeated an idempotency key and was not counted.
     pub fn repeated_id(&self) {
         self.repeated_ids.inc();
+    }
+
+    /// The expirer wrote `n` expiry records.
+    pub fn expiry_records(&self, n: usize) {
+        self.expiry_records.inc_by(n as u64);
+    }
+
+    /// A flush cleared `n` expired counters.
+    pub fn expired(&self, n: usize) {
+        self.expired.inc_by(n as u64);
     }
 
     /// An event was left out of `late` windows, or of every window when from the `future`.

@@ -90,6 +90,9 @@ pub(crate) enum Entry<'a> {
         delta: i64,
         /// The time buckets it also counts in (windowed namespaces; else empty).
         buckets: &'a [Bucket],
+        /// When the counter expires if nothing touches it again (namespaces that expire
+        /// counters; else `None`).
+        idle_deadline: Option<i64>,
     },
     /// A like (or unlike) in a namespace that counts one per actor.
     Member {
@@ -110,6 +113,16 @@ pub(crate) enum Entry<'a> {
     Reset {
         /// The counter.
         counter: &'a str,
+        /// How many shard groups there are.
+        groups: u32,
+    },
+    /// An expiry record (`crate::expiry`): the counter is cleared in every group here if it has
+    /// gone idle by `deadline_ms`.
+    Expire {
+        /// The counter.
+        counter: &'a str,
+        /// Idle deadlines at or before this have passed.
+        deadline_ms: i64,
         /// How many shard groups there are.
         groups: u32,
     },
@@ -241,7 +254,7 @@ impl Partition {
         let group = match &entry {
             Entry::Delta { group, .. } | Entry::Member { group, .. } => Some(*group),
             Entry::DeadLetter { group, .. } => *group,
-            Entry::Repeat | Entry::Reset { .. } => None,
+            Entry::Repeat | Entry::Reset { .. } | Entry::Expire { .. } => None,
         };
         let already_applied = group.is_some_and(|group| {
             self.ledgers()
@@ -257,7 +270,11 @@ impl Partition {
                     counter,
                     delta,
                     buckets,
+                    idle_deadline,
                 } => {
+                    if let Some(deadline) = idle_deadline {
+                        self.buffer.touch(counter, deadline);
+                    }
                     if !buckets.is_empty() {
                         self.buffer.add_to_buckets(group, counter, delta, buckets);
                     }
@@ -272,15 +289,16 @@ impl Partition {
                 Entry::DeadLetter { letter, .. } => self.buffer.add_dead_letter(letter, offset),
                 Entry::Repeat => self.buffer.skip(offset),
                 Entry::Reset { counter, groups } => {
-                    // Only in the groups that have not applied it yet (a crash may have fallen
-                    // between two groups' writes of the flush that carried it).
-                    let ledgers = self.ledgers();
-                    let pending: Vec<u32> = (0..groups)
-                        .filter(|g| {
-                            ledgers.is_none_or(|l| l.get(*g as usize).is_none_or(|l| offset >= *l))
-                        })
-                        .collect();
+                    let pending = self.not_applied(groups, offset);
                     self.buffer.reset(counter, pending.into_iter(), offset)
+                }
+                Entry::Expire {
+                    counter,
+                    deadline_ms,
+                    groups,
+                } => {
+                    let pending = self.not_applied(groups, offset);
+                    (self.buffer).expire(counter, deadline_ms, pending.into_iter(), offset)
                 }
             }
             Handled::Buffered
@@ -297,6 +315,15 @@ impl Partition {
             return (handled, Some(Action::Pause));
         }
         (handled, None)
+    }
+
+    /// The groups, of `groups`, that have not applied the message at `offset` yet (a crash may
+    /// have fallen between two groups' writes of the flush that carried it).
+    fn not_applied(&self, groups: u32, offset: i64) -> Vec<u32> {
+        let ledgers = self.ledgers();
+        (0..groups)
+            .filter(|g| ledgers.is_none_or(|l| l.get(*g as usize).is_none_or(|l| offset >= *l)))
+            .collect()
     }
 
     /// The loop's periodic tick: starts a flush of a due buffer, or a check of an idle owner.
@@ -592,6 +619,7 @@ mod tests {
             counter,
             delta: 1,
             buckets: &[],
+            idle_deadline: None,
         }
     }
 

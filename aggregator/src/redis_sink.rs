@@ -19,6 +19,7 @@ use tally_common::{DeadLetterReason, Keyspace, RedisConn, RedisTarget};
 use crate::batch::WindowDelta;
 use crate::config::Atomicity;
 use crate::sink::{Applied, GroupWrite, Rejection, Sink, SinkError, SinkErrorKind, Stamp};
+use crate::expiry::{IdleWrite, Marked};
 use crate::transactions::Transactions;
 
 /// The Lua scripts, hashed once.
@@ -28,6 +29,7 @@ struct Scripts {
     stamp: redis::Script,
     epoch: redis::Script,
     watermark: redis::Script,
+    idle: redis::Script,
 }
 
 impl Scripts {
@@ -37,6 +39,7 @@ impl Scripts {
             stamp: redis::Script::new(include_str!("scripts/stamp.lua")),
             epoch: redis::Script::new(include_str!("scripts/epoch.lua")),
             watermark: redis::Script::new(include_str!("scripts/watermark.lua")),
+            idle: redis::Script::new(include_str!("scripts/idle.lua")),
         }
     }
 }
@@ -166,6 +169,41 @@ fn parse_number<T: std::str::FromStr>(reply: &[String], at: usize) -> Result<T, 
 
 /// The exactly-once operations as Lua scripts.
 impl RedisSink {
+    async fn script_mark_idle(&self, write: IdleWrite<'_>) -> Result<Marked, SinkError> {
+        let ks = &self.keyspace;
+        let mut invocation = self.scripts.idle.prepare_invoke();
+        invocation
+            .key(ks.fence_key(write.home))
+            .key(ks.watermark_key(write.home))
+            .key(ks.idle_key(write.home, write.field))
+            .key(ks.expired_key(write.home, write.field))
+            .arg(write.field)
+            .arg(write.epoch)
+            .arg(write.expiries.len());
+        for e in write.expiries {
+            invocation
+                .arg(e.offset)
+                .arg(&e.counter)
+                .arg(e.deadline_ms)
+                .arg(e.held_deadline.map(|d| d.to_string()).unwrap_or_default());
+        }
+        for (counter, deadline) in write.touched {
+            invocation.arg(counter).arg(*deadline);
+        }
+        let mut conn = self.conn.clone();
+        let reply: Vec<String> = invocation.invoke_async(&mut conn).await?;
+        match reply.first().map(String::as_str) {
+            Some("ok") if reply.len() == write.expiries.len() + 1 => {
+                Ok(Marked::Decided(reply[1..].iter().map(|d| d == "1").collect()))
+            }
+            Some("fenced") => Ok(Marked::Refused(Applied::from_fence(
+                parse_number(&reply, 1).ok(),
+                write.epoch,
+            ))),
+            _ => Err(unexpected(&reply)),
+        }
+    }
+
     async fn script_apply_fenced(&self, write: GroupWrite<'_>) -> Result<Applied, SinkError> {
         let ks = &self.keyspace;
         let mut invocation = self.scripts.flush.prepare_invoke();
@@ -398,6 +436,31 @@ impl Sink for RedisSink {
         Ok(redis::pipe()
             .hget(self.keyspace.fence_key(group), field)
             .hget(self.keyspace.ledger_key(group), field)
+            .query_async(&mut conn)
+            .await?)
+    }
+
+    async fn mark_idle(&self, write: IdleWrite<'_>) -> Result<Marked, SinkError> {
+        self.either(self.script_mark_idle(write), |t| t.mark_idle(write))
+            .await
+    }
+
+    async fn idle_counters(
+        &self,
+        home: u32,
+        field: &str,
+        now_ms: i64,
+        limit: usize,
+    ) -> Result<Vec<String>, SinkError> {
+        let mut conn = self.conn.clone();
+        Ok(redis::cmd("ZRANGE")
+            .arg(self.keyspace.idle_key(home, field))
+            .arg("-inf")
+            .arg(now_ms)
+            .arg("BYSCORE")
+            .arg("LIMIT")
+            .arg(0)
+            .arg(limit)
             .query_async(&mut conn)
             .await?)
     }

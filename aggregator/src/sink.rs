@@ -20,6 +20,7 @@ use redis::ErrorKind;
 use tally_common::DeadLetterReason;
 
 use crate::batch::{Member, WindowDelta};
+use crate::expiry::{IdleWrite, Marked};
 
 /// Why a sink write failed.
 #[derive(Debug, thiserror::Error)]
@@ -272,6 +273,30 @@ pub trait Sink: Clone + Send + Sync + 'static {
     ) -> impl Future<Output = Result<(), SinkError>> + Send {
         let _ = counters;
         std::future::ready(Ok(()))
+    }
+
+    /// Exactly-once, in the partition's home group before a batch's group writes: decides the
+    /// batch's expiry records and moves the partition's idle index (`crate::expiry`). A store
+    /// that cannot expire counters refuses.
+    fn mark_idle(
+        &self,
+        write: IdleWrite<'_>,
+    ) -> impl Future<Output = Result<Marked, SinkError>> + Send {
+        let _ = write;
+        std::future::ready(Err(SinkError::fatal("this store cannot expire counters")))
+    }
+
+    /// Up to `limit` counters of the partition's idle index whose deadline is at or before
+    /// `now_ms`. A store that cannot expire counters has none.
+    fn idle_counters(
+        &self,
+        home: u32,
+        field: &str,
+        now_ms: i64,
+        limit: usize,
+    ) -> impl Future<Output = Result<Vec<String>, SinkError>> + Send {
+        let _ = (home, field, now_ms, limit);
+        std::future::ready(Ok(Vec::new()))
     }
 
     /// Reads the partition's watermark from its home group.

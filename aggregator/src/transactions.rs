@@ -24,6 +24,7 @@ use tally_common::connection::{DEFAULT_CONNECT_TIMEOUT, DEFAULT_RESPONSE_TIMEOUT
 use tally_common::{DeadLetterReason, Keyspace, RedisTarget};
 
 use crate::batch::WindowDelta;
+use crate::expiry::{IdleWrite, Marked};
 use crate::sink::{Applied, GroupWrite, Refused, Rejection, SinkError, SinkErrorKind, Stamp};
 
 /// How many times one operation starts over after a conflicting write before it reports a
@@ -485,6 +486,102 @@ impl Transactions {
                     ledger: number(ledger)?.unwrap_or(-1),
                 },
             ))
+        })
+        .await
+    }
+
+    /// The transactional `scripts/idle.lua`.
+    pub async fn mark_idle(&self, write: IdleWrite<'_>) -> Result<Marked, SinkError> {
+        let ks = &self.keyspace;
+        let (field, home) = (write.field, write.home);
+        let fence_key = ks.fence_key(home);
+        let watermark_key = ks.watermark_key(home);
+        let idle_key = ks.idle_key(home, field);
+        let expired_key = ks.expired_key(home, field);
+        let watch = [
+            fence_key.clone(),
+            watermark_key.clone(),
+            idle_key.clone(),
+            expired_key.clone(),
+        ];
+        let mut reads = redis::pipe();
+        reads
+            .hget(&fence_key, field)
+            .hget(&watermark_key, field)
+            .hgetall(&expired_key);
+        for e in write.expiries {
+            reads.zscore(&idle_key, &e.counter);
+        }
+        self.optimistic(&watch, &reads, |replies| {
+            let fence: Option<u64> = number(replies.first().unwrap_or(&Value::Nil))?;
+            if fence != Some(write.epoch) {
+                return Ok(Plan::Done(Marked::Refused(Applied::from_fence(
+                    fence,
+                    write.epoch,
+                ))));
+            }
+            let parse = |what: &'static str, v: &Value| protocol_error(what, v);
+            let watermark: Option<String> = redis::from_redis_value(replies[1].clone())
+                .map_err(|_| parse("HGET reply", &replies[1]))?;
+            let resume = (watermark.as_deref())
+                .and_then(tally_common::keyspace::Watermark::parse)
+                .map(|w| w.next_offset);
+            let recorded: std::collections::HashMap<i64, String> =
+                redis::from_redis_value(replies[2].clone())
+                    .map_err(|_| parse("HGETALL reply", &replies[2]))?;
+            let mut writes = redis::pipe();
+            for offset in recorded.keys() {
+                if resume.is_some_and(|resume| *offset < resume) {
+                    writes.hdel(&expired_key, *offset).ignore();
+                }
+            }
+            // What the index holds for each record's counter as the records go by.
+            let mut index: std::collections::HashMap<&str, Option<i64>> =
+                std::collections::HashMap::new();
+            let mut decided = Vec::with_capacity(write.expiries.len());
+            for (e, reply) in write.expiries.iter().zip(&replies[3..]) {
+                let last = match index.get(e.counter.as_str()) {
+                    Some(last) => *last,
+                    None => redis::from_redis_value::<Option<f64>>(reply.clone())
+                        .map_err(|_| parse("ZSCORE reply", reply))?
+                        .map(|s| s as i64),
+                };
+                let expired = match recorded.get(&e.offset) {
+                    Some(d) => d == "1",
+                    None => {
+                        let expired = crate::expiry::expires(last, e.held_deadline, e.deadline_ms);
+                        writes
+                            .hset(&expired_key, e.offset, if expired { "1" } else { "0" })
+                            .ignore();
+                        expired
+                    }
+                };
+                let after = if expired {
+                    writes.zrem(&idle_key, &e.counter).ignore();
+                    None
+                } else if let Some(held) = e.held_deadline {
+                    writes
+                        .cmd("ZADD")
+                        .arg(&idle_key)
+                        .arg("GT")
+                        .arg(held)
+                        .arg(&e.counter)
+                        .ignore();
+                    last.max(Some(held))
+                } else {
+                    last
+                };
+                index.insert(&e.counter, after);
+                decided.push(expired);
+            }
+            for chunk in write.touched.chunks(500) {
+                let zadd = writes.cmd("ZADD").arg(&idle_key).arg("GT");
+                for (counter, deadline) in chunk {
+                    zadd.arg(*deadline).arg(counter);
+                }
+                zadd.ignore();
+            }
+            Ok(Plan::Write(writes, Marked::Decided(decided)))
         })
         .await
     }

@@ -327,6 +327,21 @@ impl Keyspace {
         format!("{}:{{g{base}}}:a{from}:{counter}", self.prefix)
     }
 
+    /// The sorted set of counters a partition has written in a namespace that expires
+    /// counters (`field` is the partition's, [`partition_field`]), in its home group: member the
+    /// counter id, score when it expires if nothing touches it again (its last event's Kafka
+    /// timestamp plus its namespace's `expire_after`, ms since the epoch).
+    pub fn idle_key(&self, home: u32, field: &str) -> String {
+        format!("{}:{{g{home}}}:idle:{field}", self.prefix)
+    }
+
+    /// The hash of a partition's expiry decisions not yet behind its watermark, in its home
+    /// group: field the offset of the expiry record, value `1` (expired) or `0` (kept), so that a
+    /// flush replayed after a crash decides every group's part the same way.
+    pub fn expired_key(&self, home: u32, field: &str) -> String {
+        format!("{}:{{g{home}}}:expired:{field}", self.prefix)
+    }
+
     /// Every key compaction looks at, for `SCAN ... MATCH`: counter shares (`c`), compaction
     /// journals (`j`) and applied-move markers (`a<from>`).
     pub fn compaction_pattern(&self) -> String {

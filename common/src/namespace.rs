@@ -69,6 +69,9 @@ pub struct Policy {
     /// Events with the same `event_id` for the same counter count once within this many ms of
     /// the first counted (by Kafka timestamp, in one partition); `None`: ids are not acted on.
     pub idempotency_window_ms: Option<i64>,
+    /// A counter none of whose events arrived for this many ms (by Kafka timestamp) disappears
+    /// with its keys; its next event starts it from zero. `None`: counters live forever.
+    pub expire_after_ms: Option<i64>,
 }
 
 impl Default for Policy {
@@ -82,6 +85,7 @@ impl Default for Policy {
             display_never_decreases: false,
             windows: Windows::default(),
             idempotency_window_ms: None,
+            expire_after_ms: None,
         }
     }
 }
@@ -102,6 +106,7 @@ struct PolicyEntry {
     windows: Option<Vec<WindowEntry>>,
     window_grace: Option<String>,
     idempotency_window: Option<String>,
+    expire_after: Option<String>,
 }
 
 impl PolicyEntry {
@@ -150,6 +155,22 @@ impl PolicyEntry {
                     .to_owned(),
             ));
         }
+        let expire_after_ms = match &self.expire_after {
+            Some(e) => Some(crate::window::parse_duration(e).map_err(invalid)?),
+            None => base.expire_after_ms,
+        };
+        if expire_after_ms.is_some() && write_path == WritePath::Direct {
+            return Err(invalid(
+                "counters expire through the aggregator's log: a direct namespace cannot expire"
+                    .to_owned(),
+            ));
+        }
+        if expire_after_ms.is_some() && dedup {
+            return Err(invalid(
+                "expiry is not supported yet in a namespace that counts one per actor (dedup)"
+                    .to_owned(),
+            ));
+        }
         if !windows.is_empty() && dedup {
             return Err(invalid(
                 "windows are not kept in a namespace that counts one per actor (dedup)".to_owned(),
@@ -172,6 +193,7 @@ impl PolicyEntry {
                 .unwrap_or(base.display_never_decreases),
             windows,
             idempotency_window_ms,
+            expire_after_ms,
         })
     }
 }
@@ -300,6 +322,14 @@ impl Namespaces {
             .max()
     }
 
+    /// The shortest `expire_after` of any namespace, if any expires its counters.
+    pub fn shortest_expiry_ms(&self) -> Option<i64> {
+        (self.listed.values())
+            .chain([&self.defaults])
+            .filter_map(|p| p.expire_after_ms)
+            .min()
+    }
+
     /// Whether any namespace keeps windows.
     pub fn any_windows(&self) -> bool {
         !self.defaults.windows.is_empty() || self.listed.values().any(|p| !p.windows.is_empty())
@@ -396,7 +426,18 @@ write_path = "direct"
         assert_eq!(ids.policy("views:v:1").idempotency_window_ms, Some(600_000));
         assert_eq!(ids.policy("likes:p:1").idempotency_window_ms, None);
         assert_eq!(ids.widest_idempotency_window_ms(), Some(600_000));
+        let expiring = Namespaces::from_toml("[namespaces.campaign]\nexpire_after = \"30d\"\n")
+            .expect("valid");
+        assert_eq!(
+            expiring.policy("campaign:c:1").expire_after_ms,
+            Some(30 * 86_400_000)
+        );
+        assert_eq!(expiring.policy("likes:p:1").expire_after_ms, None);
+        assert_eq!(expiring.shortest_expiry_ms(), Some(30 * 86_400_000));
         for bad in [
+            "[namespaces.b]\nwrite_path = \"direct\"\nexpire_after = \"1d\"\n",
+            "[namespaces.likes]\ndedup = true\nexpire_after = \"1d\"\n",
+            "[namespaces.c]\nexpire_after = \"soon\"\n",
             "[namespaces.likes]\ndedup = true\nwindows = [\"1h\"]\n",
             "[namespaces.bids]\nwrite_path = \"direct\"\nwindows = [\"1h\"]\n",
             "[namespaces.v]\nwindows = [\"1h\", \"60m\"]\n",

@@ -287,6 +287,50 @@ fn decode_binary_v1(body: &[u8]) -> Result<EventRef<'_>, DecodeError> {
     })
 }
 
+/// The envelope byte of an expiry record: written into a partition by the aggregator's expirer
+/// (never by a producer), then `(counter: str, deadline_ms: i64)` in bincode as above.
+pub const EXPIRY_V1: u8 = 0xE1;
+
+/// An expiry record: clear `counter` at this point of its partition if, by then, it has gone
+/// idle: no event of it in the partition since the last expiry that cleared it, or the last
+/// one's idle deadline (its Kafka timestamp plus its namespace's `expire_after`) at or before
+/// `deadline_ms`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Expiry<'a> {
+    /// The counter.
+    pub counter: Cow<'a, str>,
+    /// Idle deadlines at or before this (ms since the epoch) have passed.
+    pub deadline_ms: i64,
+}
+
+/// The expiry record for `counter` with `deadline_ms`.
+pub fn encode_expiry(counter: &str, deadline_ms: i64) -> Vec<u8> {
+    let mut out = vec![EXPIRY_V1];
+    bincode::serde::encode_into_std_write((counter, deadline_ms), &mut out, bincode_config())
+        .expect("writing to a Vec cannot fail");
+    out
+}
+
+/// The expiry record in `payload`; `None` if the payload is not one (see [`decode`]).
+pub fn decode_expiry(payload: &[u8]) -> Option<Result<Expiry<'_>, DecodeError>> {
+    let body = payload.strip_prefix(&[EXPIRY_V1])?;
+    let decoded = bincode::serde::borrow_decode_from_slice::<(&str, i64), _>(body, bincode_config());
+    Some(match decoded {
+        Ok(((counter, deadline_ms), read)) if read == body.len() => event::validate_counter(counter)
+            .map(|()| Expiry {
+                counter: Cow::Borrowed(counter),
+                deadline_ms,
+            })
+            .map_err(DecodeError::Invalid),
+        Ok((_, read)) => Err(DecodeError::Binary {
+            message: format!("{} trailing bytes after the expiry record", body.len() - read),
+        }),
+        Err(e) => Err(DecodeError::Binary {
+            message: e.to_string(),
+        }),
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -334,6 +378,28 @@ mod tests {
             decode(json.as_bytes(), MAX).map(|e| e.to_owned_event()),
             Ok(Ok(event))
         );
+    }
+
+    #[test]
+    fn an_expiry_record_round_trips_and_is_not_an_event() {
+        let bytes = encode_expiry("campaign:c:7", 1_764_460_800_000);
+        assert_eq!(
+            decode_expiry(&bytes),
+            Some(Ok(Expiry {
+                counter: Cow::Borrowed("campaign:c:7"),
+                deadline_ms: 1_764_460_800_000
+            }))
+        );
+        assert_eq!(decode_expiry(&encode(&full_event())), None);
+        assert!(matches!(
+            decode(&bytes, MAX),
+            Err(DecodeError::UnknownFormat { first: EXPIRY_V1 })
+        ));
+        let mut trailing = bytes.clone();
+        trailing.push(0);
+        assert!(matches!(decode_expiry(&trailing), Some(Err(DecodeError::Binary { .. }))));
+        let bad = encode_expiry("no{braces}", 1);
+        assert!(matches!(decode_expiry(&bad), Some(Err(DecodeError::Invalid(_)))));
     }
 
     #[test]
