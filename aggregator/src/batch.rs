@@ -601,7 +601,10 @@ mod tests {
             let mut sealed = b.seal().expect("sealed");
             assert_eq!(sealed.expiries.len(), 1);
             let e = &sealed.expiries[0];
-            assert_eq!((e.offset, e.held_deadline, e.held.clone()), (2, Some(100), vec![(1, 5)]));
+            assert_eq!(
+                (e.offset, e.held_deadline, e.held.clone()),
+                (2, Some(100), vec![(1, 5)])
+            );
             let mut touched = sealed.touched.clone();
             touched.sort();
             assert_eq!(touched, [("c:1".to_owned(), 300), ("c:2".to_owned(), 100)]);

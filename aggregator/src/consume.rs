@@ -330,7 +330,11 @@ impl<S: Sink> Shared<S> {
                     placed
                 });
                 let idle_deadline = policy.expire_after_ms.map(|after| {
-                    message.timestamp().to_millis().unwrap_or(0).saturating_add(after)
+                    message
+                        .timestamp()
+                        .to_millis()
+                        .unwrap_or(0)
+                        .saturating_add(after)
                 });
                 let entry = match actor {
                     _ if !policy.dedup => Entry::Delta {

@@ -161,6 +161,10 @@ impl<S: Sink> Flusher<S> {
                 Marked::Decided(expired) => {
                     let expired = batch.settle(&expired);
                     self.metrics.expired(expired);
+                    if expired > 0 && abort_after_expiry() {
+                        tracing::error!(partition, "failpoint: aborting after an expiry decision");
+                        std::process::abort();
+                    }
                 }
                 Marked::Refused(Applied::Fenced) => return Err(self.fenced(partition, owner.home)),
                 Marked::Refused(_) => return Err(self.rolled_back(partition, owner.home)),
@@ -436,6 +440,14 @@ fn rejected_letters(
             }
         })
         .collect()
+}
+
+/// Test-only failpoint (`TALLY_FAILPOINT_ABORT_AFTER_EXPIRY`): abort the process right after the
+/// home group decided that a counter expired, before any group is written, so that the replay
+/// must decide every group's part from the recorded decision.
+fn abort_after_expiry() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var_os("TALLY_FAILPOINT_ABORT_AFTER_EXPIRY").is_some())
 }
 
 /// Sleeps for `delay`; true if `cancel` fired first.

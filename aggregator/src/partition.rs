@@ -497,11 +497,11 @@ impl Partition {
                 return Drain::Nothing;
             }
         };
-        Drain::Work(Draining {
+        Drain::Work(Box::new(Draining {
             owner,
             buffer: self.buffer,
             durable: None,
-        })
+        }))
     }
 }
 
@@ -511,7 +511,7 @@ pub(crate) enum Drain {
     /// Nothing to flush or commit (acquiring, or fenced off).
     Nothing,
     /// Wait for what is in flight, flush the buffer, commit.
-    Work(Draining),
+    Work(Box<Draining>),
 }
 
 /// A partition being drained: its in-flight work's outcome, then its buffer's flush, decide

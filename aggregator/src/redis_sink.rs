@@ -18,8 +18,8 @@ use tally_common::{DeadLetterReason, Keyspace, RedisConn, RedisTarget};
 
 use crate::batch::WindowDelta;
 use crate::config::Atomicity;
-use crate::sink::{Applied, GroupWrite, Rejection, Sink, SinkError, SinkErrorKind, Stamp};
 use crate::expiry::{IdleWrite, Marked};
+use crate::sink::{Applied, GroupWrite, Rejection, Sink, SinkError, SinkErrorKind, Stamp};
 use crate::transactions::Transactions;
 
 /// The Lua scripts, hashed once.
@@ -193,9 +193,9 @@ impl RedisSink {
         let mut conn = self.conn.clone();
         let reply: Vec<String> = invocation.invoke_async(&mut conn).await?;
         match reply.first().map(String::as_str) {
-            Some("ok") if reply.len() == write.expiries.len() + 1 => {
-                Ok(Marked::Decided(reply[1..].iter().map(|d| d == "1").collect()))
-            }
+            Some("ok") if reply.len() == write.expiries.len() + 1 => Ok(Marked::Decided(
+                reply[1..].iter().map(|d| d == "1").collect(),
+            )),
             Some("fenced") => Ok(Marked::Refused(Applied::from_fence(
                 parse_number(&reply, 1).ok(),
                 write.epoch,

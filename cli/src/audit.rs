@@ -25,6 +25,7 @@ use std::time::{Duration, Instant};
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::error::KafkaError;
 use rdkafka::{ClientConfig, Message};
+use tally_aggregator::expiry;
 use tally_aggregator::idempotency::{self, RecentIds};
 use tally_aggregator::topic::{PartitionLog, offsets_at_time, partition_logs, read_ranges};
 use tally_common::namespace::WritePath;
@@ -112,6 +113,16 @@ pub struct Recount<'a> {
     widest_window_ms: Option<i64>,
     /// Per partition, the first offset counted: those before only feed the recent ids.
     count_from: HashMap<i32, i64>,
+    /// Per (partition, counter) in namespaces that expire counters: the latest idle deadline
+    /// since its last expiry, as the partition's idle index holds it.
+    idle: HashMap<(i32, String), i64>,
+    /// Per counter in namespaces that expire counters: the partition its events came through,
+    /// `None` if several (then an expiry in one is not ordered with the others' events).
+    came_through: HashMap<String, Option<i32>>,
+    /// Counters an expiry record cleared at least once.
+    cleared: HashSet<String>,
+    /// Counters cleared by expiry records.
+    pub expired: u64,
     /// Events recounted.
     pub events: u64,
     /// Events not counted because they repeat an idempotency key within its window.
@@ -134,6 +145,10 @@ impl<'a> Recount<'a> {
             ids: HashMap::new(),
             widest_window_ms: namespaces.widest_idempotency_window_ms(),
             count_from: HashMap::new(),
+            idle: HashMap::new(),
+            came_through: HashMap::new(),
+            cleared: HashSet::new(),
+            expired: 0,
             events: 0,
             repeats: 0,
             dead_letters: 0,
@@ -149,6 +164,13 @@ impl<'a> Recount<'a> {
     /// timestamp (what windows and idempotency windows go by).
     pub fn add(&mut self, partition: i32, offset: i64, payload: &[u8], kafka_ms: Option<i64>) {
         let counted = offset >= self.count_from.get(&partition).copied().unwrap_or(0);
+        if let Some(expiry) = codec::decode_expiry(payload) {
+            match expiry {
+                Ok(expiry) => self.expire(partition, &expiry.counter, expiry.deadline_ms),
+                Err(_) => self.dead_letters += u64::from(counted),
+            }
+            return;
+        }
         let Ok(event) = codec::decode(payload, self.max_message_bytes) else {
             self.dead_letters += u64::from(counted);
             return;
@@ -178,6 +200,19 @@ impl<'a> Recount<'a> {
             return;
         }
         if !policy.dedup {
+            if let Some(after) = policy.expire_after_ms {
+                let deadline = kafka_ms.unwrap_or(0).saturating_add(after);
+                let latest = (self.idle)
+                    .entry((partition, event.counter.to_string()))
+                    .or_insert(deadline);
+                *latest = (*latest).max(deadline);
+                let through = (self.came_through)
+                    .entry(event.counter.to_string())
+                    .or_insert(Some(partition));
+                if *through != Some(partition) {
+                    *through = None;
+                }
+            }
             for bucket in policy.windows.place(event.ts_ms, kafka_ms).buckets() {
                 let key = (event.counter.to_string(), bucket.width_ms, bucket.start_ms);
                 self.buckets
@@ -210,8 +245,27 @@ impl<'a> Recount<'a> {
         }
     }
 
+    /// An expiry record of `counter` in `partition`: decided as the aggregator decides it
+    /// (`tally_aggregator::expiry::expires`), from the partition's events since the counter's
+    /// last expiry.
+    fn expire(&mut self, partition: i32, counter: &str, deadline_ms: i64) {
+        let key = (partition, counter.to_owned());
+        let last = self.idle.get(&key).copied();
+        if expiry::expires(last, None, deadline_ms) {
+            self.idle.remove(&key);
+            self.expired += 1;
+            self.cleared.insert(key.1.clone());
+            self.totals.insert(key.1, 0);
+        }
+    }
+
     /// What the recount found.
-    pub fn finish(self) -> Recounted {
+    pub fn finish(mut self) -> Recounted {
+        for (counter, through) in self.came_through {
+            if through.is_none() && self.cleared.contains(&counter) {
+                self.ambiguous.insert(counter);
+            }
+        }
         let mut totals = self.totals;
         for ((counter, _), (like, _)) in self.members {
             *totals.entry(counter).or_default() += i64::from(like);
@@ -261,6 +315,8 @@ pub struct Report {
     pub events: u64,
     /// Events not counted because they repeat an idempotency key within its window.
     pub repeats: u64,
+    /// Counters cleared by expiry records.
+    pub expired: u64,
     /// Messages the aggregator dead-letters, not counted.
     pub dead_letters: u64,
     /// Counters compared.
@@ -334,6 +390,7 @@ pub async fn audit(
         )
     })?;
     let (events, dead_letters, repeats) = (recount.events, recount.dead_letters, recount.repeats);
+    let expired = recount.expired;
     let Recounted {
         totals: recounted,
         buckets,
@@ -379,10 +436,16 @@ pub async fn audit(
     let mut moving = HashSet::new();
     tokio::task::block_in_place(|| {
         read_range(&consumer, &spec.topic, &after, |_, _, payload, _| {
-            if let Ok(event) = codec::decode(payload, spec.max_message_bytes)
-                && !moving.contains(event.counter.as_ref())
+            let counter = match codec::decode_expiry(payload) {
+                Some(expiry) => expiry.ok().map(|e| e.counter),
+                None => codec::decode(payload, spec.max_message_bytes)
+                    .ok()
+                    .map(|e| e.counter),
+            };
+            if let Some(counter) = counter
+                && !moving.contains(counter.as_ref())
             {
-                moving.insert(event.counter.into_owned());
+                moving.insert(counter.into_owned());
             }
         })
     })?;
@@ -429,6 +492,7 @@ pub async fn audit(
         partitions: logs.len(),
         events,
         repeats,
+        expired,
         dead_letters,
         checked,
         buckets_checked,
@@ -590,6 +654,39 @@ mod tests {
             r.finish().totals,
             HashMap::from([("views:v:1".to_owned(), 6)])
         );
+    }
+
+    #[test]
+    fn an_expiry_record_clears_a_counter_only_if_its_partition_saw_it_go_idle() {
+        let ns = Namespaces::from_toml("[namespaces.c]\nexpire_after = \"10s\"\n").expect("valid");
+        let plus = |counter: &str| encode(&CounterEvent::new(counter, 2).expect("valid"));
+        let expiry = |counter: &str, at: i64| codec::encode_expiry(counter, at);
+        let mut r = Recount::new(&ns, DEFAULT_MAX_MESSAGE_BYTES);
+        r.add(0, 0, &plus("c:1"), Some(1_000)); // idle from 11 s
+        r.add(0, 1, &plus("c:2"), Some(1_000));
+        r.add(0, 2, &plus("c:2"), Some(5_000)); // idle from 15 s
+        r.add(1, 0, &plus("c:1"), Some(9_000)); // another partition's index
+        r.add(0, 3, &expiry("c:1", 12_000), Some(12_000)); // expires
+        r.add(0, 4, &expiry("c:2", 12_000), Some(12_000)); // kept
+        r.add(0, 5, &expiry("c:1", 13_000), Some(13_000)); // nothing since: no-op
+        r.add(0, 6, &plus("c:1"), Some(14_000)); // counts from zero
+        r.add(0, 7, &plus("views:v:1"), Some(14_000));
+        r.add(0, 8, &expiry("views:v:1", 99_000), Some(99_000)); // never expires
+        r.add(2, 0, &plus("c:3"), Some(1_000));
+        r.add(2, 1, &expiry("c:3", 12_000), Some(12_000));
+        r.add(2, 2, &plus("c:3"), Some(14_000));
+        assert_eq!(r.expired, 2);
+        let recounted = r.finish();
+        assert_eq!(
+            recounted.totals,
+            HashMap::from([
+                ("c:2".to_owned(), 4),
+                ("c:3".to_owned(), 2),
+                ("views:v:1".to_owned(), 2),
+            ])
+        );
+        // c:1 came through two partitions and was cleared: the log does not order the two.
+        assert_eq!(recounted.ambiguous, HashSet::from(["c:1".to_owned()]));
     }
 
     #[test]

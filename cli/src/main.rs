@@ -570,13 +570,14 @@ async fn run_audit(args: AuditArgs) -> anyhow::Result<ExitCode> {
     };
     writeln!(
         out,
-        "recounted {} events of {} ({} partitions, {range} up to the durable offsets) in {:.1} s; {} dead letters and {} repeated ids not counted",
+        "recounted {} events of {} ({} partitions, {range} up to the durable offsets) in {:.1} s; {} dead letters and {} repeated ids not counted, {} expiries",
         report.events,
         spec.topic,
         report.partitions,
         report.elapsed.as_secs_f64(),
         report.dead_letters,
         report.repeats,
+        report.expired,
     )?;
     writeln!(
         out,

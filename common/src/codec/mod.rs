@@ -314,16 +314,22 @@ pub fn encode_expiry(counter: &str, deadline_ms: i64) -> Vec<u8> {
 /// The expiry record in `payload`; `None` if the payload is not one (see [`decode`]).
 pub fn decode_expiry(payload: &[u8]) -> Option<Result<Expiry<'_>, DecodeError>> {
     let body = payload.strip_prefix(&[EXPIRY_V1])?;
-    let decoded = bincode::serde::borrow_decode_from_slice::<(&str, i64), _>(body, bincode_config());
+    let decoded =
+        bincode::serde::borrow_decode_from_slice::<(&str, i64), _>(body, bincode_config());
     Some(match decoded {
-        Ok(((counter, deadline_ms), read)) if read == body.len() => event::validate_counter(counter)
-            .map(|()| Expiry {
-                counter: Cow::Borrowed(counter),
-                deadline_ms,
-            })
-            .map_err(DecodeError::Invalid),
+        Ok(((counter, deadline_ms), read)) if read == body.len() => {
+            event::validate_counter(counter)
+                .map(|()| Expiry {
+                    counter: Cow::Borrowed(counter),
+                    deadline_ms,
+                })
+                .map_err(DecodeError::Invalid)
+        }
         Ok((_, read)) => Err(DecodeError::Binary {
-            message: format!("{} trailing bytes after the expiry record", body.len() - read),
+            message: format!(
+                "{} trailing bytes after the expiry record",
+                body.len() - read
+            ),
         }),
         Err(e) => Err(DecodeError::Binary {
             message: e.to_string(),
@@ -397,9 +403,15 @@ mod tests {
         ));
         let mut trailing = bytes.clone();
         trailing.push(0);
-        assert!(matches!(decode_expiry(&trailing), Some(Err(DecodeError::Binary { .. }))));
+        assert!(matches!(
+            decode_expiry(&trailing),
+            Some(Err(DecodeError::Binary { .. }))
+        ));
         let bad = encode_expiry("no{braces}", 1);
-        assert!(matches!(decode_expiry(&bad), Some(Err(DecodeError::Invalid(_)))));
+        assert!(matches!(
+            decode_expiry(&bad),
+            Some(Err(DecodeError::Invalid(_)))
+        ));
     }
 
     #[test]
