@@ -140,23 +140,31 @@ impl DeadLetterQueue {
             .map_err(|(e, _)| e)
     }
 
-    /// Appends a record (an expiry record, `crate::expiry`) to `partition` of the consumed topic
-    /// and waits for Kafka's acknowledgement; returns its offset.
+    /// Appends `records` (`(key, payload)`: expiry records, `crate::expiry`) to `partition` of
+    /// the consumed topic, all in flight at once, and waits for Kafka's acknowledgement of each;
+    /// returns the offset of the last one.
     pub async fn append(
         &self,
         partition: i32,
-        key: &[u8],
-        payload: &[u8],
-    ) -> Result<i64, KafkaError> {
-        let record = FutureRecord::<[u8], [u8]>::to(&self.source_topic)
-            .partition(partition)
-            .key(key)
-            .payload(payload);
-        self.producer
-            .send(record, Timeout::Never)
-            .await
-            .map(|delivered| delivered.offset)
-            .map_err(|(e, _)| e)
+        records: &[(Vec<u8>, Vec<u8>)],
+    ) -> Result<Option<i64>, KafkaError> {
+        let mut deliveries = Vec::with_capacity(records.len());
+        for (key, payload) in records {
+            let record = FutureRecord::<[u8], [u8]>::to(&self.source_topic)
+                .partition(partition)
+                .key(key)
+                .payload(payload);
+            deliveries.push(self.producer.send_result(record).map_err(|(e, _)| e)?);
+        }
+        let mut last = None;
+        for delivery in deliveries {
+            let delivered = delivery
+                .await
+                .map_err(|_| KafkaError::Canceled)?
+                .map_err(|(e, _)| e)?;
+            last = last.max(Some(delivered.offset));
+        }
+        Ok(last)
     }
 
     /// Where `partition` of the consumed topic starts and ends (its low and high watermarks),

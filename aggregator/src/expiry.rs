@@ -139,13 +139,19 @@ async fn round<S: Sink>(
     }
     let now = now_ms();
     let idle = sink.idle_counters(home, &field, now, PAGE).await?;
-    let mut last = None;
-    for counter in &idle {
-        let record = tally_common::codec::encode_expiry(counter, now);
-        let queue = &shared.flusher.dead_letters;
-        let offset = queue.append(partition, counter.as_bytes(), &record).await?;
-        last = last.max(Some(offset));
-    }
+    let records: Vec<(Vec<u8>, Vec<u8>)> = (idle.iter())
+        .map(|c| {
+            (
+                c.as_bytes().to_vec(),
+                tally_common::codec::encode_expiry(c, now),
+            )
+        })
+        .collect();
+    let last = shared
+        .flusher
+        .dead_letters
+        .append(partition, &records)
+        .await?;
     shared.metrics.expiry_records(idle.len());
     if let Some(last) = last {
         tracing::debug!(partition, records = idle.len(), "expiry records written");

@@ -388,6 +388,22 @@ pub fn markdown(args: &Args, r: &Results) -> String {
             );
         }
     }
+    if let [without, with, ..] = r.expiry.as_slice() {
+        let (a, b) = (&without.catch_up, &with.catch_up);
+        let _ = writeln!(
+            out,
+            "\n## Expiring counters\n\nThe exactly-once catch-up over the same topic, its namespace never expiring and with `expire_after = \"30d\"` (nothing expires during the run; each flush keeps the partition's idle index, one `ZADD GT` per counter written): {:.0} and {:.0} events/s from launch ({:.2} x); Redis commands per event {:.3} and {:.3}; memory per distinct counter {:.0} and {:.0} bytes; aggregator CPU {:.2} and {:.2} s per million events.",
+            a.events_per_second_from_launch,
+            b.events_per_second_from_launch,
+            b.events_per_second_from_launch / a.events_per_second_from_launch.max(1.0),
+            a.redis_commands_per_event,
+            b.redis_commands_per_event,
+            without.memory_bytes_per_counter,
+            with.memory_bytes_per_counter,
+            a.run.cpu_seconds_per_million,
+            b.run.cpu_seconds_per_million,
+        );
+    }
     if let [without, with, ..] = r.idempotency.as_slice() {
         let (a, b) = (&without.catch_up, &with.catch_up);
         let events = b.run.events.max(1) as f64;

@@ -137,6 +137,17 @@ pub struct WindowsRun {
     pub memory_bytes_per_counter: f64,
 }
 
+/// The catch-up with or without expiring counters.
+#[derive(Debug, Clone, Serialize)]
+pub struct ExpiryRun {
+    /// The namespace's `expire_after` (`none`, `30d`).
+    pub expire_after: String,
+    /// The catch-up.
+    pub catch_up: CatchUp,
+    /// Redis memory added per distinct counter (`used_memory` after − before), bytes.
+    pub memory_bytes_per_counter: f64,
+}
+
 /// The catch-up of events with ids, with or without an idempotency window.
 #[derive(Debug, Clone, Serialize)]
 pub struct IdempotencyRun {
@@ -186,6 +197,8 @@ pub struct Results {
     pub postgres: Option<PostgresRun>,
     /// The catch-up with 0, 1 and 3 windows.
     pub windows: Vec<WindowsRun>,
+    /// The catch-up without and with expiring counters.
+    pub expiry: Vec<ExpiryRun>,
     /// The catch-up of events with ids, without and with an idempotency window.
     pub idempotency: Vec<IdempotencyRun>,
     /// Decode + aggregate on one core (criterion), events per second, per format.

@@ -2,6 +2,7 @@
 //! with the release binaries, on topics and key prefixes of its own; [`run_all`] runs those
 //! the arguments ask for, in an order where each can use the figures before it.
 
+mod expiry;
 mod idempotency;
 mod json;
 mod naive;
@@ -16,6 +17,7 @@ use anyhow::Context;
 use crate::args::Args;
 use crate::env::{Env, cleanup, machine, payload_bytes};
 use crate::results::Results;
+use expiry::expiry;
 use idempotency::idempotency;
 use json::json_catch_up;
 use naive::naive;
@@ -134,6 +136,10 @@ pub async fn run_all(args: &Args) -> anyhow::Result<Results> {
     if args.runs("windows") {
         let distinct = results.producer.first().map_or(0, |p| p.distinct_counters);
         results.windows = windows(&mut env, &preloaded, args.events, distinct).await?;
+    }
+    if args.runs("expiry") {
+        let distinct = results.producer.first().map_or(0, |p| p.distinct_counters);
+        results.expiry = expiry(&mut env, &preloaded, args.events, distinct).await?;
     }
     if args.runs("idempotency") {
         results.idempotency = idempotency(&mut env).await?;
