@@ -193,6 +193,8 @@ pub struct PendingExpiry {
     pub held_deadline: Option<i64>,
     /// Those events' summed deltas per group: dropped if the counter expires, kept if not.
     pub held: Vec<(u32, i64)>,
+    /// Their likes and unlikes (one-per-actor namespaces), per group: `(group, actor, like)`.
+    pub held_members: Vec<(u32, String, bool)>,
     /// The groups that clear the counter if it expires (those that have not applied the record).
     pub groups: Vec<u32>,
 }
@@ -293,15 +295,22 @@ impl SealedBatch {
     /// record is dropped; a kept one gets its held deltas back. Returns how many expired.
     pub fn settle(&mut self, expired: &[bool]) -> usize {
         let mut carried: HashMap<&str, Vec<(u32, i64)>> = HashMap::new();
+        // Likes and unlikes carried per counter: the last action per (group, actor) wins.
+        let mut carried_members: HashMap<&str, HashMap<(u32, &str), bool>> = HashMap::new();
         let mut count = 0;
         for (expiry, &expired) in self.expiries.iter().zip(expired) {
             let carry = carried.entry(&expiry.counter).or_default();
             carry.extend(&expiry.held);
+            let members = carried_members.entry(&expiry.counter).or_default();
+            for (group, actor, like) in &expiry.held_members {
+                members.insert((*group, actor), *like);
+            }
             if !expired {
                 continue;
             }
             count += 1;
             carry.clear();
+            members.clear();
             for &group in &expiry.groups {
                 let resets = &mut group_batch(&mut self.groups, group).resets;
                 if !resets.contains(&expiry.counter) {
@@ -315,6 +324,20 @@ impl SealedBatch {
                 match deltas.iter_mut().find(|(c, _)| c == counter) {
                     Some((_, sum)) => *sum += delta,
                     None => deltas.push((counter.to_owned(), delta)),
+                }
+            }
+        }
+        for (counter, members) in carried_members {
+            for ((group, actor), like) in members {
+                // A later action of the same actor on the counter (after its last expiry
+                // record) is in the batch already, and wins.
+                let members = &mut group_batch(&mut self.groups, group).members;
+                if !(members.iter()).any(|m| m.counter == counter && m.actor == actor) {
+                    members.push(Member {
+                        counter: counter.to_owned(),
+                        actor: actor.to_owned(),
+                        like,
+                    });
                 }
             }
         }
@@ -408,12 +431,27 @@ impl Batch {
                 let held = (self.groups.iter_mut())
                     .filter_map(|(g, buffer)| Some((*g, buffer.deltas.remove(counter)?)))
                     .collect();
+                // Every event since the counter's last expiry in the batch touched it: with no
+                // touch there is nothing to hold, and the member maps need no scan.
+                let mut held_members = Vec::new();
+                if held_deadline.is_some() {
+                    for (g, buffer) in &mut self.groups {
+                        buffer.members.retain(|(c, actor), like| {
+                            let ours = c == counter;
+                            if ours {
+                                held_members.push((*g, actor.clone(), *like));
+                            }
+                            !ours
+                        });
+                    }
+                }
                 self.expiries.push(PendingExpiry {
                     offset,
                     counter: counter.to_owned(),
                     deadline_ms,
                     held_deadline,
                     held,
+                    held_members,
                     groups: groups.collect(),
                 });
                 self.entries += 1;
@@ -433,6 +471,7 @@ impl Batch {
         for expiry in &mut self.expiries {
             if expiry.counter == counter {
                 expiry.held.clear();
+                expiry.held_members.clear();
             }
         }
         for group in groups {
@@ -637,6 +676,33 @@ mod tests {
         assert_eq!(sealed.touched, [("c:1".to_owned(), 500)]);
         assert_eq!(sorted_deltas(&sealed, 0), [("c:1".to_owned(), 5)]);
         assert_eq!(sealed.next_offset, 2);
+    }
+
+    #[test]
+    fn an_expiry_holds_likes_too_and_a_later_action_of_the_same_actor_wins() {
+        for expired in [true, false] {
+            let mut b = Batch::default();
+            b.touch("p:1", 100);
+            b.add_member(2, "p:1", "u1", true, 0);
+            b.touch("p:1", 100);
+            b.add_member(3, "p:1", "u2", true, 1);
+            b.expire("p:1", 150, 0..4, 2);
+            b.touch("p:1", 300);
+            b.add_member(2, "p:1", "u1", false, 3);
+            let mut sealed = b.seal().expect("sealed");
+            assert_eq!(sealed.expiries[0].held_members.len(), 2);
+            sealed.settle(&[expired]);
+            let mut members: Vec<(u32, String, bool)> = (sealed.groups.iter())
+                .flat_map(|g| g.members.iter().map(|m| (g.group, m.actor.clone(), m.like)))
+                .collect();
+            members.sort();
+            if expired {
+                assert_eq!(members, [(2, "u1".to_owned(), false)]);
+            } else {
+                let both = [(2, "u1".to_owned(), false), (3, "u2".to_owned(), true)];
+                assert_eq!(members, both);
+            }
+        }
     }
 
     #[test]

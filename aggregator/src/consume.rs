@@ -349,6 +349,7 @@ impl<S: Sink> Shared<S> {
                         counter: &event.counter,
                         actor,
                         like: event.delta > 0,
+                        idle_deadline,
                     },
                     None => {
                         tracing::debug!(

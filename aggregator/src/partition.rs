@@ -104,6 +104,9 @@ pub(crate) enum Entry<'a> {
         actor: &'a str,
         /// Like or unlike.
         like: bool,
+        /// When the counter expires if nothing touches it again (namespaces that expire
+        /// counters; else `None`).
+        idle_deadline: Option<i64>,
     },
     /// An event repeating an idempotency key counted within its window: not counted, but read
     /// past like any other.
@@ -285,7 +288,13 @@ impl Partition {
                     counter,
                     actor,
                     like,
-                } => self.buffer.add_member(group, counter, actor, like, offset),
+                    idle_deadline,
+                } => {
+                    if let Some(deadline) = idle_deadline {
+                        self.buffer.touch(counter, deadline);
+                    }
+                    self.buffer.add_member(group, counter, actor, like, offset)
+                }
                 Entry::DeadLetter { letter, .. } => self.buffer.add_dead_letter(letter, offset),
                 Entry::Repeat => self.buffer.skip(offset),
                 Entry::Reset { counter, groups } => {

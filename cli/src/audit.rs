@@ -201,17 +201,7 @@ impl<'a> Recount<'a> {
         }
         if !policy.dedup {
             if let Some(after) = policy.expire_after_ms {
-                let deadline = kafka_ms.unwrap_or(0).saturating_add(after);
-                let latest = (self.idle)
-                    .entry((partition, event.counter.to_string()))
-                    .or_insert(deadline);
-                *latest = (*latest).max(deadline);
-                let through = (self.came_through)
-                    .entry(event.counter.to_string())
-                    .or_insert(Some(partition));
-                if *through != Some(partition) {
-                    *through = None;
-                }
+                self.touch(partition, &event.counter, kafka_ms, after);
             }
             for bucket in policy.windows.place(event.ts_ms, kafka_ms).buckets() {
                 let key = (event.counter.to_string(), bucket.width_ms, bucket.start_ms);
@@ -229,6 +219,9 @@ impl<'a> Recount<'a> {
             return;
         };
         self.events += 1;
+        if let Some(after) = policy.expire_after_ms {
+            self.touch(partition, &event.counter, kafka_ms, after);
+        }
         let like = event.delta > 0;
         let counter = event.counter.into_owned();
         match self.members.entry((counter, actor.into_owned())) {
@@ -245,6 +238,22 @@ impl<'a> Recount<'a> {
         }
     }
 
+    /// An event of `counter` in a namespace that expires counters after `after` ms: moves its
+    /// idle deadline, as the flush moves the partition's idle index.
+    fn touch(&mut self, partition: i32, counter: &str, kafka_ms: Option<i64>, after: i64) {
+        let deadline = kafka_ms.unwrap_or(0).saturating_add(after);
+        let latest = (self.idle)
+            .entry((partition, counter.to_owned()))
+            .or_insert(deadline);
+        *latest = (*latest).max(deadline);
+        let through = (self.came_through)
+            .entry(counter.to_owned())
+            .or_insert(Some(partition));
+        if *through != Some(partition) {
+            *through = None;
+        }
+    }
+
     /// An expiry record of `counter` in `partition`: decided as the aggregator decides it
     /// (`tally_aggregator::expiry::expires`), from the partition's events since the counter's
     /// last expiry.
@@ -255,6 +264,7 @@ impl<'a> Recount<'a> {
             self.idle.remove(&key);
             self.expired += 1;
             self.cleared.insert(key.1.clone());
+            self.members.retain(|(c, _), _| *c != key.1);
             self.totals.insert(key.1, 0);
         }
     }

@@ -165,12 +165,6 @@ impl PolicyEntry {
                     .to_owned(),
             ));
         }
-        if expire_after_ms.is_some() && dedup {
-            return Err(invalid(
-                "expiry is not supported yet in a namespace that counts one per actor (dedup)"
-                    .to_owned(),
-            ));
-        }
         if !windows.is_empty() && dedup {
             return Err(invalid(
                 "windows are not kept in a namespace that counts one per actor (dedup)".to_owned(),
@@ -436,7 +430,6 @@ write_path = "direct"
         assert_eq!(expiring.shortest_expiry_ms(), Some(30 * 86_400_000));
         for bad in [
             "[namespaces.b]\nwrite_path = \"direct\"\nexpire_after = \"1d\"\n",
-            "[namespaces.likes]\ndedup = true\nexpire_after = \"1d\"\n",
             "[namespaces.c]\nexpire_after = \"soon\"\n",
             "[namespaces.likes]\ndedup = true\nwindows = [\"1h\"]\n",
             "[namespaces.bids]\nwrite_path = \"direct\"\nwindows = [\"1h\"]\n",

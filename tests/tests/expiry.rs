@@ -1,19 +1,23 @@
 //! Counters that expire, end to end, with a short window (`expire_after = "6s"`) under SIGKILLs:
 //!
-//! 1. 300 `campaign:` counters and 100 `views:` counters (a namespace that never expires) take
-//!    50,000 events while the aggregator is SIGKILLed twice.
+//! 1. 300 `campaign:` counters, 20 `poll:` counters (which count one like per actor) and 100
+//!    `views:` counters (a namespace that never expires) take 50,000 events while the
+//!    aggregator is SIGKILLed twice.
 //! 2. Then only 50 of the campaign counters keep getting events (for 12 s at least, and until
 //!    the other 250 read 0). The aggregator running as the idle ones' expiry records are
 //!    decided aborts right after its first decision that a counter expired, before writing any
 //!    group (a failpoint); the next one replays that flush from the recorded decision and is
 //!    SIGKILLed once more. Right after the last send, the 50 busy ones hold every event sent
-//!    to them, the 250 idle ones have no key left, and the views are whole.
+//!    to them, the 250 idle ones and the polls have no key left, and the views are whole.
 //! 3. Once the 50 have gone idle too and read 0, 20 campaign counters (10 of each kind) get
-//!    events again: each counts from zero. The partitions' idle index holds exactly those 20,
-//!    and `tally audit` (which decides each expiry record from the log) finds no drift.
+//!    events again: each counts from zero; a poll liked again by one of its earlier likers
+//!    counts 1, and its other earlier likers have not liked it. The partitions' idle index
+//!    holds exactly those 21, and `tally audit` (which decides each expiry record from the log)
+//!    finds no drift.
 //!
 //! Grouped by partition with scripts, and by actor with WATCH/MULTI/EXEC transactions, so an
-//! expired counter's shares are cleared in every group, by both implementations.
+//! expired counter's shares are cleared in every group, by both implementations (polls are
+//! grouped by actor in both).
 
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
@@ -32,15 +36,43 @@ const RATE: u64 = 10_000;
 const CAMPAIGNS: u32 = 300;
 const BUSY: u32 = 50;
 const VIEWS: u32 = 100;
+const POLLS: u32 = 20;
 
 fn campaign(i: u32) -> String {
     format!("campaign:c:{i}")
 }
 
+fn poll(i: u32) -> String {
+    format!("poll:p:{i}")
+}
+
 /// What the sender sent: each counter's total as the log defines it when it stops.
 struct Sent {
     truth: HashMap<String, i64>,
+    /// Who liked each poll.
+    likers: HashMap<String, HashSet<String>>,
     events: u64,
+}
+
+/// Sends a like of a poll by one of 30 actors and records it.
+async fn like_one(
+    producer: &Producer,
+    rng: &mut rand::rngs::StdRng,
+    sent: &mut Sent,
+    pending: &mut Vec<Pending>,
+) {
+    let (counter, actor) = (
+        poll(rng.random_range(0..POLLS)),
+        format!("u{}", rng.random_range(0..30)),
+    );
+    let likers = sent.likers.entry(counter.clone()).or_default();
+    likers.insert(actor.clone());
+    sent.truth.insert(counter.clone(), likers.len() as i64);
+    sent.events += 1;
+    let event = CounterEvent::new(counter, 1)
+        .and_then(|e| e.with_actor(actor))
+        .expect("valid");
+    pending.push(producer.enqueue(&event).await.expect("enqueued"));
 }
 
 /// Sends one event to `counter` and records it.
@@ -79,11 +111,16 @@ async fn send(
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let mut sent = Sent {
         truth: HashMap::new(),
+        likers: HashMap::new(),
         events: 0,
     };
     let mut pending = Vec::new();
     let started = tokio::time::Instant::now();
     for i in 0..FIRST_EVENTS {
+        if rng.random_bool(0.05) {
+            like_one(&producer, &mut rng, &mut sent, &mut pending).await;
+            continue;
+        }
         let counter = if rng.random_bool(0.8) {
             campaign(rng.random_range(0..CAMPAIGNS))
         } else {
@@ -102,8 +139,12 @@ async fn send(
         CAMPAIGNS as usize,
         "every campaign counter got events"
     );
+    assert_eq!(sent.likers.len(), POLLS as usize, "every poll got likes");
     let _ = first_sent.send(());
-    let idle: Vec<String> = (BUSY..CAMPAIGNS).map(campaign).collect();
+    let idle: Vec<String> = (BUSY..CAMPAIGNS)
+        .map(campaign)
+        .chain((0..POLLS).map(poll))
+        .collect();
     // The busy ones: about 10 events a second each, for 12 rounds (of about a second) at least
     // and until the idle ones read 0.
     let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
@@ -178,7 +219,10 @@ async fn counters_expire(name: &str, flags: &[&str]) {
     let setup = AggregatorSetup::create(name, &redis.url(), 8).await;
     let keyspace = setup.keyspace();
     let namespaces = dir.path().join("namespaces.toml");
-    let file = format!("[namespaces.campaign]\nexpire_after = \"{EXPIRE_AFTER}\"\n");
+    let file = format!(
+        "[namespaces.campaign]\nexpire_after = \"{EXPIRE_AFTER}\"\n\
+         [namespaces.poll]\ndedup = true\nexpire_after = \"{EXPIRE_AFTER}\"\n"
+    );
     std::fs::write(&namespaces, file).expect("namespace file");
     let ns_path = namespaces.to_str().expect("utf-8 path");
     let member = format!("group.instance.id={}", unique("member"));
@@ -217,7 +261,10 @@ async fn counters_expire(name: &str, flags: &[&str]) {
     // Phase 2's check, right after the last send: well within the busy ones' 6 s.
     let counts = reader(&redis.url(), keyspace.clone()).await;
     wait_for_totals(&counts, &truth, Duration::from_secs(4)).await;
-    let idle: Vec<String> = (BUSY..CAMPAIGNS).map(campaign).collect();
+    let idle: Vec<String> = (BUSY..CAMPAIGNS)
+        .map(campaign)
+        .chain((0..POLLS).map(poll))
+        .collect();
     assert_idle_gone(&counts, &redis.url(), &keyspace, &idle).await;
     let busy_total: i64 = (0..BUSY).map(|i| truth[&campaign(i)]).sum();
     eprintln!("busy counters kept {busy_total} in all, every idle one is gone");
@@ -239,9 +286,22 @@ async fn counters_expire(name: &str, flags: &[&str]) {
             .expect("sent");
         truth.insert(counter.clone(), delta);
     }
+    // A poll liked again by one of its earlier likers: its member set went with it.
+    let mut earlier = sent.likers[&poll(0)].iter();
+    let (again_liker, other) = (earlier.next().expect("a liker"), earlier.next());
+    producer.like(&poll(0), again_liker).await.expect("sent");
+    truth.insert(poll(0), 1);
     wait_for_totals(&counts, &truth, Duration::from_secs(4)).await;
+    assert!(counts.has_liked(&poll(0), again_liker).await.expect("read"));
+    if let Some(other) = other {
+        assert!(
+            !counts.has_liked(&poll(0), other).await.expect("read"),
+            "an expired poll's earlier likers are gone"
+        );
+    }
     let indexed = idle_index(&redis.url(), &keyspace).await;
-    let expected: HashMap<String, usize> = again.iter().map(|c| (c.clone(), 1)).collect();
+    let mut expected: HashMap<String, usize> = again.iter().map(|c| (c.clone(), 1)).collect();
+    expected.insert(poll(0), 1);
     assert_eq!(
         indexed, expected,
         "the idle index holds the live counters, once"
