@@ -707,26 +707,23 @@ mod tests {
 
     #[test]
     fn two_expiries_of_one_counter_settle_in_log_order() {
-        // +1 | expire (kept) | +2 | expire (expired) | +4: only the last event survives.
-        let mut b = Batch::default();
-        b.add(0, "c", 1, 0);
-        b.expire("c", 10, 0..1, 1);
-        b.add(0, "c", 2, 2);
-        b.expire("c", 10, 0..1, 3);
-        b.add(0, "c", 4, 4);
-        let mut sealed = b.seal().expect("sealed");
-        assert_eq!(sealed.settle(&[false, true]), 1);
-        assert_eq!(sorted_deltas(&sealed, 0), [("c".to_owned(), 4)]);
-        // Kept both times: everything counts.
-        let mut b = Batch::default();
-        b.add(0, "c", 1, 0);
-        b.expire("c", 10, 0..1, 1);
-        b.add(0, "c", 2, 2);
-        b.expire("c", 10, 0..1, 3);
-        b.add(0, "c", 4, 4);
-        let mut sealed = b.seal().expect("sealed");
-        assert_eq!(sealed.settle(&[false, false]), 0);
-        assert_eq!(sorted_deltas(&sealed, 0), [("c".to_owned(), 7)]);
+        // +1 | expire | +2 | expire | +4, settled with each pair of decisions.
+        for (decisions, expired, total) in [
+            ([false, true], 1, 4),
+            ([false, false], 0, 7),
+            ([true, false], 1, 6),
+            ([true, true], 2, 4),
+        ] {
+            let mut b = Batch::default();
+            b.add(0, "c", 1, 0);
+            b.expire("c", 10, 0..1, 1);
+            b.add(0, "c", 2, 2);
+            b.expire("c", 10, 0..1, 3);
+            b.add(0, "c", 4, 4);
+            let mut sealed = b.seal().expect("sealed");
+            assert_eq!(sealed.settle(&decisions), expired, "{decisions:?}");
+            assert_eq!(sorted_deltas(&sealed, 0), [("c".to_owned(), total)]);
+        }
     }
 
     #[test]

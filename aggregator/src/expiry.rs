@@ -99,6 +99,8 @@ pub(crate) async fn run<S: Sink>(
 ) {
     // Per partition: the offset of the last record written, until the watermark passes it.
     let mut waiting: HashMap<i32, i64> = HashMap::new();
+    // A failure is logged as a warning once, until a round succeeds again.
+    let mut failing = false;
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -109,8 +111,13 @@ pub(crate) async fn run<S: Sink>(
         let owned = shared.owned_partitions();
         waiting.retain(|p, _| owned.contains(p));
         for partition in owned {
-            if let Err(error) = round(&shared, partition, &mut waiting).await {
-                tracing::warn!(partition, %error, "expiry round failed; trying again next round");
+            match round(&shared, partition, &mut waiting).await {
+                Ok(()) => failing = false,
+                Err(error) if failing => tracing::debug!(partition, %error, "expiry round failed"),
+                Err(error) => {
+                    failing = true;
+                    tracing::warn!(partition, %error, "expiry round failed; trying again next round");
+                }
             }
         }
     }

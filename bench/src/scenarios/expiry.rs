@@ -5,7 +5,7 @@
 
 use crate::env::Env;
 use crate::results::ExpiryRun;
-use crate::scenarios::windows::used_memory;
+use crate::scenarios::windows::catch_up_with_memory;
 
 /// The two catch-ups of `events` events on `topic` (`distinct` counters, all `likes:post:*`).
 pub(crate) async fn expiry(
@@ -17,18 +17,11 @@ pub(crate) async fn expiry(
     let mut runs = Vec::new();
     for (expire_after, entry) in [("none", ""), ("30d", "expire_after = \"30d\"\n")] {
         println!("expiry: the aggregator, expire_after {expire_after}, over {events} events");
-        let before = used_memory(&mut env.redis).await?;
         let namespaces = format!("[namespaces.likes]\n{entry}");
-        let mut run = (env.catch_up_with_namespaces(topic, events, &namespaces)).await?;
-        let after = used_memory(&mut env.redis).await?;
-        run.distinct_counters = distinct;
-        println!(
-            "  {:.0} events/s from launch, {:.3} Redis commands/event",
-            run.events_per_second_from_launch, run.redis_commands_per_event
-        );
+        let (run, memory) = catch_up_with_memory(env, topic, events, distinct, &namespaces).await?;
         runs.push(ExpiryRun {
             expire_after: expire_after.to_owned(),
-            memory_bytes_per_counter: (after - before) / distinct.max(1) as f64,
+            memory_bytes_per_counter: memory,
             catch_up: run,
         });
     }

@@ -7,17 +7,35 @@
 use anyhow::Context;
 
 use crate::env::Env;
-use crate::results::WindowsRun;
+use crate::results::{CatchUp, WindowsRun};
 
 /// Redis's `used_memory`, in bytes.
-pub(crate) async fn used_memory(
-    conn: &mut redis::aio::MultiplexedConnection,
-) -> anyhow::Result<f64> {
+async fn used_memory(conn: &mut redis::aio::MultiplexedConnection) -> anyhow::Result<f64> {
     let info: String = redis::cmd("INFO").arg("memory").query_async(conn).await?;
     info.lines()
         .find_map(|l| l.strip_prefix("used_memory:"))
         .and_then(|v| v.trim().parse().ok())
         .context("INFO memory has no used_memory")
+}
+
+/// The exactly-once catch-up of `events` events on `topic` (`distinct` counters) under the
+/// namespace file `namespaces`, with the Redis memory it added per distinct counter.
+pub(crate) async fn catch_up_with_memory(
+    env: &mut Env<'_>,
+    topic: &str,
+    events: u64,
+    distinct: u64,
+    namespaces: &str,
+) -> anyhow::Result<(CatchUp, f64)> {
+    let before = used_memory(&mut env.redis).await?;
+    let mut run = (env.catch_up_with_namespaces(topic, events, namespaces)).await?;
+    let after = used_memory(&mut env.redis).await?;
+    run.distinct_counters = distinct;
+    println!(
+        "  {:.0} events/s from launch, {:.3} Redis commands/event",
+        run.events_per_second_from_launch, run.redis_commands_per_event
+    );
+    Ok((run, (after - before) / distinct.max(1) as f64))
 }
 
 /// The catch-up of `events` events on `topic` (`distinct` counters, all `likes:post:*`) with
@@ -35,18 +53,11 @@ pub(crate) async fn windows(
         (3, "windows = [\"1m\", \"1h\", \"1d\"]\n"),
     ] {
         println!("windows: the aggregator with {count} windows, over {events} events");
-        let before = used_memory(&mut env.redis).await?;
         let namespaces = format!("[namespaces.likes]\n{windows}");
-        let mut run = (env.catch_up_with_namespaces(topic, events, &namespaces)).await?;
-        let after = used_memory(&mut env.redis).await?;
-        run.distinct_counters = distinct;
-        println!(
-            "  {:.0} events/s from launch, {:.3} Redis commands/event",
-            run.events_per_second_from_launch, run.redis_commands_per_event
-        );
+        let (run, memory) = catch_up_with_memory(env, topic, events, distinct, &namespaces).await?;
         runs.push(WindowsRun {
             windows: count,
-            memory_bytes_per_counter: (after - before) / distinct.max(1) as f64,
+            memory_bytes_per_counter: memory,
             catch_up: run,
         });
     }
