@@ -39,9 +39,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use tally_common::keyspace::partition_field;
 use tokio_util::sync::CancellationToken;
 
-use crate::batch::PendingExpiry;
 use crate::consume::Shared;
-use crate::sink::{Applied, Sink};
+use crate::sink::Sink;
 
 /// The most expiry records an expirer writes into one partition per round.
 pub const PAGE: usize = 1_000;
@@ -53,31 +52,6 @@ pub const PAGE: usize = 1_000;
 /// `scripts/idle.lua` decides the same way.
 pub fn expires(last: Option<i64>, held: Option<i64>, deadline: i64) -> bool {
     last.max(held).is_some_and(|latest| latest <= deadline)
-}
-
-/// The expiry work of one flush, for the partition's home group.
-#[derive(Debug, Clone, Copy)]
-pub struct IdleWrite<'a> {
-    /// The partition's home group.
-    pub home: u32,
-    /// The partition's field.
-    pub field: &'a str,
-    /// The writer's epoch; refused unless the fence holds it.
-    pub epoch: u64,
-    /// The batch's expiry records, in log order.
-    pub expiries: &'a [PendingExpiry],
-    /// The counters the batch wrote in expiring namespaces, with their latest idle deadline.
-    pub touched: &'a [(String, i64)],
-}
-
-/// What the home group answered.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Marked {
-    /// Per record, in order: whether the counter expired.
-    Decided(Vec<bool>),
-    /// Not the owner any more ([`Applied::Fenced`]), or Redis lost the fence
-    /// ([`Applied::RolledBack`]).
-    Refused(Applied),
 }
 
 fn now_ms() -> i64 {

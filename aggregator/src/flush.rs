@@ -23,10 +23,11 @@ use tokio_util::sync::CancellationToken;
 use crate::backoff::Backoff;
 use crate::batch::{GroupBatch, SealedBatch};
 use crate::dead_letter::{DeadLetter, DeadLetterQueue};
-use crate::expiry::{IdleWrite, Marked};
 use crate::fence::{Owner, Watermark};
 use crate::metrics::Metrics;
-use crate::sink::{Applied, GroupWrite, Refused, Rejection, Sink, SinkError, SinkErrorKind};
+use crate::sink::{
+    Applied, GroupWrite, IdleWrite, Marked, Refused, Rejection, Sink, SinkError, SinkErrorKind,
+};
 
 /// How a flush ended.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -18,8 +18,9 @@ use tally_common::{DeadLetterReason, Keyspace, RedisConn, RedisTarget};
 
 use crate::batch::WindowDelta;
 use crate::config::Atomicity;
-use crate::expiry::{IdleWrite, Marked};
-use crate::sink::{Applied, GroupWrite, Rejection, Sink, SinkError, SinkErrorKind, Stamp};
+use crate::sink::{
+    Applied, GroupWrite, IdleWrite, Marked, Rejection, Sink, SinkError, SinkErrorKind, Stamp,
+};
 use crate::transactions::Transactions;
 
 /// The Lua scripts, hashed once.

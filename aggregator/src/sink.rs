@@ -19,8 +19,7 @@ use std::future::Future;
 use redis::ErrorKind;
 use tally_common::DeadLetterReason;
 
-use crate::batch::{Member, WindowDelta};
-use crate::expiry::{IdleWrite, Marked};
+use crate::batch::{Member, PendingExpiry, WindowDelta};
 
 /// Why a sink write failed.
 #[derive(Debug, thiserror::Error)]
@@ -130,6 +129,31 @@ pub struct GroupWrite<'a> {
     pub members: &'a [Member],
     /// The watermark to store in this group in the same operation, if it is the home group.
     pub watermark: Option<&'a str>,
+}
+
+/// The expiry work of one flush, for the partition's home group (`crate::expiry`).
+#[derive(Debug, Clone, Copy)]
+pub struct IdleWrite<'a> {
+    /// The partition's home group.
+    pub home: u32,
+    /// The partition's field.
+    pub field: &'a str,
+    /// The writer's epoch; refused unless the fence holds it.
+    pub epoch: u64,
+    /// The batch's expiry records, in log order.
+    pub expiries: &'a [PendingExpiry],
+    /// The counters the batch wrote in expiring namespaces, with their latest idle deadline.
+    pub touched: &'a [(String, i64)],
+}
+
+/// What the home group answered.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Marked {
+    /// Per record, in order: whether the counter expired.
+    Decided(Vec<bool>),
+    /// Not the owner any more ([`Applied::Fenced`]), or Redis lost the fence
+    /// ([`Applied::RolledBack`]).
+    Refused(Applied),
 }
 
 /// What became of an exactly-once write.

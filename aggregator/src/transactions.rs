@@ -24,8 +24,9 @@ use tally_common::connection::{DEFAULT_CONNECT_TIMEOUT, DEFAULT_RESPONSE_TIMEOUT
 use tally_common::{DeadLetterReason, Keyspace, RedisTarget};
 
 use crate::batch::WindowDelta;
-use crate::expiry::{IdleWrite, Marked};
-use crate::sink::{Applied, GroupWrite, Refused, Rejection, SinkError, SinkErrorKind, Stamp};
+use crate::sink::{
+    Applied, GroupWrite, IdleWrite, Marked, Refused, Rejection, SinkError, SinkErrorKind, Stamp,
+};
 
 /// How many times one operation starts over after a conflicting write before it reports a
 /// retryable error (the flush's own retry then backs off).
