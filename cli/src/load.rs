@@ -53,6 +53,11 @@ pub struct LoadSpec {
     pub distinct: bool,
     /// Each event carries an id, `e<i>` (for namespaces with idempotency keys).
     pub event_ids: bool,
+    /// Sending threads, each with its own producer; event `i` goes through thread `i mod
+    /// threads`. 0: one per core, up to 4, for an unpaced load (one thread saturates on
+    /// librdkafka's per-message path, see `docs/performance/producer-profile.txt`); one for a
+    /// paced load, whose draws then stay in the same order for the same seed.
+    pub threads: usize,
 }
 
 impl Default for LoadSpec {
@@ -71,6 +76,7 @@ impl Default for LoadSpec {
             hot_share: 0.0,
             distinct: false,
             event_ids: false,
+            threads: 0,
         }
     }
 }
@@ -266,6 +272,85 @@ fn counter_name(spec: &LoadSpec, index: usize) -> String {
     }
 }
 
+/// What every sending thread shares.
+struct Sender<'a> {
+    spec: &'a LoadSpec,
+    counters: &'a [String],
+    actors: &'a [String],
+    /// The events drawn before the clock started (unpaced loads), else empty.
+    predrawn: &'a [Draw],
+    /// Draws the rest, in event order.
+    generator: &'a Mutex<Generator<'a>>,
+    acks: &'a Arc<Acks>,
+    threads: usize,
+}
+
+impl Sender<'_> {
+    /// Sends thread `t`'s share of the events (event `i` with `i mod threads == t`) through a
+    /// producer of its own, then waits for their acknowledgements.
+    fn send(&self, config: &ProducerConfig, t: usize, started: Instant) -> Result<(), LoadError> {
+        let (spec, threads) = (self.spec, self.threads as u64);
+        let reports = Arc::clone(self.acks);
+        let mut producer = BulkProducer::new(config, move |token, outcome| match outcome {
+            Ok(_) => {
+                reports.acked.fetch_add(1, Ordering::Relaxed);
+                let (counter, delta) = untoken(token);
+                reports.totals[counter as usize].fetch_add(delta, Ordering::Relaxed);
+                reports.seen[counter as usize].store(true, Ordering::Relaxed);
+            }
+            Err(e) => reports.fail(&e),
+        })
+        .map_err(LoadError::Producer)?;
+        let window = (spec.window / self.threads).max(1);
+        let mut ts_ms = now_ms();
+        let mut id = String::new();
+        for (n, i) in (t as u64..spec.events).step_by(self.threads).enumerate() {
+            // The event time, read once per 256 events: a clock read per event is a tenth of
+            // the cost.
+            if n % 256 == 0 {
+                ts_ms = now_ms();
+            }
+            let draw = match self.predrawn.get(i as usize) {
+                Some(draw) => *draw,
+                None => (self.generator.lock())
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .draw(i),
+            };
+            if spec.rate > 0 && n % 100 == 0 {
+                let rate = spec.rate as f64 / threads as f64;
+                let due = started + Duration::from_secs_f64(n as f64 / rate);
+                while let Some(wait) = due.checked_duration_since(Instant::now()) {
+                    producer.poll(wait);
+                }
+            }
+            while n % 64 == 0 && producer.in_flight() >= window {
+                producer.poll(Duration::from_millis(1));
+            }
+            if spec.event_ids {
+                id.clear();
+                // Writing to a String cannot fail.
+                let _ = write!(id, "e{i}");
+            }
+            let event = EventRef {
+                counter: Cow::Borrowed(&self.counters[draw.counter as usize]),
+                delta: i64::from(draw.delta),
+                actor: (draw.actor != NO_ACTOR)
+                    .then(|| Cow::Borrowed(self.actors[draw.actor as usize].as_str())),
+                ts_ms,
+                event_id: spec.event_ids.then_some(Cow::Borrowed(id.as_str())),
+                reset: false,
+            };
+            if let Err(e) = producer.send(&event, token(draw.counter, i64::from(draw.delta))) {
+                self.acks.fail(&e);
+            }
+        }
+        if let Err(e) = producer.flush(FLUSH_TIMEOUT) {
+            self.acks.fail(&e);
+        }
+        Ok(())
+    }
+}
+
 fn run_blocking(config: &ProducerConfig, spec: &LoadSpec) -> Result<LoadReport, LoadError> {
     let slots = spec.check()?;
     let mut generator = Generator::new(spec)?;
@@ -284,63 +369,39 @@ fn run_blocking(config: &ProducerConfig, spec: &LoadSpec) -> Result<LoadReport, 
         seen: (0..slots).map(|_| AtomicBool::new(false)).collect(),
         ..Acks::default()
     });
-    let reports = Arc::clone(&acks);
-    let mut producer = BulkProducer::new(config, move |token, outcome| match outcome {
-        Ok(_) => {
-            reports.acked.fetch_add(1, Ordering::Relaxed);
-            let (counter, delta) = untoken(token);
-            reports.totals[counter as usize].fetch_add(delta, Ordering::Relaxed);
-            reports.seen[counter as usize].store(true, Ordering::Relaxed);
-        }
-        Err(e) => reports.fail(&e),
-    })
-    .map_err(LoadError::Producer)?;
-    let window = spec.window.max(1);
+    let threads = match spec.threads {
+        0 if spec.rate == 0 => std::thread::available_parallelism().map_or(1, |n| n.get().min(4)),
+        0 => 1,
+        n => n,
+    };
+    let generator = Mutex::new(generator);
+    let sender = Sender {
+        spec,
+        counters: &counters,
+        actors: &actors,
+        predrawn: &predrawn,
+        generator: &generator,
+        acks: &acks,
+        threads,
+    };
     let started = Instant::now();
-    let mut ts_ms = now_ms();
-    let mut id = String::new();
-    for i in 0..spec.events {
-        // The event time, read once per 256 events: a clock read per event is a tenth of the cost.
-        if i % 256 == 0 {
-            ts_ms = now_ms();
-        }
-        let draw = match predrawn.get(i as usize) {
-            Some(draw) => *draw,
-            None => generator.draw(i),
-        };
-        if spec.rate > 0 && i % 100 == 0 {
-            let due = started + Duration::from_secs_f64(i as f64 / spec.rate as f64);
-            while let Some(wait) = due.checked_duration_since(Instant::now()) {
-                producer.poll(wait);
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..threads)
+            .map(|t| {
+                let sender = &sender;
+                scope.spawn(move || sender.send(config, t, started))
+            })
+            .collect();
+        for handle in handles {
+            match handle.join() {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => return Err(e),
+                Err(_) => return Err(LoadError::Spec("a sending thread panicked")),
             }
         }
-        while i % 64 == 0 && producer.in_flight() >= window {
-            producer.poll(Duration::from_millis(1));
-        }
-        if spec.event_ids {
-            id.clear();
-            // Writing to a String cannot fail.
-            let _ = write!(id, "e{i}");
-        }
-        let event = EventRef {
-            counter: Cow::Borrowed(&counters[draw.counter as usize]),
-            delta: i64::from(draw.delta),
-            actor: (draw.actor != NO_ACTOR)
-                .then(|| Cow::Borrowed(actors[draw.actor as usize].as_str())),
-            ts_ms,
-            event_id: spec.event_ids.then_some(Cow::Borrowed(id.as_str())),
-            reset: false,
-        };
-        if let Err(e) = producer.send(&event, token(draw.counter, i64::from(draw.delta))) {
-            acks.fail(&e);
-        }
-    }
-    let flushed = producer.flush(FLUSH_TIMEOUT);
+        Ok(())
+    })?;
     let elapsed = started.elapsed();
-    drop(producer);
-    if let Err(e) = flushed {
-        acks.fail(&e);
-    }
     let totals = (acks.totals.iter().zip(&acks.seen).enumerate())
         .filter(|(_, (_, seen))| seen.load(Ordering::Relaxed))
         .map(|(index, (total, _))| (counters[index].clone(), total.load(Ordering::Relaxed)))

@@ -198,6 +198,11 @@ struct LoadArgs {
     /// Give each event an id, `e<i>` (namespaces with idempotency keys).
     #[arg(long)]
     event_ids: bool,
+    /// Sending threads, each with its own producer. 0: one per core (up to 4) for an unpaced
+    /// load, one for a paced load. With more than one, a paced load's draws are no longer in
+    /// the same order for the same seed.
+    #[arg(long, default_value_t = 0)]
+    threads: usize,
 }
 
 #[derive(Debug, clap::Args)]
@@ -484,6 +489,7 @@ async fn run_load(args: LoadArgs) -> anyhow::Result<ExitCode> {
         hot_share: args.hot_share,
         distinct: args.distinct,
         event_ids: args.event_ids,
+        threads: args.threads,
         ..LoadSpec::default()
     };
     let report = load::run(&config, &spec).await?;
