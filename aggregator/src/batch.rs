@@ -312,10 +312,7 @@ impl SealedBatch {
             carry.clear();
             members.clear();
             for &group in &expiry.groups {
-                let resets = &mut group_batch(&mut self.groups, group).resets;
-                if !resets.contains(&expiry.counter) {
-                    resets.push(expiry.counter.clone());
-                }
+                (group_batch(&mut self.groups, group).resets).push(expiry.counter.clone());
             }
         }
         for (counter, carry) in carried {
@@ -343,6 +340,9 @@ impl SealedBatch {
         }
         for g in &mut self.groups {
             g.deltas.retain(|(_, d)| *d != 0);
+            // A counter expired twice in the batch, or reset too, is cleared once.
+            g.resets.sort_unstable();
+            g.resets.dedup();
         }
         self.groups.retain(|g| g.writes() > 0);
         count
@@ -723,6 +723,12 @@ mod tests {
             let mut sealed = b.seal().expect("sealed");
             assert_eq!(sealed.settle(&decisions), expired, "{decisions:?}");
             assert_eq!(sorted_deltas(&sealed, 0), [("c".to_owned(), total)]);
+            let resets = (sealed.groups.iter().find(|g| g.group == 0)).map(|g| g.resets.len());
+            assert_eq!(
+                resets,
+                Some(usize::from(expired > 0)),
+                "cleared once at most"
+            );
         }
     }
 

@@ -31,6 +31,7 @@ use rdkafka::consumer::{CommitMode, Consumer, ConsumerContext};
 use rdkafka::error::KafkaResult;
 use rdkafka::message::{BorrowedMessage, Message};
 use rdkafka::{Offset, TopicPartitionList};
+use tally_common::codec::Record;
 use tally_common::window::Placement;
 use tally_common::{DeadLetterReason, Keyspace, Namespaces, codec};
 use tokio::sync::mpsc;
@@ -277,31 +278,16 @@ impl<S: Sink> Shared<S> {
         };
         let payload = message.payload().unwrap_or_default();
         let limits = &self.settings.limits;
-        // An expiry record, written into the partition by an expirer (`crate::expiry`).
-        if let Some(expiry) = codec::decode_expiry(payload) {
-            let entry = match &expiry {
-                Ok(expiry) => Entry::Expire {
-                    counter: &expiry.counter,
-                    deadline_ms: expiry.deadline_ms,
-                    groups: self.settings.keyspace.groups(),
-                },
-                Err(error) => Entry::DeadLetter {
-                    group: None,
-                    letter: dead_letter(error.reason(), error.to_string()),
-                },
-            };
-            if let (_, Some(action)) = slot.machine.on_message(offset, entry, limits) {
-                self.execute(consumer, partition, slot, action);
-            }
-            return;
-        }
-        let decoded = codec::decode(payload, self.settings.max_message_bytes);
+        // An event, or an expiry record an expirer wrote into the partition (`crate::expiry`).
+        let decoded = codec::decode_record(payload, self.settings.max_message_bytes);
+        // Every message's Kafka timestamp: what windows, idempotency windows and expiry go by.
+        let kafka_ms = message.timestamp().to_millis();
         // Idempotency keys: every event read is decided (and its id recorded) in log order.
         let repeat = match (&decoded, slot.ids.as_mut()) {
-            (Ok(event), Some(ids)) => {
-                let kafka_ms = message.timestamp().to_millis().unwrap_or(0);
+            (Ok(Record::Event(event)), Some(ids)) => {
                 let namespaces = &self.settings.namespaces;
-                idempotency::decide(ids, namespaces, event, offset, kafka_ms) == Some(true)
+                let kafka = kafka_ms.unwrap_or(0);
+                idempotency::decide(ids, namespaces, event, offset, kafka) == Some(true)
             }
             _ => false,
         };
@@ -310,32 +296,34 @@ impl<S: Sink> Shared<S> {
                 self.metrics.repeated_id();
                 slot.machine.on_message(offset, Entry::Repeat, limits)
             }
-            Ok(event) if event.reset => {
+            Ok(Record::Expiry(expiry)) => {
+                let entry = Entry::Expire {
+                    counter: &expiry.counter,
+                    deadline_ms: expiry.deadline_ms,
+                    groups: self.settings.keyspace.groups(),
+                };
+                slot.machine.on_message(offset, entry, limits)
+            }
+            Ok(Record::Event(event)) if event.reset => {
                 let entry = Entry::Reset {
                     counter: &event.counter,
                     groups: self.settings.keyspace.groups(),
                 };
                 slot.machine.on_message(offset, entry, limits)
             }
-            Ok(event) => {
+            Ok(Record::Event(event)) => {
                 let policy = self.settings.namespaces.policy(&event.counter);
                 let actor = event.actor.as_deref();
                 let keyspace = &self.settings.keyspace;
                 let group = keyspace.group_for_event(policy.grouping, partition, actor);
                 // Only windowed namespaces pay for a placement.
                 let placement = (!policy.windows.is_empty()).then(|| {
-                    let placed =
-                        (policy.windows).place(event.ts_ms, message.timestamp().to_millis());
+                    let placed = (policy.windows).place(event.ts_ms, kafka_ms);
                     self.metrics.window_dropped(placed.late, placed.future);
                     placed
                 });
-                let idle_deadline = policy.expire_after_ms.map(|after| {
-                    message
-                        .timestamp()
-                        .to_millis()
-                        .unwrap_or(0)
-                        .saturating_add(after)
-                });
+                let idle_deadline = (policy.expire_after_ms)
+                    .map(|after| kafka_ms.unwrap_or(0).saturating_add(after));
                 let entry = match actor {
                     _ if !policy.dedup => Entry::Delta {
                         group,

@@ -9,7 +9,7 @@
 //!    timestamp plus the namespace's `expire_after` (a sorted set, one per partition, see
 //!    `Keyspace::idle_key`). One `ZADD GT` per counter per flush, no scan of the keyspace.
 //! 2. **The expirer.** Each aggregator, for the partitions it owns, reads the counters whose
-//!    deadline has passed (`ZRANGEBYSCORE`, a page at a time) and appends an *expiry record*
+//!    deadline has passed (`ZRANGE ... BYSCORE LIMIT`, a page at a time) and appends an *expiry record*
 //!    (`tally_common::codec::encode_expiry`: the counter and the expirer's clock) to that
 //!    partition. It writes the next page once the records it wrote are behind the partition's
 //!    watermark, so a record is not written twice by one owner; a record written twice (by two
@@ -34,8 +34,9 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
+use tally_common::event::now_ms;
 use tally_common::keyspace::partition_field;
 use tokio_util::sync::CancellationToken;
 
@@ -52,12 +53,6 @@ pub const PAGE: usize = 1_000;
 /// `scripts/idle.lua` decides the same way.
 pub fn expires(last: Option<i64>, held: Option<i64>, deadline: i64) -> bool {
     last.max(held).is_some_and(|latest| latest <= deadline)
-}
-
-fn now_ms() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as i64)
 }
 
 /// How often the expirer looks: a tenth of the shortest `expire_after`, between 250 ms and 10 s.

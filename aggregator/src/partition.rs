@@ -254,10 +254,22 @@ impl Partition {
         }
         self.read_to = Some(offset + 1);
         self.reading = true;
-        let group = match &entry {
-            Entry::Delta { group, .. } | Entry::Member { group, .. } => Some(*group),
-            Entry::DeadLetter { group, .. } => *group,
-            Entry::Repeat | Entry::Reset { .. } | Entry::Expire { .. } => None,
+        // The event's group, and in namespaces that expire counters what it touches.
+        let (group, touch) = match &entry {
+            Entry::Delta {
+                group,
+                counter,
+                idle_deadline,
+                ..
+            }
+            | Entry::Member {
+                group,
+                counter,
+                idle_deadline,
+                ..
+            } => (Some(*group), idle_deadline.map(|d| (*counter, d))),
+            Entry::DeadLetter { group, .. } => (*group, None),
+            Entry::Repeat | Entry::Reset { .. } | Entry::Expire { .. } => (None, None),
         };
         let already_applied = group.is_some_and(|group| {
             self.ledgers()
@@ -267,17 +279,17 @@ impl Partition {
             self.buffer.skip(offset);
             Handled::Skipped
         } else {
+            if let Some((counter, deadline)) = touch {
+                self.buffer.touch(counter, deadline);
+            }
             match entry {
                 Entry::Delta {
                     group,
                     counter,
                     delta,
                     buckets,
-                    idle_deadline,
+                    ..
                 } => {
-                    if let Some(deadline) = idle_deadline {
-                        self.buffer.touch(counter, deadline);
-                    }
                     if !buckets.is_empty() {
                         self.buffer.add_to_buckets(group, counter, delta, buckets);
                     }
@@ -288,13 +300,8 @@ impl Partition {
                     counter,
                     actor,
                     like,
-                    idle_deadline,
-                } => {
-                    if let Some(deadline) = idle_deadline {
-                        self.buffer.touch(counter, deadline);
-                    }
-                    self.buffer.add_member(group, counter, actor, like, offset)
-                }
+                    ..
+                } => self.buffer.add_member(group, counter, actor, like, offset),
                 Entry::DeadLetter { letter, .. } => self.buffer.add_dead_letter(letter, offset),
                 Entry::Repeat => self.buffer.skip(offset),
                 Entry::Reset { counter, groups } => {

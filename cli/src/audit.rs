@@ -28,6 +28,7 @@ use rdkafka::{ClientConfig, Message};
 use tally_aggregator::expiry;
 use tally_aggregator::idempotency::{self, RecentIds};
 use tally_aggregator::topic::{PartitionLog, offsets_at_time, partition_logs, read_ranges};
+use tally_common::codec::Record;
 use tally_common::namespace::WritePath;
 use tally_common::window::format_duration;
 use tally_common::{Namespaces, Reader, codec};
@@ -164,16 +165,18 @@ impl<'a> Recount<'a> {
     /// timestamp (what windows and idempotency windows go by).
     pub fn add(&mut self, partition: i32, offset: i64, payload: &[u8], kafka_ms: Option<i64>) {
         let counted = offset >= self.count_from.get(&partition).copied().unwrap_or(0);
-        if let Some(expiry) = codec::decode_expiry(payload) {
-            match expiry {
-                Ok(expiry) => self.expire(partition, &expiry.counter, expiry.deadline_ms),
-                Err(_) => self.dead_letters += u64::from(counted),
+        let event = match codec::decode_record(payload, self.max_message_bytes) {
+            Ok(Record::Event(event)) => event,
+            Ok(Record::Expiry(expiry)) => {
+                if counted {
+                    self.expire(partition, &expiry.counter, expiry.deadline_ms);
+                }
+                return;
             }
-            return;
-        }
-        let Ok(event) = codec::decode(payload, self.max_message_bytes) else {
-            self.dead_letters += u64::from(counted);
-            return;
+            Err(_) => {
+                self.dead_letters += u64::from(counted);
+                return;
+            }
         };
         if let Some(widest) = self.widest_window_ms {
             let ids = (self.ids.entry(partition)).or_insert_with(|| RecentIds::new(widest));
@@ -446,16 +449,10 @@ pub async fn audit(
     let mut moving = HashSet::new();
     tokio::task::block_in_place(|| {
         read_range(&consumer, &spec.topic, &after, |_, _, payload, _| {
-            let counter = match codec::decode_expiry(payload) {
-                Some(expiry) => expiry.ok().map(|e| e.counter),
-                None => codec::decode(payload, spec.max_message_bytes)
-                    .ok()
-                    .map(|e| e.counter),
-            };
-            if let Some(counter) = counter
-                && !moving.contains(counter.as_ref())
+            if let Ok(record) = codec::decode_record(payload, spec.max_message_bytes)
+                && !moving.contains(record.counter())
             {
-                moving.insert(counter.into_owned());
+                moving.insert(record.counter().to_owned());
             }
         })
     })?;

@@ -311,8 +311,37 @@ pub fn encode_expiry(counter: &str, deadline_ms: i64) -> Vec<u8> {
     out
 }
 
-/// The expiry record in `payload`; `None` if the payload is not one (see [`decode`]).
-pub fn decode_expiry(payload: &[u8]) -> Option<Result<Expiry<'_>, DecodeError>> {
+/// What one message of the topic holds: an event (a producer's) or an expiry record (the
+/// aggregator's expirer's).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Record<'a> {
+    /// A counter event, decoded and validated as [`decode`] does.
+    Event(EventRef<'a>),
+    /// An expiry record.
+    Expiry(Expiry<'a>),
+}
+
+impl Record<'_> {
+    /// The counter it concerns.
+    pub fn counter(&self) -> &str {
+        match self {
+            Record::Event(event) => &event.counter,
+            Record::Expiry(expiry) => &expiry.counter,
+        }
+    }
+}
+
+/// Decodes one message of the topic, of at most `max_bytes` bytes: what the aggregator and
+/// `tally audit` read. Readers of events alone use [`decode`], which refuses expiry records.
+pub fn decode_record(payload: &[u8], max_bytes: usize) -> Result<Record<'_>, DecodeError> {
+    match decode_expiry(payload) {
+        Some(expiry) => expiry.map(Record::Expiry),
+        None => decode(payload, max_bytes).map(Record::Event),
+    }
+}
+
+/// The expiry record in `payload`; `None` if the payload is not one.
+fn decode_expiry(payload: &[u8]) -> Option<Result<Expiry<'_>, DecodeError>> {
     let body = payload.strip_prefix(&[EXPIRY_V1])?;
     let decoded =
         bincode::serde::borrow_decode_from_slice::<(&str, i64), _>(body, bincode_config());
@@ -397,6 +426,11 @@ mod tests {
             }))
         );
         assert_eq!(decode_expiry(&encode(&full_event())), None);
+        let event = encode(&full_event());
+        let record = decode_record(&event, MAX).expect("decodes");
+        assert!(matches!(record, Record::Event(_)) && record.counter() == "likes:post:42");
+        let record = decode_record(&bytes, MAX).expect("decodes");
+        assert!(matches!(record, Record::Expiry(_)) && record.counter() == "campaign:c:7");
         assert!(matches!(
             decode(&bytes, MAX),
             Err(DecodeError::UnknownFormat { first: EXPIRY_V1 })
