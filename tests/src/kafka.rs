@@ -12,7 +12,8 @@ use rdkafka::message::ToBytes;
 use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord};
 use rdkafka::{Offset, TopicPartitionList};
 use tally_cli::load::{self, LoadError, LoadReport, LoadSpec};
-use tally_producer::ProducerConfig;
+use tally_common::CounterEvent;
+use tally_producer::{Pending, Producer, ProducerConfig};
 use tokio::task::JoinHandle;
 
 use crate::support::{eventually, unique};
@@ -21,6 +22,54 @@ use crate::support::{eventually, unique};
 pub fn brokers() -> String {
     std::env::var("TALLY_TEST_BROKERS")
         .unwrap_or_else(|_| tally_common::defaults::BROKERS.to_owned())
+}
+
+/// Sends counter events through the producer crate from one task, in order, at `rate` a second
+/// on average, with at most 5,000 of them unacknowledged; every acknowledgement is checked.
+#[derive(Debug)]
+pub struct PacedSender {
+    producer: Producer,
+    rate: u64,
+    started: tokio::time::Instant,
+    sent: u64,
+    pending: Vec<Pending>,
+}
+
+impl PacedSender {
+    /// A sender to `topic`, routing by counter (the producer's default).
+    pub fn new(topic: &str, rate: u64) -> Self {
+        Self {
+            producer: Producer::new(&ProducerConfig::new(brokers(), topic)).expect("producer"),
+            rate,
+            started: tokio::time::Instant::now(),
+            sent: 0,
+            pending: Vec::new(),
+        }
+    }
+
+    /// Sends `event`, pausing as the rate asks.
+    pub async fn send(&mut self, event: &CounterEvent) {
+        self.pending
+            .push(self.producer.enqueue(event).await.expect("enqueued"));
+        self.sent += 1;
+        if self.pending.len() >= 5_000 {
+            for ack in self.pending.drain(..) {
+                ack.acked().await.expect("acknowledged");
+            }
+        }
+        if self.sent.is_multiple_of(100) {
+            let due = self.started + Duration::from_secs_f64(self.sent as f64 / self.rate as f64);
+            tokio::time::sleep_until(due).await;
+        }
+    }
+
+    /// Waits until Kafka acknowledged everything sent; returns the producer.
+    pub async fn finish(self) -> Producer {
+        for ack in self.pending {
+            ack.acked().await.expect("acknowledged");
+        }
+        self.producer
+    }
 }
 
 /// Hands `record` to a raw librdkafka producer (an independent client, not tally's), panicking

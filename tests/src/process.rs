@@ -9,7 +9,8 @@ use tokio::task::JoinHandle;
 
 use crate::http::http_get;
 use crate::kafka::{brokers, create_topic};
-use crate::support::{eventually, free_port, unique};
+use crate::store::RedisServer;
+use crate::support::{TempDir, eventually, free_port, unique};
 
 /// Asserts that no aggregator log under `log_dir` (every incarnation a test started) mentions
 /// a cross-slot error, however redis-rs spells it.
@@ -174,6 +175,54 @@ impl AggregatorSetup {
             metrics_port,
             log,
         }
+    }
+}
+
+/// A fault test over a namespace file: a private `redis-server`, a fresh 8-partition topic and
+/// group ([`AggregatorSetup`]), a temporary directory holding the namespace file and the logs,
+/// and a static group member id, so that an aggregator restarted after a SIGKILL takes its
+/// partitions back at once.
+#[derive(Debug)]
+pub struct NamespacedSetup {
+    /// The Redis server.
+    pub redis: RedisServer,
+    /// Holds the namespace file and every incarnation's log.
+    pub dir: TempDir,
+    /// The topic, group and keyspace.
+    pub setup: AggregatorSetup,
+    /// The namespace file's path.
+    pub namespaces: String,
+    /// `group.instance.id=<unique>`.
+    member: String,
+}
+
+impl NamespacedSetup {
+    /// Starts Redis, creates the topic and writes `namespaces` (TOML) to the file.
+    pub async fn start(name: &str, namespaces: &str) -> Self {
+        let redis = RedisServer::start().await;
+        let dir = TempDir::new(&format!("tally-{name}"));
+        let setup = AggregatorSetup::create(name, &redis.url(), 8).await;
+        let path = dir.path().join("namespaces.toml");
+        std::fs::write(&path, namespaces).expect("namespace file");
+        Self {
+            redis,
+            namespaces: path.to_str().expect("utf-8 path").to_owned(),
+            dir,
+            setup,
+            member: format!("group.instance.id={}", unique("member")),
+        }
+    }
+
+    /// The aggregator's flags: the namespace file and the static member, then `extra`.
+    pub fn flags<'a>(&'a self, extra: &[&'a str]) -> Vec<&'a str> {
+        let mut flags = vec![
+            "--namespaces",
+            &self.namespaces,
+            "--kafka-option",
+            &self.member,
+        ];
+        flags.extend_from_slice(extra);
+        flags
     }
 }
 

@@ -24,10 +24,10 @@ use std::time::Duration;
 
 use rand::{Rng, SeedableRng};
 use tally_common::{CounterEvent, Keyspace, Reader};
-use tally_producer::{Pending, Producer, ProducerConfig};
+use tally_producer::{Producer, ProducerConfig};
 use tally_tests::{
-    AggregatorSetup, RedisServer, TempDir, brokers, connect, counters_in_redis, kill_repeatedly,
-    reader, seed, unique, wait_for_totals,
+    NamespacedSetup, PacedSender, brokers, connect, counters_in_redis, kill_repeatedly, reader,
+    seed, wait_for_totals,
 };
 
 const EXPIRE_AFTER: &str = "6s";
@@ -55,12 +55,7 @@ struct Sent {
 }
 
 /// Sends a like of a poll by one of 30 actors and records it.
-async fn like_one(
-    producer: &Producer,
-    rng: &mut rand::rngs::StdRng,
-    sent: &mut Sent,
-    pending: &mut Vec<Pending>,
-) {
+async fn like_one(sender: &mut PacedSender, rng: &mut rand::rngs::StdRng, sent: &mut Sent) {
     let (counter, actor) = (
         poll(rng.random_range(0..POLLS)),
         format!("u{}", rng.random_range(0..30)),
@@ -72,16 +67,15 @@ async fn like_one(
     let event = CounterEvent::new(counter, 1)
         .and_then(|e| e.with_actor(actor))
         .expect("valid");
-    pending.push(producer.enqueue(&event).await.expect("enqueued"));
+    sender.send(&event).await;
 }
 
 /// Sends one event to `counter` and records it.
 async fn send_one(
-    producer: &Producer,
+    sender: &mut PacedSender,
     rng: &mut rand::rngs::StdRng,
     sent: &mut Sent,
     counter: String,
-    pending: &mut Vec<Pending>,
 ) {
     let delta = rng.random_range(1..=5);
     *sent.truth.entry(counter.clone()).or_default() += delta;
@@ -89,12 +83,7 @@ async fn send_one(
     let event = CounterEvent::new(counter, delta)
         .and_then(|e| e.with_actor(format!("u{}", rng.random_range(0..5_000))))
         .expect("valid");
-    pending.push(producer.enqueue(&event).await.expect("enqueued"));
-    if pending.len() >= 5_000 {
-        for ack in pending.drain(..) {
-            ack.acked().await.expect("acknowledged");
-        }
-    }
+    sender.send(&event).await;
 }
 
 /// Phases 1 and 2 of the module docs, from one task, routed by counter; says when phase 1 is
@@ -106,7 +95,7 @@ async fn send(
     seed: u64,
     first_sent: tokio::sync::oneshot::Sender<()>,
 ) -> Sent {
-    let producer = Producer::new(&ProducerConfig::new(brokers(), topic)).expect("producer");
+    let mut sender = PacedSender::new(&topic, RATE);
     let counts = reader(&url, keyspace).await;
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let mut sent = Sent {
@@ -114,11 +103,9 @@ async fn send(
         likers: HashMap::new(),
         events: 0,
     };
-    let mut pending = Vec::new();
-    let started = tokio::time::Instant::now();
-    for i in 0..FIRST_EVENTS {
+    for _ in 0..FIRST_EVENTS {
         if rng.random_bool(0.05) {
-            like_one(&producer, &mut rng, &mut sent, &mut pending).await;
+            like_one(&mut sender, &mut rng, &mut sent).await;
             continue;
         }
         let counter = if rng.random_bool(0.8) {
@@ -126,11 +113,7 @@ async fn send(
         } else {
             format!("views:v:{}", rng.random_range(0..VIEWS))
         };
-        send_one(&producer, &mut rng, &mut sent, counter, &mut pending).await;
-        if i % 100 == 0 {
-            let due = started + Duration::from_secs_f64(i as f64 / RATE as f64);
-            tokio::time::sleep_until(due).await;
-        }
+        send_one(&mut sender, &mut rng, &mut sent, counter).await;
     }
     assert_eq!(
         (0..CAMPAIGNS)
@@ -156,7 +139,7 @@ async fn send(
                 } else {
                     format!("views:v:{}", rng.random_range(0..VIEWS))
                 };
-                send_one(&producer, &mut rng, &mut sent, counter, &mut pending).await;
+                send_one(&mut sender, &mut rng, &mut sent, counter).await;
             }
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
@@ -170,9 +153,7 @@ async fn send(
             &totals[..10]
         );
     }
-    for ack in pending {
-        ack.acked().await.expect("acknowledged");
-    }
+    sender.finish().await;
     for counter in &idle {
         sent.truth.insert(counter.clone(), 0);
     }
@@ -213,21 +194,15 @@ async fn assert_idle_gone(counts: &Reader, url: &str, keyspace: &Keyspace, idle:
 }
 
 async fn counters_expire(name: &str, flags: &[&str]) {
-    let redis = RedisServer::start().await;
     let seed = seed();
-    let dir = TempDir::new("tally-expiry");
-    let setup = AggregatorSetup::create(name, &redis.url(), 8).await;
-    let keyspace = setup.keyspace();
-    let namespaces = dir.path().join("namespaces.toml");
     let file = format!(
         "[namespaces.campaign]\nexpire_after = \"{EXPIRE_AFTER}\"\n\
          [namespaces.poll]\ndedup = true\nexpire_after = \"{EXPIRE_AFTER}\"\n"
     );
-    std::fs::write(&namespaces, file).expect("namespace file");
-    let ns_path = namespaces.to_str().expect("utf-8 path");
-    let member = format!("group.instance.id={}", unique("member"));
-    let mut all = vec!["--namespaces", ns_path, "--kafka-option", &member];
-    all.extend_from_slice(flags);
+    let run = NamespacedSetup::start(name, &file).await;
+    let (redis, dir, setup) = (&run.redis, &run.dir, &run.setup);
+    let keyspace = setup.keyspace();
+    let all = run.flags(flags);
     let first = setup.spawn(dir.path(), &all);
     let (first_sent, phase_two) = tokio::sync::oneshot::channel();
     let load = tokio::spawn(send(
@@ -237,7 +212,7 @@ async fn counters_expire(name: &str, flags: &[&str]) {
         seed,
         first_sent,
     ));
-    let aggregator = kill_repeatedly(&setup, dir.path(), &all, first, 2, seed, &load).await;
+    let aggregator = kill_repeatedly(setup, dir.path(), &all, first, 2, seed, &load).await;
     phase_two.await.expect("phase 1 sent");
     let mut aggregator = aggregator;
     aggregator.kill();
@@ -253,7 +228,7 @@ async fn counters_expire(name: &str, flags: &[&str]) {
     );
     eprintln!("aborted right after an expiry decision");
     let next = setup.spawn(dir.path(), &all);
-    let aggregator = kill_repeatedly(&setup, dir.path(), &all, next, 1, !seed, &load).await;
+    let aggregator = kill_repeatedly(setup, dir.path(), &all, next, 1, !seed, &load).await;
     let sent = load.await.expect("load task");
     let mut truth = sent.truth;
     eprintln!("{} events; the idle campaign counters read 0", sent.events);
@@ -314,7 +289,7 @@ async fn counters_expire(name: &str, flags: &[&str]) {
     eprintln!("the last aggregator expired {expired} counters");
     aggregator.stop_gracefully().await;
 
-    let audit = setup.audit(&["--namespaces", ns_path]);
+    let audit = setup.audit(&["--namespaces", &run.namespaces]);
     eprintln!("{}", audit.stdout);
     assert!(audit.clean, "no drift: {}", audit.stdout);
     assert_eq!(audit.checked, truth.len(), "every counter checked");

@@ -13,10 +13,9 @@ use rdkafka::ClientConfig;
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use tally_common::CounterEvent;
 use tally_common::codec::encode;
-use tally_producer::{Pending, Producer, ProducerConfig};
+use tally_producer::{Producer, ProducerConfig};
 use tally_tests::{
-    AggregatorSetup, RedisServer, TempDir, brokers, kill_repeatedly, reader, seed, unique,
-    wait_for_totals,
+    NamespacedSetup, PacedSender, brokers, kill_repeatedly, reader, seed, wait_for_totals,
 };
 
 const EVENTS: u64 = 200_000;
@@ -37,14 +36,12 @@ struct Sent {
 }
 
 async fn send(topic: String, seed: u64) -> Sent {
-    let producer = Producer::new(&ProducerConfig::new(brokers(), topic)).expect("producer");
+    let mut sender = PacedSender::new(&topic, RATE);
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let mut totals: HashMap<String, i64> = HashMap::new();
-    let mut pending: Vec<Pending> = Vec::new();
     let mut soon: Vec<(u64, CounterEvent)> = Vec::new();
     let mut later = Vec::new();
     let mut repeats = 0;
-    let started = tokio::time::Instant::now();
     for i in 0..EVENTS {
         let counter = format!("views:video:{}", rng.random_range(0..1_000));
         let delta = rng.random_range(1..=5);
@@ -53,11 +50,11 @@ async fn send(topic: String, seed: u64) -> Sent {
             .and_then(|e| e.with_event_id(format!("e{i}")))
             .expect("valid");
         *totals.entry(counter).or_default() += delta;
-        pending.push(producer.enqueue(&event).await.expect("enqueued"));
+        sender.send(&event).await;
         if rng.random_bool(0.1) {
             repeats += 1;
             match rng.random_range(0..3) {
-                0 => pending.push(producer.enqueue(&event).await.expect("enqueued")),
+                0 => sender.send(&event).await,
                 // 2 to 5 seconds later, at this rate.
                 1 => soon.push((i + rng.random_range(2 * RATE..5 * RATE), event)),
                 _ => later.push(event),
@@ -65,25 +62,14 @@ async fn send(topic: String, seed: u64) -> Sent {
         }
         while soon.first().is_some_and(|(due, _)| *due <= i) {
             let (_, event) = soon.remove(0);
-            pending.push(producer.enqueue(&event).await.expect("enqueued"));
+            sender.send(&event).await;
         }
         soon.sort_by_key(|(due, _)| *due);
-        if pending.len() >= 5_000 {
-            for ack in pending.drain(..) {
-                ack.acked().await.expect("acknowledged");
-            }
-        }
-        if i % 100 == 0 {
-            let due = started + Duration::from_secs_f64(i as f64 / RATE as f64);
-            tokio::time::sleep_until(due).await;
-        }
     }
     for (_, event) in soon {
-        pending.push(producer.enqueue(&event).await.expect("enqueued"));
+        sender.send(&event).await;
     }
-    for ack in pending {
-        ack.acked().await.expect("acknowledged");
-    }
+    sender.finish().await;
     Sent {
         totals,
         later,
@@ -92,25 +78,13 @@ async fn send(topic: String, seed: u64) -> Sent {
 }
 
 async fn repeats_count_once(name: &str, grouping: &str) {
-    let redis = RedisServer::start().await;
     let seed = seed();
-    let dir = TempDir::new("tally-ids");
-    let setup = AggregatorSetup::create(name, &redis.url(), 8).await;
-    let namespaces = dir.path().join("namespaces.toml");
-    std::fs::write(&namespaces, NAMESPACES).expect("namespace file");
-    let ns_path = namespaces.to_str().expect("utf-8 path");
-    let member = format!("group.instance.id={}", unique("member"));
-    let flags = [
-        "--namespaces",
-        ns_path,
-        "--grouping",
-        grouping,
-        "--kafka-option",
-        &member,
-    ];
+    let run = NamespacedSetup::start(name, NAMESPACES).await;
+    let (redis, dir, setup) = (&run.redis, &run.dir, &run.setup);
+    let flags = run.flags(&["--grouping", grouping]);
     let first = setup.spawn(dir.path(), &flags);
     let load = tokio::spawn(send(setup.topic.clone(), seed));
-    let mut last = kill_repeatedly(&setup, dir.path(), &flags, first, 5, seed, &load).await;
+    let mut last = kill_repeatedly(setup, dir.path(), &flags, first, 5, seed, &load).await;
     let sent = load.await.expect("load task");
     // After the last kill: the rest of the repeats.
     let producer = Producer::new(&ProducerConfig::new(brokers(), &setup.topic)).expect("producer");
@@ -164,7 +138,7 @@ async fn repeats_count_once(name: &str, grouping: &str) {
     .await;
     last.stop_gracefully().await;
 
-    setup.assert_audit_clean(&["--namespaces", ns_path], totals.len());
+    setup.assert_audit_clean(&["--namespaces", &run.namespaces], totals.len());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -10,10 +10,9 @@ use std::time::Duration;
 
 use rand::{Rng, SeedableRng};
 use tally_common::CounterEvent;
-use tally_producer::{Pending, Producer, ProducerConfig};
+use tally_producer::{Producer, ProducerConfig};
 use tally_tests::{
-    AggregatorSetup, RedisServer, TempDir, brokers, kill_repeatedly, reader, seed, unique,
-    wait_for_totals,
+    NamespacedSetup, PacedSender, brokers, kill_repeatedly, reader, seed, wait_for_totals,
 };
 
 const EVENTS: u64 = 150_000;
@@ -21,13 +20,11 @@ const RATE: u64 = 10_000;
 
 /// Sends the storm in order from one task; returns each counter's total since its last reset.
 async fn send(topic: String, seed: u64) -> (HashMap<String, i64>, u64) {
-    let producer = Producer::new(&ProducerConfig::new(brokers(), topic)).expect("producer");
+    let mut sender = PacedSender::new(&topic, RATE);
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let mut truth: HashMap<String, i64> = HashMap::new();
-    let mut pending: Vec<Pending> = Vec::new();
     let mut resets = 0;
-    let started = tokio::time::Instant::now();
-    for i in 0..EVENTS {
+    for _ in 0..EVENTS {
         let counter = format!("views:video:{}", rng.random_range(0..200));
         let event = if rng.random_bool(0.01) {
             resets += 1;
@@ -44,43 +41,20 @@ async fn send(topic: String, seed: u64) -> (HashMap<String, i64>, u64) {
                 .and_then(|e| e.with_actor(format!("u{}", rng.random_range(0..5_000))))
                 .expect("valid")
         };
-        pending.push(producer.enqueue(&event).await.expect("enqueued"));
-        if pending.len() >= 5_000 {
-            for ack in pending.drain(..) {
-                ack.acked().await.expect("acknowledged");
-            }
-        }
-        if i % 100 == 0 {
-            let due = started + Duration::from_secs_f64(i as f64 / RATE as f64);
-            tokio::time::sleep_until(due).await;
-        }
+        sender.send(&event).await;
     }
-    for ack in pending {
-        ack.acked().await.expect("acknowledged");
-    }
+    sender.finish().await;
     (truth, resets)
 }
 
 async fn resets_clear_what_came_before(name: &str, grouping: &str) {
-    let redis = RedisServer::start().await;
     let seed = seed();
-    let dir = TempDir::new("tally-resets");
-    let setup = AggregatorSetup::create(name, &redis.url(), 8).await;
-    let namespaces = dir.path().join("namespaces.toml");
-    std::fs::write(&namespaces, "[namespaces.likes]\ndedup = true\n").expect("namespace file");
-    let ns_path = namespaces.to_str().expect("utf-8 path");
-    let member = format!("group.instance.id={}", unique("member"));
-    let flags = [
-        "--namespaces",
-        ns_path,
-        "--grouping",
-        grouping,
-        "--kafka-option",
-        &member,
-    ];
+    let run = NamespacedSetup::start(name, "[namespaces.likes]\ndedup = true\n").await;
+    let (redis, dir, setup) = (&run.redis, &run.dir, &run.setup);
+    let flags = run.flags(&["--grouping", grouping]);
     let first = setup.spawn(dir.path(), &flags);
     let load = tokio::spawn(send(setup.topic.clone(), seed));
-    let mut last = kill_repeatedly(&setup, dir.path(), &flags, first, 5, seed, &load).await;
+    let mut last = kill_repeatedly(setup, dir.path(), &flags, first, 5, seed, &load).await;
     let (mut truth, resets) = load.await.expect("load task");
     eprintln!("{EVENTS} events, {resets} of them resets");
 
@@ -102,7 +76,7 @@ async fn resets_clear_what_came_before(name: &str, grouping: &str) {
     );
     last.stop_gracefully().await;
 
-    setup.assert_audit_clean(&["--namespaces", ns_path], truth.len());
+    setup.assert_audit_clean(&["--namespaces", &run.namespaces], truth.len());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
