@@ -57,6 +57,21 @@ pub enum Atomicity {
     Transactions,
 }
 
+/// How the topic's partitions are read.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Fetch {
+    /// tally's own fetcher (`tally-kafka`) when it supports the Kafka options given, else
+    /// librdkafka's, saying why at start-up.
+    #[default]
+    Auto,
+    /// tally's own fetcher: partitions read straight from their leaders, record batches
+    /// parsed in place. Refuses to start with options it does not support.
+    Direct,
+    /// librdkafka's fetcher, one message at a time.
+    Librdkafka,
+}
+
 /// Where counts are stored.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
@@ -190,6 +205,9 @@ pub struct Settings {
     /// Longest one PostgreSQL statement may run before the server cancels it (the flush is then retried), in ms [default: 10000]
     #[arg(long, env = "TALLY_POSTGRES_STATEMENT_TIMEOUT_MS")]
     pub postgres_statement_timeout_ms: Option<u64>,
+    /// How partitions are read: direct (tally's own fetcher, straight from the leaders), librdkafka, or auto (direct unless a Kafka option needs librdkafka) [default: auto]
+    #[arg(long, env = "TALLY_FETCH", value_enum)]
+    pub fetch: Option<Fetch>,
     /// Raw librdkafka options (the file's `[kafka]` table).
     #[arg(skip)]
     #[serde(default)]
@@ -271,6 +289,8 @@ pub struct Config {
     pub postgres: Option<PostgresTarget>,
     /// Log format.
     pub log_format: LogFormat,
+    /// How partitions are read.
+    pub fetch: Fetch,
     /// Raw librdkafka options, applied last.
     pub kafka: BTreeMap<String, String>,
 }
@@ -294,6 +314,7 @@ impl std::fmt::Debug for Config {
             .field("trending_interval", &self.trending_interval)
             .field("redis_atomicity", &self.redis_atomicity)
             .field("store", &self.store)
+            .field("fetch", &self.fetch)
             .field("postgres", &self.postgres)
             .field("max_message_bytes", &self.max_message_bytes)
             .field("shutdown_timeout", &self.shutdown_timeout)
@@ -384,7 +405,8 @@ impl Settings {
             store,
             postgres_url,
             postgres_pool_size,
-            postgres_statement_timeout_ms
+            postgres_statement_timeout_ms,
+            fetch
         );
         self.kafka.extend(over.kafka);
         self
@@ -518,6 +540,7 @@ impl Settings {
             store,
             postgres,
             log_format: self.log_format.unwrap_or_default(),
+            fetch: self.fetch.unwrap_or_default(),
             kafka: self.kafka,
         })
     }
@@ -778,6 +801,7 @@ mod tests {
                 "redis_atomicity" => value_name(&c.redis_atomicity),
                 "log_format" => value_name(&c.log_format),
                 "store" => value_name(&c.store),
+                "fetch" => value_name(&c.fetch),
                 "postgres_pool_size" => default::POSTGRES_POOL_SIZE.to_string(),
                 "postgres_statement_timeout_ms" => {
                     default::POSTGRES_STATEMENT_TIMEOUT_MS.to_string()
@@ -806,7 +830,7 @@ mod tests {
             assert_eq!(documented, applied, "{id}");
             checked += 1;
         }
-        assert_eq!(checked, 28, "every documented default is checked");
+        assert_eq!(checked, 29, "every documented default is checked");
         assert_eq!(c.keyspace, Keyspace::default());
     }
 

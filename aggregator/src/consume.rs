@@ -29,11 +29,12 @@ use std::time::{Duration, Instant, SystemTime};
 
 use rdkafka::consumer::{CommitMode, Consumer, ConsumerContext};
 use rdkafka::error::KafkaResult;
-use rdkafka::message::{BorrowedMessage, Message};
+use rdkafka::message::{BorrowedMessage, Message as _};
 use rdkafka::{Offset, TopicPartitionList};
 use tally_common::codec::Record;
 use tally_common::window::Placement;
 use tally_common::{DeadLetterReason, Keyspace, Namespaces, codec};
+use tally_kafka::{Chunk, Fetched, Fetcher, Item, Start};
 use tokio::sync::mpsc;
 use tokio::task::{JoinHandle, JoinSet};
 use tokio_util::sync::CancellationToken;
@@ -74,6 +75,36 @@ pub struct LoopSettings {
     /// How often an owned partition with nothing to flush checks that Redis still holds what it
     /// wrote (exactly-once), so that a rollback is re-fed without waiting for new events.
     pub check_idle_interval: Duration,
+    /// Read partitions with tally's own fetcher (`tally_kafka`), configured so; `None` reads
+    /// them through librdkafka's consumer.
+    pub fetch: Option<tally_kafka::FetchConfig>,
+}
+
+/// A message as the loop reads it, from librdkafka's consumer or from tally's fetcher.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Message<'a> {
+    /// Its partition.
+    pub(crate) partition: i32,
+    /// Its offset.
+    pub(crate) offset: i64,
+    /// Its key.
+    pub(crate) key: Option<&'a [u8]>,
+    /// Its payload.
+    pub(crate) payload: Option<&'a [u8]>,
+    /// Its Kafka timestamp, if it has one.
+    pub(crate) timestamp_ms: Option<i64>,
+}
+
+impl<'a> Message<'a> {
+    fn of(message: &'a BorrowedMessage<'_>) -> Self {
+        Self {
+            partition: message.partition(),
+            offset: message.offset(),
+            key: message.key(),
+            payload: message.payload(),
+            timestamp_ms: message.timestamp().to_millis(),
+        }
+    }
 }
 
 /// How a run ended.
@@ -98,6 +129,9 @@ pub(crate) struct Slot {
     /// The ids counted over the last idempotency window (namespaces that keep one), rebuilt
     /// from the log on each acquisition.
     ids: Option<RecentIds>,
+    /// With tally's fetcher: the epoch of the partition's last seek (chunks of another epoch
+    /// were fetched before it and are dropped).
+    epoch: u64,
 }
 
 /// A flush or a check, running as its own task.
@@ -167,6 +201,9 @@ pub(crate) struct Shared<S> {
     runtime: tokio::runtime::Handle,
     /// Rebuilds recent ids on acquisition, when a namespace keeps an idempotency window.
     warm_up: Option<Arc<WarmUp>>,
+    /// tally's fetcher, when it reads the partitions (librdkafka's consumer then keeps every
+    /// partition paused and only runs the group).
+    pub(crate) fetcher: Option<Fetcher>,
 }
 
 /// A partition's recent ids as of `resume`, read from the log on a blocking thread.
@@ -204,6 +241,7 @@ impl<S: Sink> Shared<S> {
         settings: LoopSettings,
         flusher: Flusher<S>,
         warm_up: Option<WarmUp>,
+        fetcher: Option<Fetcher>,
     ) -> (Arc<Self>, mpsc::UnboundedReceiver<Report>) {
         let (done_tx, done_rx) = mpsc::unbounded_channel();
         let metrics = flusher.metrics.clone();
@@ -217,6 +255,7 @@ impl<S: Sink> Shared<S> {
             hard_stop: CancellationToken::new(),
             runtime: tokio::runtime::Handle::current(),
             warm_up: warm_up.map(Arc::new),
+            fetcher,
         });
         (shared, done_rx)
     }
@@ -242,7 +281,10 @@ impl<S: Sink> Shared<S> {
             match message {
                 Ok(message) => {
                     read += 1;
-                    self.handle_message(&mut parts, consumer, message);
+                    let message = Message::of(message);
+                    if let Some(slot) = parts.map.get_mut(&message.partition) {
+                        self.handle_message(slot, consumer, &message);
+                    }
                 }
                 Err(error) => tracing::warn!(%error, "Kafka consumer error"),
             }
@@ -250,38 +292,135 @@ impl<S: Sink> Shared<S> {
         self.metrics.consumed(read);
     }
 
-    /// Decodes one message and routes it to its partition's state machine.
-    fn handle_message<X: ConsumerContext, K: Consumer<X>>(
+    /// What tally's fetcher handed over: a chunk of one partition's records, each decoded and
+    /// routed to the partition's state machine in turn, under one lock.
+    pub(crate) fn handle_fetched<X: ConsumerContext, K: Consumer<X>>(
+        &self,
+        consumer: &K,
+        fetched: Fetched,
+    ) {
+        let chunk = match fetched {
+            Fetched::Chunk(chunk) => chunk,
+            Fetched::Reset {
+                partition,
+                from,
+                to,
+                ..
+            } => {
+                self.metrics.offset_reset();
+                tracing::error!(
+                    partition,
+                    from,
+                    to,
+                    "the partition's position is no longer in its log (retention deleted it): reading goes on from the log's start; the events in between were never counted"
+                );
+                return;
+            }
+            Fetched::Failed { error } => {
+                tracing::error!(%error, "reading the topic fails; retrying");
+                return;
+            }
+        };
+        let mut parts = lock(&self.partitions);
+        let read = self.handle_chunk(&mut parts, consumer, &chunk);
+        self.metrics.consumed(read);
+    }
+
+    /// Routes a chunk's records while the chunk's epoch is the partition's; returns how many
+    /// were read.
+    fn handle_chunk<X: ConsumerContext, K: Consumer<X>>(
         &self,
         parts: &mut Partitions,
         consumer: &K,
-        message: &BorrowedMessage<'_>,
-    ) {
-        let partition = message.partition();
-        let offset = message.offset();
-        // Not (or no longer) ours: whoever owns it will read it from the committed offset. Not
-        // positioned yet (it will be re-read after the seek), or fenced off: not decoded.
-        let Some(slot) = parts
-            .map
-            .get_mut(&partition)
-            .filter(|s| s.machine.accepts())
-        else {
-            return;
+        chunk: &Chunk,
+    ) -> u64 {
+        let partition = chunk.partition;
+        let Some(slot) = parts.map.get_mut(&partition) else {
+            return 0;
         };
+        if slot.epoch != chunk.epoch {
+            // Fetched before the partition's last seek (or pause).
+            return 0;
+        }
+        slot.machine.on_log_end(chunk.log_end);
+        let mut read = 0;
+        for item in chunk.items() {
+            match item {
+                Item::Record(record) => {
+                    let message = Message {
+                        partition,
+                        offset: record.offset,
+                        key: record.key,
+                        payload: record.value,
+                        timestamp_ms: (record.timestamp_ms >= 0).then_some(record.timestamp_ms),
+                    };
+                    self.handle_message(slot, consumer, &message);
+                }
+                Item::Undecodable {
+                    first_offset,
+                    last_offset,
+                    bytes,
+                    reason,
+                } => {
+                    tracing::warn!(partition, first_offset, last_offset, %reason, "dead-lettering a batch that cannot be read");
+                    let letter = DeadLetter {
+                        key: None,
+                        payload: Some(bytes.to_vec()),
+                        reason: DeadLetterReason::Undecodable,
+                        error: format!("offsets {first_offset} to {last_offset}: {reason}"),
+                        partition,
+                        offset: first_offset,
+                    };
+                    if slot.machine.accepts() {
+                        let entry = Entry::DeadLetter {
+                            group: None,
+                            letter,
+                        };
+                        // At the stretch's last offset: reading goes on after it.
+                        self.deliver(consumer, partition, slot, last_offset, entry);
+                    }
+                }
+            }
+            read += 1;
+            if slot.epoch != chunk.epoch {
+                // Paused: the fetcher reads on from the next offset once resumed.
+                break;
+            }
+        }
+        read
+    }
+
+    /// Decodes one message and routes it to its partition's state machine.
+    fn handle_message<X: ConsumerContext, K: Consumer<X>>(
+        &self,
+        slot: &mut Slot,
+        consumer: &K,
+        message: &Message<'_>,
+    ) {
+        let Message {
+            partition,
+            offset,
+            key,
+            payload,
+            timestamp_ms: kafka_ms,
+        } = *message;
+        // Not positioned yet (it will be re-read after the seek), or fenced off: not decoded.
+        if !slot.machine.accepts() {
+            return;
+        }
         let dead_letter = |reason: DeadLetterReason, error: String| DeadLetter {
-            key: message.key().map(<[u8]>::to_vec),
-            payload: message.payload().map(<[u8]>::to_vec),
+            key: key.map(<[u8]>::to_vec),
+            payload: payload.map(<[u8]>::to_vec),
             reason,
             error,
             partition,
             offset,
         };
-        let payload = message.payload().unwrap_or_default();
-        let limits = &self.settings.limits;
+        let payload = payload.unwrap_or_default();
         // An event, or an expiry record an expirer wrote into the partition (`crate::expiry`).
         let decoded = codec::decode_record(payload, self.settings.max_message_bytes);
-        // Every message's Kafka timestamp: what windows, idempotency windows and expiry go by.
-        let kafka_ms = message.timestamp().to_millis();
+        // Every message's Kafka timestamp (`kafka_ms`) is what windows, idempotency windows and
+        // expiry go by.
         // Idempotency keys: every event read is decided (and its id recorded) in log order.
         let repeat = match (&decoded, slot.ids.as_mut()) {
             (Ok(Record::Event(event)), Some(ids)) => {
@@ -291,40 +430,36 @@ impl<S: Sink> Shared<S> {
             }
             _ => false,
         };
-        let (handled, action) = match &decoded {
+        // A windowed event's buckets, borrowed by its entry.
+        let placement;
+        let entry = match &decoded {
             Ok(_) if repeat => {
                 self.metrics.repeated_id();
-                slot.machine.on_message(offset, Entry::Repeat, limits)
+                Entry::Repeat
             }
-            Ok(Record::Expiry(expiry)) => {
-                let entry = Entry::Expire {
-                    counter: &expiry.counter,
-                    deadline_ms: expiry.deadline_ms,
-                    groups: self.settings.keyspace.groups(),
-                };
-                slot.machine.on_message(offset, entry, limits)
-            }
-            Ok(Record::Event(event)) if event.reset => {
-                let entry = Entry::Reset {
-                    counter: &event.counter,
-                    groups: self.settings.keyspace.groups(),
-                };
-                slot.machine.on_message(offset, entry, limits)
-            }
+            Ok(Record::Expiry(expiry)) => Entry::Expire {
+                counter: &expiry.counter,
+                deadline_ms: expiry.deadline_ms,
+                groups: self.settings.keyspace.groups(),
+            },
+            Ok(Record::Event(event)) if event.reset => Entry::Reset {
+                counter: &event.counter,
+                groups: self.settings.keyspace.groups(),
+            },
             Ok(Record::Event(event)) => {
                 let policy = self.settings.namespaces.policy(&event.counter);
                 let actor = event.actor.as_deref();
                 let keyspace = &self.settings.keyspace;
                 let group = keyspace.group_for_event(policy.grouping, partition, actor);
                 // Only windowed namespaces pay for a placement.
-                let placement = (!policy.windows.is_empty()).then(|| {
+                placement = (!policy.windows.is_empty()).then(|| {
                     let placed = (policy.windows).place(event.ts_ms, kafka_ms);
                     self.metrics.window_dropped(placed.late, placed.future);
                     placed
                 });
                 let idle_deadline = (policy.expire_after_ms)
                     .map(|after| kafka_ms.unwrap_or(0).saturating_add(after));
-                let entry = match actor {
+                match actor {
                     _ if !policy.dedup => Entry::Delta {
                         group,
                         counter: &event.counter,
@@ -354,19 +489,33 @@ impl<S: Sink> Shared<S> {
                             letter: dead_letter(DeadLetterReason::MissingActor, why),
                         }
                     }
-                };
-                slot.machine.on_message(offset, entry, limits)
+                }
             }
             Err(error) => {
                 tracing::debug!(partition, offset, %error, "dead-lettering a malformed message");
                 let letter = dead_letter(error.reason(), error.to_string());
-                let entry = Entry::DeadLetter {
+                Entry::DeadLetter {
                     group: None,
                     letter,
-                };
-                slot.machine.on_message(offset, entry, limits)
+                }
             }
         };
+        self.deliver(consumer, partition, slot, offset, entry);
+    }
+
+    /// Hands the message at `offset` to its partition's state machine and carries out what it
+    /// decides.
+    fn deliver<X: ConsumerContext, K: Consumer<X>>(
+        &self,
+        consumer: &K,
+        partition: i32,
+        slot: &mut Slot,
+        offset: i64,
+        entry: Entry<'_>,
+    ) {
+        let (handled, action) = slot
+            .machine
+            .on_message(offset, entry, &self.settings.limits);
         if handled == Handled::Skipped {
             self.metrics.skipped();
         }
@@ -487,21 +636,37 @@ impl<S: Sink> Shared<S> {
                 })));
             }
             Action::Commit(next_offset) => self.durable(consumer, partition, next_offset),
-            Action::Pause => self.set_paused(consumer, partition, true),
-            Action::Resume => self.set_paused(consumer, partition, false),
+            Action::Pause => self.set_paused(consumer, partition, slot, true),
+            Action::Resume => self.set_paused(consumer, partition, slot, false),
             Action::Acquire => slot.acquiring = Some(self.spawn_acquire(partition, generation)),
             Action::Seek(resume) => {
-                let offset = match resume {
-                    Resume::Beginning => Offset::Beginning,
-                    Resume::At(offset) => Offset::Offset(offset),
+                let sought = match &self.fetcher {
+                    Some(fetcher) => {
+                        let start = match resume {
+                            Resume::Beginning => Start::Earliest,
+                            Resume::At(offset) => Start::At(offset),
+                        };
+                        // Paused, as the partition is while it is acquired; the resume follows.
+                        slot.epoch = fetcher.seek(partition, start, true);
+                        true
+                    }
+                    None => {
+                        let offset = match resume {
+                            Resume::Beginning => Offset::Beginning,
+                            Resume::At(offset) => Offset::Offset(offset),
+                        };
+                        let topic = &self.settings.topic;
+                        let sought =
+                            consumer.seek(topic, partition, offset, Duration::from_secs(10));
+                        if let Err(error) = &sought {
+                            // Without the seek the position is unknown: stay paused and acquire
+                            // again.
+                            tracing::warn!(partition, %error, "seek failed; acquiring the partition again");
+                        }
+                        sought.is_ok()
+                    }
                 };
-                let topic = &self.settings.topic;
-                let sought = consumer.seek(topic, partition, offset, Duration::from_secs(10));
-                if let Err(error) = &sought {
-                    // Without the seek the position is unknown: stay paused and acquire again.
-                    tracing::warn!(partition, %error, "seek failed; acquiring the partition again");
-                }
-                let next = slot.machine.on_seek(sought.is_ok(), Instant::now());
+                let next = slot.machine.on_seek(sought, Instant::now());
                 self.execute(consumer, partition, slot, next);
             }
         }
@@ -614,8 +779,19 @@ impl<S: Sink> Shared<S> {
         &self,
         consumer: &K,
         partition: i32,
+        slot: &mut Slot,
         pause: bool,
     ) {
+        if let Some(fetcher) = &self.fetcher {
+            match (pause, slot.machine.read_to()) {
+                // As librdkafka does: drop what was fetched past the last message read, and
+                // fetch from there once resumed, so a paused partition holds nothing more.
+                (true, Some(next)) => slot.epoch = fetcher.seek(partition, Start::At(next), true),
+                (true, None) => fetcher.pause(partition),
+                (false, _) => fetcher.resume(partition),
+            }
+            return;
+        }
         let mut tpl = TopicPartitionList::new();
         tpl.add_partition(&self.settings.topic, partition);
         let result = if pause {
@@ -638,8 +814,9 @@ impl<S: Sink> Shared<S> {
         let exactly_once = self.settings.delivery == Delivery::ExactlyOnce;
         // librdkafka keeps an application pause across revoke and re-assign, so set it
         // explicitly: at-least-once partitions start fetching; exactly-once ones wait, paused,
-        // until their fences are stamped and their position is known.
-        let paused = if exactly_once {
+        // until their fences are stamped and their position is known. With tally's fetcher,
+        // librdkafka fetches nothing: every partition stays paused there.
+        let paused = if exactly_once || self.fetcher.is_some() {
             consumer.pause(assigned)
         } else {
             consumer.resume(assigned)
@@ -647,6 +824,10 @@ impl<S: Sink> Shared<S> {
         if let Err(error) = paused {
             tracing::warn!(%error, "pausing/resuming newly assigned partitions failed");
         }
+        let committed = match (&self.fetcher, exactly_once) {
+            (Some(_), false) => self.committed(consumer, assigned),
+            _ => HashMap::new(),
+        };
         let mut parts = lock(&self.partitions);
         for element in assigned.elements_for_topic(&self.settings.topic) {
             let partition = element.partition();
@@ -665,9 +846,18 @@ impl<S: Sink> Shared<S> {
                 task: None,
                 acquiring: None,
                 ids: None,
+                epoch: 0,
             };
             if let Some(action) = action {
                 self.execute(consumer, partition, &mut slot, action);
+            }
+            if let (Some(fetcher), false) = (&self.fetcher, exactly_once) {
+                // At-least-once reads on from the group's committed offset.
+                let start = committed
+                    .get(&partition)
+                    .copied()
+                    .map_or(Start::Earliest, Start::At);
+                slot.epoch = fetcher.seek(partition, start, false);
             }
             parts.map.insert(partition, slot);
         }
@@ -675,6 +865,28 @@ impl<S: Sink> Shared<S> {
             partitions = ?parts.map.keys().collect::<Vec<_>>(),
             "partitions assigned"
         );
+    }
+
+    /// The group's committed offsets of `assigned` (at-least-once with tally's fetcher, which
+    /// starts there); a partition with none, or whose lookup failed, is read from its start,
+    /// as `auto.offset.reset = earliest` has librdkafka do.
+    fn committed<X: ConsumerContext, K: Consumer<X>>(
+        &self,
+        consumer: &K,
+        assigned: &TopicPartitionList,
+    ) -> HashMap<i32, i64> {
+        match consumer.committed_offsets(assigned.clone(), Duration::from_secs(10)) {
+            Ok(tpl) => (tpl.elements_for_topic(&self.settings.topic).iter())
+                .filter_map(|e| match e.offset() {
+                    Offset::Offset(offset) => Some((e.partition(), offset)),
+                    _ => None,
+                })
+                .collect(),
+            Err(error) => {
+                tracing::warn!(%error, "reading the committed offsets failed; reading the partitions from their start");
+                HashMap::new()
+            }
+        }
     }
 
     /// The revoke callback's work: drain the revoked partitions and commit, before returning.
@@ -694,6 +906,9 @@ impl<S: Sink> Shared<S> {
         }
         for (partition, _) in &taken {
             self.metrics.released(*partition);
+            if let Some(fetcher) = &self.fetcher {
+                fetcher.remove(*partition);
+            }
         }
         let count = taken.len();
         let deadline = Instant::now() + self.settings.revoke_timeout;
@@ -714,6 +929,11 @@ impl<S: Sink> Shared<S> {
         consumer: &K,
     ) -> Drained {
         let taken: Vec<(i32, Slot)> = lock(&self.partitions).map.drain().collect();
+        if let Some(fetcher) = &self.fetcher {
+            for (partition, _) in &taken {
+                fetcher.remove(*partition);
+            }
+        }
         let deadline = Instant::now() + self.settings.shutdown_timeout;
         let drained = self.drain(taken, deadline).await;
         self.commit(consumer, &drained.commit, CommitMode::Sync);
@@ -763,6 +983,14 @@ impl<S: Sink> Shared<S> {
         }
         timer.abort();
         drained
+    }
+
+    /// Each owned partition's lag, where it is known (read with tally's fetcher).
+    pub(crate) fn lags(&self) -> Vec<(i32, i64)> {
+        let parts = lock(&self.partitions);
+        (parts.map.iter())
+            .filter_map(|(p, slot)| slot.machine.lag().map(|lag| (*p, lag)))
+            .collect()
     }
 
     /// Where each owned partition's log ends now (from statistics).

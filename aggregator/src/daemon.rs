@@ -1,6 +1,7 @@
 //! The daemon's loop: [`Aggregator`] owns the Kafka consumer and waits, in one task, for the
-//! next of: shutdown, a task's report, the tick, or a run of messages; each goes to the shared
-//! state (`crate::consume`), whose partitions' state machines decide what happens.
+//! next of: shutdown, a task's report, the tick, a chunk from tally's fetcher, or a run of
+//! librdkafka's messages (group events only, when the fetcher reads the partitions); each goes to
+//! the shared state (`crate::consume`), whose partitions' state machines decide what happens.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -13,6 +14,8 @@ use rdkafka::error::{KafkaError, KafkaResult};
 use rdkafka::message::BorrowedMessage;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
+
+use tally_kafka::{Fetched, Fetcher};
 
 use crate::consume::{LoopSettings, Report, RunSummary, Shared};
 use crate::flush::Flusher;
@@ -51,6 +54,16 @@ pub struct Aggregator<S: Sink> {
     shared: Arc<Shared<S>>,
     consumer: StreamConsumer<AggregatorContext<S>>,
     done_rx: mpsc::UnboundedReceiver<Report>,
+    /// What tally's fetcher reads, when it reads the partitions.
+    fetched_rx: Option<mpsc::UnboundedReceiver<Fetched>>,
+}
+
+/// The next thing tally's fetcher handed over; never, without one.
+async fn next_fetched(rx: &mut Option<mpsc::UnboundedReceiver<Fetched>>) -> Option<Fetched> {
+    match rx {
+        Some(rx) => rx.recv().await,
+        None => std::future::pending().await,
+    }
 }
 
 impl<S: Sink> std::fmt::Debug for Aggregator<S> {
@@ -78,7 +91,15 @@ impl<S: Sink> Aggregator<S> {
             settings.namespaces.clone(),
             settings.max_message_bytes,
         );
-        let (shared, done_rx) = Shared::new(settings, flusher, warm_up);
+        // tally's fetcher, when it reads the partitions (librdkafka then only runs the group).
+        let (fetcher, fetched_rx) = match &settings.fetch {
+            Some(config) => {
+                let (fetcher, rx) = Fetcher::start(config.clone());
+                (Some(fetcher), Some(rx))
+            }
+            None => (None, None),
+        };
+        let (shared, done_rx) = Shared::new(settings, flusher, warm_up, fetcher);
         // tally's consumer settings under the operator's: start from the operator's (copying the
         // config, never its `config_map()`, which masks secrets such as `sasl.password`).
         let mut config = kafka.clone();
@@ -119,6 +140,7 @@ impl<S: Sink> Aggregator<S> {
             shared,
             consumer,
             done_rx,
+            fetched_rx,
         })
     }
 
@@ -143,6 +165,9 @@ impl<S: Sink> Aggregator<S> {
                 () = shutdown.cancelled() => break,
                 Some(report) = self.done_rx.recv() => shared.report(&self.consumer, report),
                 _ = tick.tick() => shared.tick(&self.consumer),
+                Some(fetched) = next_fetched(&mut self.fetched_rx) => {
+                    shared.handle_fetched(&self.consumer, fetched);
+                }
                 messages = ready_messages(&mut stream) => {
                     shared.handle_messages(&self.consumer, &messages);
                 }

@@ -81,6 +81,9 @@ pub enum StartError {
     /// The PostgreSQL store could not be set up (URL, connection, migrations).
     #[error("postgres: {0}")]
     Postgres(#[from] pg_schema::PgError),
+    /// `--fetch direct` with a Kafka option tally's fetcher does not support.
+    #[error("--fetch direct: {0} (use --fetch auto or librdkafka)")]
+    Fetch(#[from] tally_kafka::Unsupported),
     /// The metrics address could not be bound.
     #[error("cannot serve metrics on {addr}: {source}")]
     Metrics {
@@ -103,8 +106,31 @@ pub fn kafka_client_config(config: &Config) -> ClientConfig {
     kafka
 }
 
-/// The delivery, grouping and atomicity settings as `tally_build_info` labels them.
-fn settings_labels(config: &Config) -> [&'static str; 3] {
+/// tally's fetcher's settings, from the same options librdkafka gets, if `config.fetch` and
+/// those options let it read the partitions.
+fn fetch_config(
+    config: &Config,
+    kafka: &ClientConfig,
+) -> Result<Option<tally_kafka::FetchConfig>, StartError> {
+    use config::Fetch;
+    if config.fetch == Fetch::Librdkafka {
+        return Ok(None);
+    }
+    // The values from `get`: `config_map` masks secrets such as `sasl.password`.
+    let keys: Vec<&str> = kafka.config_map().into_keys().collect();
+    let options = keys.iter().filter_map(|k| kafka.get(k).map(|v| (*k, v)));
+    match tally_kafka::FetchConfig::from_options(&config.topic, options) {
+        Ok(fetch) => Ok(Some(fetch)),
+        Err(unsupported) if config.fetch == Fetch::Auto => {
+            tracing::info!(%unsupported, "reading the partitions through librdkafka");
+            Ok(None)
+        }
+        Err(unsupported) => Err(unsupported.into()),
+    }
+}
+
+/// The delivery, grouping, atomicity and fetch settings as `tally_build_info` labels them.
+fn settings_labels(config: &Config, direct: bool) -> [&'static str; 4] {
     use config::{Atomicity, Delivery};
     [
         match config.delivery {
@@ -117,15 +143,18 @@ fn settings_labels(config: &Config) -> [&'static str; 3] {
             Atomicity::Scripts => "scripts",
             Atomicity::Transactions => "transactions",
         },
+        if direct { "direct" } else { "librdkafka" },
     ]
 }
 
 /// Runs the aggregator until `shutdown` fires: serves metrics, consumes, flushes, and drains.
 pub async fn run(config: Config, shutdown: CancellationToken) -> Result<RunSummary, StartError> {
+    let kafka = kafka_client_config(&config);
+    let fetch = fetch_config(&config, &kafka)?;
     let metrics = Arc::new(metrics::Metrics::new());
     // The most a partition buffers: its pause size, live or catching up.
     metrics.started(
-        settings_labels(&config),
+        settings_labels(&config, fetch.is_some()),
         (2 * config.limits.live.max_events).max(config.limits.catch_up.max_events),
     );
     let probes = Arc::new(http::Probes {
@@ -188,8 +217,11 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<RunSumma
         );
         trending
     });
-    let kafka = kafka_client_config(&config);
-    let parts = Parts { metrics, trending };
+    let parts = Parts {
+        metrics,
+        trending,
+        fetch,
+    };
     let summary = match postgres {
         None => {
             let sink = RedisSink::new(
@@ -238,6 +270,8 @@ async fn open_postgres(
 struct Parts {
     metrics: Arc<metrics::Metrics>,
     trending: Option<Arc<trending::Trending>>,
+    /// tally's fetcher's settings, when it reads the partitions.
+    fetch: Option<tally_kafka::FetchConfig>,
 }
 
 /// Consumes into `sink` until `shutdown` fires, then drains.
@@ -273,6 +307,12 @@ async fn consume<S: Sink>(
         revoke_timeout: config.revoke_timeout,
         shutdown_timeout: config.shutdown_timeout,
         check_idle_interval: config.check_idle_interval,
+        fetch: parts.fetch,
+    };
+    let fetch = if settings.fetch.is_some() {
+        "direct"
+    } else {
+        "librdkafka"
     };
     let aggregator = Aggregator::new(kafka, settings, flusher)?;
     tracing::info!(
@@ -282,6 +322,7 @@ async fn consume<S: Sink>(
         grouping = ?config.grouping,
         store = ?config.store,
         redis_atomicity = ?config.redis_atomicity,
+        fetch,
         "aggregator started"
     );
     Ok(aggregator.run(shutdown).await)

@@ -23,6 +23,8 @@ pub struct Metrics {
     events_dead_lettered: IntCounterVec,
     /// Events not counted because they repeat an idempotency key counted within its window.
     repeated_ids: IntCounter,
+    /// Partitions whose position was outside their log and moved to its start.
+    offset_resets: IntCounter,
     expiry_records: IntCounter,
     expired: IntCounter,
     /// Events left out of a window's bucket, by reason (`late`, `future`).
@@ -51,7 +53,7 @@ pub struct Metrics {
     paused_partitions: IntGauge,
     /// Partitions batching by size because their log holds more than they have read.
     catching_up_partitions: IntGauge,
-    /// Consumer lag per partition, from librdkafka's statistics.
+    /// Consumer lag per partition: the log's end less the next offset read.
     consumer_lag: IntGaugeVec,
     /// Shard counts raised by the shard monitor.
     shard_raises: IntCounter,
@@ -128,6 +130,10 @@ impl Metrics {
             repeated_ids: r.counter(
                 "tally_repeated_ids_total",
                 "Events not counted because they repeat an event_id counted within their namespace's idempotency window.",
+            ),
+            offset_resets: r.counter(
+                "tally_offset_resets_total",
+                "Times a partition's position was no longer in its log (retention deleted it before it was read) and reading moved to the log's start: the events in between were never counted.",
             ),
             expiry_records: r.counter(
                 "tally_expiry_records_total",
@@ -206,7 +212,7 @@ impl Metrics {
             build_info: r.gauge_vec(
                 "tally_build_info",
                 "Always 1: the version and the delivery settings of this instance.",
-                &["version", "delivery", "grouping", "redis_atomicity"],
+                &["version", "delivery", "grouping", "redis_atomicity", "fetch"],
             ),
             buffer_limit: r.gauge(
                 "tally_buffer_limit_events",
@@ -242,6 +248,11 @@ impl Metrics {
     /// `n` messages were read from Kafka.
     pub fn consumed(&self, n: u64) {
         self.events_consumed.inc_by(n);
+    }
+
+    /// A partition's position was outside its log and moved to its start.
+    pub fn offset_reset(&self) {
+        self.offset_resets.inc();
     }
 
     /// A malformed message is safely in the dead-letter topic.
@@ -344,10 +355,16 @@ impl Metrics {
     }
 
     /// Records the version and delivery settings, and the per-partition pause threshold.
-    pub fn started(&self, settings: [&str; 3], buffer_limit: usize) {
-        let [delivery, grouping, atomicity] = settings;
+    pub fn started(&self, settings: [&str; 4], buffer_limit: usize) {
+        let [delivery, grouping, atomicity, fetch] = settings;
         self.build_info
-            .with_label_values(&[env!("CARGO_PKG_VERSION"), delivery, grouping, atomicity])
+            .with_label_values(&[
+                env!("CARGO_PKG_VERSION"),
+                delivery,
+                grouping,
+                atomicity,
+                fetch,
+            ])
             .set(1);
         self.buffer_limit.set(buffer_limit as i64);
     }
@@ -409,7 +426,7 @@ mod tests {
         m.batch_flushed(2, 1, Duration::from_millis(3));
         m.consumer_lag([(0, 5)]);
         m.group_membership(true);
-        m.started(["exactly-once", "partition", "auto"], 400_000);
+        m.started(["exactly-once", "partition", "auto", "direct"], 400_000);
         m.durable(3, 42);
         m.durable(4, 7);
         m.released(4);
@@ -433,7 +450,7 @@ mod tests {
         ] {
             assert!(text.contains(name), "missing {name} in\n{text}");
         }
-        assert!(text.contains("tally_build_info{delivery=\"exactly-once\""));
+        assert!(text.contains("tally_build_info{delivery=\"exactly-once\",fetch=\"direct\""));
         assert!(
             !text.contains("partition=\"4\"} 7"),
             "a released partition stays"

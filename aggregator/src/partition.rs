@@ -234,6 +234,16 @@ impl Partition {
         self.buffer.events() + in_flight
     }
 
+    /// The offset after the last message read since the partition was positioned, if any.
+    pub(crate) fn read_to(&self) -> Option<i64> {
+        self.read_to
+    }
+
+    /// How far the log's end is past the last message read, where both are known.
+    pub(crate) fn lag(&self) -> Option<i64> {
+        Some((self.log_end? - self.read_to?).max(0))
+    }
+
     /// Where the partition's log ends now (from statistics); unknown values are ignored.
     pub(crate) fn on_log_end(&mut self, end: i64) {
         if end >= 0 {

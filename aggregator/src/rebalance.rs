@@ -27,6 +27,11 @@ impl<S> std::fmt::Debug for AggregatorContext<S> {
 
 impl<S: Sink> ClientContext for AggregatorContext<S> {
     fn stats(&self, statistics: Statistics) {
+        if self.shared.fetcher.is_some() {
+            // librdkafka fetches nothing: the partitions know their lag from the fetcher.
+            self.shared.metrics.consumer_lag(self.shared.lags());
+            return;
+        }
         let partitions = statistics
             .topics
             .get(&self.shared.settings.topic)

@@ -9,8 +9,9 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
 /// Each crate's source directory, relative to the workspace root.
-const CRATES: [&str; 7] = [
+const CRATES: [&str; 8] = [
     "common/src",
+    "kafka/src",
     "producer/src",
     "aggregator/src",
     "cli/src",

@@ -1,0 +1,182 @@
+//! Decompressing a batch's records section: gzip, Snappy (raw or Java's xerial framing), LZ4
+//! frames and Zstandard frames: every codec Kafka defines. A codec id Kafka does not define is
+//! an error naming it (the aggregator dead-letters such a batch whole, as it does any batch it
+//! cannot read).
+
+use std::io::Read;
+
+use crate::records::Compression;
+
+/// A records section that could not be decompressed.
+#[derive(Debug, thiserror::Error)]
+pub enum DecompressError {
+    /// A codec this reader does not decompress.
+    #[error("record batches compressed with {0:?} are not supported")]
+    Unsupported(Compression),
+    /// The data did not decompress.
+    #[error("{codec:?} decompression failed: {message}")]
+    Corrupt {
+        /// The codec.
+        codec: Compression,
+        /// What the decoder said.
+        message: String,
+    },
+}
+
+/// Java's snappy framing (`SnappyOutputStream`): this magic, two version words, then blocks of
+/// `int32` length and raw snappy data.
+const XERIAL_MAGIC: &[u8] = b"\x82SNAPPY\x00";
+
+/// Decompresses `input`, compressed with `codec`, into `out` (cleared first).
+pub fn decompress(
+    codec: Compression,
+    input: &[u8],
+    out: &mut Vec<u8>,
+) -> Result<(), DecompressError> {
+    out.clear();
+    let corrupt = |e: &dyn std::fmt::Display| DecompressError::Corrupt {
+        codec,
+        message: e.to_string(),
+    };
+    match codec {
+        Compression::None => out.extend_from_slice(input),
+        Compression::Gzip => {
+            flate2::read::MultiGzDecoder::new(input)
+                .read_to_end(out)
+                .map_err(|e| corrupt(&e))?;
+        }
+        Compression::Lz4 => {
+            lz4_flex::frame::FrameDecoder::new(input)
+                .read_to_end(out)
+                .map_err(|e| corrupt(&e))?;
+        }
+        Compression::Snappy if input.starts_with(XERIAL_MAGIC) => {
+            let mut blocks = &input[XERIAL_MAGIC.len() + 8..];
+            let mut decoder = snap::raw::Decoder::new();
+            while !blocks.is_empty() {
+                if blocks.len() < 4 {
+                    return Err(corrupt(&"a cut-off xerial block length"));
+                }
+                let (len, rest) = blocks.split_at(4);
+                let len = u32::from_be_bytes([len[0], len[1], len[2], len[3]]) as usize;
+                if rest.len() < len {
+                    return Err(corrupt(&"a cut-off xerial block"));
+                }
+                let (block, rest) = rest.split_at(len);
+                let start = out.len();
+                let size = snap::raw::decompress_len(block).map_err(|e| corrupt(&e))?;
+                out.resize(start + size, 0);
+                decoder
+                    .decompress(block, &mut out[start..])
+                    .map_err(|e| corrupt(&e))?;
+                blocks = rest;
+            }
+        }
+        Compression::Snappy => {
+            let size = snap::raw::decompress_len(input).map_err(|e| corrupt(&e))?;
+            out.resize(size, 0);
+            snap::raw::Decoder::new()
+                .decompress(input, out)
+                .map_err(|e| corrupt(&e))?;
+        }
+        Compression::Zstd => {
+            let mut frames = input;
+            while !frames.is_empty() {
+                let mut decoder = ruzstd::decoding::StreamingDecoder::new(&mut frames)
+                    .map_err(|e| corrupt(&e))?;
+                decoder.read_to_end(out).map_err(|e| corrupt(&e))?;
+            }
+        }
+        Compression::Unknown(_) => return Err(DecompressError::Unsupported(codec)),
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Write;
+
+    use super::*;
+
+    fn sample() -> Vec<u8> {
+        (0..10_000u32)
+            .flat_map(|i| format!("{{\"counter\":\"likes:post:{}\"}}", i % 97).into_bytes())
+            .collect()
+    }
+
+    #[test]
+    fn every_supported_codec_round_trips() {
+        let data = sample();
+        let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+        gz.write_all(&data).expect("as written");
+        let gzip = gz.finish().expect("as written");
+        let mut lz = lz4_flex::frame::FrameEncoder::new(Vec::new());
+        lz.write_all(&data).expect("as written");
+        let lz4 = lz.finish().expect("as written");
+        let raw_snappy = snap::raw::Encoder::new()
+            .compress_vec(&data)
+            .expect("as written");
+        let mut xerial = XERIAL_MAGIC.to_vec();
+        xerial.extend_from_slice(&[0, 0, 0, 1, 0, 0, 0, 1]);
+        for chunk in data.chunks(4_096) {
+            let block = snap::raw::Encoder::new()
+                .compress_vec(chunk)
+                .expect("as written");
+            xerial.extend_from_slice(&(block.len() as u32).to_be_bytes());
+            xerial.extend_from_slice(&block);
+        }
+        let zstd = ruzstd::encoding::compress_to_vec(
+            &data[..],
+            ruzstd::encoding::CompressionLevel::Fastest,
+        );
+        // Two frames back to back read as one stream, as Kafka allows.
+        let half = data.len() / 2;
+        let mut two_frames = ruzstd::encoding::compress_to_vec(
+            &data[..half],
+            ruzstd::encoding::CompressionLevel::Fastest,
+        );
+        two_frames.extend(ruzstd::encoding::compress_to_vec(
+            &data[half..],
+            ruzstd::encoding::CompressionLevel::Fastest,
+        ));
+        let mut out = vec![1, 2, 3];
+        for (codec, input) in [
+            (Compression::Zstd, &zstd),
+            (Compression::Zstd, &two_frames),
+            (Compression::None, &data),
+            (Compression::Gzip, &gzip),
+            (Compression::Lz4, &lz4),
+            (Compression::Snappy, &raw_snappy),
+            (Compression::Snappy, &xerial),
+        ] {
+            decompress(codec, input, &mut out).expect("as written");
+            assert!(out == data, "{codec:?}");
+        }
+    }
+
+    #[test]
+    fn corrupt_and_unsupported_input_are_errors() {
+        let mut out = Vec::new();
+        assert!(matches!(
+            decompress(Compression::Lz4, b"not lz4 at all", &mut out),
+            Err(DecompressError::Corrupt {
+                codec: Compression::Lz4,
+                ..
+            })
+        ));
+        assert!(matches!(
+            decompress(Compression::Zstd, b"not zstd", &mut out),
+            Err(DecompressError::Corrupt {
+                codec: Compression::Zstd,
+                ..
+            })
+        ));
+        assert!(matches!(
+            decompress(Compression::Unknown(6), b"", &mut out),
+            Err(DecompressError::Unsupported(Compression::Unknown(6)))
+        ));
+        let mut xerial = XERIAL_MAGIC.to_vec();
+        xerial.extend_from_slice(&[0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 9, 1]);
+        assert!(decompress(Compression::Snappy, &xerial, &mut out).is_err());
+    }
+}

@@ -1,0 +1,420 @@
+//! One connection to one broker: TCP, TLS if configured, the `ApiVersions` check, SASL if
+//! configured, then requests one at a time ([`Connection::request`]). A response is read into a
+//! buffer the caller owns and reuses, so a stream of large fetch responses allocates nothing.
+
+use std::time::Duration;
+
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+use crate::config::{Security, Tls};
+use crate::protocol::{self, Api, ErrorCode};
+use crate::sasl;
+use crate::wire::{Malformed, Writer};
+
+/// Largest response accepted: far above any fetch response tally asks for.
+const MAX_RESPONSE: usize = 1 << 30;
+
+/// Longest wait for a TCP connection (and the TLS handshake), whatever the request timeout: a
+/// broker that is down must not hold up finding its successor.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// What can go wrong on a connection. Every variant but [`Self::Auth`] and
+/// [`Self::Unsupported`] is passing: connect again (with backoff).
+#[derive(Debug, thiserror::Error)]
+pub enum ConnectionError {
+    /// The socket failed or closed.
+    #[error("connection to {broker}: {source}")]
+    Io {
+        /// The broker's address.
+        broker: String,
+        /// The failure.
+        source: std::io::Error,
+    },
+    /// No answer in time.
+    #[error("connection to {broker}: no answer within {timeout:?}")]
+    Timeout {
+        /// The broker's address.
+        broker: String,
+        /// How long it waited.
+        timeout: Duration,
+    },
+    /// TLS could not be set up.
+    #[error("TLS to {broker}: {message}")]
+    Tls {
+        /// The broker's address.
+        broker: String,
+        /// What failed.
+        message: String,
+    },
+    /// The broker refused the credentials, or the exchange failed.
+    #[error("authentication with {broker} failed: {message}")]
+    Auth {
+        /// The broker's address.
+        broker: String,
+        /// Why (never the password).
+        message: String,
+    },
+    /// The broker does not speak a version tally needs.
+    #[error("{broker} does not support {api} v{version} (it supports {range})")]
+    Unsupported {
+        /// The broker's address.
+        broker: String,
+        /// The API.
+        api: &'static str,
+        /// The version tally speaks.
+        version: i16,
+        /// What the broker supports.
+        range: String,
+    },
+    /// A response tally could not read.
+    #[error("a malformed response from {broker}: {source}")]
+    Malformed {
+        /// The broker's address.
+        broker: String,
+        /// Where and what.
+        source: Malformed,
+    },
+}
+
+impl ConnectionError {
+    /// Whether trying again cannot help.
+    pub fn is_fatal(&self) -> bool {
+        matches!(self, Self::Auth { .. } | Self::Unsupported { .. })
+    }
+}
+
+trait Io: AsyncRead + AsyncWrite + Unpin + Send {}
+impl<T: AsyncRead + AsyncWrite + Unpin + Send> Io for T {}
+
+/// A connection to one broker.
+pub struct Connection {
+    stream: Box<dyn Io>,
+    broker: String,
+    client_id: String,
+    correlation_id: i32,
+    timeout: Duration,
+}
+
+impl std::fmt::Debug for Connection {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Connection")
+            .field("broker", &self.broker)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The APIs every connection checks the broker supports.
+const NEEDED: [Api; 3] = [protocol::FETCH, protocol::METADATA, protocol::LIST_OFFSETS];
+
+impl Connection {
+    /// Connects to `broker` (`host:port`), secures and authenticates the connection as
+    /// `security` says, and checks the broker speaks the versions tally sends.
+    pub async fn connect(
+        broker: &str,
+        security: &Security,
+        client_id: &str,
+        timeout: Duration,
+    ) -> Result<Self, ConnectionError> {
+        let io = |source| ConnectionError::Io {
+            broker: broker.to_owned(),
+            source,
+        };
+        let connect_timeout = timeout.min(CONNECT_TIMEOUT);
+        let tcp = tokio::time::timeout(connect_timeout, TcpStream::connect(broker))
+            .await
+            .map_err(|_| ConnectionError::Timeout {
+                broker: broker.to_owned(),
+                timeout: connect_timeout,
+            })?
+            .map_err(io)?;
+        tcp.set_nodelay(true).map_err(io)?;
+        let stream: Box<dyn Io> = match &security.tls {
+            None => Box::new(tcp),
+            Some(tls) => Box::new(secure(tcp, broker, tls, connect_timeout).await?),
+        };
+        let mut connection = Self {
+            stream,
+            broker: broker.to_owned(),
+            client_id: client_id.to_owned(),
+            correlation_id: 0,
+            timeout,
+        };
+        let mut buf = Vec::new();
+        connection
+            .request(protocol::API_VERSIONS, |_| {}, &mut buf)
+            .await?;
+        let (error, ranges) =
+            protocol::parse_api_versions(&buf).map_err(|e| connection.malformed(e))?;
+        if error.is_error() {
+            return Err(connection.unsupported(protocol::API_VERSIONS, error.to_string()));
+        }
+        let mut needed = NEEDED.to_vec();
+        if security.sasl.is_some() {
+            needed.extend([protocol::SASL_HANDSHAKE, protocol::SASL_AUTHENTICATE]);
+        }
+        for api in needed {
+            match ranges.iter().find(|r| r.key == api.key) {
+                Some(r) if (r.min..=r.max).contains(&api.version) => {}
+                Some(r) => {
+                    return Err(connection.unsupported(api, format!("v{}-v{}", r.min, r.max)));
+                }
+                None => return Err(connection.unsupported(api, "none".to_owned())),
+            }
+        }
+        if let Some(sasl) = &security.sasl {
+            connection.authenticate(sasl).await?;
+        }
+        Ok(connection)
+    }
+
+    /// The broker's address.
+    pub fn broker(&self) -> &str {
+        &self.broker
+    }
+
+    fn malformed(&self, source: Malformed) -> ConnectionError {
+        ConnectionError::Malformed {
+            broker: self.broker.clone(),
+            source,
+        }
+    }
+
+    fn unsupported(&self, api: Api, range: String) -> ConnectionError {
+        ConnectionError::Unsupported {
+            broker: self.broker.clone(),
+            api: api.name,
+            version: api.version,
+            range,
+        }
+    }
+
+    async fn authenticate(&mut self, config: &crate::config::Sasl) -> Result<(), ConnectionError> {
+        let broker = self.broker.clone();
+        let auth = |message: String| ConnectionError::Auth {
+            broker: broker.clone(),
+            message,
+        };
+        let mechanism = config.mechanism.name();
+        let mut buf = Vec::new();
+        self.request(
+            protocol::SASL_HANDSHAKE,
+            |w| protocol::sasl_handshake_request(w, mechanism),
+            &mut buf,
+        )
+        .await?;
+        let (error, enabled) =
+            protocol::parse_sasl_handshake(&buf).map_err(|e| self.malformed(e))?;
+        if error.is_error() {
+            return Err(auth(format!(
+                "{mechanism} is not enabled on the broker ({error}; it offers {enabled:?})"
+            )));
+        }
+        let nonce = nonce();
+        let (mut message, mut exchange) = sasl::start(config, &nonce);
+        loop {
+            self.request(
+                protocol::SASL_AUTHENTICATE,
+                |w| protocol::sasl_authenticate_request(w, &message),
+                &mut buf,
+            )
+            .await?;
+            let (error, text, server) =
+                protocol::parse_sasl_authenticate(&buf).map_err(|e| self.malformed(e))?;
+            if error.is_error() {
+                let text = text.unwrap_or_default();
+                return Err(auth(format!("{error}: {text}")));
+            }
+            match exchange.step(&server).map_err(|e| auth(e.to_string()))? {
+                Some(next) => message = next,
+                None if exchange.expects_more() => {
+                    return Err(auth("the exchange ended early".into()));
+                }
+                None => return Ok(()),
+            }
+        }
+    }
+
+    /// Sends a request for `api` whose body `body` writes, and reads its response's body into
+    /// `response` (cleared first). Waits at most the connection's timeout plus `extra` (a
+    /// fetch's own wait at the broker).
+    pub async fn request_waiting(
+        &mut self,
+        api: Api,
+        body: impl FnOnce(&mut Writer),
+        response: &mut Vec<u8>,
+        extra: Duration,
+    ) -> Result<(), ConnectionError> {
+        self.correlation_id = self.correlation_id.wrapping_add(1);
+        let correlation_id = self.correlation_id;
+        let mut w = protocol::request_header(api, correlation_id, &self.client_id);
+        body(&mut w);
+        let size = i32::try_from(w.buf.len() - 4).unwrap_or(i32::MAX);
+        w.buf[..4].copy_from_slice(&size.to_be_bytes());
+        let timeout = self.timeout + extra;
+        let broker = self.broker.clone();
+        let exchange = async {
+            self.stream.write_all(&w.buf).await?;
+            self.stream.flush().await?;
+            let len = self.stream.read_i32().await?;
+            let len = usize::try_from(len)
+                .ok()
+                .filter(|n| (4..=MAX_RESPONSE).contains(n))
+                .ok_or_else(|| {
+                    std::io::Error::new(
+                        std::io::ErrorKind::InvalidData,
+                        format!("a response of {len} bytes"),
+                    )
+                })?;
+            let got = self.stream.read_i32().await?;
+            if got != correlation_id {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::InvalidData,
+                    format!("a response to request {got}, waiting for {correlation_id}"),
+                ));
+            }
+            response.clear();
+            response.reserve(len - 4);
+            let read = (&mut self.stream)
+                .take((len - 4) as u64)
+                .read_to_end(response)
+                .await?;
+            if read != len - 4 {
+                return Err(std::io::ErrorKind::UnexpectedEof.into());
+            }
+            Ok(())
+        };
+        match tokio::time::timeout(timeout, exchange).await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(source)) => Err(ConnectionError::Io { broker, source }),
+            Err(_) => Err(ConnectionError::Timeout { broker, timeout }),
+        }
+    }
+
+    /// [`Self::request_waiting`] with no extra wait.
+    pub async fn request(
+        &mut self,
+        api: Api,
+        body: impl FnOnce(&mut Writer),
+        response: &mut Vec<u8>,
+    ) -> Result<(), ConnectionError> {
+        self.request_waiting(api, body, response, Duration::ZERO)
+            .await
+    }
+
+    /// Asks for `topic`'s metadata.
+    pub async fn metadata(&mut self, topic: &str) -> Result<protocol::Metadata, ConnectionError> {
+        let mut buf = Vec::new();
+        self.request(
+            protocol::METADATA,
+            |w| protocol::metadata_request(w, topic),
+            &mut buf,
+        )
+        .await?;
+        protocol::parse_metadata(&buf, topic).map_err(|e| self.malformed(e))
+    }
+
+    /// Where the logs of `partitions` start or end.
+    pub async fn list_offsets(
+        &mut self,
+        topic: &str,
+        partitions: &[i32],
+        end: protocol::LogEnd,
+    ) -> Result<Vec<(i32, ErrorCode, i64)>, ConnectionError> {
+        let mut buf = Vec::new();
+        self.request(
+            protocol::LIST_OFFSETS,
+            |w| protocol::list_offsets_request(w, topic, partitions, end),
+            &mut buf,
+        )
+        .await?;
+        protocol::parse_list_offsets(&buf).map_err(|e| self.malformed(e))
+    }
+}
+
+/// A client nonce: 24 random bytes, base64.
+fn nonce() -> String {
+    use base64::Engine as _;
+    let bytes: [u8; 24] = rand::random();
+    base64::engine::general_purpose::STANDARD.encode(bytes)
+}
+
+/// The PEM blocks of `pem` of the given label (`CERTIFICATE`).
+fn pem_blocks<'a>(pem: &'a str, label: &str) -> Vec<&'a str> {
+    let begin = format!("-----BEGIN {label}-----");
+    let end = format!("-----END {label}-----");
+    let mut out = Vec::new();
+    let mut rest = pem;
+    while let Some(start) = rest.find(&begin) {
+        let Some(stop) = rest[start..].find(&end) else {
+            break;
+        };
+        let stop = start + stop + end.len();
+        out.push(&rest[start..stop]);
+        rest = &rest[stop..];
+    }
+    out
+}
+
+async fn secure(
+    tcp: TcpStream,
+    broker: &str,
+    tls: &Tls,
+    timeout: Duration,
+) -> Result<tokio_native_tls::TlsStream<TcpStream>, ConnectionError> {
+    let fail = |message: String| ConnectionError::Tls {
+        broker: broker.to_owned(),
+        message,
+    };
+    let read = |path: &str| {
+        std::fs::read_to_string(path).map_err(|e| fail(format!("reading {path}: {e}")))
+    };
+    let mut builder = native_tls::TlsConnector::builder();
+    if let Some(ca) = &tls.ca_location {
+        let pem = read(ca)?;
+        let certs = pem_blocks(&pem, "CERTIFICATE");
+        if certs.is_empty() {
+            return Err(fail(format!("{ca} holds no PEM certificate")));
+        }
+        for cert in certs {
+            let cert = native_tls::Certificate::from_pem(cert.as_bytes())
+                .map_err(|e| fail(format!("{ca}: {e}")))?;
+            builder.add_root_certificate(cert);
+        }
+    }
+    if let Some((cert, key)) = &tls.client {
+        let identity =
+            native_tls::Identity::from_pkcs8(read(cert)?.as_bytes(), read(key)?.as_bytes())
+                .map_err(|e| fail(format!("{cert} and {key}: {e}")))?;
+        builder.identity(identity);
+    }
+    builder.danger_accept_invalid_certs(!tls.verify_certificate);
+    builder.danger_accept_invalid_hostnames(!tls.verify_hostname);
+    let connector =
+        tokio_native_tls::TlsConnector::from(builder.build().map_err(|e| fail(e.to_string()))?);
+    let host = broker.rsplit_once(':').map_or(broker, |(host, _)| host);
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    match tokio::time::timeout(timeout, connector.connect(host, tcp)).await {
+        Ok(Ok(stream)) => Ok(stream),
+        Ok(Err(e)) => Err(fail(e.to_string())),
+        Err(_) => Err(ConnectionError::Timeout {
+            broker: broker.to_owned(),
+            timeout,
+        }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pem_bundles_split_into_their_certificates() {
+        let pem = "junk\n-----BEGIN CERTIFICATE-----\nAAA\n-----END CERTIFICATE-----\n\
+                   -----BEGIN CERTIFICATE-----\nBBB\n-----END CERTIFICATE-----\ntrailer";
+        let blocks = pem_blocks(pem, "CERTIFICATE");
+        assert_eq!(blocks.len(), 2);
+        assert!(blocks[1].contains("BBB") && blocks[1].ends_with("-----END CERTIFICATE-----"));
+        assert!(pem_blocks("none here", "CERTIFICATE").is_empty());
+    }
+}

@@ -1,0 +1,32 @@
+//! tally's own Kafka fetch path: a topic's partitions read straight from their leaders, record
+//! batches decompressed once and parsed in place, without a heap object, a lock or a clock read
+//! per message.
+//!
+//! librdkafka (through rust-rdkafka) stays in charge of everything else: the consumer group, its
+//! rebalances, offset commits, producing. What it costs per message when consuming (an op, a
+//! queue pop, clock reads, a wrapper per message) bounded the aggregator's catch-up at about
+//! twice what this path costs; see `docs/performance/catch-up-profile.txt` in the repository.
+//!
+//! # Layout
+//! - [`wire`]: Kafka's primitive types, read in place and written into requests.
+//! - [`records`]: record batches (message format v2) and their records.
+//! - [`compression`]: gzip, Snappy and LZ4 records sections.
+//! - [`protocol`]: the requests tally sends (`ApiVersions`, `Metadata`, `ListOffsets`, `Fetch`,
+//!   SASL) and their responses.
+//! - [`sasl`]: `PLAIN` and `SCRAM-SHA-256`/`-512`, client side.
+//! - [`config`]: [`FetchConfig`], read from librdkafka-style options.
+//! - [`connection`]: one broker connection: TCP, TLS, SASL, requests.
+//! - [`fetcher`]: [`Fetcher`], the partitions' fetch loop, and the [`Chunk`]s it hands out.
+
+pub mod compression;
+pub mod config;
+pub mod connection;
+pub mod fetcher;
+pub mod protocol;
+pub mod records;
+pub mod sasl;
+pub mod wire;
+
+pub use config::{FetchConfig, Unsupported};
+pub use fetcher::{Chunk, Fetched, Fetcher, Item, Start};
+pub use records::Record;

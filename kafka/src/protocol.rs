@@ -1,0 +1,546 @@
+//! The few Kafka requests tally sends, and their responses: `ApiVersions` (v0), `Metadata` (v7),
+//! `ListOffsets` (v2), `Fetch` (v11), `SaslHandshake` (v1) and `SaslAuthenticate` (v1). Each
+//! version is the last before its API's flexible (tagged-field) encoding, and every broker from
+//! Kafka 2.3 on speaks it; a connection checks the broker's ranges with `ApiVersions` first
+//! (`crate::connection`).
+//!
+//! Requests are built into a [`Writer`] after the request header; responses are parsed from the
+//! bytes after the response header. Record sets stay borrowed from the response
+//! ([`FetchPartition::records`]).
+
+use crate::wire::{Malformed, Reader, Writer};
+
+/// An API key and the one version of it tally speaks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Api {
+    /// Kafka's key for the API.
+    pub key: i16,
+    /// The version tally sends.
+    pub version: i16,
+    /// Its name, for errors.
+    pub name: &'static str,
+}
+
+/// `Fetch` v11.
+pub const FETCH: Api = Api {
+    key: 1,
+    version: 11,
+    name: "Fetch",
+};
+/// `ListOffsets` v2.
+pub const LIST_OFFSETS: Api = Api {
+    key: 2,
+    version: 2,
+    name: "ListOffsets",
+};
+/// `Metadata` v7.
+pub const METADATA: Api = Api {
+    key: 3,
+    version: 7,
+    name: "Metadata",
+};
+/// `SaslHandshake` v1.
+pub const SASL_HANDSHAKE: Api = Api {
+    key: 17,
+    version: 1,
+    name: "SaslHandshake",
+};
+/// `ApiVersions` v0.
+pub const API_VERSIONS: Api = Api {
+    key: 18,
+    version: 0,
+    name: "ApiVersions",
+};
+/// `SaslAuthenticate` v1.
+pub const SASL_AUTHENTICATE: Api = Api {
+    key: 36,
+    version: 1,
+    name: "SaslAuthenticate",
+};
+
+/// A Kafka error code.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ErrorCode(pub i16);
+
+impl ErrorCode {
+    /// No error.
+    pub const NONE: Self = Self(0);
+    /// The offset is before the log's start or after its end.
+    pub const OFFSET_OUT_OF_RANGE: Self = Self(1);
+    /// The broker does not know the topic or partition (yet).
+    pub const UNKNOWN_TOPIC_OR_PARTITION: Self = Self(3);
+    /// The partition has no leader right now.
+    pub const LEADER_NOT_AVAILABLE: Self = Self(5);
+    /// This broker no longer leads the partition.
+    pub const NOT_LEADER_OR_FOLLOWER: Self = Self(6);
+    /// The topic may not be read with these credentials.
+    pub const TOPIC_AUTHORIZATION_FAILED: Self = Self(29);
+    /// The mechanism is not enabled on the broker.
+    pub const UNSUPPORTED_SASL_MECHANISM: Self = Self(33);
+    /// The credentials were refused.
+    pub const SASL_AUTHENTICATION_FAILED: Self = Self(58);
+    /// The request's leader epoch is older than the broker's.
+    pub const FENCED_LEADER_EPOCH: Self = Self(74);
+    /// The request's leader epoch is newer than the broker's.
+    pub const UNKNOWN_LEADER_EPOCH: Self = Self(75);
+    /// The offset is not available yet (a new leader catching up).
+    pub const OFFSET_NOT_AVAILABLE: Self = Self(78);
+
+    /// Whether this is an error.
+    pub fn is_error(self) -> bool {
+        self != Self::NONE
+    }
+
+    /// Whether the partition's leadership moved or is moving: ask the metadata again.
+    pub fn is_stale_leadership(self) -> bool {
+        matches!(
+            self,
+            Self::UNKNOWN_TOPIC_OR_PARTITION
+                | Self::LEADER_NOT_AVAILABLE
+                | Self::NOT_LEADER_OR_FOLLOWER
+                | Self::FENCED_LEADER_EPOCH
+                | Self::UNKNOWN_LEADER_EPOCH
+                | Self::OFFSET_NOT_AVAILABLE
+                // REPLICA_NOT_AVAILABLE, KAFKA_STORAGE_ERROR
+                | Self(9)
+                | Self(56)
+        )
+    }
+
+    /// Kafka's name for the code, where tally knows it.
+    pub fn name(self) -> &'static str {
+        match self.0 {
+            -1 => "UNKNOWN_SERVER_ERROR",
+            0 => "NONE",
+            1 => "OFFSET_OUT_OF_RANGE",
+            3 => "UNKNOWN_TOPIC_OR_PARTITION",
+            5 => "LEADER_NOT_AVAILABLE",
+            6 => "NOT_LEADER_OR_FOLLOWER",
+            7 => "REQUEST_TIMED_OUT",
+            9 => "REPLICA_NOT_AVAILABLE",
+            13 => "NETWORK_EXCEPTION",
+            29 => "TOPIC_AUTHORIZATION_FAILED",
+            31 => "CLUSTER_AUTHORIZATION_FAILED",
+            33 => "UNSUPPORTED_SASL_MECHANISM",
+            34 => "ILLEGAL_SASL_STATE",
+            35 => "UNSUPPORTED_VERSION",
+            56 => "KAFKA_STORAGE_ERROR",
+            58 => "SASL_AUTHENTICATION_FAILED",
+            74 => "FENCED_LEADER_EPOCH",
+            75 => "UNKNOWN_LEADER_EPOCH",
+            78 => "OFFSET_NOT_AVAILABLE",
+            _ => "an error code tally does not name",
+        }
+    }
+}
+
+impl std::fmt::Display for ErrorCode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} ({})", self.name(), self.0)
+    }
+}
+
+/// A request's header (v1): its API, a correlation id, the client's id.
+pub fn request_header(api: Api, correlation_id: i32, client_id: &str) -> Writer {
+    let mut w = Writer::default();
+    // Room for the size prefix, filled in by the connection.
+    w.i32(0)
+        .i16(api.key)
+        .i16(api.version)
+        .i32(correlation_id)
+        .string(client_id);
+    w
+}
+
+/// The versions a broker supports of one API.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ApiRange {
+    /// The API's key.
+    pub key: i16,
+    /// The oldest version supported.
+    pub min: i16,
+    /// The newest.
+    pub max: i16,
+}
+
+/// `ApiVersions` response: the version range the broker supports for each API key.
+pub fn parse_api_versions(body: &[u8]) -> Result<(ErrorCode, Vec<ApiRange>), Malformed> {
+    let mut r = Reader::new(body);
+    let error = ErrorCode(r.i16("error_code")?);
+    let n = r.array_len("api_keys")?;
+    let mut out = Vec::with_capacity(n);
+    for _ in 0..n {
+        let key = r.i16("api_key")?;
+        let min = r.i16("min_version")?;
+        let max = r.i16("max_version")?;
+        out.push(ApiRange { key, min, max });
+    }
+    Ok((error, out))
+}
+
+/// A broker, as metadata describes it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BrokerAddress {
+    /// Its node id.
+    pub node_id: i32,
+    /// Its advertised host.
+    pub host: String,
+    /// Its advertised port.
+    pub port: i32,
+}
+
+/// A partition, as metadata describes it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PartitionMetadata {
+    /// Its index.
+    pub partition: i32,
+    /// An error for this partition (e.g. no leader right now).
+    pub error: ErrorCode,
+    /// The node id of its leader, or -1.
+    pub leader: i32,
+    /// The leader's epoch.
+    pub leader_epoch: i32,
+}
+
+/// The metadata of one topic.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Metadata {
+    /// Every broker.
+    pub brokers: Vec<BrokerAddress>,
+    /// The topic's error (e.g. unknown, not authorized).
+    pub topic_error: ErrorCode,
+    /// Its partitions, in the order the broker sent them.
+    pub partitions: Vec<PartitionMetadata>,
+}
+
+/// `Metadata` request for one topic, never creating it.
+pub fn metadata_request(w: &mut Writer, topic: &str) {
+    w.array_len(1).string(topic).bool(false);
+}
+
+/// `Metadata` response for the topic asked for.
+pub fn parse_metadata(body: &[u8], topic: &str) -> Result<Metadata, Malformed> {
+    let mut r = Reader::new(body);
+    r.i32("throttle_time_ms")?;
+    let mut brokers = Vec::new();
+    for _ in 0..r.array_len("brokers")? {
+        let node_id = r.i32("node_id")?;
+        let host = r.string("host")?.to_owned();
+        let port = r.i32("port")?;
+        r.nullable_string("rack")?;
+        brokers.push(BrokerAddress {
+            node_id,
+            host,
+            port,
+        });
+    }
+    r.nullable_string("cluster_id")?;
+    r.i32("controller_id")?;
+    let mut found = None;
+    for _ in 0..r.array_len("topics")? {
+        let error = ErrorCode(r.i16("topic error_code")?);
+        let name = r.string("topic name")?;
+        r.bool("is_internal")?;
+        let mut partitions = Vec::new();
+        for _ in 0..r.array_len("partitions")? {
+            let error = ErrorCode(r.i16("partition error_code")?);
+            let partition = r.i32("partition_index")?;
+            let leader = r.i32("leader_id")?;
+            let leader_epoch = r.i32("leader_epoch")?;
+            for what in ["replica_nodes", "isr_nodes", "offline_replicas"] {
+                let n = r.array_len(what)?;
+                r.skip(4 * n, what)?;
+            }
+            partitions.push(PartitionMetadata {
+                partition,
+                error,
+                leader,
+                leader_epoch,
+            });
+        }
+        if name == topic {
+            found = Some((error, partitions));
+        }
+    }
+    let (topic_error, partitions) = found.ok_or(Malformed {
+        at: r.position(),
+        what: "the topic asked for",
+    })?;
+    Ok(Metadata {
+        brokers,
+        topic_error,
+        partitions,
+    })
+}
+
+/// Which end of a log `ListOffsets` asks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogEnd {
+    /// The first offset still in the log.
+    Earliest,
+    /// The next offset to be written (the last stable offset for a read_committed reader).
+    Latest,
+}
+
+/// `ListOffsets` request (read_committed) for `partitions` of `topic`.
+pub fn list_offsets_request(w: &mut Writer, topic: &str, partitions: &[i32], end: LogEnd) {
+    w.i32(-1)
+        .i8(1)
+        .array_len(1)
+        .string(topic)
+        .array_len(partitions.len());
+    for &p in partitions {
+        w.i32(p).i64(match end {
+            LogEnd::Earliest => -2,
+            LogEnd::Latest => -1,
+        });
+    }
+}
+
+/// `ListOffsets` response: `(partition, error, offset)` for each partition.
+pub fn parse_list_offsets(body: &[u8]) -> Result<Vec<(i32, ErrorCode, i64)>, Malformed> {
+    let mut r = Reader::new(body);
+    r.i32("throttle_time_ms")?;
+    let mut out = Vec::new();
+    for _ in 0..r.array_len("topics")? {
+        r.string("name")?;
+        for _ in 0..r.array_len("partitions")? {
+            let partition = r.i32("partition_index")?;
+            let error = ErrorCode(r.i16("error_code")?);
+            r.i64("timestamp")?;
+            out.push((partition, error, r.i64("offset")?));
+        }
+    }
+    Ok(out)
+}
+
+/// Limits of one fetch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FetchLimits {
+    /// Longest the broker may wait for `min_bytes` to arrive.
+    pub max_wait_ms: i32,
+    /// Bytes the broker waits for before answering.
+    pub min_bytes: i32,
+    /// Most bytes in the whole response (the first batch always comes whole).
+    pub max_bytes: i32,
+    /// Most bytes per partition.
+    pub partition_max_bytes: i32,
+}
+
+/// `Fetch` request (read_committed, no fetch session) for `(partition, offset)` pairs of `topic`.
+pub fn fetch_request(w: &mut Writer, topic: &str, partitions: &[(i32, i64)], limits: FetchLimits) {
+    w.i32(-1)
+        .i32(limits.max_wait_ms)
+        .i32(limits.min_bytes)
+        .i32(limits.max_bytes)
+        .i8(1)
+        .i32(0)
+        .i32(-1)
+        .array_len(1)
+        .string(topic)
+        .array_len(partitions.len());
+    for &(partition, offset) in partitions {
+        w.i32(partition)
+            .i32(-1)
+            .i64(offset)
+            .i64(-1)
+            .i32(limits.partition_max_bytes);
+    }
+    w.array_len(0).string("");
+}
+
+/// One partition of a fetch response.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FetchPartition<'a> {
+    /// Its index.
+    pub partition: i32,
+    /// Its error.
+    pub error: ErrorCode,
+    /// The offset after the last one replicated to every in-sync replica.
+    pub high_watermark: i64,
+    /// The last stable offset: what a read_committed reader can read up to (-1 if unknown).
+    pub last_stable_offset: i64,
+    /// The first offset still in the log (-1 if unknown).
+    pub log_start_offset: i64,
+    /// Aborted transactions overlapping this response: `(producer id, first offset)`.
+    pub aborted: Vec<(i64, i64)>,
+    /// The record set, borrowed from the response.
+    pub records: &'a [u8],
+}
+
+impl FetchPartition<'_> {
+    /// Where a read_committed reader's log ends: the last stable offset, or the high watermark.
+    pub fn log_end(&self) -> i64 {
+        if self.last_stable_offset >= 0 {
+            self.last_stable_offset
+        } else {
+            self.high_watermark
+        }
+    }
+}
+
+/// `Fetch` response: its top-level error, and every partition of `topic`.
+pub fn parse_fetch<'a>(
+    body: &'a [u8],
+    topic: &str,
+) -> Result<(ErrorCode, Vec<FetchPartition<'a>>), Malformed> {
+    let mut r = Reader::new(body);
+    r.i32("throttle_time_ms")?;
+    let error = ErrorCode(r.i16("error_code")?);
+    r.i32("session_id")?;
+    let mut out = Vec::new();
+    for _ in 0..r.array_len("responses")? {
+        let name = r.string("topic")?;
+        for _ in 0..r.array_len("partitions")? {
+            let partition = r.i32("partition_index")?;
+            let error = ErrorCode(r.i16("error_code")?);
+            let high_watermark = r.i64("high_watermark")?;
+            let last_stable_offset = r.i64("last_stable_offset")?;
+            let log_start_offset = r.i64("log_start_offset")?;
+            let mut aborted = Vec::new();
+            for _ in 0..r.array_len("aborted_transactions")? {
+                aborted.push((r.i64("producer_id")?, r.i64("first_offset")?));
+            }
+            r.i32("preferred_read_replica")?;
+            let records = r.nullable_bytes("records")?.unwrap_or_default();
+            if name == topic {
+                out.push(FetchPartition {
+                    partition,
+                    error,
+                    high_watermark,
+                    last_stable_offset,
+                    log_start_offset,
+                    aborted,
+                    records,
+                });
+            }
+        }
+    }
+    Ok((error, out))
+}
+
+/// `SaslHandshake` request.
+pub fn sasl_handshake_request(w: &mut Writer, mechanism: &str) {
+    w.string(mechanism);
+}
+
+/// `SaslHandshake` response: its error and the broker's enabled mechanisms.
+pub fn parse_sasl_handshake(body: &[u8]) -> Result<(ErrorCode, Vec<String>), Malformed> {
+    let mut r = Reader::new(body);
+    let error = ErrorCode(r.i16("error_code")?);
+    let mut mechanisms = Vec::new();
+    for _ in 0..r.array_len("mechanisms")? {
+        mechanisms.push(r.string("mechanism")?.to_owned());
+    }
+    Ok((error, mechanisms))
+}
+
+/// `SaslAuthenticate` request.
+pub fn sasl_authenticate_request(w: &mut Writer, auth_bytes: &[u8]) {
+    w.bytes(auth_bytes);
+}
+
+/// `SaslAuthenticate` response: its error, the broker's message, and its bytes.
+pub fn parse_sasl_authenticate(
+    body: &[u8],
+) -> Result<(ErrorCode, Option<String>, Vec<u8>), Malformed> {
+    let mut r = Reader::new(body);
+    let error = ErrorCode(r.i16("error_code")?);
+    let message = r.nullable_string("error_message")?.map(str::to_owned);
+    let bytes = r.nullable_bytes("auth_bytes")?.unwrap_or_default().to_vec();
+    Ok((error, message, bytes))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_fetch_request_lays_out_v11() {
+        let mut w = Writer::default();
+        let limits = FetchLimits {
+            max_wait_ms: 500,
+            min_bytes: 1,
+            max_bytes: 1 << 20,
+            partition_max_bytes: 1 << 16,
+        };
+        fetch_request(&mut w, "t", &[(3, 42)], limits);
+        let mut expected = Writer::default();
+        expected
+            .i32(-1)
+            .i32(500)
+            .i32(1)
+            .i32(1 << 20)
+            .i8(1)
+            .i32(0)
+            .i32(-1);
+        expected.array_len(1).string("t").array_len(1);
+        expected.i32(3).i32(-1).i64(42).i64(-1).i32(1 << 16);
+        expected.array_len(0).string("");
+        assert_eq!(w.buf, expected.buf);
+    }
+
+    #[test]
+    fn a_fetch_response_keeps_its_records_borrowed() {
+        let mut w = Writer::default();
+        w.i32(0).i16(0).i32(0).array_len(2);
+        for topic in ["other", "t"] {
+            w.string(topic).array_len(1);
+            w.i32(5).i16(0).i64(100).i64(90).i64(7);
+            w.array_len(1).i64(4_000).i64(60);
+            w.i32(-1).bytes(b"record-set");
+        }
+        let (error, parts) = parse_fetch(&w.buf, "t").expect("as written");
+        assert_eq!(error, ErrorCode::NONE);
+        assert_eq!(
+            parts,
+            [FetchPartition {
+                partition: 5,
+                error: ErrorCode::NONE,
+                high_watermark: 100,
+                last_stable_offset: 90,
+                log_start_offset: 7,
+                aborted: vec![(4_000, 60)],
+                records: b"record-set",
+            }]
+        );
+        assert_eq!(parts[0].log_end(), 90);
+    }
+
+    #[test]
+    fn metadata_finds_the_topic_and_its_leaders() {
+        let mut w = Writer::default();
+        w.i32(0).array_len(2);
+        w.i32(1).string("a").i32(9092).nullable_string(None);
+        w.i32(2).string("b").i32(9093).nullable_string(Some("r1"));
+        w.nullable_string(Some("cluster")).i32(1).array_len(1);
+        w.i16(0).string("t").bool(false).array_len(2);
+        for (p, leader) in [(0, 2), (1, -1)] {
+            w.i16(if leader < 0 { 5 } else { 0 })
+                .i32(p)
+                .i32(leader)
+                .i32(3);
+            w.array_len(1).i32(2).array_len(1).i32(2).array_len(0);
+        }
+        let m = parse_metadata(&w.buf, "t").expect("as written");
+        assert_eq!(
+            m.brokers[1],
+            BrokerAddress {
+                node_id: 2,
+                host: "b".into(),
+                port: 9093
+            }
+        );
+        assert_eq!(m.partitions[0].leader, 2);
+        assert_eq!(m.partitions[1].error, ErrorCode::LEADER_NOT_AVAILABLE);
+        assert!(parse_metadata(&w.buf, "missing").is_err());
+    }
+
+    #[test]
+    fn error_codes_name_themselves_and_classify_leadership() {
+        assert_eq!(ErrorCode(6).to_string(), "NOT_LEADER_OR_FOLLOWER (6)");
+        assert!(ErrorCode::NOT_LEADER_OR_FOLLOWER.is_stale_leadership());
+        assert!(!ErrorCode::OFFSET_OUT_OF_RANGE.is_stale_leadership());
+        assert!(!ErrorCode::NONE.is_error());
+    }
+}

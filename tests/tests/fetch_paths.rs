@@ -1,0 +1,216 @@
+//! End to end: what an independent producer may put in the log, read by tally's own fetcher and
+//! by librdkafka's. Transactions: a producer's aborted transaction never counts, its committed
+//! ones do, whichever path reads them. Compression: batches compressed with every codec Kafka
+//! defines (gzip, Snappy, LZ4 from librdkafka producers, Zstandard from `kcat`) count exactly
+//! with tally's fetcher.
+
+use std::collections::HashMap;
+use std::io::Write;
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use rdkafka::ClientConfig;
+use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
+use tally_tests::{
+    AggregatorSetup, RedisServer, TempDir, assert_committed_to_end, assert_delivered, brokers,
+    enqueue_raw, http_get, unique, wait_for_totals,
+};
+
+/// The counters every transaction writes to.
+const COUNTERS: i64 = 40;
+
+fn json(counter: &str, delta: i64) -> String {
+    format!(r#"{{"counter":"{counter}","delta":{delta}}}"#)
+}
+
+/// One transaction of `events` events over [`COUNTERS`] counters, committed or aborted; adds
+/// what it sends to `sent` if it commits.
+async fn transaction(
+    producer: &FutureProducer,
+    topic: &str,
+    events: i64,
+    delta: i64,
+    commit: bool,
+    sent: &mut HashMap<String, i64>,
+) {
+    producer.begin_transaction().expect("begin");
+    let mut deliveries = Vec::new();
+    for i in 0..events {
+        let counter = format!("orders:shop:{}", i % COUNTERS);
+        let payload = json(&counter, delta);
+        deliveries.push(enqueue_raw(
+            producer,
+            FutureRecord::to(topic).key(&counter).payload(&payload),
+        ));
+        if commit {
+            *sent.entry(counter).or_default() += delta;
+        }
+    }
+    // Every event is in the log (acknowledged) before the transaction ends, aborted or not.
+    assert_delivered(deliveries).await;
+    if commit {
+        producer
+            .commit_transaction(Duration::from_secs(30))
+            .expect("commit");
+    } else {
+        producer
+            .abort_transaction(Duration::from_secs(30))
+            .expect("abort");
+    }
+}
+
+async fn aborted_transactions_never_count(fetch: &str) {
+    let dir = TempDir::new("tally-e2e");
+    let redis = RedisServer::start().await;
+    let setup = AggregatorSetup::create(&format!("txn-{fetch}"), &redis.url(), 4).await;
+    let mut aggregator = setup.spawn(dir.path(), &["--fetch", fetch]);
+    let transactional: FutureProducer = ClientConfig::new()
+        .set("bootstrap.servers", brokers())
+        .set("transactional.id", unique("tally-txn"))
+        .create()
+        .expect("transactional producer");
+    transactional
+        .init_transactions(Duration::from_secs(30))
+        .expect("init transactions");
+    let plain: FutureProducer = ClientConfig::new()
+        .set("bootstrap.servers", brokers())
+        .create()
+        .expect("plain producer");
+
+    // Committed, aborted, committed, over the same counters: each counter's aborted events lie
+    // between its committed ones in its partition, so a total that adds up to the committed
+    // events alone was read past the aborted ones without counting them. Plain events between
+    // the transactions count too.
+    let mut sent = HashMap::new();
+    transaction(&transactional, &setup.topic, 2_000, 1, true, &mut sent).await;
+    let mut deliveries = Vec::new();
+    for i in 0..COUNTERS {
+        let counter = format!("orders:shop:{i}");
+        let payload = json(&counter, 100);
+        deliveries.push(enqueue_raw(
+            &plain,
+            FutureRecord::to(&setup.topic)
+                .key(&counter)
+                .payload(&payload),
+        ));
+        *sent.entry(counter).or_default() += 100;
+    }
+    assert_delivered(deliveries).await;
+    transaction(&transactional, &setup.topic, 3_000, 1_000, false, &mut sent).await;
+    transaction(&transactional, &setup.topic, 1_000, 3, true, &mut sent).await;
+
+    let reader = redis.reader(setup.keyspace()).await;
+    wait_for_totals(&reader, &sent, Duration::from_secs(60)).await;
+    // The committed and plain events were all that was read: the aborted ones and the
+    // transactions' markers are not events.
+    assert_eq!(
+        aggregator.metric("tally_events_consumed_total").await,
+        Some(3_040.0)
+    );
+    let metrics = http_get(aggregator.metrics_port(), "/metrics")
+        .await
+        .expect("metrics");
+    let info = metrics.lines().find(|l| l.starts_with("tally_build_info{"));
+    assert!(
+        info.is_some_and(|l| l.contains(&format!(r#"fetch="{fetch}""#))),
+        "the aggregator reads with {fetch}: {info:?}"
+    );
+    aggregator.stop_gracefully().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn aborted_transactions_never_count_with_tallys_fetcher() {
+    aborted_transactions_never_count("direct").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn aborted_transactions_never_count_with_librdkafka() {
+    aborted_transactions_never_count("librdkafka").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batches_of_every_codec_count_exactly() {
+    let dir = TempDir::new("tally-e2e");
+    let redis = RedisServer::start().await;
+    let setup = AggregatorSetup::create("codecs", &redis.url(), 4).await;
+    let mut aggregator = setup.spawn(dir.path(), &["--fetch", "direct"]);
+    let mut sent: HashMap<String, i64> = HashMap::new();
+    let events_per_codec = 5_000i64;
+    for (n, codec) in ["gzip", "snappy", "lz4", "none"].into_iter().enumerate() {
+        let producer: FutureProducer = ClientConfig::new()
+            .set("bootstrap.servers", brokers())
+            .set("compression.type", codec)
+            .set("linger.ms", "50")
+            .create()
+            .expect("producer");
+        let mut deliveries = Vec::new();
+        for i in 0..events_per_codec {
+            let counter = format!("views:{codec}:{}", i % 25);
+            let delta = n as i64 + 1;
+            let payload = json(&counter, delta);
+            deliveries.push(enqueue_raw(
+                &producer,
+                FutureRecord::to(&setup.topic)
+                    .key(&counter)
+                    .payload(&payload),
+            ));
+            *sent.entry(counter).or_default() += delta;
+        }
+        assert_delivered(deliveries).await;
+    }
+    // Zstandard: this build's librdkafka has none, Debian's kcat does. Keyed lines, lingering
+    // so that batches are large enough to be compressed.
+    let mut lines = String::new();
+    for i in 0..events_per_codec {
+        let counter = format!("views:zstd:{}", i % 25);
+        lines.push_str(&format!("{counter}\t{}\n", json(&counter, 7)));
+        *sent.entry(counter).or_default() += 7;
+    }
+    // Without cargo's library path, which holds this build's librdkafka (no zstd).
+    let mut kcat = Command::new("kcat")
+        .env_remove("LD_LIBRARY_PATH")
+        .args([
+            "-P",
+            "-b",
+            &brokers(),
+            "-t",
+            &setup.topic,
+            "-K",
+            "\t",
+            "-z",
+            "zstd",
+        ])
+        .args(["-X", "linger.ms=200"])
+        .stdin(Stdio::piped())
+        .spawn()
+        .expect("kcat (deploy/local/start.sh installs it)");
+    kcat.stdin
+        .take()
+        .expect("stdin")
+        .write_all(lines.as_bytes())
+        .expect("kcat's input");
+    assert!(
+        kcat.wait().expect("kcat ran").success(),
+        "kcat -P -z zstd failed"
+    );
+
+    let reader = redis.reader(setup.keyspace()).await;
+    wait_for_totals(&reader, &sent, Duration::from_secs(60)).await;
+    assert_eq!(
+        aggregator.metric("tally_events_consumed_total").await,
+        Some((5 * events_per_codec) as f64),
+        "every event read once"
+    );
+    assert_eq!(
+        aggregator
+            .series(
+                "tally_events_dead_lettered_total",
+                r#"reason="undecodable""#
+            )
+            .await,
+        Some(0.0),
+        "no batch was left unread"
+    );
+    aggregator.stop_gracefully().await;
+    assert_committed_to_end(&setup.group, &setup.topic, 4);
+}
