@@ -27,13 +27,13 @@ pub enum DecompressError {
 /// `int32` length and raw snappy data.
 const XERIAL_MAGIC: &[u8] = b"\x82SNAPPY\x00";
 
-/// Decompresses `input`, compressed with `codec`, into `out` (cleared first).
+/// Decompresses `input`, compressed with `codec`, appending to `out` (on an error, `out` may
+/// hold part of it: truncate it back).
 pub fn decompress(
     codec: Compression,
     input: &[u8],
     out: &mut Vec<u8>,
 ) -> Result<(), DecompressError> {
-    out.clear();
     let corrupt = |e: &dyn std::fmt::Display| DecompressError::Corrupt {
         codec,
         message: e.to_string(),
@@ -73,10 +73,11 @@ pub fn decompress(
             }
         }
         Compression::Snappy => {
+            let start = out.len();
             let size = snap::raw::decompress_len(input).map_err(|e| corrupt(&e))?;
-            out.resize(size, 0);
+            out.resize(start + size, 0);
             snap::raw::Decoder::new()
-                .decompress(input, out)
+                .decompress(input, &mut out[start..])
                 .map_err(|e| corrupt(&e))?;
         }
         Compression::Zstd => {
@@ -139,7 +140,6 @@ mod tests {
             &data[half..],
             ruzstd::encoding::CompressionLevel::Fastest,
         ));
-        let mut out = vec![1, 2, 3];
         for (codec, input) in [
             (Compression::Zstd, &zstd),
             (Compression::Zstd, &two_frames),
@@ -149,8 +149,10 @@ mod tests {
             (Compression::Snappy, &raw_snappy),
             (Compression::Snappy, &xerial),
         ] {
+            // It appends.
+            let mut out = vec![1, 2, 3];
             decompress(codec, input, &mut out).expect("as written");
-            assert!(out == data, "{codec:?}");
+            assert!(out[..3] == [1, 2, 3] && out[3..] == data, "{codec:?}");
         }
     }
 

@@ -29,7 +29,7 @@ use std::time::Duration;
 use tokio::sync::{Notify, mpsc};
 use tokio::task::JoinSet;
 
-use crate::compression::{self, DecompressError};
+use crate::compression;
 use crate::config::FetchConfig;
 use crate::connection::Connection;
 use crate::protocol::{self, ErrorCode, FetchPartition, LogEnd};
@@ -128,6 +128,7 @@ impl std::fmt::Debug for Chunk {
 impl Drop for Chunk {
     fn drop(&mut self) {
         self.budget.release(self.data.len());
+        self.budget.recycle(std::mem::take(&mut self.data));
     }
 }
 
@@ -220,15 +221,44 @@ impl<'a> Iterator for Items<'a> {
     }
 }
 
-/// The bytes handed out and not yet dropped.
+/// The bytes handed out and not yet dropped, and the buffers of dropped chunks, kept for the
+/// next (a fresh buffer of a few MiB costs its pages' faults and zeroing every time).
 #[derive(Debug)]
 struct Budget {
     held: AtomicUsize,
     max: usize,
     freed: Notify,
+    spare: Mutex<Vec<Vec<u8>>>,
 }
 
+/// Most buffers kept for reuse.
+const SPARE_BUFFERS: usize = 16;
+
 impl Budget {
+    fn new(max: usize) -> Self {
+        Self {
+            held: AtomicUsize::new(0),
+            max: max.max(1),
+            freed: Notify::new(),
+            spare: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// An empty buffer, reused if one is spare.
+    fn buffer(&self) -> Vec<u8> {
+        let mut spare = self.spare.lock().unwrap_or_else(PoisonError::into_inner);
+        spare.pop().unwrap_or_default()
+    }
+
+    /// Keeps `buffer` for reuse, if there is room.
+    fn recycle(&self, mut buffer: Vec<u8>) {
+        buffer.clear();
+        let mut spare = self.spare.lock().unwrap_or_else(PoisonError::into_inner);
+        if spare.len() < SPARE_BUFFERS && buffer.capacity() > 0 {
+            spare.push(buffer);
+        }
+    }
+
     fn hold(&self, n: usize) {
         self.held.fetch_add(n, Ordering::AcqRel);
     }
@@ -316,11 +346,7 @@ impl Fetcher {
     /// returns it with the receiver of what it fetches. Must run inside a Tokio runtime.
     pub fn start(config: FetchConfig) -> (Self, mpsc::UnboundedReceiver<Fetched>) {
         let (out, rx) = mpsc::unbounded_channel();
-        let budget = Arc::new(Budget {
-            held: AtomicUsize::new(0),
-            max: config.max_buffered_bytes.max(1),
-            freed: Notify::new(),
-        });
+        let budget = Arc::new(Budget::new(config.max_buffered_bytes));
         let shared = Arc::new(Shared {
             config,
             state: Mutex::new(State::default()),
@@ -791,7 +817,7 @@ fn chunk(
     part: &FetchPartition<'_>,
     scratch: &mut Vec<u8>,
 ) -> Built {
-    let mut data = Vec::new();
+    let mut data = shared.budget.buffer();
     let mut pieces = Vec::new();
     let mut next = start;
     // Aborted transactions, by first offset; a producer is in `aborting` from its first aborted
@@ -852,62 +878,69 @@ fn chunk(
             aborting.insert(producer);
             aborted.pop();
         }
-        let compressed = header.compression() != records::Compression::None;
-        let decompressed = if compressed {
-            compression::decompress(header.compression(), section, scratch)
-                .map(|()| scratch.as_slice())
-        } else {
-            Ok(section)
-        };
-        let section = match decompressed {
-            Ok(s) => s,
-            Err(e) => {
-                let at = data.len();
-                data.extend_from_slice(section);
-                pieces.push(Piece::Undecodable {
-                    first_offset: header.base_offset.max(start),
-                    last_offset: last,
-                    range: at..data.len(),
-                    reason: undecodable_reason(&e),
-                });
-                continue;
-            }
-        };
         if header.is_control() {
-            if header.is_transactional()
-                && matches!(records::control(header, section), Ok(Control::Abort))
-            {
+            // A transaction's marker: read whether it aborts, hand nothing out.
+            let marker = match header.compression() {
+                records::Compression::None => records::control(header, section).ok(),
+                codec => {
+                    scratch.clear();
+                    compression::decompress(codec, section, scratch)
+                        .ok()
+                        .and_then(|()| records::control(header, scratch).ok())
+                }
+            };
+            if header.is_transactional() && marker == Some(Control::Abort) {
                 aborting.remove(&header.producer_id);
             }
             continue;
         }
         if header.is_transactional() && aborting.contains(&header.producer_id) {
+            // Aborted: never decompressed, never handed out.
             continue;
         }
+        // Decompressed (or copied) straight into the chunk.
         let at = data.len();
-        data.extend_from_slice(section);
+        let read = match header.compression() {
+            records::Compression::None => {
+                data.extend_from_slice(section);
+                Ok(())
+            }
+            codec => compression::decompress(codec, section, &mut data),
+        };
+        if let Err(e) = read {
+            data.truncate(at);
+            data.extend_from_slice(section);
+            pieces.push(Piece::Undecodable {
+                first_offset: header.base_offset.max(start),
+                last_offset: last,
+                range: at..data.len(),
+                reason: e.to_string(),
+            });
+            continue;
+        }
         pieces.push(Piece::Batch {
             header,
             range: at..data.len(),
         });
     }
-    let chunk = (!pieces.is_empty()).then(|| {
-        shared.budget.hold(data.len());
-        Chunk {
-            partition,
-            epoch,
-            log_end: part.log_end(),
-            start,
-            pieces,
-            data,
-            budget: shared.budget.clone(),
-        }
-    });
-    Built { chunk, next }
-}
-
-fn undecodable_reason(e: &DecompressError) -> String {
-    e.to_string()
+    if pieces.is_empty() {
+        shared.budget.recycle(data);
+        return Built { chunk: None, next };
+    }
+    shared.budget.hold(data.len());
+    let chunk = Chunk {
+        partition,
+        epoch,
+        log_end: part.log_end(),
+        start,
+        pieces,
+        data,
+        budget: shared.budget.clone(),
+    };
+    Built {
+        chunk: Some(chunk),
+        next,
+    }
 }
 
 #[cfg(test)]
@@ -924,11 +957,7 @@ mod tests {
             state: Mutex::new(State::default()),
             work: Notify::new(),
             stale: Notify::new(),
-            budget: Arc::new(Budget {
-                held: AtomicUsize::new(0),
-                max: 1 << 20,
-                freed: Notify::new(),
-            }),
+            budget: Arc::new(Budget::new(1 << 20)),
             out,
         }
     }

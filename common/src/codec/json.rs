@@ -13,7 +13,11 @@ use super::EventRef;
 
 /// The event in `payload`, if it has the common shape; `None` means "ask serde_json".
 pub(super) fn parse(payload: &[u8]) -> Option<EventRef<'_>> {
+    // One UTF-8 check for the whole message (serde_json refuses what fails it, in a string or
+    // out of one): every string is then a slice of it, cut at ASCII quotes.
+    let text = std::str::from_utf8(payload).ok()?;
     let mut c = Cursor {
+        text,
         bytes: payload,
         at: 0,
     };
@@ -26,16 +30,17 @@ pub(super) fn parse(payload: &[u8]) -> Option<EventRef<'_>> {
     let mut event_id = None;
     loop {
         c.skip_whitespace();
-        let key = c.string()?;
+        let (start, end) = c.string_bounds()?;
+        let key = &payload[start..end];
         c.skip_whitespace();
         c.expect(b':')?;
         c.skip_whitespace();
         match key {
-            "counter" if counter.is_none() => counter = Some(c.string()?),
-            "delta" if delta.is_none() => delta = Some(c.integer()?),
-            "actor" if actor.is_none() => actor = Some(c.string()?),
-            "ts_ms" if ts_ms.is_none() => ts_ms = Some(c.integer()?),
-            "event_id" if event_id.is_none() => event_id = Some(c.string()?),
+            b"counter" if counter.is_none() => counter = Some(c.string()?),
+            b"delta" if delta.is_none() => delta = Some(c.integer()?),
+            b"actor" if actor.is_none() => actor = Some(c.string()?),
+            b"ts_ms" if ts_ms.is_none() => ts_ms = Some(c.integer()?),
+            b"event_id" if event_id.is_none() => event_id = Some(c.string()?),
             _ => return None,
         }
         c.skip_whitespace();
@@ -61,6 +66,9 @@ pub(super) fn parse(payload: &[u8]) -> Option<EventRef<'_>> {
 
 /// A position in the message.
 struct Cursor<'a> {
+    /// The message, checked to be UTF-8.
+    text: &'a str,
+    /// The same, as bytes.
     bytes: &'a [u8],
     at: usize,
 }
@@ -83,17 +91,28 @@ impl<'a> Cursor<'a> {
         }
     }
 
-    /// A string without escapes or control characters, borrowed from the message.
-    fn string(&mut self) -> Option<&'a str> {
+    /// Where the contents of a string without escapes or control characters start and end,
+    /// read in one pass.
+    fn string_bounds(&mut self) -> Option<(usize, usize)> {
         self.expect(b'"')?;
         let start = self.at;
-        let len = self.bytes[start..].iter().position(|&b| b == b'"')?;
-        let raw = &self.bytes[start..start + len];
-        if raw.iter().any(|&b| b == b'\\' || b < 0x20) {
-            return None;
+        for (i, &b) in self.bytes[start..].iter().enumerate() {
+            match b {
+                b'"' => {
+                    self.at = start + i + 1;
+                    return Some((start, start + i));
+                }
+                b'\\' | 0..0x20 => return None,
+                _ => {}
+            }
         }
-        self.at = start + len + 1;
-        std::str::from_utf8(raw).ok()
+        None
+    }
+
+    /// A string without escapes or control characters, borrowed from the message.
+    fn string(&mut self) -> Option<&'a str> {
+        let (start, end) = self.string_bounds()?;
+        self.text.get(start..end)
     }
 
     /// An integer as JSON writes one (`-?(0|[1-9][0-9]*)`, but not `-0`) that fits an i64, not
