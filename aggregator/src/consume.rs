@@ -34,7 +34,7 @@ use rdkafka::{Offset, TopicPartitionList};
 use tally_common::codec::Record;
 use tally_common::window::Placement;
 use tally_common::{DeadLetterReason, Keyspace, Namespaces, codec};
-use tally_kafka::{Chunk, Fetched, Fetcher, Item, Start};
+use tally_kafka::{Chunk, Fetched, Fetcher, Item, OffsetReset, Start};
 use tokio::sync::mpsc;
 use tokio::task::{JoinHandle, JoinSet};
 use tokio_util::sync::CancellationToken;
@@ -301,19 +301,26 @@ impl<S: Sink> Shared<S> {
     ) {
         let chunk = match fetched {
             Fetched::Chunk(chunk) => chunk,
-            Fetched::Reset {
+            Fetched::OutOfRange {
                 partition,
                 from,
                 to,
                 ..
             } => {
                 self.metrics.offset_reset();
-                tracing::error!(
-                    partition,
-                    from,
-                    to,
-                    "the partition's position is no longer in its log (retention deleted it): reading goes on from the log's start; the events in between were never counted"
-                );
+                match to {
+                    Some(to) => tracing::error!(
+                        partition,
+                        from,
+                        to,
+                        "the partition's position is no longer in its log (retention deleted it): reading goes on where auto.offset.reset says; the events in between were never counted"
+                    ),
+                    None => tracing::error!(
+                        partition,
+                        from,
+                        "the partition's position is no longer in its log, and auto.offset.reset = error: it is not read until it is positioned again"
+                    ),
+                }
                 return;
             }
             Fetched::Failed { error } => {
@@ -853,10 +860,13 @@ impl<S: Sink> Shared<S> {
             }
             if let (Some(fetcher), false) = (&self.fetcher, exactly_once) {
                 // At-least-once reads on from the group's committed offset.
-                let start = committed
-                    .get(&partition)
-                    .copied()
-                    .map_or(Start::Earliest, Start::At);
+                let start = committed.get(&partition).copied().map_or(
+                    match fetcher.offset_reset() {
+                        OffsetReset::Latest => Start::Latest,
+                        OffsetReset::Earliest | OffsetReset::Error => Start::Earliest,
+                    },
+                    Start::At,
+                );
                 slot.epoch = fetcher.seek(partition, start, false);
             }
             parts.map.insert(partition, slot);
@@ -868,8 +878,8 @@ impl<S: Sink> Shared<S> {
     }
 
     /// The group's committed offsets of `assigned` (at-least-once with tally's fetcher, which
-    /// starts there); a partition with none, or whose lookup failed, is read from its start,
-    /// as `auto.offset.reset = earliest` has librdkafka do.
+    /// starts there); a partition with none, or whose lookup failed, is read from where
+    /// `auto.offset.reset` says (its start unless it says `latest`), as librdkafka does.
     fn committed<X: ConsumerContext, K: Consumer<X>>(
         &self,
         consumer: &K,

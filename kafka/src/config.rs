@@ -97,6 +97,19 @@ pub struct Unsupported {
     pub value: String,
 }
 
+/// What to do when a partition's position is not in its log (retention deleted it, or the log
+/// was truncated): librdkafka's `auto.offset.reset`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum OffsetReset {
+    /// Read on from the log's start (`earliest`, `smallest`, `beginning`): the default.
+    #[default]
+    Earliest,
+    /// Read on from the log's end (`latest`, `largest`, `end`).
+    Latest,
+    /// Do not move: report it and fetch the partition no more until it is sought (`error`).
+    Error,
+}
+
 /// Everything the fetcher needs.
 #[derive(Debug, Clone)]
 pub struct FetchConfig {
@@ -117,6 +130,8 @@ pub struct FetchConfig {
     /// Longest wait for a connection, or for a response beyond the fetch's own wait
     /// (`socket.timeout.ms`).
     pub timeout: Duration,
+    /// `auto.offset.reset`.
+    pub offset_reset: OffsetReset,
 }
 
 /// Defaults: what librdkafka does, but a 100 ms fetch wait (a paused partition resumed while a
@@ -349,6 +364,12 @@ impl FetchConfig {
             max_bytes: int("fetch.max.bytes", d.max_bytes)?,
             partition_max_bytes: int("max.partition.fetch.bytes", d.partition_max_bytes)?,
         };
+        let offset_reset = match get("auto.offset.reset") {
+            None | Some("earliest" | "smallest" | "beginning") => OffsetReset::Earliest,
+            Some("latest" | "largest" | "end") => OffsetReset::Latest,
+            Some("error") => OffsetReset::Error,
+            Some(other) => return Err(unsupported("auto.offset.reset", other)),
+        };
         let queued_kb = parse("queued.max.messages.kbytes", 64 * 1024)?.max(1);
         let timeout_ms = parse("socket.timeout.ms", 60_000)?.max(1);
         Ok(Self {
@@ -359,6 +380,7 @@ impl FetchConfig {
             limits,
             max_buffered_bytes: usize::try_from(queued_kb).unwrap_or(usize::MAX / 1024) * 1024,
             timeout: Duration::from_millis(timeout_ms as u64),
+            offset_reset,
         })
     }
 }
@@ -384,6 +406,18 @@ mod tests {
         assert_eq!(c.security, Security::default());
         assert_eq!(c.limits.partition_max_bytes, 2 << 20);
         assert_eq!(c.limits.max_wait_ms, DEFAULT_LIMITS.max_wait_ms);
+        assert_eq!(c.offset_reset, OffsetReset::Earliest);
+        let reset = |v| {
+            FetchConfig::from_options(
+                "t",
+                [("bootstrap.servers", "b:1"), ("auto.offset.reset", v)],
+            )
+            .map(|c| c.offset_reset)
+        };
+        assert_eq!(reset("smallest"), Ok(OffsetReset::Earliest));
+        assert_eq!(reset("latest"), Ok(OffsetReset::Latest));
+        assert_eq!(reset("error"), Ok(OffsetReset::Error));
+        assert!(reset("sideways").is_err());
     }
 
     #[test]

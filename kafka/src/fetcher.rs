@@ -30,7 +30,7 @@ use tokio::sync::{Notify, mpsc};
 use tokio::task::JoinSet;
 
 use crate::compression;
-use crate::config::FetchConfig;
+use crate::config::{FetchConfig, OffsetReset};
 use crate::connection::Connection;
 use crate::protocol::{self, ErrorCode, FetchPartition, LogEnd};
 use crate::records::{self, BatchHeader, Control, RawBatch, Record, Records};
@@ -41,8 +41,10 @@ const BACKOFF: (Duration, Duration) = (Duration::from_millis(50), Duration::from
 /// How often metadata is asked for when nothing asks for it.
 const METADATA_REFRESH: Duration = Duration::from_secs(60);
 
-/// A wanted offset meaning "where the log starts", resolved by the leader before fetching.
+/// Wanted offsets meaning "where the log starts" and "where it ends", resolved by the leader
+/// before fetching (Kafka's own sentinels in `ListOffsets`).
 const EARLIEST: i64 = -2;
+const LATEST: i64 = -1;
 
 /// Where [`Fetcher::seek`] starts reading.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -51,6 +53,8 @@ pub enum Start {
     At(i64),
     /// At the first offset still in the log.
     Earliest,
+    /// At the log's end: what is appended from now on.
+    Latest,
 }
 
 /// What the fetcher hands its owner.
@@ -58,16 +62,17 @@ pub enum Start {
 pub enum Fetched {
     /// Records of one partition, in log order.
     Chunk(Chunk),
-    /// A partition's offset was outside its log and was moved to the log's start.
-    Reset {
+    /// A partition's offset was outside its log: it moved as `auto.offset.reset` says (`to`), or
+    /// (`error`) it is fetched no more until it is sought (`to` is `None`).
+    OutOfRange {
         /// The partition.
         partition: i32,
         /// The epoch it was read under.
         epoch: u64,
         /// The offset that was out of range.
         from: i64,
-        /// Where reading goes on.
-        to: i64,
+        /// Where reading goes on, if it does.
+        to: Option<i64>,
     },
     /// Something failed that retrying may not cure (credentials, authorization, versions); the
     /// fetcher keeps trying with backoff.
@@ -368,6 +373,7 @@ impl Fetcher {
         let offset = match start {
             Start::At(offset) => offset.max(0),
             Start::Earliest => EARLIEST,
+            Start::Latest => LATEST,
         };
         let mut state = self.shared.lock();
         state.last_epoch += 1;
@@ -408,6 +414,11 @@ impl Fetcher {
     /// Stops reading `partition` altogether.
     pub fn remove(&self, partition: i32) {
         self.shared.lock().wanted.remove(&partition);
+    }
+
+    /// What it does when a position is not in its log (`auto.offset.reset`).
+    pub fn offset_reset(&self) -> OffsetReset {
+        self.shared.config.offset_reset
     }
 
     /// Bytes handed out and not yet dropped.
@@ -596,9 +607,7 @@ async fn broker_task(shared: Arc<Shared>, node: i32) {
             let Some(c) = connection.as_mut() else {
                 return Err(None);
             };
-            resolve_earliest(&shared, c, &mut request)
-                .await
-                .map_err(Some)?;
+            resolve_ends(&shared, c, &mut request).await.map_err(Some)?;
             let pairs: Vec<(i32, i64)> = request.iter().map(|&(p, o, _)| (p, o)).collect();
             let wait = Duration::from_millis(config.limits.max_wait_ms as u64);
             c.request_waiting(
@@ -656,36 +665,38 @@ async fn broker_task(shared: Arc<Shared>, node: i32) {
     }
 }
 
-/// Turns the [`EARLIEST`] offsets of `request` into where those logs start now, asking the
-/// leader.
-async fn resolve_earliest(
+/// Turns the [`EARLIEST`] and [`LATEST`] offsets of `request` into where those logs start or
+/// end now, asking the leader.
+async fn resolve_ends(
     shared: &Shared,
     connection: &mut Connection,
     request: &mut [(i32, i64, u64)],
 ) -> Result<(), crate::connection::ConnectionError> {
-    let unresolved: Vec<i32> = (request.iter())
-        .filter(|(_, offset, _)| *offset == EARLIEST)
-        .map(|(p, _, _)| *p)
-        .collect();
-    if unresolved.is_empty() {
-        return Ok(());
-    }
-    let starts = connection
-        .list_offsets(&shared.config.topic, &unresolved, LogEnd::Earliest)
-        .await?;
-    let mut state = shared.lock();
-    for (partition, offset, epoch) in request.iter_mut() {
-        let Some(&(_, error, start)) = starts.iter().find(|(p, _, _)| p == partition) else {
-            continue;
-        };
-        if *offset != EARLIEST || error.is_error() {
+    for (sentinel, end) in [(EARLIEST, LogEnd::Earliest), (LATEST, LogEnd::Latest)] {
+        let unresolved: Vec<i32> = (request.iter())
+            .filter(|(_, offset, _)| *offset == sentinel)
+            .map(|(p, _, _)| *p)
+            .collect();
+        if unresolved.is_empty() {
             continue;
         }
-        *offset = start;
-        if let Some(w) = state.wanted.get_mut(partition)
-            && w.epoch == *epoch
-        {
-            w.offset = start;
+        let found = connection
+            .list_offsets(&shared.config.topic, &unresolved, end)
+            .await?;
+        let mut state = shared.lock();
+        for (partition, offset, epoch) in request.iter_mut() {
+            let Some(&(_, error, at)) = found.iter().find(|(p, _, _)| p == partition) else {
+                continue;
+            };
+            if *offset != sentinel || error.is_error() {
+                continue;
+            }
+            *offset = at;
+            if let Some(w) = state.wanted.get_mut(partition)
+                && w.epoch == *epoch
+            {
+                w.offset = at;
+            }
         }
     }
     Ok(())
@@ -758,46 +769,75 @@ async fn handle_response(
             }
         }
     }
-    if !out_of_range.is_empty()
-        && let Some(c) = connection
-    {
-        let ids: Vec<i32> = out_of_range.iter().map(|(p, _, _)| *p).collect();
-        match c
-            .list_offsets(&shared.config.topic, &ids, LogEnd::Earliest)
-            .await
-        {
-            Ok(starts) => {
-                for (partition, from, epoch) in out_of_range {
-                    let Some(&(_, error, to)) = starts.iter().find(|(p, _, _)| *p == partition)
-                    else {
-                        continue;
-                    };
-                    if error.is_error() {
-                        stale = true;
-                        continue;
-                    }
-                    let mut state = shared.lock();
-                    if let Some(w) = state.wanted.get_mut(&partition)
-                        && w.epoch == epoch
-                        && w.offset == from
-                    {
-                        w.offset = to;
-                        let _ = shared.out.send(Fetched::Reset {
-                            partition,
-                            epoch,
-                            from,
-                            to,
-                        });
-                    }
-                }
-            }
-            Err(error) => {
-                tracing::warn!(node, %error, "fetcher: could not find where the logs start");
-                stale = true;
-            }
-        }
+    if !out_of_range.is_empty() {
+        stale |= reset_out_of_range(shared, node, out_of_range, connection).await;
     }
     release(shared, request);
+    stale
+}
+
+/// Moves partitions whose offsets were out of range as `auto.offset.reset` says, and reports
+/// each; returns whether leadership looked stale.
+async fn reset_out_of_range(
+    shared: &Shared,
+    node: i32,
+    out_of_range: Vec<(i32, i64, u64)>,
+    connection: Option<&mut Connection>,
+) -> bool {
+    let report = |partition, epoch, from, to| {
+        let _ = shared.out.send(Fetched::OutOfRange {
+            partition,
+            epoch,
+            from,
+            to,
+        });
+    };
+    let end = match shared.config.offset_reset {
+        OffsetReset::Earliest => LogEnd::Earliest,
+        OffsetReset::Latest => LogEnd::Latest,
+        OffsetReset::Error => {
+            let mut state = shared.lock();
+            for (partition, from, epoch) in out_of_range {
+                if let Some(w) = state.wanted.get_mut(&partition)
+                    && w.epoch == epoch
+                {
+                    // Stays where it is, unfetched, until the owner seeks it.
+                    w.paused = true;
+                    report(partition, epoch, from, None);
+                }
+            }
+            return false;
+        }
+    };
+    let Some(c) = connection else {
+        return true;
+    };
+    let ids: Vec<i32> = out_of_range.iter().map(|(p, _, _)| *p).collect();
+    let found = match c.list_offsets(&shared.config.topic, &ids, end).await {
+        Ok(found) => found,
+        Err(error) => {
+            tracing::warn!(node, %error, "fetcher: could not find where the logs start or end");
+            return true;
+        }
+    };
+    let mut stale = false;
+    let mut state = shared.lock();
+    for (partition, from, epoch) in out_of_range {
+        let Some(&(_, error, to)) = found.iter().find(|(p, _, _)| *p == partition) else {
+            continue;
+        };
+        if error.is_error() {
+            stale = true;
+            continue;
+        }
+        if let Some(w) = state.wanted.get_mut(&partition)
+            && w.epoch == epoch
+            && w.offset == from
+        {
+            w.offset = to;
+            report(partition, epoch, from, Some(to));
+        }
+    }
     stale
 }
 

@@ -27,6 +27,6 @@ pub mod records;
 pub mod sasl;
 pub mod wire;
 
-pub use config::{FetchConfig, Unsupported};
+pub use config::{FetchConfig, OffsetReset, Unsupported};
 pub use fetcher::{Chunk, Fetched, Fetcher, Item, Start};
 pub use records::Record;

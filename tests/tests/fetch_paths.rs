@@ -2,7 +2,9 @@
 //! by librdkafka's. Transactions: a producer's aborted transaction never counts, its committed
 //! ones do, whichever path reads them. Compression: batches compressed with every codec Kafka
 //! defines (gzip, Snappy, LZ4 from librdkafka producers, Zstandard from `kcat`) count exactly
-//! with tally's fetcher.
+//! with tally's fetcher. Retention: a resuming partition whose position was deleted moves as
+//! `auto.offset.reset` says (stays unread with `error`, goes on from the log's start by
+//! default), counted and logged.
 
 use std::collections::HashMap;
 use std::io::Write;
@@ -213,4 +215,98 @@ async fn batches_of_every_codec_count_exactly() {
     );
     aggregator.stop_gracefully().await;
     assert_committed_to_end(&setup.group, &setup.topic, 4);
+}
+
+/// Appends `events` events of delta 1 to `counter` in partition 0 of `topic`.
+async fn append(topic: &str, counter: &str, events: usize) {
+    let producer: FutureProducer = ClientConfig::new()
+        .set("bootstrap.servers", brokers())
+        .set("linger.ms", "5")
+        .create()
+        .expect("producer");
+    let payload = json(counter, 1);
+    let deliveries: Vec<_> = (0..events)
+        .map(|_| {
+            enqueue_raw(
+                &producer,
+                FutureRecord::<(), _>::to(topic)
+                    .partition(0)
+                    .payload(&payload),
+            )
+        })
+        .collect();
+    assert_delivered(deliveries).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_position_deleted_by_retention_moves_as_auto_offset_reset_says() {
+    use rdkafka::admin::{AdminClient, AdminOptions};
+    use rdkafka::client::DefaultClientContext;
+    use rdkafka::{Offset, TopicPartitionList};
+
+    let dir = TempDir::new("tally-e2e");
+    let redis = RedisServer::start().await;
+    let setup = AggregatorSetup::create("retention", &redis.url(), 1).await;
+    let reader = redis.reader(setup.keyspace()).await;
+
+    // 1,000 events counted and durable, then the aggregator stops at offset 1,000.
+    let mut first = setup.spawn(dir.path(), &["--fetch", "direct"]);
+    append(&setup.topic, "views:early", 1_000).await;
+    wait_for_totals(
+        &reader,
+        &[("views:early".to_owned(), 1_000)].into(),
+        Duration::from_secs(60),
+    )
+    .await;
+    first.stop_gracefully().await;
+
+    // 1,000 more while it is down; retention then deletes everything before offset 1,500,
+    // under the position the next owner resumes from.
+    append(&setup.topic, "views:late", 1_000).await;
+    let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
+        .set("bootstrap.servers", brokers())
+        .create()
+        .expect("admin client");
+    let mut up_to = TopicPartitionList::new();
+    up_to
+        .add_partition_offset(&setup.topic, 0, Offset::Offset(1_500))
+        .expect("offset");
+    admin
+        .delete_records(&up_to, &AdminOptions::new())
+        .await
+        .expect("records deleted");
+
+    // auto.offset.reset = error: the partition is said to be out of range and not read.
+    let stuck = setup.spawn(
+        dir.path(),
+        &[
+            "--fetch",
+            "direct",
+            "--kafka-option",
+            "auto.offset.reset=error",
+        ],
+    );
+    stuck
+        .wait_metric("tally_offset_resets_total", 1.0, Duration::from_secs(30))
+        .await;
+    assert_eq!(stuck.metric("tally_events_consumed_total").await, Some(0.0));
+    let mut stuck = stuck;
+    stuck.stop_gracefully().await;
+
+    // The default (earliest): reading goes on from the log's start, offset 1,500; the 500
+    // deleted events were never counted, the 500 retained ones are, exactly.
+    let mut next = setup.spawn(dir.path(), &["--fetch", "direct"]);
+    let expected = [
+        ("views:early".to_owned(), 1_000),
+        ("views:late".to_owned(), 500),
+    ]
+    .into();
+    wait_for_totals(&reader, &expected, Duration::from_secs(60)).await;
+    assert_eq!(next.metric("tally_offset_resets_total").await, Some(1.0));
+    assert!(
+        next.log().contains("no longer in its log"),
+        "the reset is logged"
+    );
+    next.stop_gracefully().await;
+    assert_committed_to_end(&setup.group, &setup.topic, 1);
 }
