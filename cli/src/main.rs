@@ -203,6 +203,10 @@ struct LoadArgs {
     /// the same order for the same seed.
     #[arg(long, default_value_t = 0)]
     threads: usize,
+    /// Who sends: direct (tally's own appender), librdkafka, or auto (direct unless an option
+    /// needs librdkafka).
+    #[arg(long, default_value = "auto")]
+    producer: tally_producer::BulkPath,
 }
 
 #[derive(Debug, clap::Args)]
@@ -475,7 +479,9 @@ async fn liked(args: LikedArgs) -> anyhow::Result<ExitCode> {
 
 async fn run_load(args: LoadArgs) -> anyhow::Result<ExitCode> {
     let topic = &args.kafka.topic;
-    let config = ProducerConfig::new(&args.kafka.brokers, topic).routing(args.routing);
+    let config = ProducerConfig::new(&args.kafka.brokers, topic)
+        .routing(args.routing)
+        .bulk_path(args.producer);
     let spec = LoadSpec {
         events: args.events,
         counters: args.counters,

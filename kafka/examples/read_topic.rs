@@ -16,12 +16,12 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let config = FetchConfig::from_options(topic, [("bootstrap.servers", brokers)])?;
     let mut c = tally_kafka::connection::Connection::connect(
         brokers,
-        &config.security,
+        &config.client.security,
         "read_topic",
-        config.timeout,
+        config.client.timeout,
     )
     .await?;
-    let metadata = c.metadata(topic).await?;
+    let metadata = c.metadata(topic, false).await?;
     let ids: Vec<i32> = metadata.partitions.iter().map(|p| p.partition).collect();
     let starts = c.list_offsets(topic, &ids, LogEnd::Earliest).await?;
     let ends: HashMap<i32, i64> = c

@@ -110,26 +110,33 @@ pub enum OffsetReset {
     Error,
 }
 
-/// Everything the fetcher needs.
+/// How to reach and talk to the cluster: what the fetcher and the appender share.
 #[derive(Debug, Clone)]
-pub struct FetchConfig {
+pub struct ClientSettings {
     /// `bootstrap.servers` (or `metadata.broker.list`): `host:port` to ask for metadata first.
     pub bootstrap: Vec<String>,
-    /// The topic read.
-    pub topic: String,
     /// `client.id`.
     pub client_id: String,
     /// How connections are secured.
     pub security: Security,
+    /// Longest wait for a connection, or for a response beyond a request's own wait
+    /// (`socket.timeout.ms`).
+    pub timeout: Duration,
+}
+
+/// Everything the fetcher needs.
+#[derive(Debug, Clone)]
+pub struct FetchConfig {
+    /// The cluster.
+    pub client: ClientSettings,
+    /// The topic read.
+    pub topic: String,
     /// Fetch sizes and wait (`fetch.wait.max.ms`, `fetch.min.bytes`, `fetch.max.bytes`,
     /// `max.partition.fetch.bytes`).
     pub limits: FetchLimits,
     /// Most decompressed bytes handed out and not yet released by their reader: past it, no
     /// new fetch is sent (`queued.max.messages.kbytes`).
     pub max_buffered_bytes: usize,
-    /// Longest wait for a connection, or for a response beyond the fetch's own wait
-    /// (`socket.timeout.ms`).
-    pub timeout: Duration,
     /// `auto.offset.reset`.
     pub offset_reset: OffsetReset,
 }
@@ -143,123 +150,150 @@ pub const DEFAULT_LIMITS: FetchLimits = FetchLimits {
     partition_max_bytes: 4 << 20,
 };
 
-/// Options that change nothing about how the fetcher reads, or that it honours elsewhere: the
-/// consumer group's, librdkafka's internals, the producer's.
-fn ignored(key: &str) -> bool {
-    const PREFIXES: &[&str] = &[
-        "group.",
-        "session.",
-        "heartbeat.",
-        "max.poll.",
-        "partition.assignment",
-        "enable.auto",
-        "auto.",
-        "statistics.",
-        "topic.metadata",
-        "metadata.max",
-        "queued.min",
-        "fetch.queue",
-        "fetch.error",
-        "enable.partition",
-        "socket.",
-        "reconnect.",
-        "retry.",
-        "log",
-        "debug",
-        "api.version",
-        "broker.version",
-        "allow.auto",
-        "check.crcs",
-        "isolation.level",
-        "client.rack",
-        "connections.max",
-        "message.max",
-        "receive.message",
-        "linger",
-        "batch.",
-        "queue.buffering",
-        "compression",
-        "acks",
-        "enable.idempotence",
-        "request.",
-        "delivery.",
-        "message.timeout",
-        "transaction",
-        "ssl.endpoint",
-        "enable.ssl",
-        "ssl.ca",
-        "ssl.certificate",
-        "ssl.key",
-        "sasl.username",
-        "sasl.password",
-        "sasl.mechanism",
-        "security.protocol",
-        "bootstrap.servers",
-        "metadata.broker.list",
-        "client.id",
-        "fetch.",
-        "max.partition",
-        "queued.max",
-        "coordinator.",
-        "topic.",
-        "internal.",
-        "builtin.",
-        "plugin.",
-        "interceptor",
-        "default.topic",
-        "offset.",
-        "consume.",
-        "enable.metrics",
-        "enable.sasl.oauthbearer.unsecure",
-        "ssl.engine",
-        "ssl_engine",
-        "ssl.providers",
-        "ssl.sigalgs",
-        "ssl.curves",
-        "ssl.cipher",
-        "client.dns",
-        "resolve.",
-        "broker.address",
-        "open_cb",
-        "closesocket",
-    ];
-    PREFIXES.iter().any(|p| key.starts_with(p))
-}
+/// Options that change nothing about how a client connects, or that its role honours itself or
+/// does not need: the consumer group's, librdkafka's internals.
+const IGNORED: &[&str] = &[
+    "group.",
+    "session.",
+    "heartbeat.",
+    "max.poll.",
+    "partition.assignment",
+    "enable.auto",
+    "statistics.",
+    "metadata.max",
+    "queued.min",
+    "fetch.queue",
+    "fetch.error",
+    "enable.partition",
+    "socket.",
+    "reconnect.",
+    "retry.",
+    "retries",
+    "log",
+    "debug",
+    "api.version",
+    "broker.version",
+    "allow.auto",
+    "check.crcs",
+    "isolation.level",
+    "client.rack",
+    "connections.max",
+    "message.max",
+    "receive.message",
+    "request.timeout",
+    "coordinator.",
+    "internal.",
+    "builtin.",
+    "plugin.",
+    "interceptor",
+    "enable.metrics",
+    "ssl.engine",
+    "ssl_engine",
+    "ssl.providers",
+    "ssl.sigalgs",
+    "ssl.curves",
+    "ssl.cipher",
+    "client.dns",
+    "resolve.",
+    "broker.address",
+    "open_cb",
+    "closesocket",
+    "topic.metadata.propagation",
+    "sticky.partitioning",
+    "max.in.flight",
+    "enable.gapless",
+    "transaction",
+    "enable.sasl.oauthbearer.unsecure",
+    "offset.store",
+    "auto.commit",
+    "consume.callback",
+    "enable.random.seed",
+    "topic.metadata",
+    "default.topic",
+];
 
-impl FetchConfig {
-    /// Reads the options (librdkafka's names and values) for reading `topic`; an option that
-    /// would change how connections are made and that the fetcher does not implement is an
-    /// error.
-    pub fn from_options<'a>(
-        topic: &str,
-        options: impl IntoIterator<Item = (&'a str, &'a str)>,
-    ) -> Result<Self, Unsupported> {
-        let options: Vec<(&str, &str)> = options.into_iter().collect();
-        let get = |key: &str| {
-            options
-                .iter()
-                .rev()
-                .find(|(k, _)| *k == key)
-                .map(|(_, v)| *v)
-        };
-        let unsupported = |key: &str, value: &str| Unsupported {
-            key: key.to_owned(),
-            value: value.to_owned(),
-        };
-        let parse = |key: &str, default: i64| -> Result<i64, Unsupported> {
-            match get(key) {
-                None => Ok(default),
-                Some(v) => v.trim().parse().map_err(|_| unsupported(key, v)),
-            }
-        };
-        let truthy = |key: &str, default: bool| match get(key) {
+/// The options the client settings read.
+const CLIENT_KEYS: &[&str] = &[
+    "bootstrap.servers",
+    "metadata.broker.list",
+    "client.id",
+    "security.protocol",
+    "sasl.mechanisms",
+    "sasl.mechanism",
+    "sasl.username",
+    "sasl.password",
+    "ssl.ca.location",
+    "ssl.certificate.location",
+    "ssl.key.location",
+    "enable.ssl.certificate.verification",
+    "ssl.endpoint.identification.algorithm",
+];
+
+/// Options as librdkafka takes them, the last of a key winning.
+struct Options<'a>(Vec<(&'a str, &'a str)>);
+
+impl<'a> Options<'a> {
+    fn get(&self, key: &str) -> Option<&'a str> {
+        self.0
+            .iter()
+            .rev()
+            .find(|(k, _)| *k == key)
+            .map(|(_, v)| *v)
+    }
+
+    fn int(&self, key: &str, default: i64) -> Result<i64, Unsupported> {
+        match self.get(key) {
+            None => Ok(default),
+            Some(v) => v.trim().parse().map_err(|_| unsupported(key, v)),
+        }
+    }
+
+    /// A non-negative value that fits an `int32`.
+    fn int32(&self, key: &str, default: i32) -> Result<i32, Unsupported> {
+        let v = self.int(key, i64::from(default))?;
+        i32::try_from(v)
+            .ok()
+            .filter(|v| *v >= 0)
+            .ok_or_else(|| unsupported(key, &v.to_string()))
+    }
+
+    fn truthy(&self, key: &str, default: bool) -> Result<bool, Unsupported> {
+        match self.get(key) {
             None => Ok(default),
             Some("true" | "True" | "1") => Ok(true),
             Some("false" | "False" | "0") => Ok(false),
             Some(v) => Err(unsupported(key, v)),
+        }
+    }
+
+    /// Refuses any option that is neither ignored, nor a client option, nor in `role`.
+    fn only(&self, role: &[&str]) -> Result<(), Unsupported> {
+        let known = |key: &str| {
+            IGNORED.iter().any(|p| key.starts_with(p))
+                || CLIENT_KEYS.contains(&key)
+                || role.contains(&key)
         };
-        let bootstrap: Vec<String> = get("bootstrap.servers")
-            .or_else(|| get("metadata.broker.list"))
+        match self.0.iter().find(|(k, _)| !known(k)) {
+            Some((key, value)) => Err(unsupported(key, value)),
+            None => Ok(()),
+        }
+    }
+}
+
+fn unsupported(key: &str, value: &str) -> Unsupported {
+    Unsupported {
+        key: key.to_owned(),
+        value: value.to_owned(),
+    }
+}
+
+impl ClientSettings {
+    /// Reads the cluster's address, security and client id; an option about how connections are
+    /// made that is not implemented here is an error.
+    fn read(o: &Options<'_>) -> Result<Self, Unsupported> {
+        let bootstrap: Vec<String> = o
+            .get("bootstrap.servers")
+            .or_else(|| o.get("metadata.broker.list"))
             .unwrap_or_default()
             .split(',')
             .map(|s| s.trim())
@@ -274,7 +308,8 @@ impl FetchConfig {
         if bootstrap.is_empty() {
             return Err(unsupported("bootstrap.servers", ""));
         }
-        let protocol = get("security.protocol")
+        let protocol = o
+            .get("security.protocol")
             .unwrap_or("plaintext")
             .to_ascii_lowercase();
         let (tls, sasl) = match protocol.as_str() {
@@ -294,43 +329,45 @@ impl FetchConfig {
             "ssl.crl.location",
             "ssl.engine.location",
         ] {
-            if let Some(v) = get(key).filter(|v| !v.is_empty()) {
+            if let Some(v) = o.get(key).filter(|v| !v.is_empty()) {
                 return Err(unsupported(
                     key,
                     if key.ends_with(".pem") { "<pem>" } else { v },
                 ));
             }
         }
-        if get("ssl.key.password").is_some_and(|v| !v.is_empty()) {
+        if o.get("ssl.key.password").is_some_and(|v| !v.is_empty()) {
             return Err(unsupported("ssl.key.password", "<set>"));
         }
         let tls = tls
             .then(|| -> Result<Tls, Unsupported> {
-                let client = match (get("ssl.certificate.location"), get("ssl.key.location")) {
+                let client = match (o.get("ssl.certificate.location"), o.get("ssl.key.location")) {
                     (None, None) => None,
                     (Some(c), Some(k)) => Some((c.to_owned(), k.to_owned())),
                     (Some(c), None) => return Err(unsupported("ssl.certificate.location", c)),
                     (None, Some(k)) => return Err(unsupported("ssl.key.location", k)),
                 };
-                let verify_hostname = match get("ssl.endpoint.identification.algorithm") {
+                let verify_hostname = match o.get("ssl.endpoint.identification.algorithm") {
                     None | Some("https") => true,
                     Some("none") => false,
                     Some(v) => return Err(unsupported("ssl.endpoint.identification.algorithm", v)),
                 };
                 Ok(Tls {
-                    ca_location: get("ssl.ca.location")
+                    ca_location: o
+                        .get("ssl.ca.location")
                         .filter(|v| !v.is_empty())
                         .map(str::to_owned),
                     client,
-                    verify_certificate: truthy("enable.ssl.certificate.verification", true)?,
+                    verify_certificate: o.truthy("enable.ssl.certificate.verification", true)?,
                     verify_hostname,
                 })
             })
             .transpose()?;
         let sasl = sasl
             .then(|| -> Result<Sasl, Unsupported> {
-                let name = get("sasl.mechanisms")
-                    .or_else(|| get("sasl.mechanism"))
+                let name = o
+                    .get("sasl.mechanisms")
+                    .or_else(|| o.get("sasl.mechanism"))
                     .unwrap_or("GSSAPI");
                 let mechanism = match name.to_ascii_uppercase().as_str() {
                     "PLAIN" => Mechanism::Plain,
@@ -340,47 +377,179 @@ impl FetchConfig {
                 };
                 Ok(Sasl {
                     mechanism,
-                    username: get("sasl.username").unwrap_or_default().to_owned(),
-                    password: get("sasl.password").unwrap_or_default().to_owned(),
+                    username: o.get("sasl.username").unwrap_or_default().to_owned(),
+                    password: o.get("sasl.password").unwrap_or_default().to_owned(),
                 })
             })
             .transpose()?;
-        for (key, value) in &options {
-            if !ignored(key) {
-                return Err(unsupported(key, value));
-            }
-        }
-        let int = |key: &str, default: i32| -> Result<i32, Unsupported> {
-            let v = parse(key, i64::from(default))?;
-            i32::try_from(v)
-                .ok()
-                .filter(|v| *v >= 0)
-                .ok_or_else(|| unsupported(key, &v.to_string()))
-        };
+        let timeout_ms = o.int("socket.timeout.ms", 60_000)?.max(1);
+        Ok(Self {
+            bootstrap,
+            client_id: o.get("client.id").unwrap_or("tally").to_owned(),
+            security: Security { tls, sasl },
+            timeout: Duration::from_millis(timeout_ms as u64),
+        })
+    }
+}
+
+/// The options the fetcher reads beyond the client's.
+const FETCH_KEYS: &[&str] = &[
+    "fetch.wait.max.ms",
+    "fetch.min.bytes",
+    "fetch.max.bytes",
+    "max.partition.fetch.bytes",
+    "queued.max.messages.kbytes",
+    "queued.max.messages",
+    "fetch.message.max.bytes",
+    "auto.offset.reset",
+];
+
+impl FetchConfig {
+    /// Reads the options (librdkafka's names and values) for reading `topic`; an option that
+    /// would change how connections are made or records are read, and that the fetcher does not
+    /// implement, is an error.
+    pub fn from_options<'a>(
+        topic: &str,
+        options: impl IntoIterator<Item = (&'a str, &'a str)>,
+    ) -> Result<Self, Unsupported> {
+        let o = Options(options.into_iter().collect());
+        let client = ClientSettings::read(&o)?;
+        // The producer's options are the dead-letter producer's: not the fetcher's business.
+        o.only(&[FETCH_KEYS, APPEND_KEYS].concat())?;
         let d = DEFAULT_LIMITS;
         let limits = FetchLimits {
-            max_wait_ms: int("fetch.wait.max.ms", d.max_wait_ms)?,
-            min_bytes: int("fetch.min.bytes", d.min_bytes)?.max(1),
-            max_bytes: int("fetch.max.bytes", d.max_bytes)?,
-            partition_max_bytes: int("max.partition.fetch.bytes", d.partition_max_bytes)?,
+            max_wait_ms: o.int32("fetch.wait.max.ms", d.max_wait_ms)?,
+            min_bytes: o.int32("fetch.min.bytes", d.min_bytes)?.max(1),
+            max_bytes: o.int32("fetch.max.bytes", d.max_bytes)?,
+            partition_max_bytes: o.int32(
+                "max.partition.fetch.bytes",
+                o.int32("fetch.message.max.bytes", d.partition_max_bytes)?,
+            )?,
         };
-        let offset_reset = match get("auto.offset.reset") {
+        let offset_reset = match o.get("auto.offset.reset") {
             None | Some("earliest" | "smallest" | "beginning") => OffsetReset::Earliest,
             Some("latest" | "largest" | "end") => OffsetReset::Latest,
             Some("error") => OffsetReset::Error,
             Some(other) => return Err(unsupported("auto.offset.reset", other)),
         };
-        let queued_kb = parse("queued.max.messages.kbytes", 64 * 1024)?.max(1);
-        let timeout_ms = parse("socket.timeout.ms", 60_000)?.max(1);
+        let queued_kb = o.int("queued.max.messages.kbytes", 64 * 1024)?.max(1);
         Ok(Self {
-            bootstrap,
+            client,
             topic: topic.to_owned(),
-            client_id: get("client.id").unwrap_or("tally").to_owned(),
-            security: Security { tls, sasl },
             limits,
             max_buffered_bytes: usize::try_from(queued_kb).unwrap_or(usize::MAX / 1024) * 1024,
-            timeout: Duration::from_millis(timeout_ms as u64),
             offset_reset,
+        })
+    }
+}
+
+/// How an appender compresses its batches.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Codec {
+    /// Not at all.
+    None,
+    /// LZ4 frames (what tally's producers use).
+    Lz4,
+    /// gzip.
+    Gzip,
+}
+
+/// Everything an appender needs.
+#[derive(Debug, Clone)]
+pub struct AppendConfig {
+    /// The cluster.
+    pub client: ClientSettings,
+    /// The topic written.
+    pub topic: String,
+    /// How long a batch waits for more records before it is sent (`linger.ms`).
+    pub linger: Duration,
+    /// Records section size at which a batch is sent at once (`batch.size`).
+    pub batch_bytes: usize,
+    /// Records at which a batch is sent at once (`batch.num.messages`).
+    pub batch_records: usize,
+    /// Records appended and not yet reported, past which an append is refused as full
+    /// (`queue.buffering.max.messages`).
+    pub max_queued: usize,
+    /// The codec (`compression.type` / `compression.codec`).
+    pub codec: Codec,
+    /// How long a record may wait for its acknowledgement, retries included, before it is
+    /// reported failed (`message.timeout.ms` / `delivery.timeout.ms`).
+    pub delivery_timeout: Duration,
+    /// How often the topic's partitions are looked up again, so that partitions added to it are
+    /// written (`topic.metadata.refresh.interval.ms`).
+    pub metadata_refresh: Duration,
+}
+
+/// The options the appender reads beyond the client's.
+const APPEND_KEYS: &[&str] = &[
+    "linger.ms",
+    "queue.buffering.max.ms",
+    "batch.size",
+    "batch.num.messages",
+    "queue.buffering.max.messages",
+    "queue.buffering.max.kbytes",
+    "compression.type",
+    "compression.codec",
+    "message.timeout.ms",
+    "delivery.timeout.ms",
+    "enable.idempotence",
+    "acks",
+    "request.required.acks",
+    "partitioner",
+];
+
+impl AppendConfig {
+    /// Reads the options (librdkafka's names and values) for appending to `topic`: idempotent,
+    /// every in-sync replica acknowledging, librdkafka's default partitioner. An option asking
+    /// for anything else, or not implemented, is an error.
+    pub fn from_options<'a>(
+        topic: &str,
+        options: impl IntoIterator<Item = (&'a str, &'a str)>,
+    ) -> Result<Self, Unsupported> {
+        let o = Options(options.into_iter().collect());
+        let client = ClientSettings::read(&o)?;
+        o.only(&[APPEND_KEYS, FETCH_KEYS].concat())?;
+        if !o.truthy("enable.idempotence", true)? {
+            return Err(unsupported("enable.idempotence", "false"));
+        }
+        for key in ["acks", "request.required.acks"] {
+            if let Some(v) = o.get(key).filter(|v| !matches!(*v, "all" | "-1")) {
+                return Err(unsupported(key, v));
+            }
+        }
+        if let Some(v) = o.get("partitioner").filter(|v| *v != "consistent_random") {
+            return Err(unsupported("partitioner", v));
+        }
+        let codec = match o
+            .get("compression.type")
+            .or_else(|| o.get("compression.codec"))
+        {
+            None | Some("none") => Codec::None,
+            Some("lz4") => Codec::Lz4,
+            Some("gzip") => Codec::Gzip,
+            Some(other) => return Err(unsupported("compression.type", other)),
+        };
+        let ms = |key: &str, alias: &str, default: i64| -> Result<Duration, Unsupported> {
+            let v = o.int(key, o.int(alias, default)?)?.max(0);
+            Ok(Duration::from_millis(v as u64))
+        };
+        let count = |key: &str, default: i64| -> Result<usize, Unsupported> {
+            Ok(usize::try_from(o.int(key, default)?.max(1)).unwrap_or(usize::MAX))
+        };
+        Ok(Self {
+            client,
+            topic: topic.to_owned(),
+            linger: ms("linger.ms", "queue.buffering.max.ms", 5)?,
+            batch_bytes: count("batch.size", 1_000_000)?,
+            batch_records: count("batch.num.messages", 10_000)?,
+            max_queued: count("queue.buffering.max.messages", 100_000)?,
+            codec,
+            delivery_timeout: ms("message.timeout.ms", "delivery.timeout.ms", 300_000)?,
+            metadata_refresh: ms(
+                "topic.metadata.refresh.interval.ms",
+                "topic.metadata.refresh.interval.ms",
+                300_000,
+            )?,
         })
     }
 }
@@ -402,8 +571,8 @@ mod tests {
             ],
         )
         .expect("as written");
-        assert_eq!(c.bootstrap, ["a:9092", "b:9093"]);
-        assert_eq!(c.security, Security::default());
+        assert_eq!(c.client.bootstrap, ["a:9092", "b:9093"]);
+        assert_eq!(c.client.security, Security::default());
         assert_eq!(c.limits.partition_max_bytes, 2 << 20);
         assert_eq!(c.limits.max_wait_ms, DEFAULT_LIMITS.max_wait_ms);
         assert_eq!(c.offset_reset, OffsetReset::Earliest);
@@ -434,7 +603,7 @@ mod tests {
             ],
         )
         .expect("as written");
-        let sasl = c.security.sasl.as_ref().expect("as written");
+        let sasl = c.client.security.sasl.as_ref().expect("as written");
         assert_eq!(
             (
                 sasl.mechanism,
@@ -444,7 +613,8 @@ mod tests {
             (Mechanism::ScramSha512, "u", "secret")
         );
         assert_eq!(
-            c.security
+            c.client
+                .security
                 .tls
                 .as_ref()
                 .expect("as written")

@@ -105,7 +105,13 @@ impl std::fmt::Debug for Connection {
 }
 
 /// The APIs every connection checks the broker supports.
-const NEEDED: [Api; 3] = [protocol::FETCH, protocol::METADATA, protocol::LIST_OFFSETS];
+const NEEDED: [Api; 5] = [
+    protocol::FETCH,
+    protocol::METADATA,
+    protocol::LIST_OFFSETS,
+    protocol::PRODUCE,
+    protocol::INIT_PRODUCER_ID,
+];
 
 impl Connection {
     /// Connects to `broker` (`host:port`), secures and authenticates the connection as
@@ -302,12 +308,16 @@ impl Connection {
             .await
     }
 
-    /// Asks for `topic`'s metadata.
-    pub async fn metadata(&mut self, topic: &str) -> Result<protocol::Metadata, ConnectionError> {
+    /// Asks for `topic`'s metadata (`create`: see [`protocol::metadata_request`]).
+    pub async fn metadata(
+        &mut self,
+        topic: &str,
+        create: bool,
+    ) -> Result<protocol::Metadata, ConnectionError> {
         let mut buf = Vec::new();
         self.request(
             protocol::METADATA,
-            |w| protocol::metadata_request(w, topic),
+            |w| protocol::metadata_request(w, topic, create),
             &mut buf,
         )
         .await?;

@@ -471,12 +471,12 @@ async fn metadata_task(shared: Arc<Shared>, tasks: Arc<Mutex<JoinSet<()>>>) {
                     state.brokers.values().cloned().collect()
                 };
                 let mut last = None;
-                for broker in config.bootstrap.iter().chain(known.iter()) {
+                for broker in config.client.bootstrap.iter().chain(known.iter()) {
                     match Connection::connect(
                         broker,
-                        &config.security,
-                        &config.client_id,
-                        config.timeout,
+                        &config.client.security,
+                        &config.client.client_id,
+                        config.client.timeout,
                     )
                     .await
                     {
@@ -494,7 +494,7 @@ async fn metadata_task(shared: Arc<Shared>, tasks: Arc<Mutex<JoinSet<()>>>) {
             let Some(c) = connection.as_mut() else {
                 return Err(None);
             };
-            c.metadata(&config.topic).await.map_err(Some)
+            c.metadata(&config.topic, false).await.map_err(Some)
         };
         match metadata.await {
             Ok(metadata) if !metadata.topic_error.is_error() => {
@@ -596,9 +596,9 @@ async fn broker_task(shared: Arc<Shared>, node: i32) {
             if connection.is_none() {
                 let c = Connection::connect(
                     &address,
-                    &config.security,
-                    &config.client_id,
-                    config.timeout,
+                    &config.client.security,
+                    &config.client.client_id,
+                    config.client.timeout,
                 )
                 .await
                 .map_err(Some)?;

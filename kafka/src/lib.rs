@@ -1,11 +1,13 @@
-//! tally's own Kafka fetch path: a topic's partitions read straight from their leaders, record
-//! batches decompressed once and parsed in place, without a heap object, a lock or a clock read
-//! per message.
+//! tally's own Kafka client for the two paths that carry every event: reading (a topic's
+//! partitions read straight from their leaders, record batches decompressed once and parsed in
+//! place) and bulk appending (records encoded straight into their partition's batch), without a
+//! heap object, a lock or a clock read per message.
 //!
 //! librdkafka (through rust-rdkafka) stays in charge of everything else: the consumer group, its
-//! rebalances, offset commits, producing. What it costs per message when consuming (an op, a
-//! queue pop, clock reads, a wrapper per message) bounded the aggregator's catch-up at about
-//! twice what this path costs; see `docs/performance/catch-up-profile.txt` in the repository.
+//! rebalances, offset commits, the services' producer with an acknowledgement per event. What
+//! it costs per message (an op, a queue pop, clock reads, a wrapper per message) bounded the
+//! aggregator's catch-up at about twice what this path costs, and the bulk producer at about
+//! three quarters of `kcat -P`; see `docs/performance/` in the repository.
 //!
 //! # Layout
 //! - [`wire`]: Kafka's primitive types, read in place and written into requests.
@@ -17,7 +19,10 @@
 //! - [`config`]: [`FetchConfig`], read from librdkafka-style options.
 //! - [`connection`]: one broker connection: TCP, TLS, SASL, requests.
 //! - [`fetcher`]: [`Fetcher`], the partitions' fetch loop, and the [`Chunk`]s it hands out.
+//! - [`append`]: [`Appender`], an idempotent producer for bulk traffic: records encoded into
+//!   their partition's batch as they are appended, one `Produce` per broker at a time.
 
+pub mod append;
 pub mod compression;
 pub mod config;
 pub mod connection;
@@ -27,6 +32,7 @@ pub mod records;
 pub mod sasl;
 pub mod wire;
 
-pub use config::{FetchConfig, OffsetReset, Unsupported};
+pub use append::{AppendError, Appender, Completion};
+pub use config::{AppendConfig, FetchConfig, OffsetReset, Unsupported};
 pub use fetcher::{Chunk, Fetched, Fetcher, Item, Start};
 pub use records::Record;

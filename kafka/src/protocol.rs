@@ -21,6 +21,18 @@ pub struct Api {
     pub name: &'static str,
 }
 
+/// `Produce` v8.
+pub const PRODUCE: Api = Api {
+    key: 0,
+    version: 8,
+    name: "Produce",
+};
+/// `InitProducerId` v1.
+pub const INIT_PRODUCER_ID: Api = Api {
+    key: 22,
+    version: 1,
+    name: "InitProducerId",
+};
 /// `Fetch` v11.
 pub const FETCH: Api = Api {
     key: 1,
@@ -86,6 +98,19 @@ impl ErrorCode {
     /// The offset is not available yet (a new leader catching up).
     pub const OFFSET_NOT_AVAILABLE: Self = Self(78);
 
+    /// The batch was already written (a retry the broker recognised): a success.
+    pub const DUPLICATE_SEQUENCE_NUMBER: Self = Self(46);
+
+    /// Whether a produce that failed with this may be sent again, unchanged: the idempotent
+    /// producer's sequence numbers make a retry of a batch that did land a duplicate the broker
+    /// recognises.
+    pub fn is_retriable_produce(self) -> bool {
+        self.is_stale_leadership()
+            // REQUEST_TIMED_OUT, NETWORK_EXCEPTION, NOT_ENOUGH_REPLICAS(_AFTER_APPEND),
+            // COORDINATOR_LOAD_IN_PROGRESS, CONCURRENT_TRANSACTIONS, THROTTLING_QUOTA_EXCEEDED
+            || matches!(self.0, 7 | 13 | 19 | 20 | 14 | 51 | 89)
+    }
+
     /// Whether this is an error.
     pub fn is_error(self) -> bool {
         self != Self::NONE
@@ -125,7 +150,15 @@ impl ErrorCode {
             34 => "ILLEGAL_SASL_STATE",
             35 => "UNSUPPORTED_VERSION",
             56 => "KAFKA_STORAGE_ERROR",
+            19 => "NOT_ENOUGH_REPLICAS",
+            20 => "NOT_ENOUGH_REPLICAS_AFTER_APPEND",
+            10 => "MESSAGE_TOO_LARGE",
+            45 => "OUT_OF_ORDER_SEQUENCE_NUMBER",
+            46 => "DUPLICATE_SEQUENCE_NUMBER",
+            47 => "INVALID_PRODUCER_EPOCH",
             58 => "SASL_AUTHENTICATION_FAILED",
+            59 => "UNKNOWN_PRODUCER_ID",
+            87 => "INVALID_RECORD",
             74 => "FENCED_LEADER_EPOCH",
             75 => "UNKNOWN_LEADER_EPOCH",
             78 => "OFFSET_NOT_AVAILABLE",
@@ -213,9 +246,10 @@ pub struct Metadata {
     pub partitions: Vec<PartitionMetadata>,
 }
 
-/// `Metadata` request for one topic, never creating it.
-pub fn metadata_request(w: &mut Writer, topic: &str) {
-    w.array_len(1).string(topic).bool(false);
+/// `Metadata` request for one topic; `create` lets a broker with `auto.create.topics.enable`
+/// create it (as a librdkafka producer does; a consumer never creates).
+pub fn metadata_request(w: &mut Writer, topic: &str, create: bool) {
+    w.array_len(1).string(topic).bool(create);
 }
 
 /// `Metadata` response for the topic asked for.
@@ -417,6 +451,82 @@ pub fn parse_fetch<'a>(
         }
     }
     Ok((error, out))
+}
+
+/// `InitProducerId` request for an idempotent producer (no transactional id).
+pub fn init_producer_id_request(w: &mut Writer) {
+    w.nullable_string(None).i32(60_000);
+}
+
+/// `InitProducerId` response: its error, the producer id and its epoch.
+pub fn parse_init_producer_id(body: &[u8]) -> Result<(ErrorCode, i64, i16), Malformed> {
+    let mut r = Reader::new(body);
+    r.i32("throttle_time_ms")?;
+    let error = ErrorCode(r.i16("error_code")?);
+    Ok((error, r.i64("producer_id")?, r.i16("producer_epoch")?))
+}
+
+/// `Produce` request (`acks = all`, no transactional id): one record batch for each
+/// `(partition, batch)` of `topic`.
+pub fn produce_request(w: &mut Writer, topic: &str, timeout_ms: i32, batches: &[(i32, &[u8])]) {
+    w.nullable_string(None)
+        .i16(-1)
+        .i32(timeout_ms)
+        .array_len(1)
+        .string(topic)
+        .array_len(batches.len());
+    for (partition, batch) in batches {
+        w.i32(*partition).bytes(batch);
+    }
+}
+
+/// One partition's answer to a `Produce`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProducePartition {
+    /// Its index.
+    pub partition: i32,
+    /// Its error.
+    pub error: ErrorCode,
+    /// The offset of the batch's first record.
+    pub base_offset: i64,
+    /// The broker's message, if any.
+    pub message: Option<String>,
+}
+
+/// `Produce` response: every partition of `topic`.
+pub fn parse_produce(body: &[u8], topic: &str) -> Result<Vec<ProducePartition>, Malformed> {
+    let mut r = Reader::new(body);
+    let mut out = Vec::new();
+    for _ in 0..r.array_len("responses")? {
+        let name = r.string("name")?;
+        for _ in 0..r.array_len("partition_responses")? {
+            let partition = r.i32("index")?;
+            let error = ErrorCode(r.i16("error_code")?);
+            let base_offset = r.i64("base_offset")?;
+            r.i64("log_append_time_ms")?;
+            r.i64("log_start_offset")?;
+            let mut message = None;
+            for _ in 0..r.array_len("record_errors")? {
+                r.i32("batch_index")?;
+                if let Some(m) = r.nullable_string("batch_index_error_message")? {
+                    message.get_or_insert_with(|| m.to_owned());
+                }
+            }
+            if let Some(m) = r.nullable_string("error_message")? {
+                message = Some(m.to_owned());
+            }
+            if name == topic {
+                out.push(ProducePartition {
+                    partition,
+                    error,
+                    base_offset,
+                    message,
+                });
+            }
+        }
+    }
+    r.i32("throttle_time_ms")?;
+    Ok(out)
 }
 
 /// `SaslHandshake` request.

@@ -17,6 +17,33 @@ pub const DEFAULT_FLUSH_TIMEOUT: Duration = Duration::from_secs(30);
 /// How many times [`Producer::send`] sends an event with an idempotency key again by default.
 pub const DEFAULT_IDEMPOTENT_RETRIES: u32 = 3;
 
+/// Who sends a [`BulkProducer`](crate::BulkProducer)'s events.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum BulkPath {
+    /// tally's own appender (`tally_kafka::Appender`) when it supports the options given,
+    /// else librdkafka.
+    #[default]
+    Auto,
+    /// tally's own appender; options it does not support are an error.
+    Direct,
+    /// librdkafka.
+    Librdkafka,
+}
+
+impl std::str::FromStr for BulkPath {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "auto" => Ok(Self::Auto),
+            "direct" => Ok(Self::Direct),
+            "librdkafka" => Ok(Self::Librdkafka),
+            other => Err(format!(
+                "unknown producer path {other:?}: expected auto, direct or librdkafka"
+            )),
+        }
+    }
+}
+
 /// How events are spread over the topic's partitions.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum Routing {
@@ -64,6 +91,8 @@ pub struct ProducerConfig {
     pub namespaces: Option<Arc<Namespaces>>,
     /// How many times [`Producer::send`] sends such an event again before giving up.
     pub idempotent_retries: u32,
+    /// Who sends a [`BulkProducer`](crate::BulkProducer)'s events.
+    pub bulk_path: BulkPath,
 }
 
 impl std::fmt::Debug for ProducerConfig {
@@ -74,6 +103,7 @@ impl std::fmt::Debug for ProducerConfig {
             .field("routing", &self.routing)
             .field("options", &self.options.keys().collect::<Vec<_>>())
             .field("idempotent_retries", &self.idempotent_retries)
+            .field("bulk_path", &self.bulk_path)
             .finish_non_exhaustive()
     }
 }
@@ -88,7 +118,14 @@ impl ProducerConfig {
             options: BTreeMap::new(),
             namespaces: None,
             idempotent_retries: DEFAULT_IDEMPOTENT_RETRIES,
+            bulk_path: BulkPath::default(),
         }
+    }
+
+    /// Sets who sends a [`BulkProducer`](crate::BulkProducer)'s events.
+    pub fn bulk_path(mut self, path: BulkPath) -> Self {
+        self.bulk_path = path;
+        self
     }
 
     /// Sets the namespaces' policies (idempotency keys, see the field).
@@ -147,6 +184,10 @@ pub enum ProduceError {
     /// The producer was shut down while the event was in flight.
     #[error("the producer shut down before Kafka acknowledged the event")]
     Canceled,
+    /// tally's own producer (the bulk path) could not start, or Kafka refused or did not
+    /// acknowledge the event through it.
+    #[error("{0}")]
+    Direct(String),
 }
 
 /// Where an acknowledged event was stored.

@@ -37,5 +37,6 @@ pub use bulk::BulkProducer;
 pub use counts::{Counts, WriteError};
 pub use direct::{DirectError, DirectWriter};
 pub use kafka::{
-    DEFAULT_FLUSH_TIMEOUT, Delivered, Pending, ProduceError, Producer, ProducerConfig, Routing,
+    BulkPath, DEFAULT_FLUSH_TIMEOUT, Delivered, Pending, ProduceError, Producer, ProducerConfig,
+    Routing,
 };

@@ -1,6 +1,7 @@
 //! The producer crate against a real broker: routing puts events where it promises, a full local
-//! queue makes the caller wait instead of dropping or failing events (async and bulk producers),
-//! and the load generator's totals are exactly what the topic holds.
+//! queue makes the caller wait instead of dropping or failing events (async and bulk producers,
+//! the bulk one through tally's appender and through librdkafka), both bulk paths route every key
+//! to the same partition, and the load generator's totals are exactly what the topic holds.
 
 use std::borrow::Cow;
 use std::collections::{HashMap, HashSet};
@@ -10,7 +11,9 @@ use std::time::Duration;
 use tally_cli::load::{self, LoadSpec};
 use tally_common::CounterEvent;
 use tally_common::codec::EventRef;
-use tally_producer::{BulkProducer, Delivered, ProduceError, Producer, ProducerConfig, Routing};
+use tally_producer::{
+    BulkPath, BulkProducer, Delivered, ProduceError, Producer, ProducerConfig, Routing,
+};
 use tally_tests::{brokers, create_topic, unique};
 
 async fn partitions_by_key(routing: Routing, key_of: fn(usize) -> (String, String)) -> Vec<usize> {
@@ -101,59 +104,106 @@ async fn a_full_local_queue_makes_the_caller_wait_and_loses_nothing() {
     assert_eq!(offsets.len(), 5_000);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_bulk_producer_waits_on_a_full_queue_and_reports_every_event_once() {
-    let topic = unique("producer.bulk");
-    create_topic(&topic, 4).await;
+fn event(counter: &str) -> EventRef<'_> {
+    EventRef {
+        counter: Cow::Borrowed(counter),
+        delta: 1,
+        actor: None,
+        ts_ms: 0,
+        event_id: None,
+        reset: false,
+    }
+}
+
+/// Sends `events` events over `counters` counters (token `i` to `likes:post:<i % counters>`)
+/// through a bulk producer on `path`, checks each token is reported once, and returns where
+/// each was delivered, by token.
+async fn bulk_send(config: ProducerConfig, events: usize, counters: usize) -> Vec<Delivered> {
     let reports: Arc<Mutex<Vec<(usize, Delivered)>>> = Arc::default();
     let seen = Arc::clone(&reports);
     let sent = tokio::task::spawn_blocking(move || {
-        let mut producer = BulkProducer::new(&tiny_queue(&topic), move |token, outcome| {
+        let mut producer = BulkProducer::new(&config, move |token, outcome| {
             let delivered = outcome.expect("acknowledged");
             seen.lock().expect("not poisoned").push((token, delivered));
         })
         .expect("producer");
-        for token in 0..5_000 {
-            let counter = format!("likes:post:{}", token % 100);
-            let event = EventRef {
-                counter: Cow::Borrowed(&counter),
-                delta: 1,
-                actor: None,
-                ts_ms: 0,
-                event_id: None,
-                reset: false,
-            };
-            producer.send(&event, token).expect("handed over");
+        for token in 0..events {
+            let counter = format!("likes:post:{}", token % counters);
+            producer.send(&event(&counter), token).expect("handed over");
         }
-        let invalid = EventRef {
-            counter: Cow::Borrowed("a{b}"),
-            delta: 1,
-            actor: None,
-            ts_ms: 0,
-            event_id: None,
-            reset: false,
-        };
         assert!(matches!(
-            producer.send(&invalid, 9_999),
+            producer.send(&event("a{b}"), usize::MAX),
             Err(ProduceError::Invalid(_))
         ));
         producer.flush(Duration::from_secs(30)).expect("flushed");
         assert_eq!(producer.in_flight(), 0);
     });
     sent.await.expect("the sending thread finished");
-    let reports = reports.lock().expect("not poisoned");
-    let tokens: HashSet<usize> = reports.iter().map(|(t, _)| *t).collect();
-    assert_eq!(reports.len(), 5_000, "one report per event");
-    assert_eq!(tokens, (0..5_000).collect(), "every token reported once");
+    let mut reports = std::mem::take(&mut *reports.lock().expect("not poisoned"));
+    assert_eq!(reports.len(), events, "one report per event");
+    reports.sort_by_key(|(token, _)| *token);
+    let tokens: Vec<usize> = reports.iter().map(|(t, _)| *t).collect();
+    assert_eq!(
+        tokens,
+        (0..events).collect::<Vec<_>>(),
+        "every token reported once"
+    );
+    let offsets: HashSet<(i32, i64)> = reports
+        .iter()
+        .map(|(_, d)| (d.partition, d.offset))
+        .collect();
+    assert_eq!(offsets.len(), events, "every event at an offset of its own");
+    reports.into_iter().map(|(_, d)| d).collect()
+}
+
+async fn the_bulk_producer_waits_on_a_full_queue_and_reports_every_event_once(path: BulkPath) {
+    let topic = unique("producer.bulk");
+    create_topic(&topic, 4).await;
+    let delivered = bulk_send(tiny_queue(&topic).bulk_path(path), 5_000, 100).await;
     // Keyed by counter: each counter's events share a partition, as with the async producer.
     let mut partitions: HashMap<usize, HashSet<i32>> = HashMap::new();
-    for (token, delivered) in reports.iter() {
+    for (token, d) in delivered.iter().enumerate() {
         partitions
             .entry(token % 100)
             .or_default()
-            .insert(delivered.partition);
+            .insert(d.partition);
     }
     assert!(partitions.values().all(|p| p.len() == 1), "{partitions:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_bulk_producer_waits_on_a_full_queue_and_reports_every_event_once_through_tallys_appender()
+ {
+    the_bulk_producer_waits_on_a_full_queue_and_reports_every_event_once(BulkPath::Direct).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_bulk_producer_waits_on_a_full_queue_and_reports_every_event_once_through_librdkafka() {
+    the_bulk_producer_waits_on_a_full_queue_and_reports_every_event_once(BulkPath::Librdkafka)
+        .await;
+}
+
+/// A counter's events must land in one partition whoever sends them (a service through
+/// librdkafka, a backfill through tally's appender): the appender partitions as librdkafka's
+/// default partitioner does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn both_bulk_paths_route_every_key_to_the_same_partition() {
+    let topic = unique("producer.parity");
+    create_topic(&topic, 7).await;
+    let config = ProducerConfig::new(brokers(), &topic);
+    let direct = bulk_send(config.clone().bulk_path(BulkPath::Direct), 3_000, 3_000).await;
+    let librdkafka = bulk_send(config.bulk_path(BulkPath::Librdkafka), 3_000, 3_000).await;
+    let differ: Vec<usize> = (0..3_000)
+        .filter(|i| direct[*i].partition != librdkafka[*i].partition)
+        .collect();
+    assert!(
+        differ.is_empty(),
+        "{} of 3,000 keys routed differently, e.g. token {:?}",
+        differ.len(),
+        differ.first()
+    );
+    let used: HashSet<i32> = direct.iter().map(|d| d.partition).collect();
+    assert_eq!(used.len(), 7, "3,000 keys spread over every partition");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
