@@ -171,6 +171,7 @@ impl Env<'_> {
         self.create_topic(&dlq, 1).await?;
         let port = free_port()?;
         let before = CommandStats::read(&mut self.redis).await?;
+        let scripts = probe::ScriptLog::start(&mut self.redis).await?;
         let (broker_cpu, redis_cpu) = (
             probe::cpu_seconds_matching("kafka.Kafka"),
             probe::cpu_seconds_matching("redis-server"),
@@ -223,6 +224,7 @@ impl Env<'_> {
             _ => 0.0,
         };
         let after = CommandStats::read(&mut self.redis).await?;
+        let mut script_ms = scripts.finish(&mut self.redis).await?;
         stop(&mut child)?;
         let from_first = last_t - first.unwrap_or(0.0);
         let counters = metrics
@@ -252,6 +254,9 @@ impl Env<'_> {
                 * 1000.0,
             series,
             flush_histogram: probe::histogram_buckets(&metrics, "tally_flush_duration_seconds"),
+            scripts_over_1ms: script_ms.len(),
+            script_p50_ms: probe::quantile(&mut script_ms, 0.5),
+            script_max_ms: script_ms.last().copied().unwrap_or(0.0),
         })
     }
 }

@@ -121,8 +121,8 @@ pub async fn run_to_end(mut child: Child) -> anyhow::Result<(ProcStats, Duration
     }
 }
 
-/// Every sample of an un-labelled metric family, summed over its labels, from `/metrics`.
-pub async fn metrics(port: u16) -> anyhow::Result<HashMap<String, f64>> {
+/// The text of `/metrics`.
+pub async fn metrics_text(port: u16) -> anyhow::Result<String> {
     let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port))
         .await
         .context("metrics endpoint")?;
@@ -131,6 +131,12 @@ pub async fn metrics(port: u16) -> anyhow::Result<HashMap<String, f64>> {
         .await?;
     let mut body = String::new();
     stream.read_to_string(&mut body).await?;
+    Ok(body)
+}
+
+/// Every sample of an un-labelled metric family, summed over its labels, from `/metrics`.
+pub async fn metrics(port: u16) -> anyhow::Result<HashMap<String, f64>> {
+    let body = metrics_text(port).await?;
     let mut out: HashMap<String, f64> = HashMap::new();
     for line in body.lines().filter(|l| !l.starts_with('#')) {
         let Some((series, value)) = line.rsplit_once(' ') else {
@@ -256,6 +262,69 @@ impl CommandStats {
     /// Calls of `name` since `before`.
     pub fn of(&self, before: &Self, name: &str) -> u64 {
         self.calls.get(name).copied().unwrap_or(0) - before.calls.get(name).copied().unwrap_or(0)
+    }
+}
+
+/// Redis's own timing of every script and transaction it runs, from its slow log (set to log
+/// everything over 1 ms while [`ScriptLog::start`]ed): how long each one held the server.
+#[derive(Debug)]
+pub struct ScriptLog;
+
+impl ScriptLog {
+    /// Empties the slow log and has it keep every command over 1 ms.
+    pub async fn start(conn: &mut redis::aio::MultiplexedConnection) -> anyhow::Result<Self> {
+        let _: () = redis::cmd("CONFIG")
+            .arg("SET")
+            .arg("slowlog-log-slower-than")
+            .arg(1_000)
+            .arg("slowlog-max-len")
+            .arg(100_000)
+            .query_async(conn)
+            .await?;
+        let _: () = redis::cmd("SLOWLOG").arg("RESET").query_async(conn).await?;
+        Ok(Self)
+    }
+
+    /// The durations, ms, of the scripts and transactions (`EVALSHA`, `EVAL`, `EXEC`) logged
+    /// since the start; puts Redis's defaults back.
+    pub async fn finish(
+        self,
+        conn: &mut redis::aio::MultiplexedConnection,
+    ) -> anyhow::Result<Vec<f64>> {
+        let entries: Vec<redis::Value> = redis::cmd("SLOWLOG")
+            .arg("GET")
+            .arg(-1)
+            .query_async(conn)
+            .await?;
+        let _: () = redis::cmd("CONFIG")
+            .arg("SET")
+            .arg("slowlog-log-slower-than")
+            .arg(10_000)
+            .arg("slowlog-max-len")
+            .arg(128)
+            .query_async(conn)
+            .await?;
+        let text = |v: &redis::Value| match v {
+            redis::Value::BulkString(b) => String::from_utf8_lossy(b).to_ascii_lowercase(),
+            redis::Value::SimpleString(s) => s.to_ascii_lowercase(),
+            _ => String::new(),
+        };
+        Ok(entries
+            .iter()
+            .filter_map(|entry| {
+                let redis::Value::Array(fields) = entry else {
+                    return None;
+                };
+                let (redis::Value::Int(micros), redis::Value::Array(args)) =
+                    (fields.get(2)?, fields.get(3)?)
+                else {
+                    return None;
+                };
+                let command = text(args.first()?);
+                matches!(command.as_str(), "evalsha" | "eval" | "exec")
+                    .then_some(*micros as f64 / 1000.0)
+            })
+            .collect())
     }
 }
 

@@ -84,6 +84,22 @@ fn targets(r: &Results) -> Vec<Target> {
             at_least: false,
         },
         Target {
+            name: "longest script of the exactly-once catch-ups (ms, Redis SLOWLOG)",
+            value: [eo, json]
+                .into_iter()
+                .flatten()
+                .map(|c| c.script_max_ms)
+                .reduce(f64::max),
+            bound: 50.0,
+            at_least: false,
+        },
+        Target {
+            name: "partitions added to a live topic: longest delay to their first durable flush (s)",
+            value: r.new_partitions.as_ref().map(|n| n.longest_s),
+            bound: 15.0,
+            at_least: false,
+        },
+        Target {
             name: "catch-up (exactly-once) / naive consumer",
             value: ratio(
                 eo.map(|c| c.run.events_per_second),
@@ -171,7 +187,7 @@ fn catch_up_rows(out: &mut String, name: &str, c: &CatchUp) {
     };
     let _ = writeln!(
         out,
-        "| {name} | {:.0} | {:.0} | {:.1} | {:.2} / {:.2} / {:.2} | {:.0}% | {:.0} | {floor} | {:.4} | {:.5} | {:.0} / {:.0} |",
+        "| {name} | {:.0} | {:.0} | {:.1} | {:.2} / {:.2} / {:.2} | {:.0}% | {:.0} | {floor} | {:.4} | {:.5} | {:.0} / {:.0} | {} · {:.0} / {:.0} |",
         c.events_per_second_from_launch,
         c.run.events_per_second,
         c.seconds_from_start,
@@ -184,6 +200,9 @@ fn catch_up_rows(out: &mut String, name: &str, c: &CatchUp) {
         c.redis_requests_per_event,
         c.flush_p50_ms,
         c.flush_p99_ms,
+        c.scripts_over_1ms,
+        c.script_p50_ms,
+        c.script_max_ms,
     );
 }
 
@@ -317,7 +336,7 @@ pub fn markdown(args: &Args, r: &Results) -> String {
     }
     let _ = writeln!(
         out,
-        "\n## Aggregator scenarios\n\nEvents/s from launch (joining the group included) to the last flush, and from the first event consumed; CPU seconds per million events of the aggregator / the Kafka broker / redis-server, and the machine's idle share, from launch to the last flush; counter writes per event against their floor (distinct counters / events).\n\n| scenario | events/s from launch | events/s | s from launch | CPU s per M: aggregator / broker / redis | idle | peak RSS MiB | counter writes/event | Redis commands/event | requests/event | flush p50/p99 ms |\n|---|---|---|---|---|---|---|---|---|---|---|"
+        "\n## Aggregator scenarios\n\nEvents/s from launch (joining the group included) to the last flush, and from the first event consumed; CPU seconds per million events of the aggregator / the Kafka broker / redis-server, and the machine's idle share, from launch to the last flush; counter writes per event against their floor (distinct counters / events).\n\n| scenario | events/s from launch | events/s | s from launch | CPU s per M: aggregator / broker / redis | idle | peak RSS MiB | counter writes/event | Redis commands/event | requests/event | flush p50/p99 ms | scripts over 1 ms · p50 / max ms (Redis SLOWLOG) |\n|---|---|---|---|---|---|---|---|---|---|---|---|"
     );
     for (mode, c) in &r.catch_up {
         catch_up_rows(&mut out, &format!("catch-up, {mode}"), c);
@@ -342,6 +361,21 @@ pub fn markdown(args: &Args, r: &Results) -> String {
         catch_up_rows(&mut out, "cardinality (1 event per counter)", c);
     }
     command_breakdown(&mut out, r);
+    if let Some(n) = &r.new_partitions {
+        let delays: Vec<String> = (n.delays_s.iter())
+            .map(|(p, d)| format!("{p}: {d:.1} s"))
+            .collect();
+        let _ = writeln!(
+            out,
+            "\n## Partitions added to a live topic\n\n{} events at a steady rate through the producer crate (metadata refreshed every second) into {} partitions, raised to {} mid-stream with `CreatePartitions`: each new partition's first durable flush came {} after (longest {:.1} s); every total exact afterwards: {}.",
+            n.events,
+            n.from,
+            n.to,
+            delays.join(", "),
+            n.longest_s,
+            if n.exact { "yes" } else { "**no**" }
+        );
+    }
     if let Some(p) = &r.postgres {
         let redis = r.exactly_once().map(|c| c.events_per_second_from_launch);
         let _ = writeln!(

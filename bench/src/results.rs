@@ -77,6 +77,12 @@ pub struct CatchUp {
     pub series: Vec<(f64, f64)>,
     /// Flush duration histogram: (upper bound in seconds, flushes).
     pub flush_histogram: Vec<(f64, f64)>,
+    /// Scripts and transactions that held Redis more than 1 ms (Redis's slow log).
+    pub scripts_over_1ms: usize,
+    /// Their median, ms.
+    pub script_p50_ms: f64,
+    /// The longest, ms: how long one flush kept Redis from every other client.
+    pub script_max_ms: f64,
 }
 
 /// End-to-end latency under a steady load.
@@ -203,6 +209,25 @@ pub struct Results {
     pub idempotency: Vec<IdempotencyRun>,
     /// Decode + aggregate on one core (criterion), events per second, per format.
     pub micro: Vec<(String, f64)>,
+    /// Partitions added to a live topic.
+    pub new_partitions: Option<NewPartitions>,
+}
+
+/// Partitions added to a live topic: how soon their events are counted.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct NewPartitions {
+    /// Partitions before and after.
+    pub from: i32,
+    /// After.
+    pub to: i32,
+    /// Per new partition: seconds from `CreatePartitions` to its first durable flush.
+    pub delays_s: Vec<(i32, f64)>,
+    /// The longest of those.
+    pub longest_s: f64,
+    /// Events sent in all, and whether every total in Redis then matched them exactly.
+    pub events: u64,
+    /// Whether every counter's total matched what was sent.
+    pub exact: bool,
 }
 
 impl Results {

@@ -6,6 +6,7 @@ mod expiry;
 mod idempotency;
 mod json;
 mod naive;
+mod partitions;
 mod postgres;
 mod reads;
 mod steady;
@@ -21,6 +22,7 @@ use expiry::expiry;
 use idempotency::idempotency;
 use json::json_catch_up;
 use naive::naive;
+use partitions::new_partitions;
 use postgres::{postgres_catch_up, postgres_reads};
 use reads::reads;
 use steady::steady;
@@ -146,6 +148,9 @@ pub async fn run_all(args: &Args) -> anyhow::Result<Results> {
     }
     if args.runs("json") {
         json_catch_up(&mut env, &mut results).await?;
+    }
+    if args.runs("partitions") {
+        results.new_partitions = Some(new_partitions(&mut env).await?);
     }
     if args.runs("naive") {
         println!("catch-up: the naive consumer, for {} s", args.naive_seconds);
