@@ -80,6 +80,10 @@ pub struct LoopSettings {
     pub fetch: Option<tally_kafka::FetchConfig>,
 }
 
+/// Most bytes of a batch that cannot be read kept in its dead letter (well under a topic's
+/// default `max.message.bytes`, 1 MiB).
+const MAX_UNREADABLE_BYTES: usize = 256 * 1024;
+
 /// A message as the loop reads it, from librdkafka's consumer or from tally's fetcher.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Message<'a> {
@@ -369,16 +373,21 @@ impl<S: Sink> Shared<S> {
                     bytes,
                     reason,
                 } => {
-                    tracing::warn!(partition, first_offset, last_offset, %reason, "dead-lettering a batch that cannot be read");
-                    let letter = DeadLetter {
-                        key: None,
-                        payload: Some(bytes.to_vec()),
-                        reason: DeadLetterReason::Undecodable,
-                        error: format!("offsets {first_offset} to {last_offset}: {reason}"),
-                        partition,
-                        offset: first_offset,
-                    };
                     if slot.machine.accepts() {
+                        tracing::warn!(partition, first_offset, last_offset, %reason, "dead-lettering a batch that cannot be read");
+                        // Its bytes as evidence, at most a dead letter's worth.
+                        let kept = bytes.len().min(MAX_UNREADABLE_BYTES);
+                        let letter = DeadLetter {
+                            key: None,
+                            payload: Some(bytes[..kept].to_vec()),
+                            reason: DeadLetterReason::Undecodable,
+                            error: format!(
+                                "offsets {first_offset} to {last_offset}: {reason} (the first {kept} of its {} bytes)",
+                                bytes.len()
+                            ),
+                            partition,
+                            offset: first_offset,
+                        };
                         let entry = Entry::DeadLetter {
                             group: None,
                             letter,

@@ -433,26 +433,10 @@ async fn metadata_loop(shared: Arc<Shared>) {
         let outcome = async {
             if connection.is_none() {
                 let known: Vec<String> = shared.lock().brokers.values().cloned().collect();
-                let mut last = None;
-                for broker in config.client.bootstrap.iter().chain(&known) {
-                    match Connection::connect(
-                        broker,
-                        &config.client.security,
-                        &config.client.client_id,
-                        config.client.timeout,
-                    )
-                    .await
-                    {
-                        Ok(c) => {
-                            connection = Some(c);
-                            break;
-                        }
-                        Err(e) => last = Some(e.to_string()),
-                    }
-                }
-                if connection.is_none() {
-                    return Err(last.unwrap_or_else(|| "no broker to ask".to_owned()));
-                }
+                let opened = Connection::any(&config.client, &known).await.map_err(|e| {
+                    e.map_or_else(|| "no broker to ask".to_owned(), |e| e.to_string())
+                })?;
+                connection = Some(opened);
             }
             let Some(c) = connection.as_mut() else {
                 return Err("no connection".to_owned());
@@ -666,20 +650,9 @@ async fn broker_task(shared: Arc<Shared>, node: i32) {
             let Some(address) = address else {
                 return Err(None);
             };
-            if connection.is_none() {
-                let c = Connection::connect(
-                    &address,
-                    &config.client.security,
-                    &config.client.client_id,
-                    config.client.timeout,
-                )
+            let c = Connection::reuse(&mut connection, &address, &config.client)
                 .await
                 .map_err(Some)?;
-                connection = Some(c);
-            }
-            let Some(c) = connection.as_mut() else {
-                return Err(None);
-            };
             let batches: Vec<(i32, &[u8])> = (taken.iter())
                 .map(|t| {
                     (

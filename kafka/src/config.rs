@@ -266,12 +266,15 @@ impl<'a> Options<'a> {
         }
     }
 
-    /// Refuses any option that is neither ignored, nor a client option, nor in `role`.
-    fn only(&self, role: &[&str]) -> Result<(), Unsupported> {
+    /// Refuses any option that is neither ignored nor read by a client, the fetcher or the
+    /// appender (either one ignores the other's: one `[kafka]` table configures the
+    /// aggregator's consumer and its dead-letter producer alike).
+    fn known_only(&self) -> Result<(), Unsupported> {
         let known = |key: &str| {
             IGNORED.iter().any(|p| key.starts_with(p))
                 || CLIENT_KEYS.contains(&key)
-                || role.contains(&key)
+                || FETCH_KEYS.contains(&key)
+                || APPEND_KEYS.contains(&key)
         };
         match self.0.iter().find(|(k, _)| !known(k)) {
             Some((key, value)) => Err(unsupported(key, value)),
@@ -414,8 +417,7 @@ impl FetchConfig {
     ) -> Result<Self, Unsupported> {
         let o = Options(options.into_iter().collect());
         let client = ClientSettings::read(&o)?;
-        // The producer's options are the dead-letter producer's: not the fetcher's business.
-        o.only(&[FETCH_KEYS, APPEND_KEYS].concat())?;
+        o.known_only()?;
         let d = DEFAULT_LIMITS;
         let limits = FetchLimits {
             max_wait_ms: o.int32("fetch.wait.max.ms", d.max_wait_ms)?,
@@ -508,7 +510,7 @@ impl AppendConfig {
     ) -> Result<Self, Unsupported> {
         let o = Options(options.into_iter().collect());
         let client = ClientSettings::read(&o)?;
-        o.only(&[APPEND_KEYS, FETCH_KEYS].concat())?;
+        o.known_only()?;
         if !o.truthy("enable.idempotence", true)? {
             return Err(unsupported("enable.idempotence", "false"));
         }

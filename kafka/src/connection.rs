@@ -7,7 +7,7 @@ use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-use crate::config::{Security, Tls};
+use crate::config::{ClientSettings, Security, Tls};
 use crate::protocol::{self, Api, ErrorCode};
 use crate::sasl;
 use crate::wire::{Malformed, Writer};
@@ -172,6 +172,40 @@ impl Connection {
             connection.authenticate(sasl).await?;
         }
         Ok(connection)
+    }
+
+    /// Connects to `broker` with `client`'s security, id and timeout.
+    pub async fn open(broker: &str, client: &ClientSettings) -> Result<Self, ConnectionError> {
+        Self::connect(broker, &client.security, &client.client_id, client.timeout).await
+    }
+
+    /// The connection in `slot`, made to `broker` first if there is none.
+    pub async fn reuse<'a>(
+        slot: &'a mut Option<Self>,
+        broker: &str,
+        client: &ClientSettings,
+    ) -> Result<&'a mut Self, ConnectionError> {
+        let connection = match slot.take() {
+            Some(connection) => connection,
+            None => Self::open(broker, client).await?,
+        };
+        Ok(slot.insert(connection))
+    }
+
+    /// A connection to the first of `client`'s bootstrap servers, then of `known`, that
+    /// answers; the last failure if none does (`None`: there was nobody to ask).
+    pub async fn any(
+        client: &ClientSettings,
+        known: &[String],
+    ) -> Result<Self, Option<ConnectionError>> {
+        let mut last = None;
+        for broker in client.bootstrap.iter().chain(known) {
+            match Self::open(broker, client).await {
+                Ok(connection) => return Ok(connection),
+                Err(e) => last = Some(e),
+            }
+        }
+        Err(last)
     }
 
     /// The broker's address.

@@ -41,6 +41,13 @@ const BACKOFF: (Duration, Duration) = (Duration::from_millis(50), Duration::from
 /// How often metadata is asked for when nothing asks for it.
 const METADATA_REFRESH: Duration = Duration::from_secs(60);
 
+/// Shortest time between two metadata requests, however often fetches find leadership stale.
+const METADATA_SPACING: Duration = Duration::from_millis(100);
+
+/// How long a partition whose fetch failed waits before it is fetched again (librdkafka's
+/// `fetch.error.backoff.ms`).
+const FETCH_ERROR_BACKOFF: Duration = Duration::from_millis(500);
+
 /// Wanted offsets meaning "where the log starts" and "where it ends", resolved by the leader
 /// before fetching (Kafka's own sentinels in `ListOffsets`).
 const EARLIEST: i64 = -2;
@@ -298,6 +305,8 @@ struct Wanted {
     paused: bool,
     /// In a request now (only that request's broker task clears it).
     in_flight: bool,
+    /// Not fetched before then: its last fetch failed.
+    not_before: Option<std::time::Instant>,
 }
 
 /// State the tasks share.
@@ -384,10 +393,12 @@ impl Fetcher {
             epoch,
             paused,
             in_flight: false,
+            not_before: None,
         });
         entry.offset = offset;
         entry.epoch = epoch;
         entry.paused = paused;
+        entry.not_before = None;
         drop(state);
         if !known {
             self.shared.stale.notify_one();
@@ -466,30 +477,8 @@ async fn metadata_task(shared: Arc<Shared>, tasks: Arc<Mutex<JoinSet<()>>>) {
     loop {
         let metadata = async {
             if connection.is_none() {
-                let known: Vec<String> = {
-                    let state = shared.lock();
-                    state.brokers.values().cloned().collect()
-                };
-                let mut last = None;
-                for broker in config.client.bootstrap.iter().chain(known.iter()) {
-                    match Connection::connect(
-                        broker,
-                        &config.client.security,
-                        &config.client.client_id,
-                        config.client.timeout,
-                    )
-                    .await
-                    {
-                        Ok(c) => {
-                            connection = Some(c);
-                            break;
-                        }
-                        Err(e) => last = Some(e),
-                    }
-                }
-                if connection.is_none() {
-                    return Err(last);
-                }
+                let known: Vec<String> = shared.lock().brokers.values().cloned().collect();
+                connection = Some(Connection::any(&config.client, &known).await?);
             }
             let Some(c) = connection.as_mut() else {
                 return Err(None);
@@ -547,6 +536,8 @@ async fn metadata_task(shared: Arc<Shared>, tasks: Arc<Mutex<JoinSet<()>>>) {
                 continue;
             }
         }
+        // However often fetches find leadership stale, at most one request per spacing.
+        tokio::time::sleep(METADATA_SPACING).await;
         let _ = tokio::time::timeout(METADATA_REFRESH, shared.stale.notified()).await;
     }
 }
@@ -556,9 +547,15 @@ fn fetchable(state: &mut State, node: i32) -> Vec<(i32, i64, u64)> {
     let State {
         wanted, leaders, ..
     } = state;
+    let now = std::time::Instant::now();
     let mut out: Vec<(i32, i64, u64)> = wanted
         .iter_mut()
-        .filter(|(p, w)| !w.paused && !w.in_flight && leaders.get(p) == Some(&node))
+        .filter(|(p, w)| {
+            !w.paused
+                && !w.in_flight
+                && w.not_before.is_none_or(|t| t <= now)
+                && leaders.get(p) == Some(&node)
+        })
         .map(|(p, w)| {
             w.in_flight = true;
             (*p, w.offset, w.epoch)
@@ -587,26 +584,16 @@ async fn broker_task(shared: Arc<Shared>, node: i32) {
                     break (request, address);
                 }
             }
-            work.await;
+            // Woken by a seek, a resume or new leaders; the timeout ends a partition's backoff.
+            let _ = tokio::time::timeout(FETCH_ERROR_BACKOFF / 5, work).await;
         };
         let outcome = async {
             let Some(address) = address else {
                 return Err(None);
             };
-            if connection.is_none() {
-                let c = Connection::connect(
-                    &address,
-                    &config.client.security,
-                    &config.client.client_id,
-                    config.client.timeout,
-                )
+            let c = Connection::reuse(&mut connection, &address, &config.client)
                 .await
                 .map_err(Some)?;
-                connection = Some(c);
-            }
-            let Some(c) = connection.as_mut() else {
-                return Err(None);
-            };
             resolve_ends(&shared, c, &mut request).await.map_err(Some)?;
             let pairs: Vec<(i32, i64)> = request.iter().map(|&(p, o, _)| (p, o)).collect();
             let wait = Duration::from_millis(config.limits.max_wait_ms as u64);
@@ -753,11 +740,13 @@ async fn handle_response(
             ErrorCode::OFFSET_OUT_OF_RANGE => out_of_range.push((partition, offset, epoch)),
             error if error.is_stale_leadership() => {
                 tracing::debug!(node, partition, %error, "fetcher: leadership moved");
+                back_off(shared, partition);
                 shared.lock().leaders.remove(&partition);
                 stale = true;
             }
             error => {
-                tracing::warn!(node, partition, %error, "fetcher: partition fetch failed");
+                tracing::warn!(node, partition, %error, "fetcher: partition fetch failed; trying again in 500 ms");
+                back_off(shared, partition);
                 if error == ErrorCode::TOPIC_AUTHORIZATION_FAILED {
                     let _ = shared.out.send(Fetched::Failed {
                         error: format!(
@@ -774,6 +763,13 @@ async fn handle_response(
     }
     release(shared, request);
     stale
+}
+
+/// Keeps `partition` from being fetched for [`FETCH_ERROR_BACKOFF`].
+fn back_off(shared: &Shared, partition: i32) {
+    if let Some(w) = shared.lock().wanted.get_mut(&partition) {
+        w.not_before = Some(std::time::Instant::now() + FETCH_ERROR_BACKOFF);
+    }
 }
 
 /// Moves partitions whose offsets were out of range as `auto.offset.reset` says, and reports
@@ -1118,6 +1114,7 @@ mod tests {
             epoch: 1,
             paused,
             in_flight,
+            not_before: None,
         };
         let mut state = State {
             leaders: [(0, 1), (1, 1), (2, 2), (3, 1)].into(),
@@ -1133,5 +1130,18 @@ mod tests {
         assert_eq!(fetchable(&mut state, 1), [(0, 5, 1)]);
         assert!(state.wanted[&0].in_flight);
         assert!(fetchable(&mut state, 1).is_empty(), "in flight now");
+        // A partition whose fetch failed waits out its backoff.
+        let soon = std::time::Instant::now() + Duration::from_secs(60);
+        state.wanted.insert(
+            4,
+            Wanted {
+                not_before: Some(soon),
+                ..w(false, false)
+            },
+        );
+        state.leaders.insert(4, 1);
+        assert!(fetchable(&mut state, 1).is_empty(), "backing off");
+        state.wanted.get_mut(&4).expect("wanted").not_before = Some(std::time::Instant::now());
+        assert_eq!(fetchable(&mut state, 1), [(4, 5, 1)]);
     }
 }
