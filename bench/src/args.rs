@@ -42,9 +42,9 @@ pub struct Args {
     /// How long the steady-state scenario runs.
     #[arg(long, default_value_t = 20)]
     pub steady_seconds: u64,
-    /// Background rate of the steady-state scenario, events/s; by default half of the slower of
-    /// the producer and the exactly-once catch-up measured in the same run (200,000 when
-    /// neither ran).
+    /// Background rate of the steady-state scenario, events/s; by default half of what the
+    /// producer and the exactly-once catch-up measured in this run sustain together,
+    /// 1 / (1/producer + 1/catch-up) (400,000 when neither ran)
     #[arg(long)]
     pub steady_rate: Option<f64>,
     /// Events of the hot-counter scenario (90% on one counter).

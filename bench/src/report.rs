@@ -460,7 +460,7 @@ pub fn markdown(args: &Args, r: &Results) -> String {
     if let Some(s) = &r.steady {
         let _ = writeln!(
             out,
-            "\n## Steady state\n\nBackground load {:.0} events/s asked (unless `--steady-rate` is given, half of the slower of the producer and the exactly-once catch-up in this run), {:.0} reached; flush interval {} ms; {} probes from `send` returning to `get_exact` seeing the count: p50 {:.0} ms, p99 {:.0} ms, max {:.0} ms.",
+            "\n## Steady state\n\nBackground load {:.0} events/s asked (unless `--steady-rate` is given, half of what the producer and the exactly-once catch-up of this run sustain together on the machine, 1 / (1/producer + 1/catch-up)), {:.0} reached; flush interval {} ms; {} probes from `send` returning to `get_exact` seeing the count: p50 {:.0} ms, p99 {:.0} ms, max {:.0} ms.",
             s.target_rate,
             s.achieved_rate,
             s.flush_interval_ms,
