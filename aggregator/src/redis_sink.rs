@@ -2,8 +2,8 @@
 //!
 //! - at-least-once: a group's `INCRBY`s inside one `MULTI`/`EXEC`;
 //! - exactly-once: one Lua script per group (`scripts/flush.lua`) that checks the writer's fence,
-//!   recognises a write the group already applied, validates every counter, and only then
-//!   writes. The other scripts take epochs, stamp fences and store watermarks (see
+//!   recognises a write the group already applied, and writes all of it or, when Redis refuses a
+//!   counter, none of it (undoing what it wrote). The other scripts take epochs, stamp fences and store watermarks (see
 //!   `crate::fence`). For servers that refuse scripts the same operations run as optimistic
 //!   `WATCH`/`MULTI`/`EXEC` transactions (`crate::transactions`), chosen by the
 //!   `redis_atomicity` setting: `auto` (the default) tries scripts and switches for good on the

@@ -7,8 +7,9 @@
 //!
 //! - at-least-once: the group's increments, all or none ([`Sink::apply`]);
 //! - exactly-once: [`Sink::apply_fenced`] checks the writer's fence, recognises a write the group
-//!   already applied (its ledger entry), validates every counter (type, 64-bit overflow), and
-//!   only then writes the increments, the ledger entry and, when asked, the watermark.
+//!   already applied (its ledger entry), and writes the increments, the ledger entry and, when
+//!   asked, the watermark, all or none: a counter Redis cannot take (type, 64-bit overflow)
+//!   comes back as a [`Rejection`] with nothing written.
 //!
 //! Errors are classified at this boundary as retryable (connection, timeout, server busy or
 //! failing over) or not; the flush loop retries both with capped backoff, because dropping a

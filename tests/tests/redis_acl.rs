@@ -9,6 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tally_cli::load::LoadSpec;
+use tally_common::window::Window;
 use tally_common::{CachedReader, Namespaces, Reader, RedisConn};
 use tally_producer::{Producer, ProducerConfig};
 use tally_tests::{
@@ -70,7 +71,13 @@ async fn run_under_acl(atomicity: &str) {
     let password_file = dir.path().join("redis-password");
     std::fs::write(&password_file, format!("{AGGREGATOR_PASSWORD}\n")).expect("written");
     let namespaces = dir.path().join("namespaces.toml");
-    std::fs::write(&namespaces, "[namespaces.likes]\ndedup = true\n").expect("written");
+    std::fs::write(
+        &namespaces,
+        "[namespaces.likes]\ndedup = true\n\
+         [namespaces.clips]\nwindows = [\"1h\"]\n\
+         [namespaces.polls]\nexpire_after = \"2s\"\n",
+    )
+    .expect("written");
     let aggregator = setup.spawn_with_env(
         dir.path(),
         &[
@@ -113,6 +120,18 @@ async fn run_under_acl(atomicity: &str) {
         }
     }
 
+    // A windowed namespace (its buckets get their expiry in the flush) and one whose counters
+    // expire (the idle index and the expirer's records).
+    for counter in [
+        "clips:video:1",
+        "clips:video:1",
+        "clips:video:2",
+        "polls:q:1",
+    ] {
+        producer.add(counter, 1).await.expect("sent");
+    }
+    let sent_at = tally_common::event::now_ms();
+
     // Reads as the reader user.
     let reader_url = redis.url().replace(
         "redis://",
@@ -126,7 +145,25 @@ async fn run_under_acl(atomicity: &str) {
     );
     let mut expected = report.totals.clone();
     expected.insert("likes:post:1".to_owned(), 2);
+    expected.insert("clips:video:1".to_owned(), 2);
+    expected.insert("clips:video:2".to_owned(), 1);
     wait_for_totals(&reader, &expected, Duration::from_secs(60)).await;
+    let hour = Window {
+        width_ms: 3_600_000,
+        retention_ms: 3_600_000,
+    };
+    let in_the_hour = reader
+        .window_sums(&["clips:video:1", "clips:video:2"], hour, 1, sent_at)
+        .await
+        .expect("window sums");
+    assert_eq!(in_the_hour, vec![2, 1]);
+    // The poll's counter is counted, then cleared once idle for 2 s.
+    eventually(Duration::from_secs(30), "the idle poll cleared", || async {
+        let expired = aggregator.metric("tally_counters_expired_total").await?;
+        let shares = reader.shares("polls:q:1").await.ok()?;
+        (expired == 1.0 && shares.iter().all(Option::is_none)).then_some(())
+    })
+    .await;
     // The likes land in several flushes (each was acknowledged before the next was sent), so a
     // total of 2 can be seen before the last ones (u1 and u2 counted, u2's unlike and u3's like
     // not yet): wait for the whole final state, which a wrong count never reaches.

@@ -1,0 +1,273 @@
+//! An exactly-once write Redis cannot take in full leaves nothing behind, against a real
+//! `redis-server`, through both ways of making it atomic: the flush script (which adds each delta
+//! with its own `INCRBY` and undoes them all when Redis refuses one) and the `WATCH`/`MULTI`
+//! transactions (which read and check every key first). Both report the same refusals; every
+//! value, key and expiry is as before; the ledger does not move; and the write without the
+//! refused deltas then lands once.
+
+use redis::AsyncCommands;
+use tally_aggregator::RedisSink;
+use tally_aggregator::batch::{Member, WindowDelta};
+use tally_aggregator::config::Atomicity;
+use tally_aggregator::sink::{Applied, GroupWrite, Refused, Rejection, Sink, Stamp};
+use tally_common::{DeadLetterReason, Keyspace, RedisConn, RedisTarget};
+use tally_tests::{RedisServer, unique};
+
+const GROUP: u32 = 0;
+const FIELD: &str = "refused/0";
+const MINUTE_MS: i64 = 60_000;
+
+/// The sink, the keyspace it writes and its fence's epoch, with the fence stamped.
+async fn fenced_sink(redis: &RedisServer, atomicity: Atomicity) -> (RedisSink, Keyspace, u64) {
+    let url = redis.url();
+    let keyspace = Keyspace::new(unique("refused"), 1).expect("keyspace");
+    let conn = RedisConn::connect(&url).await.expect("redis");
+    let target = RedisTarget::parse(&url).expect("target");
+    let sink = RedisSink::new(conn, &target, keyspace.clone(), atomicity).expect("sink");
+    let epoch = sink.next_epoch(GROUP, FIELD, 1).await.expect("epoch");
+    let stamp = sink.stamp_fence(GROUP, FIELD, epoch).await.expect("stamp");
+    assert_eq!(stamp, Stamp::Stamped { ledger: -1 });
+    (sink, keyspace, epoch)
+}
+
+fn write<'a>(
+    epoch: u64,
+    deltas: &'a [(String, i64)],
+    windows: &'a [WindowDelta],
+    members: &'a [Member],
+) -> GroupWrite<'a> {
+    GroupWrite {
+        group: GROUP,
+        field: FIELD,
+        epoch,
+        expected_ledger: -1,
+        next_offset: 10,
+        deltas,
+        windows,
+        resets: &[],
+        members,
+        watermark: None,
+    }
+}
+
+fn bucket(counter: &str, start_ms: i64, delta: i64) -> WindowDelta {
+    WindowDelta {
+        counter: counter.to_owned(),
+        width_ms: MINUTE_MS,
+        start_ms,
+        expire_at_ms: tally_common::event::now_ms() + 3_600_000,
+        delta,
+    }
+}
+
+fn sorted(mut rejections: Vec<Rejection>) -> Vec<(Refused, String)> {
+    rejections.sort_by_key(|r| r.refused);
+    (rejections.into_iter())
+        .map(|r| (r.refused, r.reason.to_string()))
+        .collect()
+}
+
+/// What a key holds: its string value (`None` when absent), and whether it has an expiry.
+async fn state(conn: &mut redis::aio::MultiplexedConnection, key: &str) -> (Option<String>, bool) {
+    let kind: String = redis::cmd("TYPE")
+        .arg(key)
+        .query_async(conn)
+        .await
+        .expect("TYPE");
+    let value = match kind.as_str() {
+        "none" => None,
+        "string" => conn.get(key).await.expect("GET"),
+        other => Some(format!("<{other}>")),
+    };
+    let ttl: i64 = conn.pttl(key).await.expect("PTTL");
+    (value, ttl > 0)
+}
+
+async fn refused_write_leaves_nothing_behind(atomicity: Atomicity) {
+    let redis = RedisServer::start().await;
+    let (sink, ks, epoch) = fenced_sink(&redis, atomicity).await;
+    let mut conn = tally_tests::connect(&redis.url()).await;
+    let key = |counter: &str| ks.counter_key(GROUP, counter);
+    let now = tally_common::event::now_ms();
+    let minute = now - now % MINUTE_MS;
+    let old_bucket = ks.window_key(GROUP, "kept:1", MINUTE_MS, minute);
+    let new_bucket = ks.window_key(GROUP, "new:1", MINUTE_MS, minute);
+
+    let _: () = conn.set(key("kept:1"), 7).await.expect("SET");
+    let _: () = conn.set(key("min:1"), 5).await.expect("SET");
+    let _: () = conn.set(key("kept:2"), 11).await.expect("SET");
+    let _: () = conn.set(key("text:1"), "abc").await.expect("SET");
+    let _: () = conn
+        .hset(key("hash:1"), "not", "a counter")
+        .await
+        .expect("HSET");
+    let _: () = conn.set(key("big:1"), i64::MAX - 10).await.expect("SET");
+    let _: () = conn.set(key("zero:1"), 0).await.expect("SET");
+    let _: () = conn.set_ex(&old_bucket, 3, 3_600).await.expect("SET EX");
+
+    // Refused deltas among accepted ones, before and after them; one accepted delta is i64::MIN,
+    // which has no negation in 64 bits.
+    let mut deltas = vec![("kept:1".to_owned(), 3), ("min:1".to_owned(), i64::MIN)];
+    deltas.extend((1..=20).map(|i| (format!("new:{i}"), i)));
+    deltas.push(("text:1".to_owned(), 1));
+    deltas.push(("zero:1".to_owned(), 4));
+    deltas.push(("nothing:1".to_owned(), 0));
+    deltas.push(("kept:2".to_owned(), -6));
+    deltas.push(("hash:1".to_owned(), 1));
+    deltas.extend((21..=40).map(|i| (format!("new:{i}"), i)));
+    deltas.push(("big:1".to_owned(), 100));
+    let windows = [
+        bucket("kept:1", minute, 2),
+        bucket("new:1", minute, 1),
+        bucket("text:1", minute, 1),
+    ];
+    let mut watched: Vec<String> = deltas.iter().map(|(c, _)| key(c)).collect();
+    watched.extend([old_bucket.clone(), new_bucket.clone()]);
+    let mut before = Vec::new();
+    for k in &watched {
+        before.push(state(&mut conn, k).await);
+    }
+
+    let applied = sink
+        .apply_fenced(write(epoch, &deltas, &windows, &[]))
+        .await
+        .expect("write");
+    let Applied::Rejected(rejections) = applied else {
+        panic!("{atomicity:?}: expected a refusal, got {applied:?}");
+    };
+    let index = |counter: &str| {
+        deltas
+            .iter()
+            .position(|(c, _)| c == counter)
+            .expect("a delta of the write")
+    };
+    assert_eq!(
+        sorted(rejections),
+        vec![
+            (Refused::Delta(index("text:1")), "not_an_integer".to_owned()),
+            (Refused::Delta(index("hash:1")), "wrong_type".to_owned()),
+            (Refused::Delta(index("big:1")), "overflow".to_owned()),
+        ],
+        "{atomicity:?}"
+    );
+    for (k, was) in watched.iter().zip(&before) {
+        let now = state(&mut conn, k).await;
+        // A key at 0 counts as no key: the script may leave either.
+        let zero = |s: &(Option<String>, bool)| s.0.as_deref() == Some("0") && !s.1;
+        if !(zero(was) && now.0.is_none()) {
+            assert_eq!(&now, was, "{atomicity:?}: {k} changed by a refused write");
+        }
+    }
+    let ledger: Option<i64> = conn.hget(ks.ledger_key(GROUP), FIELD).await.expect("HGET");
+    assert_eq!(
+        ledger, None,
+        "{atomicity:?}: a refused write moved the ledger"
+    );
+
+    // The same write without what was refused lands, once.
+    let refused = ["text:1", "hash:1", "big:1"];
+    let accepted: Vec<(String, i64)> = (deltas.iter())
+        .filter(|(c, _)| !refused.contains(&c.as_str()))
+        .cloned()
+        .collect();
+    let windows = &windows[..2];
+    let applied = sink
+        .apply_fenced(write(epoch, &accepted, windows, &[]))
+        .await
+        .expect("write");
+    assert_eq!(applied, Applied::Written, "{atomicity:?}");
+    let again = sink
+        .apply_fenced(write(epoch, &accepted, windows, &[]))
+        .await
+        .expect("write");
+    assert_eq!(again, Applied::AlreadyApplied, "{atomicity:?}");
+    for (counter, delta) in &accepted {
+        let base = match counter.as_str() {
+            "kept:1" => 7,
+            "min:1" => 5,
+            "kept:2" => 11,
+            _ => 0,
+        };
+        let value: i64 = conn.get(key(counter)).await.expect("GET");
+        assert_eq!(value, base + delta, "{atomicity:?}: {counter}");
+    }
+    assert_eq!(
+        state(&mut conn, &old_bucket).await,
+        (Some("5".to_owned()), true)
+    );
+    assert_eq!(
+        state(&mut conn, &new_bucket).await,
+        (Some("1".to_owned()), true)
+    );
+    let ledger: Option<i64> = conn.hget(ks.ledger_key(GROUP), FIELD).await.expect("HGET");
+    assert_eq!(ledger, Some(10), "{atomicity:?}");
+}
+
+/// A refused membership takes the path that checks everything first; its refusal is listed
+/// after the deltas', as both paths list them.
+async fn refused_membership_is_listed_after_the_deltas(atomicity: Atomicity) {
+    let redis = RedisServer::start().await;
+    let (sink, ks, epoch) = fenced_sink(&redis, atomicity).await;
+    let mut conn = tally_tests::connect(&redis.url()).await;
+    let _: () = conn
+        .set(ks.counter_key(GROUP, "text:1"), "abc")
+        .await
+        .expect("SET");
+    let _: () = conn
+        .hset(ks.counter_key(GROUP, "liked:1"), "not", "a counter")
+        .await
+        .expect("HSET");
+    let deltas = [("fine:1".to_owned(), 2), ("text:1".to_owned(), 1)];
+    let members = [
+        Member {
+            counter: "liked:2".to_owned(),
+            actor: "u1".to_owned(),
+            like: true,
+        },
+        Member {
+            counter: "liked:1".to_owned(),
+            actor: "u1".to_owned(),
+            like: true,
+        },
+    ];
+    let applied = sink
+        .apply_fenced(write(epoch, &deltas, &[], &members))
+        .await
+        .expect("write");
+    let Applied::Rejected(rejections) = applied else {
+        panic!("{atomicity:?}: expected a refusal, got {applied:?}");
+    };
+    let reasons: Vec<(Refused, DeadLetterReason)> = rejections
+        .into_iter()
+        .map(|r| (r.refused, r.reason))
+        .collect();
+    assert_eq!(
+        reasons,
+        vec![
+            (Refused::Delta(1), DeadLetterReason::NotAnInteger),
+            (Refused::Member(1), DeadLetterReason::WrongType),
+        ],
+        "{atomicity:?}"
+    );
+    let fine: Option<i64> = conn
+        .get(ks.counter_key(GROUP, "fine:1"))
+        .await
+        .expect("GET");
+    let liked: bool = conn
+        .exists(ks.member_key(GROUP, "liked:2"))
+        .await
+        .expect("EXISTS");
+    assert_eq!((fine, liked), (None, false), "{atomicity:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_flush_script_undoes_a_refused_write() {
+    refused_write_leaves_nothing_behind(Atomicity::Scripts).await;
+    refused_membership_is_listed_after_the_deltas(Atomicity::Scripts).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn transactions_refuse_the_same_writes() {
+    refused_write_leaves_nothing_behind(Atomicity::Transactions).await;
+    refused_membership_is_listed_after_the_deltas(Atomicity::Transactions).await;
+}
