@@ -72,6 +72,15 @@ fn targets(r: &Results) -> Vec<Target> {
             at_least: false,
         },
         Target {
+            name: "the same / through librdkafka's consumer, stall fixed (--fetch librdkafka, same run)",
+            value: ratio(
+                json.map(|c| c.run.cpu_seconds_per_million),
+                (r.catch_up_json_librdkafka.as_ref()).map(|c| c.run.cpu_seconds_per_million),
+            ),
+            bound: 0.5,
+            at_least: false,
+        },
+        Target {
             name: "counter writes per event / floor, JSON catch-up",
             value: writes_over_floor(json),
             bound: 1.5,
@@ -321,9 +330,19 @@ pub fn markdown(args: &Args, r: &Results) -> String {
     {
         throughput_row(&mut out, k, &[]);
     }
-    if let (Some(c), Some(k)) = (&r.catch_up_json, &r.kcat_consume_json) {
-        let t = from_launch("tally-aggregator, exactly-once, JSON", c);
-        throughput_row(&mut out, &t, &[(k.name.as_str(), k.events_per_second)]);
+    if let Some(k) = &r.kcat_consume_json {
+        for (name, c) in [
+            ("tally-aggregator, exactly-once, JSON", &r.catch_up_json),
+            (
+                "tally-aggregator, exactly-once, JSON, --fetch librdkafka",
+                &r.catch_up_json_librdkafka,
+            ),
+        ] {
+            if let Some(c) = c {
+                let t = from_launch(name, c);
+                throughput_row(&mut out, &t, &[(k.name.as_str(), k.events_per_second)]);
+            }
+        }
     }
     if let Some(n) = &r.naive {
         throughput_row(&mut out, &n.run, &vs_kcat_c);
@@ -343,6 +362,13 @@ pub fn markdown(args: &Args, r: &Results) -> String {
     }
     if let Some(c) = &r.catch_up_json {
         catch_up_rows(&mut out, "catch-up, JSON from kcat, exactly-once", c);
+    }
+    if let Some(c) = &r.catch_up_json_librdkafka {
+        catch_up_rows(
+            &mut out,
+            "catch-up, JSON from kcat, exactly-once, --fetch librdkafka",
+            c,
+        );
     }
     if let Some(p) = &r.postgres {
         catch_up_rows(

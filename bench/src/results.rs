@@ -178,6 +178,9 @@ pub struct Results {
     pub kcat_produce_json: Option<Throughput>,
     /// The aggregator (exactly-once) catching up on the JSON topic.
     pub catch_up_json: Option<CatchUp>,
+    /// The same through librdkafka's consumer (`--fetch librdkafka`, its fetch backoff at
+    /// 10 ms): the stall fixed, tally's own fetch path not yet. The baseline of the CPU target.
+    pub catch_up_json_librdkafka: Option<CatchUp>,
     /// `kcat` producing as many same-sized messages.
     pub kcat_produce: Option<Throughput>,
     /// The same with keys: the counter ids of `tally load` (same Zipf), spread over the

@@ -49,7 +49,8 @@ pub(crate) fn write_json_events(path: &Path, args: &Args) -> anyhow::Result<u64>
 }
 
 /// JSON from an independent producer: `kcat -P -K` writes a topic of JSON events, `kcat -C`
-/// reads it (the yardstick), then the aggregator (exactly-once, default settings) catches up.
+/// reads it (the yardstick), then the aggregator (exactly-once, default settings) catches up,
+/// and again through librdkafka's consumer (the baseline of its CPU per event).
 pub(crate) async fn json_catch_up(env: &mut Env<'_>, results: &mut Results) -> anyhow::Result<()> {
     let topic = env.name("events-json");
     env.create_topic(&topic, env.args.partitions).await?;
@@ -76,5 +77,19 @@ pub(crate) async fn json_catch_up(env: &mut Env<'_>, results: &mut Results) -> a
         run.events_per_second_from_launch
     );
     results.catch_up_json = Some(run);
+    println!("catch-up: the same through librdkafka's consumer (--fetch librdkafka)");
+    let mut run = env
+        .catch_up(
+            &topic,
+            env.args.events,
+            &["--delivery", "exactly-once", "--fetch", "librdkafka"],
+        )
+        .await?;
+    run.distinct_counters = distinct;
+    println!(
+        "  {:.0} events/s from launch",
+        run.events_per_second_from_launch
+    );
+    results.catch_up_json_librdkafka = Some(run);
     Ok(())
 }
