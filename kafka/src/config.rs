@@ -233,6 +233,16 @@ const CLIENT_KEYS: &[&str] = &[
 struct Options<'a>(Vec<(&'a str, &'a str)>);
 
 impl<'a> Options<'a> {
+    /// The options, with the connection settings they give, once every key is known.
+    fn read(
+        options: impl IntoIterator<Item = (&'a str, &'a str)>,
+    ) -> Result<(Self, ClientSettings), Unsupported> {
+        let o = Options(options.into_iter().collect());
+        let client = ClientSettings::read(&o)?;
+        o.known_only()?;
+        Ok((o, client))
+    }
+
     fn get(&self, key: &str) -> Option<&'a str> {
         self.0
             .iter()
@@ -415,9 +425,7 @@ impl FetchConfig {
         topic: &str,
         options: impl IntoIterator<Item = (&'a str, &'a str)>,
     ) -> Result<Self, Unsupported> {
-        let o = Options(options.into_iter().collect());
-        let client = ClientSettings::read(&o)?;
-        o.known_only()?;
+        let (o, client) = Options::read(options)?;
         let d = DEFAULT_LIMITS;
         let limits = FetchLimits {
             max_wait_ms: o.int32("fetch.wait.max.ms", d.max_wait_ms)?,
@@ -508,9 +516,7 @@ impl AppendConfig {
         topic: &str,
         options: impl IntoIterator<Item = (&'a str, &'a str)>,
     ) -> Result<Self, Unsupported> {
-        let o = Options(options.into_iter().collect());
-        let client = ClientSettings::read(&o)?;
-        o.known_only()?;
+        let (o, client) = Options::read(options)?;
         if !o.truthy("enable.idempotence", true)? {
             return Err(unsupported("enable.idempotence", "false"));
         }
