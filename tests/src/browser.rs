@@ -31,7 +31,32 @@ impl Drop for Browser {
     fn drop(&mut self) {
         let _ = self.driver.kill();
         let _ = self.driver.wait();
+        // Killing the driver leaves its Chromium running (and its helpers): they are the
+        // processes that name this session's profile directory.
+        kill_processes_naming(&self.profile.to_string_lossy());
         let _ = std::fs::remove_dir_all(&self.profile);
+    }
+}
+
+/// SIGKILLs every process whose command line contains `needle`.
+fn kill_processes_naming(needle: &str) {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name
+            .to_str()
+            .filter(|n| n.bytes().all(|b| b.is_ascii_digit()))
+        else {
+            continue;
+        };
+        let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else {
+            continue;
+        };
+        if String::from_utf8_lossy(&cmdline).contains(needle) {
+            let _ = Command::new("kill").args(["-KILL", pid]).status();
+        }
     }
 }
 
