@@ -542,27 +542,36 @@ async fn metadata_task(shared: Arc<Shared>, tasks: Arc<Mutex<JoinSet<()>>>) {
     }
 }
 
-/// The partitions `node` should fetch now: led by it, positioned, not paused, not in flight.
-fn fetchable(state: &mut State, node: i32) -> Vec<(i32, i64, u64)> {
+/// What `node` should fetch now: the partitions led by it, positioned, not paused, not in
+/// flight and not backing off; and when the first of its partitions backing off may be fetched.
+struct Fetchable {
+    request: Vec<(i32, i64, u64)>,
+    wake: Option<std::time::Instant>,
+}
+
+fn fetchable(state: &mut State, node: i32) -> Fetchable {
     let State {
         wanted, leaders, ..
     } = state;
     let now = std::time::Instant::now();
-    let mut out: Vec<(i32, i64, u64)> = wanted
+    let mut wake: Option<std::time::Instant> = None;
+    let mut request: Vec<(i32, i64, u64)> = wanted
         .iter_mut()
-        .filter(|(p, w)| {
-            !w.paused
-                && !w.in_flight
-                && w.not_before.is_none_or(|t| t <= now)
-                && leaders.get(p) == Some(&node)
+        .filter(|(p, w)| !w.paused && !w.in_flight && leaders.get(p) == Some(&node))
+        .filter(|(_, w)| match w.not_before {
+            Some(t) if t > now => {
+                wake = Some(wake.map_or(t, |first| first.min(t)));
+                false
+            }
+            _ => true,
         })
         .map(|(p, w)| {
             w.in_flight = true;
             (*p, w.offset, w.epoch)
         })
         .collect();
-    out.sort_unstable_by_key(|(p, _, _)| *p);
-    out
+    request.sort_unstable_by_key(|(p, _, _)| *p);
+    Fetchable { request, wake }
 }
 
 /// Fetches the partitions `node` leads, one request at a time, for as long as the fetcher runs.
@@ -576,16 +585,22 @@ async fn broker_task(shared: Arc<Shared>, node: i32) {
         shared.budget.room().await;
         let (mut request, address) = loop {
             let work = shared.work.notified();
-            {
+            let wake = {
                 let mut state = shared.lock();
-                let request = fetchable(&mut state, node);
+                let Fetchable { request, wake } = fetchable(&mut state, node);
                 if !request.is_empty() {
                     let address = state.brokers.get(&node).cloned();
                     break (request, address);
                 }
+                wake
+            };
+            // Woken by a seek, a resume or new leaders, or when a partition's backoff ends.
+            match wake {
+                Some(at) => {
+                    let _ = tokio::time::timeout_at(at.into(), work).await;
+                }
+                None => work.await,
             }
-            // Woken by a seek, a resume or new leaders; the timeout ends a partition's backoff.
-            let _ = tokio::time::timeout(FETCH_ERROR_BACKOFF / 5, work).await;
         };
         let outcome = async {
             let Some(address) = address else {
@@ -1127,9 +1142,9 @@ mod tests {
             .into(),
             ..State::default()
         };
-        assert_eq!(fetchable(&mut state, 1), [(0, 5, 1)]);
+        assert_eq!(fetchable(&mut state, 1).request, [(0, 5, 1)]);
         assert!(state.wanted[&0].in_flight);
-        assert!(fetchable(&mut state, 1).is_empty(), "in flight now");
+        assert!(fetchable(&mut state, 1).request.is_empty(), "in flight now");
         // A partition whose fetch failed waits out its backoff.
         let soon = std::time::Instant::now() + Duration::from_secs(60);
         state.wanted.insert(
@@ -1140,8 +1155,11 @@ mod tests {
             },
         );
         state.leaders.insert(4, 1);
-        assert!(fetchable(&mut state, 1).is_empty(), "backing off");
+        let backing_off = fetchable(&mut state, 1);
+        assert!(backing_off.request.is_empty(), "backing off");
+        assert_eq!(backing_off.wake, Some(soon), "woken when the backoff ends");
         state.wanted.get_mut(&4).expect("wanted").not_before = Some(std::time::Instant::now());
-        assert_eq!(fetchable(&mut state, 1), [(4, 5, 1)]);
+        let after = fetchable(&mut state, 1);
+        assert_eq!((after.request, after.wake), (vec![(4, 5, 1)], None));
     }
 }
