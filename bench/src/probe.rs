@@ -268,11 +268,25 @@ impl CommandStats {
 /// Redis's own timing of every script and transaction it runs, from its slow log (set to log
 /// everything over 1 ms while [`ScriptLog::start`]ed): how long each one held the server.
 #[derive(Debug)]
-pub struct ScriptLog;
+pub struct ScriptLog {
+    /// `slowlog-log-slower-than` and `slowlog-max-len` as they were, put back at the finish.
+    before: Vec<(String, String)>,
+}
 
 impl ScriptLog {
     /// Empties the slow log and has it keep every command over 1 ms.
     pub async fn start(conn: &mut redis::aio::MultiplexedConnection) -> anyhow::Result<Self> {
+        let mut before = Vec::new();
+        for name in ["slowlog-log-slower-than", "slowlog-max-len"] {
+            let got: Vec<String> = redis::cmd("CONFIG")
+                .arg("GET")
+                .arg(name)
+                .query_async(conn)
+                .await?;
+            if let [key, value] = got.as_slice() {
+                before.push((key.clone(), value.clone()));
+            }
+        }
         let _: () = redis::cmd("CONFIG")
             .arg("SET")
             .arg("slowlog-log-slower-than")
@@ -282,11 +296,11 @@ impl ScriptLog {
             .query_async(conn)
             .await?;
         let _: () = redis::cmd("SLOWLOG").arg("RESET").query_async(conn).await?;
-        Ok(Self)
+        Ok(Self { before })
     }
 
     /// The durations, ms, of the scripts and transactions (`EVALSHA`, `EVAL`, `EXEC`) logged
-    /// since the start; puts Redis's defaults back.
+    /// since the start; puts the slow log's settings back as they were.
     pub async fn finish(
         self,
         conn: &mut redis::aio::MultiplexedConnection,
@@ -296,14 +310,14 @@ impl ScriptLog {
             .arg(-1)
             .query_async(conn)
             .await?;
-        let _: () = redis::cmd("CONFIG")
-            .arg("SET")
-            .arg("slowlog-log-slower-than")
-            .arg(10_000)
-            .arg("slowlog-max-len")
-            .arg(128)
-            .query_async(conn)
-            .await?;
+        for (name, value) in &self.before {
+            let _: () = redis::cmd("CONFIG")
+                .arg("SET")
+                .arg(name)
+                .arg(value)
+                .query_async(conn)
+                .await?;
+        }
         let text = |v: &redis::Value| match v {
             redis::Value::BulkString(b) => String::from_utf8_lossy(b).to_ascii_lowercase(),
             redis::Value::SimpleString(s) => s.to_ascii_lowercase(),

@@ -64,32 +64,26 @@ pub(crate) async fn json_catch_up(env: &mut Env<'_>, results: &mut Results) -> a
     let _ = std::fs::remove_file(&file);
     results.kcat_produce_json = Some(produced?);
     results.kcat_consume_json = Some(kcat_consume(env, &topic, "kcat -C, JSON").await?);
-    println!(
-        "catch-up: the aggregator, exactly-once, over {} JSON events",
-        env.args.events
-    );
-    let mut run = env
-        .catch_up(&topic, env.args.events, &["--delivery", "exactly-once"])
-        .await?;
-    run.distinct_counters = distinct;
-    println!(
-        "  {:.0} events/s from launch",
-        run.events_per_second_from_launch
-    );
-    results.catch_up_json = Some(run);
-    println!("catch-up: the same through librdkafka's consumer (--fetch librdkafka)");
-    let mut run = env
-        .catch_up(
-            &topic,
-            env.args.events,
-            &["--delivery", "exactly-once", "--fetch", "librdkafka"],
-        )
-        .await?;
-    run.distinct_counters = distinct;
-    println!(
-        "  {:.0} events/s from launch",
-        run.events_per_second_from_launch
-    );
-    results.catch_up_json_librdkafka = Some(run);
+    let fetches = [
+        ("its own fetch path (the default)", "auto"),
+        ("librdkafka's consumer", "librdkafka"),
+    ];
+    let mut runs = Vec::new();
+    for (path, fetch) in fetches {
+        println!(
+            "catch-up: the aggregator, exactly-once, over {} JSON events, through {path}",
+            env.args.events
+        );
+        let flags = ["--delivery", "exactly-once", "--fetch", fetch];
+        let mut run = env.catch_up(&topic, env.args.events, &flags).await?;
+        run.distinct_counters = distinct;
+        println!(
+            "  {:.0} events/s from launch",
+            run.events_per_second_from_launch
+        );
+        runs.push(run);
+    }
+    results.catch_up_json_librdkafka = runs.pop();
+    results.catch_up_json = runs.pop();
     Ok(())
 }
