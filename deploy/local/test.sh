@@ -7,6 +7,15 @@ set -euo pipefail
 source "$(dirname "$0")/common.sh"
 cd "$root"
 
+# A full build and test run writes about 5 GiB under target/ (debug builds, ~40 test binaries);
+# a disk that fills mid-link makes the linker die of SIGBUS, far from the cause. Say so up front.
+need_kib=$((6 * 1024 * 1024))
+free_kib=$(df -Pk "$root" | awk 'NR == 2 { print $4 }')
+if ((free_kib < need_kib)); then
+  log "only $((free_kib / 1024)) MiB free on the disk holding $root: the build and tests need about 6 GiB"
+  exit 1
+fi
+
 "$here/start.sh"
 
 log "cargo fmt --check"
