@@ -7,6 +7,8 @@
 //! `tally audit` then recounts the log by the one-per-actor rule and finds no drift.
 
 use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use rand::{Rng, SeedableRng};
@@ -25,6 +27,7 @@ const RATE: u64 = 12_000;
 /// What the storm left true: per counter, the actors whose last acknowledged action was a like.
 struct Truth {
     last: HashMap<(String, String), bool>,
+    sent: u64,
 }
 
 impl Truth {
@@ -42,15 +45,16 @@ impl Truth {
 }
 
 /// Sends the storm in order (one task, keyed by counter, so each counter's actions stay in order)
-/// and records each acknowledged action.
-async fn storm(topic: String, seed: u64) -> Truth {
+/// and records each acknowledged action. It sends at least `EVENTS`, and goes on until `killing`
+/// is cleared, so that every SIGKILL lands mid-storm however slowly the aggregators restart.
+async fn storm(topic: String, seed: u64, killing: Arc<AtomicBool>) -> Truth {
     let producer = Producer::new(&ProducerConfig::new(brokers(), topic)).expect("producer");
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let mut pending = std::collections::VecDeque::new();
     let mut last = HashMap::new();
     let started = std::time::Instant::now();
     let mut sent = 0u64;
-    while sent < EVENTS {
+    while sent < EVENTS || killing.load(Ordering::Relaxed) {
         let counter = format!("likes:post:{}", rng.random_range(0..COUNTERS));
         let actor = format!("u{}", rng.random_range(0..ACTORS));
         let like = rng.random_bool(0.6);
@@ -75,7 +79,7 @@ async fn storm(topic: String, seed: u64) -> Truth {
     while !pending.is_empty() {
         settle(&mut pending, &mut last).await;
     }
-    Truth { last }
+    Truth { last, sent }
 }
 
 type Pending = (tally_producer::Pending, String, String, bool);
@@ -120,13 +124,16 @@ async fn like_storm(name: &str, redis: &RedisServer, redis_url: &str, postgres: 
         flags.extend(["--store", "postgres", "--postgres-url", url]);
     }
     let first = setup.spawn(dir.path(), &flags);
-    let load = tokio::spawn(storm(setup.topic.clone(), seed));
+    let killing = Arc::new(AtomicBool::new(true));
+    let load = tokio::spawn(storm(setup.topic.clone(), seed, killing.clone()));
     let mut last = kill_repeatedly(&setup, dir.path(), &flags, first, 5, seed, &load).await;
+    killing.store(false, Ordering::Relaxed);
     let truth = load.await.expect("storm task");
     let totals = truth.totals();
     let likers: i64 = totals.values().sum();
     eprintln!(
-        "{EVENTS} actions over {} (counter, actor) pairs; {likers} likes stand",
+        "{} actions over {} (counter, actor) pairs; {likers} likes stand",
+        truth.sent,
         truth.last.len()
     );
     let mut counts = redis.reader(setup.keyspace()).await;
