@@ -47,8 +47,13 @@ fn decode_aggregate(c: &mut Criterion) {
                 for (offset, payload) in payloads.iter().enumerate() {
                     let event = codec::decode(payload, 16_384).expect("decodes");
                     let policy = namespaces.policy(&event.counter);
-                    let shard =
-                        keyspace.group_for_event(policy.grouping, 3, event.actor.as_deref());
+                    let shard = keyspace.group_for_event(
+                        policy.grouping,
+                        3,
+                        event.actor.as_deref(),
+                        &event.counter,
+                        tally_common::keyspace::DEFAULT_SPREAD,
+                    );
                     batch.add(shard, &event.counter, event.delta, offset as i64);
                 }
                 black_box(batch.seal())

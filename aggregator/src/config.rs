@@ -157,6 +157,9 @@ pub struct Settings {
     /// Number of shard groups a counter is spread over; fixed for a deployment [default: 16]
     #[arg(long, env = "TALLY_SHARD_GROUPS")]
     pub shard_groups: Option<u32>,
+    /// Shard groups one partition's counters are spread over (by a hash of the counter), so that a catch-up flush is that many short Redis scripts rather than one long one; 1 with --store postgres unless set [default: 4]
+    #[arg(long, env = "TALLY_PARTITION_SPREAD")]
+    pub partition_spread: Option<u32>,
     /// Largest message accepted; larger ones are dead-lettered, in bytes [default: 16384]
     #[arg(long, env = "TALLY_MAX_MESSAGE_BYTES")]
     pub max_message_bytes: Option<usize>,
@@ -275,6 +278,9 @@ pub struct Config {
     pub delivery: Delivery,
     /// Which group an event's delta goes to, for namespaces that do not say.
     pub grouping: GroupingRule,
+    /// How many groups one partition's counters spread over, grouped by partition
+    /// (`tally_common::keyspace::Spread`).
+    pub partition_spread: u32,
     /// Every namespace's policy (grouping, dedup).
     pub namespaces: Arc<Namespaces>,
     /// Writes per second per shard above which the shard monitor raises a shard count (0: off).
@@ -309,6 +315,7 @@ impl std::fmt::Debug for Config {
             .field("keyspace", &self.keyspace)
             .field("delivery", &self.delivery)
             .field("grouping", &self.grouping)
+            .field("partition_spread", &self.partition_spread)
             .field("namespaces", &self.namespaces)
             .field("shard_threshold", &self.shard_threshold)
             .field("trending_interval", &self.trending_interval)
@@ -390,6 +397,7 @@ impl Settings {
             dead_letter_topic,
             key_prefix,
             shard_groups,
+            partition_spread,
             max_message_bytes,
             shutdown_timeout_ms,
             revoke_timeout_ms,
@@ -490,6 +498,26 @@ impl Settings {
             self.postgres_statement_timeout_ms
                 .unwrap_or(default::POSTGRES_STATEMENT_TIMEOUT_MS),
         )?;
+        let keyspace = Keyspace::new(
+            self.key_prefix
+                .unwrap_or_else(|| defaults::KEY_PREFIX.to_owned()),
+            self.shard_groups.unwrap_or(defaults::SHARD_GROUPS),
+        )?;
+        // The spread bounds Redis scripts; a PostgreSQL transaction per group would only add
+        // round trips and commits.
+        let partition_spread = self.partition_spread.unwrap_or(match store {
+            Store::Redis => tally_common::keyspace::DEFAULT_SPREAD.min(keyspace.groups()),
+            Store::Postgres => 1,
+        });
+        if partition_spread == 0 || partition_spread > keyspace.groups() {
+            return Err(ConfigError::Invalid {
+                name: "partition_spread",
+                why: format!(
+                    "must be between 1 and the number of shard groups ({}), not {partition_spread}",
+                    keyspace.groups()
+                ),
+            });
+        }
         let ms = |name, value: Option<u64>, default| positive(name, value.unwrap_or(default));
         Ok(Config {
             brokers: self.brokers.unwrap_or_else(|| defaults::BROKERS.to_owned()),
@@ -499,11 +527,7 @@ impl Settings {
             limits,
             metrics_addr: self.metrics_addr.unwrap_or(default::METRICS_ADDR),
             dead_letter_topic,
-            keyspace: Keyspace::new(
-                self.key_prefix
-                    .unwrap_or_else(|| defaults::KEY_PREFIX.to_owned()),
-                self.shard_groups.unwrap_or(defaults::SHARD_GROUPS),
-            )?,
+            keyspace,
             max_message_bytes: positive(
                 "max_message_bytes",
                 self.max_message_bytes.unwrap_or(default::MAX_MESSAGE_BYTES),
@@ -530,6 +554,7 @@ impl Settings {
             )?),
             delivery,
             grouping,
+            partition_spread,
             namespaces: Arc::new(namespaces),
             shard_threshold: self.shard_threshold.unwrap_or(default::SHARD_THRESHOLD),
             trending_interval: Duration::from_millis(
@@ -789,6 +814,7 @@ mod tests {
                 "dead_letter_topic" => c.dead_letter_topic.clone(),
                 "key_prefix" => c.keyspace.prefix().to_owned(),
                 "shard_groups" => c.keyspace.groups().to_string(),
+                "partition_spread" => c.partition_spread.to_string(),
                 "max_message_bytes" => c.max_message_bytes.to_string(),
                 "shutdown_timeout_ms" => c.shutdown_timeout.as_millis().to_string(),
                 "revoke_timeout_ms" => c.revoke_timeout.as_millis().to_string(),
@@ -830,7 +856,7 @@ mod tests {
             assert_eq!(documented, applied, "{id}");
             checked += 1;
         }
-        assert_eq!(checked, 29, "every documented default is checked");
+        assert_eq!(checked, 30, "every documented default is checked");
         assert_eq!(c.keyspace, Keyspace::default());
     }
 
@@ -901,6 +927,31 @@ mod tests {
             ..Settings::default()
         };
         assert!(matches!(groups.resolve(), Err(ConfigError::Keyspace(_))));
+        for (spread, groups) in [(0, 16), (17, 16), (5, 4)] {
+            let spread = Settings {
+                partition_spread: Some(spread),
+                shard_groups: Some(groups),
+                ..Settings::default()
+            };
+            assert!(matches!(
+                spread.resolve(),
+                Err(ConfigError::Invalid {
+                    name: "partition_spread",
+                    ..
+                })
+            ));
+        }
+        let few_groups = Settings {
+            shard_groups: Some(2),
+            ..Settings::default()
+        };
+        assert_eq!(few_groups.resolve().expect("valid").partition_spread, 2);
+        let postgres = Settings {
+            store: Some(Store::Postgres),
+            postgres_url: Some("postgres://tally@127.0.0.1:5432/tally".to_owned()),
+            ..Settings::default()
+        };
+        assert_eq!(postgres.resolve().expect("valid").partition_spread, 1);
         let watch_on_cluster = Settings {
             redis_url: Some("redis+cluster://127.0.0.1:7000".to_owned()),
             redis_atomicity: Some(Atomicity::Transactions),

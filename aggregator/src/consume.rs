@@ -59,6 +59,9 @@ pub struct LoopSettings {
     pub limits: Limits,
     /// Where each partition's deltas go.
     pub keyspace: Keyspace,
+    /// How many groups a partition's counters spread over (`tally_common::keyspace::Spread`);
+    /// an owner keeps the recorded spread of the stretch of its log some group may have applied.
+    pub partition_spread: u32,
     /// Each namespace's policy: which group its deltas go to, whether it deduplicates.
     pub namespaces: Arc<Namespaces>,
     /// Exactly-once (fenced, ledgered writes) or at-least-once.
@@ -466,7 +469,15 @@ impl<S: Sink> Shared<S> {
                 let policy = self.settings.namespaces.policy(&event.counter);
                 let actor = event.actor.as_deref();
                 let keyspace = &self.settings.keyspace;
-                let group = keyspace.group_for_event(policy.grouping, partition, actor);
+                let spread =
+                    (slot.machine.spread_at(offset)).unwrap_or(self.settings.partition_spread);
+                let group = keyspace.group_for_event(
+                    policy.grouping,
+                    partition,
+                    actor,
+                    &event.counter,
+                    spread,
+                );
                 // Only windowed namespaces pay for a placement.
                 placement = (!policy.windows.is_empty()).then(|| {
                     let placed = (policy.windows).place(event.ts_ms, kafka_ms);
@@ -715,6 +726,7 @@ impl<S: Sink> Shared<S> {
         let sink = self.flusher.sink.clone();
         let dead_letters = self.flusher.dead_letters.clone();
         let keyspace = self.settings.keyspace.clone();
+        let spread = self.settings.partition_spread;
         let topic = self.settings.topic.clone();
         let metrics = self.metrics.clone();
         let done_tx = self.done_tx.clone();
@@ -723,7 +735,7 @@ impl<S: Sink> Shared<S> {
         tokio::spawn(async move {
             let mut backoff = Backoff::new(initial, max);
             loop {
-                match fence::acquire(&sink, &keyspace, &topic, partition).await {
+                match fence::acquire(&sink, &keyspace, &topic, partition, spread).await {
                     Ok((owner, resume)) => {
                         // Where the log starts and ends: its end sets the partition's pace
                         // from the first message (statistics come a second later). Seek to its

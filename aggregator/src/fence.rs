@@ -21,8 +21,8 @@
 //! new event arrives.
 
 use tally_common::Keyspace;
-pub use tally_common::keyspace::Watermark;
 use tally_common::keyspace::partition_field;
+pub use tally_common::keyspace::{Spread, Watermark};
 
 use crate::sink::{Applied, Sink, SinkError, Stamp};
 
@@ -37,6 +37,16 @@ pub struct Owner {
     pub epoch: u64,
     /// Per group, the ledger entry (offset after the last applied message; -1 for none).
     pub ledgers: Vec<i64>,
+    /// How the partition's counters spread over groups along its log: the recorded stretches
+    /// some group may have applied, then this owner's configured spread.
+    pub spread: Spread,
+}
+
+impl Owner {
+    /// The watermark after a flush up to `next_offset`, with the ledgers as they are now.
+    pub fn watermark(&self, next_offset: i64) -> Watermark {
+        Watermark::new(next_offset, &self.ledgers, self.spread.clone())
+    }
 }
 
 /// Where a partition resumes.
@@ -74,12 +84,16 @@ pub fn resume_offset(watermark: Option<&Watermark>, ledgers: &[i64]) -> Resume {
 }
 
 /// Takes ownership of `partition`: a new epoch, stamped into every group's fence, and the resume
-/// offset. Fails (to be retried by the caller) on a Redis error.
+/// offset. The owner spreads counters over `spread` groups from the first offset no group has
+/// applied (see [`Spread`]); when that changes the recorded spread, the new one is stored in the
+/// watermark before anything is written under it. Fails (to be retried by the caller) on a
+/// Redis error, or if a newer owner took the partition meanwhile.
 pub async fn acquire<S: Sink>(
     sink: &S,
     keyspace: &Keyspace,
     topic: &str,
     partition: i32,
+    spread: u32,
 ) -> Result<(Owner, Resume), SinkError> {
     let field = partition_field(topic, partition);
     let home = keyspace.group_for_partition(partition);
@@ -90,15 +104,42 @@ pub async fn acquire<S: Sink>(
         .as_deref()
         .and_then(Watermark::parse);
     let resume = resume_offset(watermark.as_ref(), &ledgers);
-    Ok((
-        Owner {
-            field,
-            home,
-            epoch,
-            ledgers,
-        },
-        resume,
-    ))
+    let recorded = watermark
+        .as_ref()
+        .map_or(Spread::uniform(1), |w| w.spread.clone());
+    let unapplied = ledgers.iter().copied().max().unwrap_or(-1);
+    let owner = Owner {
+        field,
+        home,
+        epoch,
+        spread: recorded.then(spread, unapplied),
+        ledgers,
+    };
+    if owner.spread != recorded {
+        // The stretch before `unapplied` keeps the spread it was written with; a watermark
+        // that did not exist stays "from the beginning" (a negative offset).
+        let next_offset = watermark.as_ref().map_or(-1, |w| w.next_offset);
+        let mut stored = owner.watermark(next_offset);
+        if let Some(w) = &watermark {
+            // Rollback detection keeps comparing with what the groups held then.
+            stored.ledgers.clone_from(&w.ledgers);
+        }
+        let written = sink
+            .write_watermark(home, &owner.field, epoch, &stored.encode())
+            .await?;
+        if written != Applied::Written {
+            return Err(SinkError::retryable(format!(
+                "storing the partition's new spread was refused ({written:?}): another owner took it"
+            )));
+        }
+        tracing::info!(
+            partition,
+            from_offset = unapplied,
+            spread,
+            "the partition's spread changes"
+        );
+    }
+    Ok((owner, resume))
 }
 
 /// Takes a new epoch for `field` (its counter lives in group `home`) and stamps it into the fence
@@ -154,14 +195,15 @@ mod tests {
 
     #[test]
     fn watermark_round_trips_and_rejects_garbage() {
-        let w = Watermark::new(120, &[-1, 100, -1, 120]);
+        let w = Watermark::new(120, &[-1, 100, -1, 120], Spread::uniform(1));
         assert_eq!(w.encode(), "120;1=100;3=120");
         assert_eq!(Watermark::parse(&w.encode()), Some(w));
         assert_eq!(
             Watermark::parse("7"),
             Some(Watermark {
                 next_offset: 7,
-                ledgers: vec![]
+                ledgers: vec![],
+                spread: Spread::uniform(1),
             })
         );
         assert_eq!(Watermark::parse("x"), None);
@@ -175,7 +217,7 @@ mod tests {
 
     #[test]
     fn resumes_at_the_watermark_when_no_group_lost_writes() {
-        let w = Watermark::new(120, &[-1, 100, -1, 120]);
+        let w = Watermark::new(120, &[-1, 100, -1, 120], Spread::uniform(1));
         // Group 3 moved on past the watermark (a flush landed there, then a crash): still 120.
         assert_eq!(
             resume_offset(Some(&w), &[-1, 100, -1, 150]),
@@ -185,13 +227,13 @@ mod tests {
 
     #[test]
     fn a_group_that_never_received_anything_is_not_a_rollback() {
-        let w = Watermark::new(120, &[-1, -1, -1, 120]);
+        let w = Watermark::new(120, &[-1, -1, -1, 120], Spread::uniform(1));
         assert_eq!(resume_offset(Some(&w), &[-1, -1, -1, 120]), Resume::At(120));
     }
 
     #[test]
     fn a_group_that_rolled_back_is_re_fed_from_its_ledger() {
-        let w = Watermark::new(120, &[-1, 100, -1, 120]);
+        let w = Watermark::new(120, &[-1, 100, -1, 120], Spread::uniform(1));
         assert_eq!(resume_offset(Some(&w), &[-1, 80, -1, 120]), Resume::At(80));
         // It lost everything: from the beginning.
         assert_eq!(

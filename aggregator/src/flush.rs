@@ -173,19 +173,23 @@ impl<S: Sink> Flusher<S> {
         }
         // A batch that wrote only into the home group moves the watermark in the same operation.
         let home_only = batch.groups.len() == 1 && batch.groups[0].group == owner.home;
-        for GroupBatch {
-            group,
-            deltas,
-            windows,
-            resets,
-            members,
-        } in &mut batch.groups
+        let groups = batch.groups.len();
+        for (
+            written,
+            GroupBatch {
+                group,
+                deltas,
+                windows,
+                resets,
+                members,
+            },
+        ) in batch.groups.iter_mut().enumerate()
         {
             let group = *group;
             let watermark = home_only.then(|| {
                 let mut after = owner.ledgers.clone();
                 after[group as usize] = next_offset;
-                Watermark::new(next_offset, &after).encode()
+                Watermark::new(next_offset, &after, owner.spread.clone()).encode()
             });
             loop {
                 let write = GroupWrite {
@@ -239,9 +243,12 @@ impl<S: Sink> Flusher<S> {
                 }
             }
             owner.ledgers[group as usize] = next_offset;
+            if written + 1 < groups {
+                abort_mid_flush(partition);
+            }
         }
         if !home_only {
-            let watermark = Watermark::new(next_offset, &owner.ledgers).encode();
+            let watermark = owner.watermark(next_offset).encode();
             let home = owner.home;
             let applied = self
                 .retry(partition, home, cancel, || {
@@ -449,6 +456,25 @@ fn rejected_letters(
 fn abort_after_expiry() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var_os("TALLY_FAILPOINT_ABORT_AFTER_EXPIRY").is_some())
+}
+
+/// Test-only failpoint (`TALLY_FAILPOINT_ABORT_MID_FLUSH=n`): abort the process right after the
+/// `n`th group write that has more groups of its flush still to write, so that a restart finds
+/// one flush applied in some groups and not others.
+fn abort_mid_flush(partition: i32) {
+    static AFTER: std::sync::OnceLock<Option<u64>> = std::sync::OnceLock::new();
+    static SEEN: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let after = AFTER.get_or_init(|| {
+        let value = std::env::var("TALLY_FAILPOINT_ABORT_MID_FLUSH").ok()?;
+        value.parse().ok()
+    });
+    if let Some(after) = *after {
+        let seen = SEEN.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+        if seen >= after {
+            eprintln!("failpoint: aborting in the middle of a flush of partition {partition}");
+            std::process::abort();
+        }
+    }
 }
 
 /// Sleeps for `delay`; true if `cancel` fired first.

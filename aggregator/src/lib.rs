@@ -298,6 +298,7 @@ async fn consume<S: Sink>(
         topic: config.topic.clone(),
         limits: config.limits,
         keyspace: config.keyspace.clone(),
+        partition_spread: config.partition_spread,
         namespaces: config.namespaces.clone(),
         delivery: config.delivery,
         crash_after_flushes: std::env::var("TALLY_FAILPOINT_CRASH_AFTER_FLUSHES")

@@ -44,8 +44,9 @@ impl State {
 #[derive(Debug, Clone, Default)]
 pub(crate) struct MemorySink {
     state: Arc<Mutex<State>>,
-    /// Operations still to fail (a connection error each).
-    failures: Arc<Mutex<u32>>,
+    /// Operations still to let through, then operations still to fail (a connection error
+    /// each).
+    failures: Arc<Mutex<(u32, u32)>>,
 }
 
 impl MemorySink {
@@ -61,7 +62,12 @@ impl MemorySink {
 
     /// Makes the next `n` operations fail with a connection error.
     pub(crate) fn fail_next(&self, n: u32) {
-        *self.failures.lock().unwrap_or_else(PoisonError::into_inner) = n;
+        self.fail_after(0, n);
+    }
+
+    /// Lets `grace` operations through, then fails `n` (a crash between two group writes).
+    pub(crate) fn fail_after(&self, grace: u32, n: u32) {
+        *self.failures.lock().unwrap_or_else(PoisonError::into_inner) = (grace, n);
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
@@ -71,8 +77,11 @@ impl MemorySink {
     /// The store, unless this operation is one that must fail.
     fn reach(&self) -> Result<std::sync::MutexGuard<'_, State>, SinkError> {
         let mut failures = self.failures.lock().unwrap_or_else(PoisonError::into_inner);
-        if *failures > 0 {
-            *failures -= 1;
+        let (grace, failing) = &mut *failures;
+        if *grace > 0 {
+            *grace -= 1;
+        } else if *failing > 0 {
+            *failing -= 1;
             let error = std::io::Error::new(std::io::ErrorKind::ConnectionReset, "injected");
             return Err(redis::RedisError::from(error).into());
         }
@@ -248,7 +257,7 @@ mod tests {
     use super::*;
     use crate::batch::{Limits, Size};
     use crate::dead_letter::DeadLetterQueue;
-    use crate::fence::{self, Owner, Resume};
+    use crate::fence::{self, Owner, Resume, Watermark};
     use crate::flush::{FlushOutcome, Flusher, Standing};
     use crate::metrics::Metrics;
     use crate::partition::{Action, Entry, Partition};
@@ -287,7 +296,11 @@ mod tests {
     }
 
     async fn acquire(sink: &MemorySink) -> (Owner, Resume) {
-        fence::acquire(sink, &keyspace(), TOPIC, 0)
+        acquire_spread(sink, 1).await
+    }
+
+    async fn acquire_spread(sink: &MemorySink, spread: u32) -> (Owner, Resume) {
+        fence::acquire(sink, &keyspace(), TOPIC, 0, spread)
             .await
             .expect("acquired")
     }
@@ -451,5 +464,109 @@ mod tests {
             FlushOutcome::Durable { next_offset: 3, .. }
         ));
         assert_eq!(sink.snapshot().total("likes:post:1"), 3);
+    }
+
+    /// Feeds `c<offset % 40> +1` at each offset, each into the group its spread there puts it,
+    /// as one batch.
+    fn feed_spread(p: &mut Partition, offsets: std::ops::Range<i64>) -> Vec<Action> {
+        let keyspace = keyspace();
+        let mut limits = limits();
+        limits.live.max_events = (offsets.end - offsets.start) as usize;
+        limits.catch_up = limits.live;
+        let counters: Vec<String> = (0..40).map(|c| format!("c{c}")).collect();
+        offsets
+            .filter_map(|offset| {
+                let counter = &counters[(offset % 40) as usize];
+                let spread = p.spread_at(offset).expect("owned");
+                let rule = tally_common::GroupingRule::ByPartition;
+                let entry = Entry::Delta {
+                    group: keyspace.group_for_event(rule, 0, None, counter, spread),
+                    counter,
+                    delta: 1,
+                    buckets: &[],
+                    idle_deadline: None,
+                };
+                p.on_message(offset, entry, &limits).1
+            })
+            .collect()
+    }
+
+    #[tokio::test]
+    async fn a_new_spread_starts_after_what_a_crashed_flush_applied_and_counts_once() {
+        let sink = MemorySink::default();
+        let flusher = flusher(&sink);
+        let never = CancellationToken::new();
+        let totals = |n| (0..40).all(|c| sink.snapshot().total(&format!("c{c}")) == n);
+
+        // Spread 1: offsets 0..40 land in the home group.
+        let (owner, resume) = acquire_spread(&sink, 1).await;
+        let mut p = positioned(owner, resume);
+        let outcome = run_flush(&flusher, feed_spread(&mut p, 0..40), &never).await;
+        assert!(matches!(
+            outcome,
+            FlushOutcome::Durable {
+                next_offset: 40,
+                ..
+            }
+        ));
+        assert!(totals(1));
+
+        // A new owner at spread 4 records it before writing: 1 below 40, 4 from there.
+        let (owner, resume) = acquire_spread(&sink, 4).await;
+        assert_eq!(resume, Resume::At(40));
+        let stored = sink.snapshot().watermarks.values().next().cloned();
+        let stored = Watermark::parse(&stored.expect("a watermark")).expect("parses");
+        assert_eq!(
+            (
+                stored.next_offset,
+                stored.spread.at(39),
+                stored.spread.at(40)
+            ),
+            (40, 1, 4)
+        );
+        // Its flush of 40..80 spreads over 4 groups, and crashes after the first group's write.
+        let mut p = positioned(owner, resume);
+        let flush = feed_spread(&mut p, 40..80);
+        sink.fail_after(1, u32::MAX);
+        let cancel = CancellationToken::new();
+        let stop = cancel.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            stop.cancel();
+        });
+        assert_eq!(
+            run_flush(&flusher, flush, &cancel).await,
+            FlushOutcome::Cancelled
+        );
+        let applied: i64 = sink.snapshot().counters.values().sum::<i64>() - 40;
+        assert!(
+            (1..40).contains(&applied),
+            "one group of four took its part of the 40 counters, not {applied}"
+        );
+        sink.fail_next(0);
+
+        // The next owner is configured for spread 2: 40..80 replay at 4, as first written, and
+        // its spread starts at 80, past the highest ledger entry.
+        let (owner, resume) = acquire_spread(&sink, 2).await;
+        assert_eq!(resume, Resume::At(40));
+        assert_eq!((owner.spread.at(79), owner.spread.at(80)), (4, 2));
+        let mut p = positioned(owner, resume);
+        let outcome = run_flush(&flusher, feed_spread(&mut p, 40..120), &never).await;
+        assert!(matches!(
+            outcome,
+            FlushOutcome::Durable {
+                next_offset: 120,
+                ..
+            }
+        ));
+        assert!(totals(3), "{:?}", sink.snapshot().counters);
+        // And a later owner at spread 2 resumes after it with nothing to record.
+        let before = sink.snapshot().watermarks;
+        let (owner, resume) = acquire_spread(&sink, 2).await;
+        assert_eq!(
+            (resume, owner.spread.at(0), owner.spread.at(100)),
+            (Resume::At(120), 1, 2)
+        );
+        assert_eq!(sink.snapshot().watermarks, before);
     }
 }

@@ -225,6 +225,15 @@ impl Partition {
         }
     }
 
+    /// The spread of the message at `offset`, in exactly-once mode (the loop's configured one
+    /// otherwise).
+    pub(crate) fn spread_at(&self, offset: i64) -> Option<u32> {
+        match &self.state {
+            Ownership::Owned(owner) => Some(owner.spread.at(offset)),
+            _ => None,
+        }
+    }
+
     /// Messages and events buffered or in flight.
     pub(crate) fn pending_events(&self) -> usize {
         let in_flight = match self.in_flight {
@@ -621,6 +630,7 @@ mod tests {
             home: 0,
             epoch: 7,
             ledgers,
+            spread: crate::fence::Spread::uniform(1),
         }
     }
 

@@ -14,9 +14,10 @@
 //! [`crate::event::validate_counter`]), so a counter id cannot move its key to another slot.
 //!
 //! Which group an event's delta goes to is the [`GroupingRule`]: by default the Kafka partition
-//! it came from (`partition mod N`), so that an ordinary flush of one partition's buffer touches a
-//! single group; or its actor (a stable hash of the actor id), so that per-actor state and the
-//! increment it guards share a slot.
+//! it came from, spread by a stable hash of the counter id over `k` groups from the partition's
+//! *home group* (`partition mod N`, then every `N/k`th), so that a flush of one partition's
+//! buffer is `k` scripts of a `k`th of its counters each (see [`Spread`]); or its actor (a stable hash of the
+//! actor id), so that per-actor state and the increment it guards share a slot.
 //!
 //! Beside the counters, each group holds the exactly-once bookkeeping of every partition that
 //! writes into it, as hash fields named `<topic>/<partition>` (see [`partition_field`]):
@@ -34,6 +35,8 @@
 pub const DEFAULT_PREFIX: &str = "tally";
 /// Default number of shard groups.
 pub const DEFAULT_GROUPS: u32 = 16;
+/// Default spread of a partition's counters over groups (Redis; see [`Spread`]).
+pub const DEFAULT_SPREAD: u32 = 4;
 /// Most shard groups allowed: a read sums one key per group.
 pub const MAX_GROUPS: u32 = 1024;
 
@@ -85,19 +88,98 @@ pub fn partition_field(topic: &str, partition: i32) -> String {
     format!("{topic}/{partition}")
 }
 
-/// A partition's watermark: everything before `next_offset` is applied in every group, and these
-/// were the groups' ledger entries when it was stored.
+/// How many groups one partition's counters are spread over, offset by offset.
+///
+/// Grouped by partition, the message at offset `o` of partition `p` adds counter `c` into group
+/// `(home(p) + (hash(c) mod k) * (N div k)) mod N`, where `k = spread.at(o)`: a catch-up flush
+/// of 15,000 counters is then `k` scripts of about 15,000/`k` each, so that no single script
+/// holds Redis for long, while each counter of a partition still lives in one group. The stride
+/// `N div k` keeps the groups that partitions share few: with 8 partitions, 16 groups and a
+/// spread of 4, every group takes the counters of two partitions.
+///
+/// The exactly-once skip rule (a message below a group's ledger entry is not applied there again)
+/// needs every replay of a message to place it in the group its first attempt did. So a
+/// partition's spread only changes at an offset that no group has applied yet (the highest
+/// ledger entry when a new owner takes the partition), and the partition remembers, in its
+/// watermark, the spread of every stretch of its log: legacy watermarks, without one, were
+/// written at a spread of 1.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Spread {
+    /// `(until, k)`, in offset order: offsets below `until`, and at or above the step before,
+    /// were spread over `k` groups.
+    steps: Vec<(i64, u32)>,
+    /// The spread of every offset after the last step.
+    then: u32,
+}
+
+impl Spread {
+    /// The same spread at every offset.
+    pub const fn uniform(k: u32) -> Self {
+        Self {
+            steps: Vec::new(),
+            then: k,
+        }
+    }
+
+    /// The spread of the message at `offset`.
+    pub fn at(&self, offset: i64) -> u32 {
+        (self.steps.iter())
+            .find(|(until, _)| offset < *until)
+            .map_or(self.then, |(_, k)| *k)
+    }
+
+    /// The spread of offsets from here on.
+    pub fn current(&self) -> u32 {
+        self.then
+    }
+
+    /// This spread up to `from`, then `k`: what a new owner uses when no group has applied
+    /// anything at or after `from`.
+    #[must_use]
+    pub fn then(&self, k: u32, from: i64) -> Self {
+        let mut steps: Vec<(i64, u32)> = Vec::with_capacity(self.steps.len() + 1);
+        let mut covered = 0;
+        for &(until, spread) in &self.steps {
+            if covered >= from {
+                break;
+            }
+            steps.push((until.min(from), spread));
+            covered = until;
+        }
+        if covered < from {
+            steps.push((from, self.then));
+        }
+        // One step per stretch, and none that repeats what follows.
+        steps.dedup_by(|later, earlier| {
+            let same = later.1 == earlier.1;
+            if same {
+                earlier.0 = later.0;
+            }
+            same
+        });
+        while steps.last().is_some_and(|(_, spread)| *spread == k) {
+            steps.pop();
+        }
+        Self { steps, then: k }
+    }
+}
+
+/// A partition's watermark: everything before `next_offset` is applied in every group, these
+/// were the groups' ledger entries when it was stored, and this is its [`Spread`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Watermark {
-    /// The offset to resume from.
+    /// The offset to resume from; negative when no flush has landed everywhere yet (a new owner
+    /// stores its spread before its first write).
     pub next_offset: i64,
     /// `(group, ledger entry)` for every group that had one.
     pub ledgers: Vec<(u32, i64)>,
+    /// How the partition's counters spread over groups along its log.
+    pub spread: Spread,
 }
 
 impl Watermark {
     /// The watermark after a flush up to `next_offset`, given the ledgers after it.
-    pub fn new(next_offset: i64, ledgers: &[i64]) -> Self {
+    pub fn new(next_offset: i64, ledgers: &[i64], spread: Spread) -> Self {
         Self {
             next_offset,
             ledgers: ledgers
@@ -106,14 +188,24 @@ impl Watermark {
                 .filter(|(_, l)| **l >= 0)
                 .map(|(g, l)| (g as u32, *l))
                 .collect(),
+            spread,
         }
     }
 
-    /// Its stored form: `<next_offset>;<group>=<ledger>;...`.
+    /// Its stored form: `<next_offset>;<group>=<ledger>;...`, then the spread's steps as
+    /// `;s=<k>@<until>` and its current value as `;s=<k>` (left out when it is a uniform 1, so
+    /// that such a watermark reads as it did before spreads existed).
     pub fn encode(&self) -> String {
+        use std::fmt::Write as _;
         let mut out = self.next_offset.to_string();
         for (group, ledger) in &self.ledgers {
-            out.push_str(&format!(";{group}={ledger}"));
+            let _ = write!(out, ";{group}={ledger}");
+        }
+        for (until, k) in &self.spread.steps {
+            let _ = write!(out, ";s={k}@{until}");
+        }
+        if self.spread != Spread::uniform(1) {
+            let _ = write!(out, ";s={}", self.spread.then);
         }
         out
     }
@@ -122,17 +214,39 @@ impl Watermark {
     pub fn parse(text: &str) -> Option<Self> {
         let mut parts = text.split(';');
         let next_offset = parts.next()?.parse().ok()?;
-        let ledgers = parts
-            .map(|p| {
-                let (g, l) = p.split_once('=')?;
-                Some((g.parse().ok()?, l.parse().ok()?))
-            })
-            .collect::<Option<_>>()?;
+        let mut ledgers = Vec::new();
+        let mut spread = Spread::uniform(1);
+        let mut ended = false;
+        for part in parts {
+            let (name, value) = part.split_once('=')?;
+            if name != "s" {
+                ledgers.push((name.parse().ok()?, value.parse().ok()?));
+                continue;
+            }
+            if ended {
+                return None;
+            }
+            match value.split_once('@') {
+                Some((k, until)) => (spread.steps).push((until.parse().ok()?, positive(k)?)),
+                None => {
+                    spread.then = positive(value)?;
+                    ended = true;
+                }
+            }
+        }
+        if !spread.steps.is_empty() && !ended {
+            return None;
+        }
         Some(Self {
             next_offset,
             ledgers,
+            spread,
         })
     }
+}
+
+fn positive(text: &str) -> Option<u32> {
+    text.parse().ok().filter(|k| *k > 0)
 }
 
 /// FNV-1a, 64 bits: a hash that never changes across processes, platforms or Rust versions,
@@ -235,11 +349,25 @@ impl Keyspace {
         (stable_hash(actor.as_bytes()) % u64::from(self.groups)) as u32
     }
 
-    /// The group an event's delta is written to under `rule`.
-    pub fn group_for_event(&self, rule: GroupingRule, partition: i32, actor: Option<&str>) -> u32 {
+    /// The group `counter`'s delta is written to under `rule`, from `partition` whose spread
+    /// at the event is `spread` ([`Spread::at`]).
+    pub fn group_for_event(
+        &self,
+        rule: GroupingRule,
+        partition: i32,
+        actor: Option<&str>,
+        counter: &str,
+        spread: u32,
+    ) -> u32 {
         match (rule, actor) {
             (GroupingRule::ByActor, Some(actor)) => self.group_for_actor(actor),
-            _ => self.group_for_partition(partition),
+            _ if spread <= 1 => self.group_for_partition(partition),
+            _ => {
+                let (groups, spread) = (u64::from(self.groups), u64::from(spread));
+                let part = stable_hash(counter.as_bytes()) % spread;
+                let home = u64::from(self.group_for_partition(partition));
+                ((home + part * (groups / spread)) % groups) as u32
+            }
         }
     }
 
@@ -506,19 +634,92 @@ mod tests {
     fn grouping_by_actor_is_stable_and_spreads() {
         let ks = Keyspace::default();
         // Pinned values: changing the hash would move every actor's state to another group.
-        assert_eq!(ks.group_for_event(GroupingRule::ByActor, 0, Some("u7")), 5);
-        assert_eq!(ks.group_for_event(GroupingRule::ByActor, 3, Some("u7")), 5);
-        assert_eq!(ks.group_for_event(GroupingRule::ByActor, 3, None), 3);
-        assert_eq!(
-            ks.group_for_event(GroupingRule::ByPartition, 3, Some("u7")),
-            3
-        );
+        let event = |rule, partition, actor: Option<&str>| {
+            ks.group_for_event(rule, partition, actor, "c", 4)
+        };
+        assert_eq!(event(GroupingRule::ByActor, 0, Some("u7")), 5);
+        assert_eq!(event(GroupingRule::ByActor, 3, Some("u7")), 5);
+        assert_eq!(event(GroupingRule::ByActor, 3, None), 3 + 2 * 4);
+        assert_eq!(event(GroupingRule::ByPartition, 3, Some("u7")), 3 + 2 * 4);
         let groups: std::collections::BTreeSet<u32> = (0..1000)
-            .map(|i| ks.group_for_event(GroupingRule::ByActor, 0, Some(&format!("u{i}"))))
+            .map(|i| event(GroupingRule::ByActor, 0, Some(&format!("u{i}"))))
             .collect();
         assert_eq!(groups.len(), 16);
         assert_eq!("actor".parse(), Ok(GroupingRule::ByActor));
         assert!("user".parse::<GroupingRule>().is_err());
+    }
+
+    #[test]
+    fn a_spread_partition_writes_each_counter_into_one_of_k_groups_from_its_home() {
+        let ks = Keyspace::default();
+        let rule = GroupingRule::ByPartition;
+        // Pinned: changing the hash would move counters between groups under a running log.
+        assert_eq!(ks.group_for_event(rule, 3, None, "c", 4), 11);
+        assert_eq!(ks.group_for_event(rule, 3, None, "likes:post:1", 4), 3);
+        assert_eq!(ks.group_for_event(rule, 3, None, "c", 1), 3);
+        let mut seen = std::collections::BTreeMap::<u32, usize>::new();
+        for i in 0..4000 {
+            let counter = format!("likes:post:{i}");
+            let group = ks.group_for_event(rule, 14, None, &counter, 4);
+            assert_eq!(group, ks.group_for_event(rule, 14, None, &counter, 4));
+            *seen.entry(group).or_default() += 1;
+        }
+        // From home group 14, every 4th, wrapping past the last group.
+        assert_eq!(seen.keys().copied().collect::<Vec<_>>(), [2, 6, 10, 14]);
+        // With 8 partitions, every group takes two partitions' counters.
+        let mut partitions: Vec<std::collections::BTreeSet<i32>> = vec![Default::default(); 16];
+        for p in 0..8 {
+            for i in 0..400 {
+                let group = ks.group_for_event(rule, p, None, &format!("likes:post:{i}"), 4);
+                partitions[group as usize].insert(p);
+            }
+        }
+        assert!(partitions.iter().all(|p| p.len() == 2), "{partitions:?}");
+        assert!(seen.values().all(|n| (850..1150).contains(n)), "{seen:?}");
+    }
+
+    #[test]
+    fn a_spread_keeps_the_stretches_that_groups_may_have_applied() {
+        let legacy = Spread::uniform(1);
+        assert_eq!(legacy.at(0), 1);
+        // A new owner at spread 4, with offsets up to 100 applied somewhere under spread 1.
+        let four = legacy.then(4, 100);
+        assert_eq!((four.at(0), four.at(99), four.at(100)), (1, 1, 4));
+        assert_eq!(four.then(4, 500), four, "the same spread adds no step");
+        // Back to 1 at 300: three stretches, and 1 again from 300.
+        let back = four.then(1, 300);
+        assert_eq!(
+            (back.at(99), back.at(100), back.at(299), back.at(300)),
+            (1, 4, 4, 1)
+        );
+        // A change at an offset inside the last step cuts it there.
+        let cut = back.then(2, 200);
+        assert_eq!(
+            (cut.at(99), cut.at(199), cut.at(200), cut.at(299)),
+            (1, 4, 2, 2)
+        );
+        // Nothing applied yet: the new spread from the start.
+        assert_eq!(legacy.then(4, -1), Spread::uniform(4));
+        assert_eq!(legacy.then(4, 0), Spread::uniform(4));
+        assert_eq!(legacy.then(1, 100), legacy);
+    }
+
+    #[test]
+    fn watermarks_carry_their_spread_and_legacy_ones_read_as_spread_one() {
+        let spread = Spread::uniform(1).then(4, 100).then(2, 300);
+        let w = Watermark::new(350, &[-1, 300, -1, 350], spread.clone());
+        assert_eq!(w.encode(), "350;1=300;3=350;s=1@100;s=4@300;s=2");
+        assert_eq!(Watermark::parse(&w.encode()), Some(w));
+        let legacy = Watermark::parse("120;3=120").expect("parses");
+        assert_eq!(legacy.spread, Spread::uniform(1));
+        assert_eq!(
+            Watermark::new(120, &[-1, -1, -1, 120], Spread::uniform(1)).encode(),
+            "120;3=120"
+        );
+        assert_eq!(Watermark::parse("-1;s=4").map(|w| w.next_offset), Some(-1));
+        for bad in ["1;s=0", "1;s=4@10", "1;s=4;s=2", "1;s=x", "1;s=2@y;s=1"] {
+            assert_eq!(Watermark::parse(bad), None, "{bad}");
+        }
     }
 
     #[test]

@@ -211,7 +211,7 @@ impl Reader {
         let stored: Vec<Option<String>> = query_each(&self.conn, reads).await?;
         Ok(stored
             .iter()
-            .map(|w| Some(Watermark::parse(w.as_deref()?)?.next_offset))
+            .map(|w| Some(Watermark::parse(w.as_deref()?)?.next_offset).filter(|o| *o >= 0))
             .collect())
     }
 

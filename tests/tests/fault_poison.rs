@@ -9,25 +9,30 @@ use std::time::Duration;
 
 use rdkafka::ClientConfig;
 use rdkafka::producer::{FutureProducer, FutureRecord};
+use tally_common::keyspace::DEFAULT_SPREAD;
 use tally_tests::{AggregatorSetup, RedisServer, TempDir, read_dead_letters, wait_for_totals};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn deltas_redis_cannot_take_are_dead_lettered_and_the_rest_counts() {
     let dir = TempDir::new("tally-fault");
     let redis = RedisServer::start().await;
-    // One partition: its shard group is 0, so the poisoned keys below are the ones it writes.
+    // One partition (0): the poisoned keys below are in the groups it writes those counters to.
     let setup = AggregatorSetup::create("poison", &redis.url(), 1).await;
     let keyspace = setup.keyspace();
+    let group = |counter: &str| {
+        let rule = tally_common::GroupingRule::ByPartition;
+        keyspace.group_for_event(rule, 0, None, counter, DEFAULT_SPREAD)
+    };
     let near_max = i64::MAX - 10;
     let mut conn = tally_tests::connect(&redis.url()).await;
     redis::cmd("SET")
-        .arg(keyspace.counter_key(0, "big:1"))
+        .arg(keyspace.counter_key(group("big:1"), "big:1"))
         .arg(near_max)
         .query_async::<()>(&mut conn)
         .await
         .expect("SET");
     redis::cmd("HSET")
-        .arg(keyspace.counter_key(0, "weird:1"))
+        .arg(keyspace.counter_key(group("weird:1"), "weird:1"))
         .arg("not")
         .arg("a counter")
         .query_async::<()>(&mut conn)
@@ -61,7 +66,7 @@ async fn deltas_redis_cannot_take_are_dead_lettered_and_the_rest_counts() {
     let reader = redis.reader(keyspace.clone()).await;
     wait_for_totals(&reader, &expected, Duration::from_secs(60)).await;
     let big: i64 = redis::cmd("GET")
-        .arg(keyspace.counter_key(0, "big:1"))
+        .arg(keyspace.counter_key(group("big:1"), "big:1"))
         .query_async(&mut conn)
         .await
         .expect("GET");
