@@ -338,6 +338,17 @@ mod tests {
             .collect()
     }
 
+    /// A token cancelled 20 ms from now (a shutdown deadline ending a flush that keeps failing).
+    fn cancelled_soon() -> CancellationToken {
+        let cancel = CancellationToken::new();
+        let stop = cancel.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            stop.cancel();
+        });
+        cancel
+    }
+
     /// Runs the one flush in `actions`, returning its outcome.
     async fn run_flush(
         flusher: &Flusher<MemorySink>,
@@ -370,12 +381,7 @@ mod tests {
         let flush = feed(&mut p, 0..3);
         // Redis unreachable until the flush is cancelled (a shutdown deadline): no commit.
         sink.fail_next(u32::MAX);
-        let cancel = CancellationToken::new();
-        let stop = cancel.clone();
-        tokio::spawn(async move {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-            stop.cancel();
-        });
+        let cancel = cancelled_soon();
         let outcome = run_flush(&flusher, flush, &cancel).await;
         assert_eq!(outcome, FlushOutcome::Cancelled);
         assert!(commits(&p.on_flushed(outcome, &limits(), Instant::now())).is_empty());
@@ -528,12 +534,7 @@ mod tests {
         let mut p = positioned(owner, resume);
         let flush = feed_spread(&mut p, 40..80);
         sink.fail_after(1, u32::MAX);
-        let cancel = CancellationToken::new();
-        let stop = cancel.clone();
-        tokio::spawn(async move {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-            stop.cancel();
-        });
+        let cancel = cancelled_soon();
         assert_eq!(
             run_flush(&flusher, flush, &cancel).await,
             FlushOutcome::Cancelled
