@@ -246,7 +246,7 @@ impl GroupBatch {
 #[derive(Debug, Default)]
 pub struct Batch {
     /// Per shard group (one entry per group that has anything; a partition grouped by
-    /// partition has exactly one).
+    /// partition has at most its spread's).
     groups: Vec<(u32, GroupBuffer)>,
     /// Distinct (group, counter) and (group, counter, actor) entries over all groups.
     entries: usize,

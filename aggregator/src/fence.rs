@@ -116,14 +116,10 @@ pub async fn acquire<S: Sink>(
         ledgers,
     };
     if owner.spread != recorded {
-        // The stretch before `unapplied` keeps the spread it was written with; a watermark
-        // that did not exist stays "from the beginning" (a negative offset).
-        let next_offset = watermark.as_ref().map_or(-1, |w| w.next_offset);
-        let mut stored = owner.watermark(next_offset);
-        if let Some(w) = &watermark {
-            // Rollback detection keeps comparing with what the groups held then.
-            stored.ledgers.clone_from(&w.ledgers);
-        }
+        // Only the spread changes: resume offset and recorded ledgers (rollback detection)
+        // stay; a partition without a watermark still resumes from the beginning (-1).
+        let mut stored = watermark.unwrap_or_else(|| owner.watermark(-1));
+        stored.spread.clone_from(&owner.spread);
         let written = sink
             .write_watermark(home, &owner.field, epoch, &stored.encode())
             .await?;

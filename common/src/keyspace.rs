@@ -44,7 +44,8 @@ pub const MAX_GROUPS: u32 = 1024;
 /// the aggregator's `--grouping`, the namespace file, the `tally_build_info` label.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Deserialize)]
 pub enum GroupingRule {
-    /// The group of the Kafka partition the event came from: one flush, one group, one slot.
+    /// A group of the Kafka partition the event came from, picked by the counter among the
+    /// partition's spread ([`Spread`]): one flush, at most that many groups, one slot each.
     #[default]
     #[serde(rename = "partition")]
     ByPartition,
