@@ -364,10 +364,17 @@ impl Keyspace {
             (GroupingRule::ByActor, Some(actor)) => self.group_for_actor(actor),
             _ if spread <= 1 => self.group_for_partition(partition),
             _ => {
-                let (groups, spread) = (u64::from(self.groups), u64::from(spread));
-                let part = stable_hash(counter.as_bytes()) % spread;
-                let home = u64::from(self.group_for_partition(partition));
-                ((home + part * (groups / spread)) % groups) as u32
+                // `(home + part · (groups div spread)) mod groups` with one 64-bit division
+                // (this runs once per event): both terms are below `groups` (a spread is at
+                // most the groups), so their sum is below twice it.
+                let part = (stable_hash(counter.as_bytes()) % u64::from(spread)) as u32;
+                let home = self.group_for_partition(partition);
+                let group = home + part * (self.groups / spread);
+                if group >= self.groups {
+                    group - self.groups
+                } else {
+                    group
+                }
             }
         }
     }
