@@ -92,14 +92,8 @@ pub enum Fetched {
 /// Something a chunk holds.
 #[derive(Debug)]
 enum Piece {
-    /// A batch whose records section (decompressed) is `data[range]`, its records (from the
-    /// chunk's start) `located[records]`, and then, if a record was malformed, why.
-    Batch {
-        header: BatchHeader,
-        range: std::ops::Range<usize>,
-        records: std::ops::Range<usize>,
-        malformed: Option<String>,
-    },
+    /// A batch of records.
+    Batch(BatchPiece),
     /// Offsets that could not be read (a codec not supported, a corrupt batch, an old format):
     /// their bytes are `data[range]`.
     Undecodable {
@@ -108,6 +102,16 @@ enum Piece {
         range: std::ops::Range<usize>,
         reason: String,
     },
+}
+
+/// A batch in a chunk: its records section (decompressed) is `data[range]`, its records (from
+/// the chunk's start) `located[records]`, and then, if a record was malformed, why.
+#[derive(Debug)]
+struct BatchPiece {
+    header: BatchHeader,
+    range: std::ops::Range<usize>,
+    records: std::ops::Range<usize>,
+    malformed: Option<String>,
 }
 
 /// One partition's records from one fetch response: owned, decompressed, read in place with
@@ -128,10 +132,13 @@ pub struct Chunk {
     /// that its reader (the consume loop's thread) only slices: walking the records there was
     /// ~13% of that thread's samples in a JSON catch-up.
     located: Vec<Located>,
-    /// What it counts against the fetcher's budget.
-    held: usize,
     /// Gives the bytes back to the fetcher's budget when the chunk is dropped.
     budget: Arc<Budget>,
+}
+
+/// What a chunk with this data and these records counts against the fetcher's budget.
+fn held(data: &[u8], located: &[Located]) -> usize {
+    std::mem::size_of_val(data) + std::mem::size_of_val(located)
 }
 
 /// A record's place in its chunk.
@@ -186,7 +193,7 @@ impl std::fmt::Debug for Chunk {
 
 impl Drop for Chunk {
     fn drop(&mut self) {
-        self.budget.release(self.held);
+        self.budget.release(self.len_bytes());
         self.budget.recycle(
             std::mem::take(&mut self.data),
             std::mem::take(&mut self.located),
@@ -225,7 +232,7 @@ impl Chunk {
     /// Bytes it holds (its data, and where its records lie), as the fetcher's budget counts
     /// them.
     pub fn len_bytes(&self) -> usize {
-        self.held
+        held(&self.data, &self.located)
     }
 }
 
@@ -234,17 +241,8 @@ impl Chunk {
 pub struct Items<'a> {
     chunk: &'a Chunk,
     next_piece: usize,
-    /// The batch being read: its header, its bytes, its records not yet read (indices into
-    /// `located`), and why it was cut short, if it was.
-    batch: Option<Reading<'a>>,
-}
-
-#[derive(Debug)]
-struct Reading<'a> {
-    header: &'a BatchHeader,
-    range: &'a std::ops::Range<usize>,
-    records: std::ops::Range<usize>,
-    malformed: &'a Option<String>,
+    /// The batch being read, and its records not yet read (indices into `located`).
+    batch: Option<(&'a BatchPiece, std::ops::Range<usize>)>,
 }
 
 impl<'a> Iterator for Items<'a> {
@@ -253,8 +251,8 @@ impl<'a> Iterator for Items<'a> {
     fn next(&mut self) -> Option<Item<'a>> {
         let chunk = self.chunk;
         loop {
-            if let Some(reading) = &mut self.batch {
-                if let Some(i) = reading.records.next() {
+            if let Some((batch, unread)) = &mut self.batch {
+                if let Some(i) = unread.next() {
                     let at = chunk.located[i];
                     return Some(Item::Record(Record {
                         offset: at.offset,
@@ -263,17 +261,13 @@ impl<'a> Iterator for Items<'a> {
                         value: at.value.get(&chunk.data),
                     }));
                 }
-                let Reading {
-                    header,
-                    range,
-                    malformed,
-                    ..
-                } = self.batch.take()?;
-                if let Some(reason) = malformed {
+                let batch = *batch;
+                self.batch = None;
+                if let Some(reason) = &batch.malformed {
                     return Some(Item::Undecodable {
-                        first_offset: header.base_offset.max(chunk.start),
-                        last_offset: header.last_offset(),
-                        bytes: &chunk.data[range.clone()],
+                        first_offset: batch.header.base_offset.max(chunk.start),
+                        last_offset: batch.header.last_offset(),
+                        bytes: &chunk.data[batch.range.clone()],
                         reason: reason.clone(),
                     });
                 }
@@ -281,19 +275,7 @@ impl<'a> Iterator for Items<'a> {
             let piece = chunk.pieces.get(self.next_piece)?;
             self.next_piece += 1;
             match piece {
-                Piece::Batch {
-                    header,
-                    range,
-                    records,
-                    malformed,
-                } => {
-                    self.batch = Some(Reading {
-                        header,
-                        range,
-                        records: records.clone(),
-                        malformed,
-                    });
-                }
+                Piece::Batch(batch) => self.batch = Some((batch, batch.records.clone())),
                 Piece::Undecodable {
                     first_offset,
                     last_offset,
@@ -1064,19 +1046,18 @@ fn chunk(
                 Err(e) => malformed = Some(format!("a malformed record: {e}")),
             }
         }
-        pieces.push(Piece::Batch {
+        pieces.push(Piece::Batch(BatchPiece {
             header,
             range: at..data.len(),
             records: first..located.len(),
             malformed,
-        });
+        }));
     }
     if pieces.is_empty() {
         shared.budget.recycle(data, located);
         return Built { chunk: None, next };
     }
-    let held = data.len() + located.len() * std::mem::size_of::<Located>();
-    shared.budget.hold(held);
+    shared.budget.hold(held(&data, &located));
     let chunk = Chunk {
         partition,
         epoch,
@@ -1085,7 +1066,6 @@ fn chunk(
         pieces,
         data,
         located,
-        held,
         budget: shared.budget.clone(),
     };
     Built {
