@@ -1,11 +1,12 @@
 //! The fast path for JSON events: a reader for the shape nearly every JSON event has, one object
 //! whose keys are the event's field names, each once, with plain strings (no escapes) and
-//! integers as values (and `null` for an absent actor or event id). It borrows every string from the message and allocates nothing.
+//! integers as values, and `null` for an absent actor or event id. It borrows every string from
+//! the message and allocates nothing.
 //!
 //! It only ever accepts what serde_json would decode to the same event: whenever it meets
-//! anything else (an escape, `null`, a fraction or exponent, an unknown or repeated key, a
-//! missing counter, bytes after the object) it gives up and [`super::decode`] asks serde_json,
-//! so every rule and every error message stay serde_json's.
+//! anything else (an escape, any other `null`, a fraction or exponent, an unknown or repeated
+//! key, a missing counter, bytes after the object) it gives up and [`super::decode`] asks
+//! serde_json, so every rule and every error message stay serde_json's.
 
 use std::borrow::Cow;
 
@@ -129,15 +130,14 @@ impl<'a> Cursor<'a> {
             self.at += 1;
         }
         let number = &self.bytes[self.at..];
-        // Digits counted and summed in one pass; the sum is exact while there are at most 18
-        // (below 10^18, under i64::MAX either way).
+        // Digits counted and summed in one pass (past u64, serde_json's to refuse).
         let mut digits = 0;
         let mut magnitude: u64 = 0;
         while let Some(digit) = number.get(digits).map(|b| b.wrapping_sub(b'0')) {
             if digit > 9 {
                 break;
             }
-            magnitude = magnitude.wrapping_mul(10).wrapping_add(u64::from(digit));
+            magnitude = magnitude.checked_mul(10)?.checked_add(u64::from(digit))?;
             digits += 1;
         }
         // No digits, a leading zero, or `-0` (which serde_json reads as a float).
@@ -147,21 +147,10 @@ impl<'a> Cursor<'a> {
         if let Some(b'.' | b'e' | b'E') = number.get(digits) {
             return None;
         }
-        let value = if digits <= 18 {
-            let magnitude = i64::try_from(magnitude).ok()?;
-            if negative { -magnitude } else { magnitude }
+        let value = if negative {
+            0i64.checked_sub_unsigned(magnitude)?
         } else {
-            let mut value: i64 = 0;
-            for &b in &number[..digits] {
-                let digit = i64::from(b - b'0');
-                value = value.checked_mul(10)?;
-                value = if negative {
-                    value.checked_sub(digit)?
-                } else {
-                    value.checked_add(digit)?
-                };
-            }
-            value
+            i64::try_from(magnitude).ok()?
         };
         self.at += digits;
         Some(value)
