@@ -377,6 +377,10 @@ impl Partition {
     ) -> (Pace, Option<Action>) {
         let pace = self.pace();
         self.reading = false;
+        if pace == Pace::Live && self.buffer.events() == 0 {
+            // Caught up with nothing left over: later events are live ones.
+            self.catch_up_rest = false;
+        }
         if self.in_flight.is_some() {
             return (pace, None);
         }
@@ -780,6 +784,28 @@ mod tests {
         assert!(feed(&mut p, 11..12).is_empty());
         let (_, early) = p.on_tick(&limits, Duration::MAX, now);
         assert!(early.is_none(), "a live batch waits for its flush time");
+
+        // A catch-up flush can leave no rest (here the log's end is one past its last event, as
+        // a transaction's commit marker makes it): once the partition has gone live with
+        // nothing buffered, the next events wait for the clock too.
+        let mut p = unfenced(now);
+        p.on_log_end(9);
+        assert_eq!(flushed_offset(&feed(&mut p, 0..8)), Some(8));
+        let durable = FlushOutcome::Durable {
+            next_offset: 8,
+            owner: None,
+        };
+        p.on_flushed(durable, &limits, now);
+        let (pace, _) = p.on_tick(&limits, Duration::MAX, now);
+        assert_eq!(pace, Pace::CatchingUp, "messages came since the last tick");
+        let (pace, none) = p.on_tick(&limits, Duration::MAX, now);
+        assert_eq!((pace, none.is_none()), (Pace::Live, true));
+        assert!(feed(&mut p, 8..9).is_empty());
+        let (_, early) = p.on_tick(&limits, Duration::MAX, now);
+        assert!(
+            early.is_none(),
+            "a live batch after a drained catch-up waits for its flush time"
+        );
     }
 
     #[test]
