@@ -66,7 +66,7 @@ fn targets(r: &Results) -> Vec<Target> {
             at_least: true,
         },
         Target {
-            name: "aggregator CPU s per million JSON events (catch-up; the bound is half of 0.93, measured on a faster day of this machine: README has the same-day comparison)",
+            name: "aggregator CPU s per million JSON events (catch-up; bound: half of 0.93 s, measured on a faster day; README compares on one day)",
             value: json.map(|c| c.run.cpu_seconds_per_million),
             bound: 0.46,
             at_least: false,
