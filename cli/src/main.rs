@@ -4,7 +4,7 @@
 //! through the producer crate; `tally verify` waits for known totals. Each subcommand is one
 //! function below, reading and writing through the library types.
 
-use std::io::Write;
+use std::io::{self, Write};
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -312,7 +312,7 @@ impl KafkaArgs {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<ExitCode> {
-    match Cli::parse().command {
+    let run = match Cli::parse().command {
         Command::Get(args) => get(args).await,
         Command::Like(args) => like(args, true).await,
         Command::Unlike(args) => like(args, false).await,
@@ -324,8 +324,62 @@ async fn main() -> anyhow::Result<ExitCode> {
         Command::Load(args) => run_load(args).await,
         Command::Verify(args) => run_verify(args).await,
         Command::Audit(args) => run_audit(args).await,
+    };
+    // Output piped into a reader that stops early (`tally load | head`): what was asked for is
+    // done, so end quietly, as the reader intended, instead of reporting an error.
+    match run {
+        Err(e) if closed_stdout(&e) => Ok(ExitCode::SUCCESS),
+        run => run,
     }
 }
+
+/// Whether `e` is a write to standard output (through [`out`]) whose reader has gone. A broken
+/// pipe anywhere else (a Redis or Kafka connection) stays an error.
+fn closed_stdout(e: &anyhow::Error) -> bool {
+    (e.chain()).any(|cause| {
+        (cause.downcast_ref::<io::Error>())
+            .and_then(io::Error::get_ref)
+            .is_some_and(|inner| inner.is::<StdoutClosed>())
+    })
+}
+
+/// Standard output for the subcommands' reports.
+fn out() -> Out {
+    Out(io::stdout())
+}
+
+/// Standard output whose broken-pipe errors carry [`StdoutClosed`], so that `main` can tell them
+/// from any other.
+struct Out(io::Stdout);
+
+impl Write for Out {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.0.write(buf).map_err(closed)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        self.0.flush().map_err(closed)
+    }
+}
+
+fn closed(e: io::Error) -> io::Error {
+    match e.kind() {
+        io::ErrorKind::BrokenPipe => io::Error::new(e.kind(), StdoutClosed),
+        _ => e,
+    }
+}
+
+/// The reader of standard output has gone.
+#[derive(Debug)]
+struct StdoutClosed;
+
+impl std::fmt::Display for StdoutClosed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("standard output closed")
+    }
+}
+
+impl std::error::Error for StdoutClosed {}
 
 async fn get(args: GetArgs) -> anyhow::Result<ExitCode> {
     let namespaces = args.redis.namespaces()?;
@@ -341,7 +395,7 @@ async fn get(args: GetArgs) -> anyhow::Result<ExitCode> {
         }
         exact
     };
-    let mut out = std::io::stdout().lock();
+    let mut out = out();
     for (counter, total) in args.counters.iter().zip(totals) {
         if args.display {
             let style = reader.namespaces().policy(counter).display;
@@ -391,10 +445,12 @@ async fn reset(args: ResetArgs) -> anyhow::Result<ExitCode> {
     let producer = args.kafka.producer()?;
     for counter in &args.counters {
         let delivered = producer.reset(counter).await?;
-        println!(
+        writeln!(
+            out(),
             "{counter} reset at partition {} offset {}",
-            delivered.partition, delivered.offset
-        );
+            delivered.partition,
+            delivered.offset
+        )?;
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -413,10 +469,15 @@ async fn compact(args: CompactArgs) -> anyhow::Result<ExitCode> {
     loop {
         let r = compactor.pass().await?;
         if !args.repeat || r.compacted + r.recovered + r.markers_dropped > 0 {
-            println!(
+            writeln!(
+                out(),
                 "{} candidates: {} compacted in {} moves, {} interrupted moves finished, {} markers dropped",
-                r.candidates, r.compacted, r.moves, r.recovered, r.markers_dropped
-            );
+                r.candidates,
+                r.compacted,
+                r.moves,
+                r.recovered,
+                r.markers_dropped
+            )?;
         }
         if !args.repeat {
             return Ok(ExitCode::SUCCESS);
@@ -435,25 +496,31 @@ async fn shards(args: CounterArgs) -> anyhow::Result<ExitCode> {
     let before = reader.shares(counter).await?;
     tokio::time::sleep(Duration::from_secs(1)).await;
     let after = reader.shares(counter).await?;
-    println!(
+    writeln!(
+        out(),
         "{counter}: {} direct-write shard(s); total {}",
         reader.direct_shards(counter).await?,
         reader.get(counter).await?
-    );
-    println!(
+    )?;
+    writeln!(
+        out(),
         "{:>6} {:>6} {:>20} {:>10}",
-        "group", "shard", "value", "writes/s"
-    );
+        "group",
+        "shard",
+        "value",
+        "writes/s"
+    )?;
     for (group, (value, earlier)) in (0..ks.groups()).zip(after.iter().zip(&before)) {
         let Some(value) = value else {
             continue;
         };
         let shard = (0..ks.groups()).find(|s| ks.shard_group(counter, *s) == group);
         let rate = value - earlier.unwrap_or(0);
-        println!(
+        writeln!(
+            out(),
             "{group:>6} {:>6} {value:>20} {rate:>10}",
             shard.map_or("-".to_owned(), |s| s.to_string())
-        );
+        )?;
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -461,7 +528,7 @@ async fn shards(args: CounterArgs) -> anyhow::Result<ExitCode> {
 async fn top(args: TopArgs) -> anyhow::Result<ExitCode> {
     let reader = args.redis.reader().await?;
     for (counter, activity) in reader.top(&args.namespace, args.k).await? {
-        println!("{counter} {activity}");
+        writeln!(out(), "{counter} {activity}")?;
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -469,7 +536,7 @@ async fn top(args: TopArgs) -> anyhow::Result<ExitCode> {
 async fn liked(args: LikedArgs) -> anyhow::Result<ExitCode> {
     let reader = args.redis.reader().await?;
     let liked = reader.has_liked(&args.counter, &args.actor).await?;
-    println!("{liked}");
+    writeln!(out(), "{liked}")?;
     Ok(if liked {
         ExitCode::SUCCESS
     } else {
@@ -499,20 +566,7 @@ async fn run_load(args: LoadArgs) -> anyhow::Result<ExitCode> {
         ..LoadSpec::default()
     };
     let report = load::run(&config, &spec).await?;
-    println!(
-        "sent {} events ({} failed) over {} counters to {topic} in {:.2}s: {:.0} events/s",
-        report.acked,
-        report.failed,
-        report.totals.len(),
-        report.elapsed.as_secs_f64(),
-        report.events_per_second()
-    );
-    if args.top > 0 {
-        println!("top counters (as sent):");
-        for (counter, total) in report.top(args.top) {
-            println!("  {counter} {total}");
-        }
-    }
+    // The file first: it is what `tally verify` needs, whatever becomes of standard output.
     if let Some(path) = args.totals_out {
         let mut lines: Vec<String> = (report.totals.iter())
             .map(|(c, t)| format!("{c} {t}\n"))
@@ -520,6 +574,21 @@ async fn run_load(args: LoadArgs) -> anyhow::Result<ExitCode> {
         lines.sort();
         std::fs::write(&path, lines.concat())
             .with_context(|| format!("writing {}", path.display()))?;
+    }
+    writeln!(
+        out(),
+        "sent {} events ({} failed) over {} counters to {topic} in {:.2}s: {:.0} events/s",
+        report.acked,
+        report.failed,
+        report.totals.len(),
+        report.elapsed.as_secs_f64(),
+        report.events_per_second()
+    )?;
+    if args.top > 0 {
+        writeln!(out(), "top counters (as sent):")?;
+        for (counter, total) in report.top(args.top) {
+            writeln!(out(), "  {counter} {total}")?;
+        }
     }
     if let Some(error) = report.first_error {
         eprintln!("{} events failed; first error: {error}", report.failed);
@@ -541,19 +610,20 @@ async fn run_verify(args: VerifyArgs) -> anyhow::Result<ExitCode> {
             return Ok(ExitCode::FAILURE);
         }
     };
-    println!(
+    writeln!(
+        out(),
         "all {} counters match what was sent (waited {:.2}s)",
         expected.len(),
         waited.as_secs_f64()
-    );
+    )?;
     let mut largest: Vec<(&String, &i64)> = expected.iter().collect();
     largest.sort_by(|a, b| b.1.cmp(a.1).then(a.0.cmp(b.0)));
     largest.truncate(args.top);
     let names: Vec<&String> = largest.iter().map(|(c, _)| *c).collect();
     let read = reader.get_many(&names).await?;
-    println!("{:<28} {:>12} {:>12}", "counter", "sent", "in redis");
+    writeln!(out(), "{:<28} {:>12} {:>12}", "counter", "sent", "in redis")?;
     for ((counter, sent), got) in largest.iter().zip(read) {
-        println!("{counter:<28} {sent:>12} {got:>12}");
+        writeln!(out(), "{counter:<28} {sent:>12} {got:>12}")?;
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -575,7 +645,7 @@ async fn run_audit(args: AuditArgs) -> anyhow::Result<ExitCode> {
         since_ms: args.since,
     };
     let report = audit::audit(&spec, &namespaces, &reader).await?;
-    let mut out = std::io::stdout().lock();
+    let mut out = out();
     let range = match spec.since_ms {
         Some(since) => format!("from {since} ms (window buckets only)"),
         None => "from the start".to_owned(),

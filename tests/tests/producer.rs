@@ -1,7 +1,8 @@
 //! The producer crate against a real broker: routing puts events where it promises, a full local
 //! queue makes the caller wait instead of dropping or failing events (async and bulk producers,
 //! the bulk one through tally's appender and through librdkafka), both bulk paths route every key
-//! to the same partition, and the load generator's totals are exactly what the topic holds.
+//! to the same partition, and the load generator's totals are exactly what the topic holds, also
+//! when `tally load`'s output goes to a pipe nobody reads (`tally load | head`).
 
 use std::borrow::Cow;
 use std::collections::{HashMap, HashSet};
@@ -9,12 +10,13 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tally_cli::load::{self, LoadSpec};
+use tally_cli::verify;
 use tally_common::CounterEvent;
 use tally_common::codec::EventRef;
 use tally_producer::{
     BulkPath, BulkProducer, Delivered, ProduceError, Producer, ProducerConfig, Routing,
 };
-use tally_tests::{brokers, create_topic, unique};
+use tally_tests::{TempDir, binary, brokers, create_topic, unique};
 
 async fn partitions_by_key(routing: Routing, key_of: fn(usize) -> (String, String)) -> Vec<usize> {
     let topic = unique("producer.routing");
@@ -232,4 +234,33 @@ async fn a_load_reports_exact_totals_of_what_kafka_acknowledged() {
     let stored = tally_tests::topic_totals(&topic, 20_000);
     assert_eq!(report.totals, stored);
     assert!(report.totals.contains_key("likes:post:hot"));
+}
+
+/// `tally load --totals-out F | head -1`: once the reader is gone the report has nowhere to go,
+/// but the events are sent and the file `tally verify` needs is written, and the command exits 0
+/// without a panic. The pipe's read end is closed before `tally` starts, so every write fails.
+#[test]
+fn tally_load_into_a_closed_pipe_writes_its_totals_and_exits_quietly() {
+    let topic = unique("producer.pipe");
+    tokio::runtime::Runtime::new()
+        .expect("runtime")
+        .block_on(create_topic(&topic, 2));
+    let dir = TempDir::new("tally-load-pipe");
+    let totals = dir.path().join("totals.txt");
+    let (reader, writer) = std::io::pipe().expect("a pipe");
+    drop(reader);
+    let out = std::process::Command::new(binary("tally"))
+        .args(["load", "--brokers", &brokers(), "--topic", &topic])
+        .args(["--events", "3000", "--counters", "40", "--max-delta", "3"])
+        .arg("--totals-out")
+        .arg(&totals)
+        .stdout(writer)
+        .output()
+        .expect("tally load runs");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{}: {stderr}", out.status);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    let text = std::fs::read_to_string(&totals).expect("the totals file");
+    let written = verify::parse_totals(&text).expect("totals lines");
+    assert_eq!(written, tally_tests::topic_totals(&topic, 3000));
 }
