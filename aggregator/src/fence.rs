@@ -87,7 +87,8 @@ pub fn resume_offset(watermark: Option<&Watermark>, ledgers: &[i64]) -> Resume {
 /// offset. The owner spreads counters over `spread` groups from the first offset no group has
 /// applied (see [`Spread`]); when that changes the recorded spread, the new one is stored in the
 /// watermark before anything is written under it. Fails (to be retried by the caller) on a
-/// Redis error, or if a newer owner took the partition meanwhile.
+/// Redis error, or if a newer owner took the partition meanwhile; fails for good on a stored
+/// watermark it cannot read.
 pub async fn acquire<S: Sink>(
     sink: &S,
     keyspace: &Keyspace,
@@ -98,11 +99,16 @@ pub async fn acquire<S: Sink>(
     let field = partition_field(topic, partition);
     let home = keyspace.group_for_partition(partition);
     let (epoch, ledgers) = take_epoch(sink, keyspace.groups(), home, &field).await?;
-    let watermark = sink
-        .read_watermark(home, &field)
-        .await?
-        .as_deref()
-        .and_then(Watermark::parse);
+    let watermark = match sink.read_watermark(home, &field).await? {
+        None => None,
+        // Read as absent, an unreadable watermark would lose the partition's spread history,
+        // and with it the groups its log was applied in.
+        Some(text) => Some(Watermark::parse(&text).ok_or_else(|| {
+            SinkError::fatal(format!(
+                "the watermark of {field} in group {home} is unreadable: {text:?}"
+            ))
+        })?),
+    };
     let resume = resume_offset(watermark.as_ref(), &ledgers);
     let recorded = watermark
         .as_ref()

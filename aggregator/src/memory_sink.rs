@@ -261,6 +261,7 @@ mod tests {
     use crate::flush::{FlushOutcome, Flusher, Standing};
     use crate::metrics::Metrics;
     use crate::partition::{Action, Entry, Partition};
+    use crate::sink::SinkErrorKind;
 
     const TOPIC: &str = "events";
 
@@ -412,6 +413,28 @@ mod tests {
         );
         // A later owner resumes after what is durable.
         assert_eq!(acquire(&sink).await.1, Resume::At(3));
+    }
+
+    #[tokio::test]
+    async fn an_unreadable_watermark_stops_the_next_owner_for_good() {
+        let sink = MemorySink::default();
+        let (owner, _) = acquire(&sink).await;
+        // Spread steps out of offset order: read as absent, it would drop the log's history.
+        let written = sink
+            .write_watermark(
+                owner.home,
+                &owner.field,
+                owner.epoch,
+                "40;s=2@300;s=4@100;s=1",
+            )
+            .await
+            .expect("written");
+        assert_eq!(written, Applied::Written);
+        let error = fence::acquire(&sink, &keyspace(), TOPIC, 0, 1)
+            .await
+            .expect_err("an unreadable watermark");
+        assert_eq!(error.kind, SinkErrorKind::Fatal);
+        assert!(error.to_string().contains("unreadable"), "{error}");
     }
 
     #[tokio::test]

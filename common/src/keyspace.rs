@@ -211,7 +211,7 @@ impl Watermark {
         out
     }
 
-    /// Parses the stored form; `None` if it is not one.
+    /// Parses the stored form; `None` if it is not one (steps out of offset order included).
     pub fn parse(text: &str) -> Option<Self> {
         let mut parts = text.split(';');
         let next_offset = parts.next()?.parse().ok()?;
@@ -228,7 +228,18 @@ impl Watermark {
                 return None;
             }
             match value.split_once('@') {
-                Some((k, until)) => (spread.steps).push((until.parse().ok()?, positive(k)?)),
+                Some((k, until)) => {
+                    let until: i64 = until.parse().ok()?;
+                    // Steps in offset order, or `at` would place messages in the wrong groups.
+                    if spread
+                        .steps
+                        .last()
+                        .is_some_and(|(before, _)| *before >= until)
+                    {
+                        return None;
+                    }
+                    spread.steps.push((until, positive(k)?));
+                }
                 None => {
                     spread.then = positive(value)?;
                     ended = true;
@@ -725,7 +736,16 @@ mod tests {
             "120;3=120"
         );
         assert_eq!(Watermark::parse("-1;s=4").map(|w| w.next_offset), Some(-1));
-        for bad in ["1;s=0", "1;s=4@10", "1;s=4;s=2", "1;s=x", "1;s=2@y;s=1"] {
+        let bad = [
+            "1;s=0",
+            "1;s=4@10",
+            "1;s=4;s=2",
+            "1;s=x",
+            "1;s=2@y;s=1",
+            "1;s=2@300;s=4@100;s=1",
+            "1;s=2@100;s=4@100;s=1",
+        ];
+        for bad in bad {
             assert_eq!(Watermark::parse(bad), None, "{bad}");
         }
     }
