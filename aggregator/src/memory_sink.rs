@@ -416,7 +416,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn an_unreadable_watermark_stops_the_next_owner_for_good() {
+    async fn an_unreadable_watermark_fails_the_next_acquire_as_fatal() {
         let sink = MemorySink::default();
         let (owner, _) = acquire(&sink).await;
         // Spread steps out of offset order: read as absent, it would drop the log's history.

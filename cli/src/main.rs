@@ -370,16 +370,9 @@ fn closed(e: io::Error) -> io::Error {
 }
 
 /// The reader of standard output has gone.
-#[derive(Debug)]
+#[derive(Debug, thiserror::Error)]
+#[error("standard output closed")]
 struct StdoutClosed;
-
-impl std::fmt::Display for StdoutClosed {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("standard output closed")
-    }
-}
-
-impl std::error::Error for StdoutClosed {}
 
 async fn get(args: GetArgs) -> anyhow::Result<ExitCode> {
     let namespaces = args.redis.namespaces()?;
