@@ -15,6 +15,7 @@
 //! - [`flush`]: making a sealed batch durable, with retries.
 //! - [`fence`]: owning a partition in exactly-once mode (epochs, fences, ledgers, watermark).
 //! - [`sink`]: the [`Sink`] seam: what a write is and what became of it.
+//! - [`store_error`]: what a store's error says, one table per store (none refuses a delta).
 //! - [`redis_sink`]: [`RedisSink`], the Redis implementation (Lua scripts, or transactions).
 //! - [`trending`]: heavy-hitter sketches of the fastest-moving counters, and the cache warmer.
 //! - [`transactions`]: the exactly-once operations as `WATCH`/`MULTI`/`EXEC`, for servers that
@@ -51,6 +52,7 @@ pub mod secrets;
 pub mod shard_monitor;
 pub mod shutdown;
 pub mod sink;
+pub mod store_error;
 pub mod topic;
 pub mod transactions;
 pub mod trending;

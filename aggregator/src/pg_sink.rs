@@ -15,48 +15,36 @@
 //! crash, a retried flush whose first attempt committed, and a zombie owner all end with every
 //! offset applied once, as with Redis.
 //!
-//! Connections come from a pool (deadpool-postgres). Errors are classified here: a lost
-//! connection, a pool timeout, an admin shutdown, a serialization failure, a deadlock or a
-//! cancelled statement are retryable; anything else needs an operator.
+//! Connections come from a pool (deadpool-postgres). Errors are classified by their SQLSTATE
+//! (`crate::store_error`): a lost connection, a pool timeout, a shutdown, too many connections,
+//! a read-only transaction, a full disk, a serialization failure, a deadlock or a cancelled
+//! statement heal by themselves; the rest need an operator. Every one is retried, and none
+//! refuses a delta: only the overflow check on the locked shares does.
 
 use std::future::Future;
 
 use deadpool_postgres::{Pool, PoolError};
-use tokio_postgres::error::SqlState;
 
 use crate::batch::WindowDelta;
 use crate::sink::{Applied, GroupWrite, Refused, Rejection, Sink, SinkError, Stamp};
+use crate::store_error::{ErrorClass, pg_class};
 use crate::transactions::{
     Current, MemberState, flush_verdict, next_epoch_after, stamp_refusal, watermark_refusal,
 };
 use tally_common::DeadLetterReason;
 use tally_common::pg::Schema;
 
-/// Classifies a PostgreSQL error.
+/// Classifies a PostgreSQL error by its SQLSTATE (`crate::store_error::pg_class`).
 fn classify(error: tokio_postgres::Error) -> SinkError {
-    // Without a SQLSTATE, only an I/O failure is the connection's: a conversion or protocol
-    // error would fail again.
+    // Without a SQLSTATE, a closed connection or an I/O failure is the connection's; anything
+    // else (a conversion or protocol error) is unknown. All are retried.
     let io = std::error::Error::source(&error).is_some_and(|s| s.is::<std::io::Error>());
-    let retryable = error.is_closed()
-        || io
-        || error.code().is_some_and(|code| {
-            code.code().starts_with("08") // connection exceptions
-                || [
-                    SqlState::ADMIN_SHUTDOWN,
-                    SqlState::CRASH_SHUTDOWN,
-                    SqlState::CANNOT_CONNECT_NOW,
-                    SqlState::T_R_SERIALIZATION_FAILURE,
-                    SqlState::T_R_DEADLOCK_DETECTED,
-                    SqlState::QUERY_CANCELED,
-                    SqlState::TOO_MANY_CONNECTIONS,
-                ]
-                .contains(code)
-        });
-    if retryable {
-        SinkError::retryable(error)
-    } else {
-        SinkError::fatal(error)
-    }
+    let class = match error.code() {
+        Some(code) => pg_class(code.code()),
+        None if error.is_closed() || io => ErrorClass::Unavailable,
+        None => ErrorClass::Unknown,
+    };
+    SinkError::of_class(class, error)
 }
 
 fn pool_error(error: PoolError) -> SinkError {

@@ -21,6 +21,7 @@ use crate::config::Atomicity;
 use crate::sink::{
     Applied, GroupWrite, IdleWrite, Marked, Rejection, Sink, SinkError, SinkErrorKind, Stamp,
 };
+use crate::store_error::RedisReply;
 use crate::transactions::Transactions;
 
 /// The Lua scripts, hashed once.
@@ -257,6 +258,9 @@ impl RedisSink {
                 write.epoch,
             )),
             Some("rolled_back") => Ok(Applied::RolledBack),
+            Some("failed") => Err(SinkError::from(RedisReply(
+                reply.get(1).cloned().unwrap_or_default(),
+            ))),
             Some("rejected") => reply[1..]
                 .chunks(2)
                 .map(|pair| match pair {

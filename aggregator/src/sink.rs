@@ -11,16 +11,18 @@
 //!   asked, the watermark, all or none: a counter Redis cannot take (type, 64-bit overflow)
 //!   comes back as a [`Rejection`] with nothing written.
 //!
-//! Errors are classified at this boundary as retryable (connection, timeout, server busy or
-//! failing over) or not; the flush loop retries both with capped backoff, because dropping a
-//! batch would lose counts, but only the former are expected to heal by themselves.
+//! Errors are classified at this boundary (`crate::store_error`'s tables) as retryable
+//! (connection, timeout, out of memory, read-only, busy, failing over) or needing an operator
+//! (a permission, the data, anything unknown); the flush loop retries both with capped backoff,
+//! because dropping a batch would lose counts, but only the former are expected to heal by
+//! themselves. No error ever refuses a delta: only a [`Rejection`], read from the data, does.
 
 use std::future::Future;
 
-use redis::ErrorKind;
 use tally_common::DeadLetterReason;
 
 use crate::batch::{Member, PendingExpiry, WindowDelta};
+use crate::store_error::{ErrorClass, RedisReply, redis_error_class};
 
 /// Why a sink write failed.
 #[derive(Debug, thiserror::Error)]
@@ -75,34 +77,33 @@ impl std::fmt::Display for SinkErrorKind {
     }
 }
 
-impl From<redis::RedisError> for SinkError {
-    fn from(source: redis::RedisError) -> Self {
-        let retryable = source.is_io_error()
-            || source.is_timeout()
-            || source.is_connection_dropped()
-            || source.is_connection_refusal()
-            || source.is_unrecoverable_error()
-            || matches!(
-                source.kind(),
-                ErrorKind::ClusterConnectionNotFound
-                    | ErrorKind::Server(
-                        redis::ServerErrorKind::BusyLoading
-                            | redis::ServerErrorKind::TryAgain
-                            | redis::ServerErrorKind::ClusterDown
-                            | redis::ServerErrorKind::MasterDown
-                            | redis::ServerErrorKind::Moved
-                            | redis::ServerErrorKind::Ask
-                            | redis::ServerErrorKind::ReadOnly
-                    )
-            );
-        SinkError {
-            kind: if retryable {
+impl SinkError {
+    /// An error of `class` (see `crate::store_error`): retryable if the store heals by itself,
+    /// else one that needs an operator. Both are retried.
+    pub fn of_class(
+        class: ErrorClass,
+        source: impl Into<Box<dyn std::error::Error + Send + Sync>>,
+    ) -> Self {
+        Self {
+            kind: if class.heals_by_itself() {
                 SinkErrorKind::Retryable
             } else {
                 SinkErrorKind::Fatal
             },
-            source: Box::new(source),
+            source: source.into(),
         }
+    }
+}
+
+impl From<redis::RedisError> for SinkError {
+    fn from(source: redis::RedisError) -> Self {
+        SinkError::of_class(redis_error_class(&source), source)
+    }
+}
+
+impl From<RedisReply> for SinkError {
+    fn from(reply: RedisReply) -> Self {
+        SinkError::of_class(reply.class(), reply)
     }
 }
 

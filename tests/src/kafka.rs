@@ -167,6 +167,27 @@ pub fn uncommitted(group: &str, topic: &str, partitions: i32) -> Vec<(i32, Optio
         .collect()
 }
 
+/// The end (high watermark) of each partition of `topic`, `0..partitions`.
+pub async fn end_offsets(topic: &str, partitions: i32) -> Vec<i64> {
+    let topic = topic.to_owned();
+    tokio::task::spawn_blocking(move || {
+        let consumer: BaseConsumer = ClientConfig::new()
+            .set("bootstrap.servers", brokers())
+            .create()
+            .expect("consumer");
+        (0..partitions)
+            .map(|p| {
+                let (_, end) = consumer
+                    .fetch_watermarks(&topic, p, Duration::from_secs(10))
+                    .expect("watermarks");
+                end
+            })
+            .collect()
+    })
+    .await
+    .expect("join")
+}
+
 /// Asserts that `group` has committed every partition of `topic` up to the partition's end:
 /// nothing is left to re-read, malformed messages included.
 pub fn assert_committed_to_end(group: &str, topic: &str, partitions: i32) {

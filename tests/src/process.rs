@@ -382,6 +382,36 @@ impl AggregatorProcess {
             .and_then(|v| v.parse().ok())
     }
 
+    /// Waits until every partition `p` is durable up to `ends[p]` (`tally_durable_offset`), and
+    /// returns how long that took; on timeout, panics with the end of the process's log.
+    pub async fn wait_durable(&self, ends: &[i64], timeout: Duration) -> Duration {
+        let started = Instant::now();
+        for (partition, end) in ends.iter().enumerate() {
+            let labels = format!("partition=\"{partition}\"");
+            loop {
+                let durable = self.series("tally_durable_offset", &labels).await;
+                if durable.is_some_and(|d| d >= *end as f64) {
+                    break;
+                }
+                if started.elapsed() >= timeout {
+                    panic!(
+                        "partition {partition} not durable up to {end} after {timeout:?} (at {durable:?}); log tail:\n{}",
+                        self.log_tail(30)
+                    );
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+        started.elapsed()
+    }
+
+    /// The last `lines` lines of the process's log.
+    pub fn log_tail(&self, lines: usize) -> String {
+        let log = self.log();
+        let tail: Vec<&str> = log.lines().rev().take(lines).collect();
+        tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+    }
+
     /// Waits until the metric reaches at least `at_least`; on timeout, panics with the end of
     /// the process's log.
     pub async fn wait_metric(&self, name: &str, at_least: f64, timeout: Duration) -> f64 {
@@ -392,11 +422,9 @@ impl AggregatorProcess {
                 return v;
             }
             if Instant::now() >= deadline {
-                let log = self.log();
-                let tail: Vec<&str> = log.lines().rev().take(30).collect();
                 panic!(
                     "timed out after {timeout:?} waiting for {name} >= {at_least} (last value {value:?}); log tail:\n{}",
-                    tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+                    self.log_tail(30)
                 );
             }
             tokio::time::sleep(Duration::from_millis(50)).await;

@@ -18,9 +18,15 @@
 -- ARGV[9+n+2w ..] per membership: the actor, then '1' (like) or '0' (unlike)
 --
 -- Returns {'ok'}, {'fenced', current epoch or '0'}, {'duplicate', ledger entry},
--- {'rolled_back', ledger entry} (the group lost writes the writer had seen land) or
+-- {'rolled_back', ledger entry} (the group lost writes the writer had seen land),
 -- {'rejected', index, reason, index, reason, ...} with 1-based indexes: deltas first, then
--- window deltas (index n + i), then memberships (index n + w + j).
+-- window deltas (index n + i), then memberships (index n + w + j), or {'failed', error}.
+--
+-- A delta is rejected only for a reason read from the data: the key holds another type, a string
+-- that is not a 64-bit integer, or a value the delta would take past 64 bits. Any other answer
+-- from Redis (out of memory, read-only, no permission, anything unknown) is the store's trouble,
+-- not the event's: the script undoes what it wrote and returns {'failed', error}, and the
+-- aggregator retries the whole write.
 local field = ARGV[1]
 local fence = redis.call('HGET', KEYS[1], field)
 if fence ~= ARGV[2] then
@@ -38,13 +44,61 @@ local w = tonumber(ARGV[7])
 local r = tonumber(ARGV[8])
 local m = (#KEYS - 3 - n - w - 3 * r) / 2
 
+-- A 64-bit integer as Redis reads one (string2ll: no sign but '-', no leading zero, no '-0'),
+-- as {high, low}: high * 10^9 + low, both exact in Lua's doubles. nil if `s` is not one.
+local function int64(s)
+  local negative, digits = string.match(s, '^(%-?)([1-9]%d*)$')
+  if not digits then
+    if s == '0' then
+      return {0, 0}
+    end
+    return nil
+  end
+  if #digits > 19 or (#digits == 19 and digits > (negative == '-' and '9223372036854775808' or '9223372036854775807')) then
+    return nil
+  end
+  local high = tonumber(string.sub(digits, 1, -10)) or 0
+  local low = tonumber(string.sub(digits, -9))
+  if negative == '-' then
+    return {-high, -low}
+  end
+  return {high, low}
+end
+
+-- Whether a + b (strings of 64-bit integers) is past 64 bits, computed exactly.
+local function overflows(a, b)
+  local x, y = int64(a), int64(b)
+  local high, low = x[1] + y[1], x[2] + y[2]
+  local carry = math.floor(low / 1e9)
+  high, low = high + carry, low - carry * 1e9
+  -- Now 0 <= low < 10^9; the range is [-9223372037 * 10^9 + 145224192, 9223372036 * 10^9 + 854775807].
+  return high > 9223372036 or (high == 9223372036 and low > 854775807)
+    or high < -9223372037 or (high == -9223372037 and low < 145224192)
+end
+
 -- Why `delta` cannot be added to `current` (the key's value as MGET returned it), or nil.
 local function refusal(current, delta)
   if current then
-    if not string.match(current, '^%-?%d+$') then
+    if not int64(current) then
       return 'not_an_integer'
-    elseif math.abs(tonumber(current) + delta) > 9.2e18 then
+    elseif overflows(current, delta) then
       return 'overflow'
+    end
+  end
+  return nil
+end
+
+-- Whether the script's user may run each command it is about to (Redis 7's ACL check, with a
+-- key of the kind each command writes), so that no write is refused half way through; an
+-- error naming the first it may not, or nil.
+local function forbidden(checks)
+  if not redis.acl_check_cmd then
+    return nil
+  end
+  for _, check in ipairs(checks) do
+    if check[2] and not redis.acl_check_cmd(unpack(check)) then
+      local denied = 'NOPERM the flush script may not run ' .. string.upper(check[1]) .. ' on '
+      return denied .. check[2] .. ': its user lacks the permission'
     end
   end
   return nil
@@ -103,11 +157,29 @@ local function check(first, count, arg, base)
     if current[i] == true then
       reason = 'wrong_type'
     else
-      reason = refusal(current[i], tonumber(ARGV[arg(i)]))
+      reason = refusal(current[i], ARGV[arg(i)])
     end
     if reason then
       refuse(rejected, base + i, reason)
     end
+  end
+end
+
+do
+  local mk = 3 + n + w + 3 * r
+  local denied = forbidden({
+    {'incrby', n > 0 and KEYS[4] or nil, '1'},
+    {'incrby', w > 0 and KEYS[4 + n] or nil, '1'},
+    {'pexpireat', w > 0 and KEYS[4 + n] or nil, '0'},
+    {'del', r > 0 and KEYS[4 + n + w] or nil},
+    {'sadd', m > 0 and KEYS[mk + 1] or nil, 'x'},
+    {'srem', m > 0 and KEYS[mk + 1] or nil, 'x'},
+    {'incrby', m > 0 and KEYS[mk + 2] or nil, '1'},
+    {'hset', KEYS[2], field, '0'},
+    {'hset', ARGV[5] ~= '' and KEYS[3] or nil, field, '0'},
+  })
+  if denied then
+    return {'failed', denied}
   end
 end
 
@@ -124,10 +196,12 @@ for j = 1, m do
     reason = 'wrong_type'
   else
     local counter = redis.pcall('GET', KEYS[mk + 2 * j])
-    if type(counter) == 'table' then
+    if type(counter) ~= 'table' then
+      reason = refusal(counter, '1')
+    elseif string.sub(counter['err'] or '', 1, 10) == 'WRONGTYPE ' then
       reason = 'wrong_type'
     else
-      reason = refusal(counter, 1)
+      return {'failed', counter['err'] or 'unknown error'}
     end
   end
   if reason then
@@ -154,35 +228,56 @@ do
   -- Otherwise each INCRBY is its own check: reading and checking every key first was about a
   -- third of a 12,000-key script. A script runs alone, so if Redis refuses any delta, undoing
   -- the ones it took leaves nothing of this write behind.
+  -- Only a refusal Redis gives about the data rejects a delta: WRONGTYPE (the key holds another
+  -- type), the overflow error (the sum is past 64 bits), and "not an integer" once GET shows a
+  -- string that is not one. Any other error (OOM, READONLY, NOPERM, unknown) fails the write.
   local refused = {}
+  local failure = nil
+  local done = 0
   local function add(key, delta, index)
     local sum = redis.pcall('INCRBY', key, delta)
     if type(sum) == 'table' then
-      local err = sum['err'] or ''
-      local reason = 'not_an_integer'
-      if string.find(err, 'WRONGTYPE', 1, true) then
+      local err = sum['err'] or 'unknown error'
+      local reason = nil
+      if string.sub(err, 1, 10) == 'WRONGTYPE ' then
         reason = 'wrong_type'
-      elseif string.find(err, 'overflow', 1, true) then
+      elseif err == 'ERR increment or decrement would overflow' then
         reason = 'overflow'
+      elseif err == 'ERR value is not an integer or out of range' then
+        local value = redis.pcall('GET', key)
+        if type(value) == 'string' and not int64(value) then
+          reason = 'not_an_integer'
+        end
+      end
+      if not reason then
+        failure = err
+        return nil
       end
       refuse(rejected, index, reason)
       refused[index] = true
     end
+    done = index
     return sum
   end
   for i = 1, n do
     add(KEYS[3 + i], ARGV[8 + i], i)
+    if failure then
+      break
+    end
   end
   -- A bucket key gets its expiry when this script creates it (the sum is then the delta alone);
   -- a key that exists got it then, so most writes of a bucket cost one INCRBY.
   local created = {}
   for i = 1, w do
+    if failure then
+      break
+    end
     local delta = ARGV[8 + n + 2 * i - 1]
     if add(KEYS[3 + n + i], delta, n + i) == tonumber(delta) then
       created[#created + 1] = i
     end
   end
-  if #rejected > 1 then
+  if failure or #rejected > 1 then
     -- Redis's arithmetic restores each value exactly. A key left at 0 is deleted: it counts the
     -- same as no key, and an undone bucket must not stay without its expiry.
     -- The negated delta is built as text: Lua's numbers are doubles. It is an INCRBY, so the
@@ -203,15 +298,18 @@ do
         redis.call('DEL', key)
       end
     end
-    for i = 1, n do
+    for i = 1, math.min(n, done) do
       if not refused[i] then
         undo(KEYS[3 + i], ARGV[8 + i])
       end
     end
-    for i = 1, w do
+    for i = 1, math.min(w, done - n) do
       if not refused[n + i] then
         undo(KEYS[3 + n + i], ARGV[8 + n + 2 * i - 1])
       end
+    end
+    if failure then
+      return {'failed', failure}
     end
     return rejected
   end

@@ -1,0 +1,272 @@
+//! Fault: a Redis that refuses writes for a while, under a live stream, at default settings
+//! (exactly-once). Two aggregators, one making its writes atomic with the Lua scripts (the
+//! default) and one with `WATCH`/`MULTI`/`EXEC`, each counting its own stream into the same
+//! Redis, live through five refusals in turn: out of memory
+//! (`maxmemory` reached, `noeviction`) for 10 s, read-only (a replica of an unreachable primary,
+//! as during a failover) for 10 s, a script busy for 8 s (`BUSY`), writes paused for 8 s, and an
+//! ACL that takes `INCRBY` away for 10 s. None of it is the events' fault: each refused flush is
+//! retried whole until Redis takes it, no valid event is dead-lettered, the aggregator stays up,
+//! everything sent before a refusal ends is durable within 5 s of its end, and every counter
+//! ends exact.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use rand::{Rng, SeedableRng};
+use tally_common::CounterEvent;
+use tally_tests::{
+    AggregatorProcess, AggregatorSetup, PacedSender, RedisServer, TempDir, end_offsets, free_port,
+    seed, wait_for_totals,
+};
+
+const PARTITIONS: i32 = 8;
+const COUNTERS: u64 = 2_000;
+const RATE: u64 = 2_000;
+/// How soon after Redis takes writes again everything sent before must be durable.
+const RECOVERY: Duration = Duration::from_secs(5);
+
+/// Sends random events at `RATE` a second until `sending` is cleared; returns their totals.
+async fn stream(topic: String, seed: u64, sending: Arc<AtomicBool>) -> HashMap<String, i64> {
+    let mut sender = PacedSender::new(&topic, RATE);
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let mut totals = HashMap::new();
+    while sending.load(Ordering::Relaxed) {
+        let counter = format!("post:{}", rng.random_range(0..COUNTERS));
+        let delta = rng.random_range(1..=5) * if rng.random_bool(0.3) { -1 } else { 1 };
+        let event = CounterEvent::new(counter.clone(), delta).expect("valid event");
+        sender.send(&event).await;
+        *totals.entry(counter).or_insert(0) += delta;
+    }
+    sender.finish().await;
+    totals
+}
+
+/// One way for Redis to refuse writes: what starts it, what ends it, and for how long.
+struct Refusal {
+    name: &'static str,
+    lasts: Duration,
+    /// Whether the aggregator's writes fail with an error (rather than wait) meanwhile.
+    errors: bool,
+}
+
+async fn run(conn: &mut redis::aio::MultiplexedConnection, args: &[&str]) {
+    redis::cmd(args[0])
+        .arg(&args[1..])
+        .query_async::<redis::Value>(conn)
+        .await
+        .unwrap_or_else(|e| panic!("{args:?}: {e}"));
+}
+
+/// One aggregator counting its own stream.
+struct Pipeline {
+    setup: AggregatorSetup,
+    aggregator: AggregatorProcess,
+    sending: Arc<AtomicBool>,
+    sent: tokio::task::JoinHandle<HashMap<String, i64>>,
+}
+
+impl Pipeline {
+    async fn start(name: &str, redis: &RedisServer, dir: &TempDir, atomicity: &str) -> Self {
+        let setup = AggregatorSetup::create(name, &redis.url(), PARTITIONS).await;
+        let aggregator = setup.spawn(dir.path(), &["--redis-atomicity", atomicity]);
+        let sending = Arc::new(AtomicBool::new(true));
+        let sent = tokio::spawn(stream(setup.topic.clone(), seed(), sending.clone()));
+        Self {
+            setup,
+            aggregator,
+            sending,
+            sent,
+        }
+    }
+
+    /// Stops the stream, waits until every counter is exact, and checks that nothing was
+    /// dead-lettered and the aggregator is still up.
+    async fn finish(mut self, redis: &RedisServer) -> AggregatorProcess {
+        self.sending.store(false, Ordering::Relaxed);
+        let totals = self.sent.await.expect("stream");
+        let reader = redis.reader(self.setup.keyspace()).await;
+        wait_for_totals(&reader, &totals, Duration::from_secs(60)).await;
+        assert!(self.aggregator.is_running(), "the aggregator died");
+        let dead = (self.aggregator)
+            .metric("tally_events_dead_lettered_total")
+            .await
+            .unwrap_or(0.0);
+        assert_eq!(dead, 0.0, "valid events were dead-lettered");
+        assert_eq!(
+            end_offsets(&self.setup.dead_letter_topic, 1).await,
+            vec![0],
+            "the dead-letter topic is empty"
+        );
+        self.aggregator
+    }
+}
+
+/// Lives through `refusal` under the streams: starts it, waits it out, ends it, and returns how
+/// long after its end everything each pipeline sent before was durable.
+async fn endure(refusal: &Refusal, redis: &RedisServer, pipelines: &[Pipeline]) -> Vec<Duration> {
+    let mut conn = tally_tests::connect(&redis.url()).await;
+    let mut errors_before = Vec::new();
+    for p in pipelines {
+        errors_before.push(p.aggregator.metric("tally_redis_errors_total").await);
+    }
+    let busy = match refusal.name {
+        "out of memory" => {
+            run(&mut conn, &["CONFIG", "SET", "maxmemory", "1"]).await;
+            None
+        }
+        "read-only" => {
+            let nowhere = free_port().to_string();
+            run(&mut conn, &["REPLICAOF", "127.0.0.1", &nowhere]).await;
+            None
+        }
+        "busy script" => {
+            // A script that spins for `lasts`: past `busy-reply-threshold` (5 s) every other
+            // client is answered BUSY until it ends.
+            let patient = redis::AsyncConnectionConfig::new()
+                .set_response_timeout(Some(refusal.lasts + Duration::from_secs(10)));
+            let client = redis::Client::open(redis.url()).expect("redis url");
+            let mut spinner = client
+                .get_multiplexed_async_connection_with_config(&patient)
+                .await
+                .expect("redis connection");
+            let ms = refusal.lasts.as_millis().to_string();
+            Some(tokio::spawn(async move {
+                let script = "local t0 = redis.call('TIME') \
+                    local deadline = t0[1] * 1000 + math.floor(t0[2] / 1000) + tonumber(ARGV[1]) \
+                    while true do \
+                      local t = redis.call('TIME') \
+                      if t[1] * 1000 + math.floor(t[2] / 1000) >= deadline then return 'done' end \
+                    end";
+                redis::cmd("EVAL")
+                    .arg(script)
+                    .arg(0)
+                    .arg(ms)
+                    .query_async::<String>(&mut spinner)
+                    .await
+                    .expect("the busy script ran")
+            }))
+        }
+        "paused writes" => {
+            let ms = refusal.lasts.as_millis().to_string();
+            run(&mut conn, &["CLIENT", "PAUSE", &ms, "WRITE"]).await;
+            None
+        }
+        "no INCRBY" => {
+            run(&mut conn, &["ACL", "SETUSER", "default", "-incrby"]).await;
+            None
+        }
+        other => unreachable!("{other}"),
+    };
+    tokio::time::sleep(refusal.lasts).await;
+    if refusal.errors {
+        for (p, before) in pipelines.iter().zip(errors_before) {
+            let errors = p.aggregator.metric("tally_redis_errors_total").await;
+            assert!(
+                errors > before,
+                "{}: {} met no refusal ({before:?} -> {errors:?})",
+                refusal.name,
+                p.setup.topic
+            );
+        }
+    }
+    match refusal.name {
+        "out of memory" => run(&mut conn, &["CONFIG", "SET", "maxmemory", "0"]).await,
+        "read-only" => run(&mut conn, &["REPLICAOF", "NO", "ONE"]).await,
+        "no INCRBY" => run(&mut conn, &["ACL", "SETUSER", "default", "+incrby"]).await,
+        _ => {}
+    }
+    if let Some(busy) = busy {
+        assert_eq!(busy.await.expect("join"), "done");
+    }
+    let lifted = std::time::Instant::now();
+    let mut ends = Vec::new();
+    for p in pipelines {
+        ends.push(end_offsets(&p.setup.topic, PARTITIONS).await);
+    }
+    let mut took = Vec::new();
+    for (p, ends) in pipelines.iter().zip(ends) {
+        p.aggregator
+            .wait_durable(&ends, Duration::from_secs(60))
+            .await;
+        let after = lifted.elapsed();
+        eprintln!(
+            "{}: everything {} sent before it ended was durable {after:?} after",
+            refusal.name, p.setup.topic
+        );
+        took.push(after);
+    }
+    took
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_that_refuses_writes_for_a_while_costs_no_event() {
+    let dir = TempDir::new("tally-refusals");
+    let redis = RedisServer::start().await;
+    let mut pipelines = [
+        Pipeline::start("refusals-scripts", &redis, &dir, "scripts").await,
+        Pipeline::start("refusals-transactions", &redis, &dir, "transactions").await,
+    ];
+    for p in &pipelines {
+        (p.aggregator)
+            .wait_metric("tally_flushes_total", 8.0, Duration::from_secs(60))
+            .await;
+    }
+
+    let refusals = [
+        Refusal {
+            name: "out of memory",
+            lasts: Duration::from_secs(10),
+            errors: true,
+        },
+        Refusal {
+            name: "read-only",
+            lasts: Duration::from_secs(10),
+            errors: true,
+        },
+        Refusal {
+            name: "busy script",
+            lasts: Duration::from_secs(8),
+            errors: true,
+        },
+        Refusal {
+            name: "paused writes",
+            lasts: Duration::from_secs(8),
+            errors: false,
+        },
+        Refusal {
+            name: "no INCRBY",
+            lasts: Duration::from_secs(10),
+            errors: true,
+        },
+    ];
+    let mut slow = Vec::new();
+    for refusal in &refusals {
+        let took = endure(refusal, &redis, &pipelines).await;
+        slow.extend(
+            (took.into_iter())
+                .filter(|t| *t > RECOVERY)
+                .map(|t| (refusal.name, t)),
+        );
+        for p in pipelines.iter_mut() {
+            let alive = p.aggregator.is_running();
+            assert!(alive, "an aggregator died: {}", p.aggregator.log_tail(30));
+        }
+    }
+    let [scripts, transactions] = pipelines;
+    let scripts = scripts.finish(&redis).await;
+    let transactions = transactions.finish(&redis).await;
+    assert!(
+        scripts.log().contains("may not run INCRBY"),
+        "the scripts' log names the missing permission"
+    );
+    assert!(
+        transactions.log().contains("'incrby'"),
+        "the transactions' log names the missing permission"
+    );
+    assert!(
+        slow.is_empty(),
+        "not durable within {RECOVERY:?} of Redis taking writes again: {slow:?}"
+    );
+}
