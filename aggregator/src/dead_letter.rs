@@ -13,7 +13,9 @@
 //! The copy travels with its partition's batch: the flush waits for Kafka to acknowledge it before
 //! the partition's offset moves past the message, so a crash cannot lose it.
 
-use std::time::Duration;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use rdkafka::ClientConfig;
 use rdkafka::error::KafkaError;
@@ -67,6 +69,69 @@ impl DeadLetter {
     }
 }
 
+/// How often at most a reason's dead letters are logged.
+const LOG_EVERY: Duration = Duration::from_secs(10);
+
+/// The dead letters of one reason since its last log line.
+#[derive(Debug, Default)]
+struct Unlogged {
+    /// When the reason was last logged.
+    logged: Option<Instant>,
+    /// How many went to the topic since.
+    count: u64,
+    /// The counter (the message's key) of the first of them.
+    first: Option<String>,
+}
+
+/// Logs dead letters at warning level, one line per reason at most every [`LOG_EVERY`], with
+/// how many went since the last line and the first one's counter: a burst of malformed events
+/// cannot flood the log, and none goes unmentioned for longer than that while more follow.
+#[derive(Debug, Default)]
+pub struct DeadLetterLog {
+    reasons: Mutex<HashMap<DeadLetterReason, Unlogged>>,
+}
+
+impl DeadLetterLog {
+    /// Records `letter`, sent; logs its reason's line if it is due. Returns whether it logged.
+    pub fn record(&self, letter: &DeadLetter) -> bool {
+        self.record_at(letter, Instant::now())
+    }
+
+    fn record_at(&self, letter: &DeadLetter, now: Instant) -> bool {
+        let mut reasons = self.reasons.lock().unwrap_or_else(|e| e.into_inner());
+        let unlogged = reasons.entry(letter.reason).or_default();
+        unlogged.count += 1;
+        let counter = || {
+            (letter.key.as_deref()).map_or_else(
+                || "(no key)".to_owned(),
+                |k| String::from_utf8_lossy(k).into_owned(),
+            )
+        };
+        let first = unlogged.first.get_or_insert_with(counter);
+        if unlogged
+            .logged
+            .is_some_and(|at| now.duration_since(at) < LOG_EVERY)
+        {
+            return false;
+        }
+        tracing::warn!(
+            reason = %letter.reason,
+            count = unlogged.count,
+            first_counter = %first,
+            partition = letter.partition,
+            offset = letter.offset,
+            error = %letter.error,
+            "dead-lettered {} event(s) since the last report of this reason",
+            unlogged.count
+        );
+        *unlogged = Unlogged {
+            logged: Some(now),
+            ..Unlogged::default()
+        };
+        true
+    }
+}
+
 /// Writes dead letters to their topic. Cheap to clone.
 #[derive(Clone)]
 pub struct DeadLetterQueue {
@@ -76,6 +141,8 @@ pub struct DeadLetterQueue {
     topic: String,
     /// The topic the aggregator consumes, for the source header.
     source_topic: String,
+    /// What has been sent, for the log.
+    log: Arc<DeadLetterLog>,
 }
 
 impl std::fmt::Debug for DeadLetterQueue {
@@ -113,6 +180,7 @@ impl DeadLetterQueue {
             producer: config.create()?,
             topic: topic.to_owned(),
             source_topic: source_topic.to_owned(),
+            log: Arc::default(),
         })
     }
 
@@ -136,8 +204,9 @@ impl DeadLetterQueue {
         self.producer
             .send(record, Timeout::Never)
             .await
-            .map(|_| ())
-            .map_err(|(e, _)| e)
+            .map_err(|(e, _)| e)?;
+        self.log.record(letter);
+        Ok(())
     }
 
     /// Appends `records` (`(key, payload)`: expiry records, `crate::expiry`) to `partition` of
@@ -194,5 +263,27 @@ fn header<'a>(key: &'a str, value: &'a str) -> Header<'a, &'a str> {
     Header {
         key,
         value: Some(value),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_reason_is_logged_at_most_every_ten_seconds_with_what_came_since() {
+        let log = DeadLetterLog::default();
+        let t0 = Instant::now();
+        let letter = DeadLetter::for_test(DeadLetterReason::Overflow);
+        let other = DeadLetter::for_test(DeadLetterReason::Undecodable);
+        assert!(log.record_at(&letter, t0));
+        assert!(!log.record_at(&letter, t0 + Duration::from_secs(1)));
+        assert!(!log.record_at(&letter, t0 + Duration::from_secs(9)));
+        // Another reason has its own clock.
+        assert!(log.record_at(&other, t0 + Duration::from_secs(9)));
+        let count = |reason| log.reasons.lock().expect("not poisoned")[&reason].count;
+        assert_eq!(count(DeadLetterReason::Overflow), 2);
+        assert!(log.record_at(&letter, t0 + Duration::from_secs(10)));
+        assert_eq!(count(DeadLetterReason::Overflow), 0);
     }
 }

@@ -44,7 +44,33 @@ fn classify(error: tokio_postgres::Error) -> SinkError {
         None if error.is_closed() || io => ErrorClass::Unavailable,
         None => ErrorClass::Unknown,
     };
-    SinkError::of_class(class, error)
+    SinkError::of_class(class, PgError(error))
+}
+
+/// A PostgreSQL error that says what the server said: tokio-postgres's own `Display` of a
+/// server's error is only "db error".
+#[derive(Debug)]
+struct PgError(tokio_postgres::Error);
+
+impl std::fmt::Display for PgError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.0.as_db_error() {
+            Some(db) => write!(
+                f,
+                "PostgreSQL {} ({}): {}",
+                db.severity(),
+                db.code().code(),
+                db.message()
+            ),
+            None => write!(f, "PostgreSQL: {}", self.0),
+        }
+    }
+}
+
+impl std::error::Error for PgError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&self.0)
+    }
 }
 
 fn pool_error(error: PoolError) -> SinkError {

@@ -72,6 +72,31 @@ impl PacedSender {
     }
 }
 
+/// Sends random events (`post:0` .. `post:<counters - 1>`, deltas of ±1 to ±5) to `topic` at
+/// `rate` a second until `sending` is cleared, and returns what it sent, summed per counter: a
+/// stream that outlasts whatever a test does to the pipeline meanwhile.
+pub async fn stream_until(
+    topic: &str,
+    rate: u64,
+    counters: u64,
+    seed: u64,
+    sending: std::sync::Arc<std::sync::atomic::AtomicBool>,
+) -> HashMap<String, i64> {
+    use rand::{Rng, SeedableRng};
+    let mut sender = PacedSender::new(topic, rate);
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let mut totals = HashMap::new();
+    while sending.load(std::sync::atomic::Ordering::Relaxed) {
+        let counter = format!("post:{}", rng.random_range(0..counters));
+        let delta = rng.random_range(1..=5) * if rng.random_bool(0.3) { -1 } else { 1 };
+        let event = CounterEvent::new(counter.clone(), delta).expect("valid event");
+        sender.send(&event).await;
+        *totals.entry(counter).or_insert(0) += delta;
+    }
+    sender.finish().await;
+    totals
+}
+
 /// Hands `record` to a raw librdkafka producer (an independent client, not tally's), panicking
 /// if it is refused; wait for it with [`assert_delivered`].
 pub fn enqueue_raw<K: ToBytes + ?Sized, P: ToBytes + ?Sized>(

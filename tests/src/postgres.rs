@@ -58,6 +58,8 @@ pub struct PgServer {
     port: u16,
     dir: TempDir,
     child: Option<Child>,
+    /// Its `max_connections`.
+    max_connections: u32,
 }
 
 impl Drop for PgServer {
@@ -69,6 +71,11 @@ impl Drop for PgServer {
 impl PgServer {
     /// Creates a data directory and starts a server on a free port.
     pub async fn start() -> Self {
+        Self::start_with_max_connections(200).await
+    }
+
+    /// Like [`PgServer::start`], taking at most `max_connections` sessions.
+    pub async fn start_with_max_connections(max_connections: u32) -> Self {
         let dir = TempDir::new("tally-pg");
         if is_root() {
             let status = Command::new("chown")
@@ -101,6 +108,7 @@ impl PgServer {
             port: free_port(),
             dir,
             child: None,
+            max_connections,
         };
         server.start_again().await;
         server
@@ -149,12 +157,8 @@ impl PgServer {
             .args(["-p", &self.port.to_string()])
             .arg("-k")
             .arg(self.dir.path())
-            .args([
-                "-c",
-                "listen_addresses=127.0.0.1",
-                "-c",
-                "max_connections=200",
-            ])
+            .args(["-c", "listen_addresses=127.0.0.1", "-c"])
+            .arg(format!("max_connections={}", self.max_connections))
             .stdout(Stdio::null())
             .stderr(Stdio::from(log))
             .spawn()

@@ -4,6 +4,8 @@
 //! of the aggregator mid-stream and a zombie that keeps writing after it lost its partitions.
 
 use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use tally_aggregator::pg_schema::{self, Schema};
@@ -12,7 +14,7 @@ use tally_tests::postgres::PgServer;
 use tally_tests::scenarios::{Store, sigkill_storm, zombie_is_fenced_off};
 use tally_tests::{
     AggregatorSetup, ApiServer, RedisServer, TempDir, binary, finish_load, seed, serial,
-    start_load, unique, wait_for_totals,
+    start_load, stream_until, unique, wait_for_totals,
 };
 
 /// Waits until the rows in PostgreSQL sum to `expected` for every counter of `setup`'s
@@ -199,19 +201,69 @@ async fn progress(aggregator: &tally_tests::AggregatorProcess) {
         .await;
 }
 
+/// Opens connections named `hog` until PostgreSQL refuses one for want of slots; returns them.
+async fn take_free_connections(url: &str) -> Vec<tokio_postgres::Client> {
+    let hog_url = format!("{url}?application_name=hog");
+    let mut hogs = Vec::new();
+    loop {
+        let attempt = tokio_postgres::connect(&hog_url, tokio_postgres::NoTls).await;
+        match attempt {
+            Ok((client, connection)) => {
+                tokio::spawn(connection);
+                hogs.push(client);
+            }
+            Err(e) => {
+                let code = e.code();
+                let full = code == Some(&tokio_postgres::error::SqlState::TOO_MANY_CONNECTIONS);
+                assert!(full, "a connection refused for another reason: {e}");
+                return hogs;
+            }
+        }
+    }
+}
+
+/// Takes every connection slot for other clients: keeps the aggregator's role (`agg`) from
+/// connecting, ends its sessions, fills every slot, and lets the role connect again, so that
+/// its next connection is refused for want of slots ("sorry, too many clients already").
+/// `admin` is the test's own session.
+async fn take_every_connection(
+    url: &str,
+    admin: &tokio_postgres::Client,
+) -> Vec<tokio_postgres::Client> {
+    let run = |sql: &'static str| async move { admin.batch_execute(sql).await.expect(sql) };
+    run("ALTER ROLE agg CONNECTION LIMIT 0").await;
+    run("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = 'agg'").await;
+    let hogs = take_free_connections(url).await;
+    run("ALTER ROLE agg CONNECTION LIMIT -1").await;
+    hogs
+}
+
 /// PostgreSQL itself failing under a live stream, with a pool of two connections for eight
-/// partitions: a fast shutdown and restart, statements cancelled by the statement timeout while
+/// partitions: the database read-only for 10 s, every connection slot held by other clients for
+/// 10 s, a fast shutdown and restart, statements cancelled by the statement timeout while
 /// another session holds a lock on the shares, and a SIGKILL of the postmaster (crash recovery on
-/// restart). Every failed flush is retried; the totals end exact.
+/// restart). Every failed flush is retried, no event is dead-lettered, and the totals end
+/// exact.
 #[tokio::test]
 async fn postgres_restarts_statement_timeouts_and_a_small_pool_lose_nothing() {
     let _serial = serial().await;
     let seed = seed();
     let dir = TempDir::new("tally-pg-faults");
     let redis = RedisServer::start().await;
-    let mut pg = PgServer::start().await;
+    // Few sessions, so that other clients can take them all in no time.
+    let mut pg = PgServer::start_with_max_connections(16).await;
     let setup = AggregatorSetup::create("pg-faults", &redis.url(), 8).await;
-    let url = pg.url();
+    // The aggregator logs in as a role of its own (not a superuser), so that the test can keep
+    // it out for a moment.
+    let (admin, connection) = tokio_postgres::connect(&pg.url(), tokio_postgres::NoTls)
+        .await
+        .expect("connects");
+    tokio::spawn(connection);
+    admin
+        .batch_execute("CREATE ROLE agg LOGIN; GRANT CREATE ON DATABASE postgres TO agg")
+        .await
+        .expect("role");
+    let url = pg.url().replace("tally@", "agg@");
     let flags = [
         "--store",
         "postgres",
@@ -223,11 +275,46 @@ async fn postgres_restarts_statement_timeouts_and_a_small_pool_lose_nothing() {
         "500",
     ];
     let mut aggregator = setup.spawn(dir.path(), &flags);
-    let events = 300_000;
-    let load = start_load(&setup.topic, spec(events, 15_000, seed));
+    let sending = Arc::new(AtomicBool::new(true));
+    let (topic, flag) = (setup.topic.clone(), sending.clone());
+    let sent = tokio::spawn(async move { stream_until(&topic, 8_000, 5_000, seed, flag).await });
+    progress(&aggregator).await;
+    let refused = |what: &'static str| {
+        let aggregator = &aggregator;
+        async move {
+            let errors = aggregator.metric("tally_redis_errors_total").await;
+            tokio::time::sleep(Duration::from_secs(10)).await;
+            let after = aggregator.metric("tally_redis_errors_total").await;
+            assert!(
+                after > errors,
+                "{what}: no flush failed ({errors:?} -> {after:?})"
+            );
+        }
+    };
+
+    // 1. Read-only for 10 s: every session's next transaction is read-only (25006).
+    // One statement per call: ALTER SYSTEM runs outside a transaction block.
+    let run = |sql: &'static str| {
+        let admin = &admin;
+        async move { admin.batch_execute(sql).await.expect(sql) }
+    };
+    run("SET default_transaction_read_only = off").await;
+    run("ALTER SYSTEM SET default_transaction_read_only = on").await;
+    run("SELECT pg_reload_conf()").await;
+    refused("read-only").await;
+    run("ALTER SYSTEM RESET default_transaction_read_only").await;
+    run("SELECT pg_reload_conf()").await;
     progress(&aggregator).await;
 
-    // 1. A fast shutdown: every session is disconnected; then the server comes back.
+    // 2. Every connection slot held by other clients for 10 s (53300), the aggregator's
+    // sessions ended.
+    let hogs = take_every_connection(&pg.url(), &admin).await;
+    eprintln!("{} connections held by other clients", hogs.len());
+    refused("no connection slot").await;
+    drop(hogs);
+    progress(&aggregator).await;
+
+    // 3. A fast shutdown: every session is disconnected; then the server comes back.
     pg.stop_fast();
     eprintln!("PostgreSQL stopped (fast shutdown)");
     aggregator
@@ -236,7 +323,7 @@ async fn postgres_restarts_statement_timeouts_and_a_small_pool_lose_nothing() {
     pg.start_again().await;
     progress(&aggregator).await;
 
-    // 2. Statements cancelled by the timeout: another session locks the shares table until a
+    // 4. Statements cancelled by the timeout: another session locks the shares table until a
     // flush has failed on it.
     let (client, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
         .await
@@ -268,23 +355,22 @@ async fn postgres_restarts_statement_timeouts_and_a_small_pool_lose_nothing() {
     );
     progress(&aggregator).await;
 
-    // 3. The postmaster SIGKILLed: crash recovery on restart.
-    assert!(
-        !load.is_finished(),
-        "the load ended before the last fault: make it longer"
-    );
+    // 5. The postmaster SIGKILLed: crash recovery on restart.
     pg.kill();
     eprintln!("PostgreSQL postmaster SIGKILLed");
     pg.start_again().await;
     progress(&aggregator).await;
 
-    let sent = finish_load(load, events).await;
-    wait_for_postgres_totals(&redis.url(), &url, &setup, &sent.totals).await;
+    sending.store(false, Ordering::Relaxed);
+    let sent = sent.await.expect("stream");
+    wait_for_postgres_totals(&redis.url(), &url, &setup, &sent).await;
     let failed = aggregator
         .metric("tally_redis_errors_total")
         .await
         .unwrap_or(0.0);
     eprintln!("flush attempts failed and retried: {failed}");
+    let dead = (aggregator.metric("tally_events_dead_lettered_total").await).unwrap_or(0.0);
+    assert_eq!(dead, 0.0, "valid events were dead-lettered");
     aggregator.stop_gracefully().await;
 }
 

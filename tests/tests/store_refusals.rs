@@ -14,11 +14,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use rand::{Rng, SeedableRng};
-use tally_common::CounterEvent;
 use tally_tests::{
-    AggregatorProcess, AggregatorSetup, PacedSender, RedisServer, TempDir, end_offsets, free_port,
-    seed, wait_for_totals,
+    AggregatorProcess, AggregatorSetup, RedisServer, TempDir, end_offsets, free_port, seed,
+    stream_until, wait_for_totals,
 };
 
 const PARTITIONS: i32 = 8;
@@ -26,22 +24,6 @@ const COUNTERS: u64 = 2_000;
 const RATE: u64 = 2_000;
 /// How soon after Redis takes writes again everything sent before must be durable.
 const RECOVERY: Duration = Duration::from_secs(5);
-
-/// Sends random events at `RATE` a second until `sending` is cleared; returns their totals.
-async fn stream(topic: String, seed: u64, sending: Arc<AtomicBool>) -> HashMap<String, i64> {
-    let mut sender = PacedSender::new(&topic, RATE);
-    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-    let mut totals = HashMap::new();
-    while sending.load(Ordering::Relaxed) {
-        let counter = format!("post:{}", rng.random_range(0..COUNTERS));
-        let delta = rng.random_range(1..=5) * if rng.random_bool(0.3) { -1 } else { 1 };
-        let event = CounterEvent::new(counter.clone(), delta).expect("valid event");
-        sender.send(&event).await;
-        *totals.entry(counter).or_insert(0) += delta;
-    }
-    sender.finish().await;
-    totals
-}
 
 /// One way for Redis to refuse writes: what starts it, what ends it, and for how long.
 struct Refusal {
@@ -72,7 +54,9 @@ impl Pipeline {
         let setup = AggregatorSetup::create(name, &redis.url(), PARTITIONS).await;
         let aggregator = setup.spawn(dir.path(), &["--redis-atomicity", atomicity]);
         let sending = Arc::new(AtomicBool::new(true));
-        let sent = tokio::spawn(stream(setup.topic.clone(), seed(), sending.clone()));
+        let (topic, flag) = (setup.topic.clone(), sending.clone());
+        let sent =
+            tokio::spawn(async move { stream_until(&topic, RATE, COUNTERS, seed(), flag).await });
         Self {
             setup,
             aggregator,
