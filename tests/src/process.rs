@@ -68,6 +68,9 @@ pub struct AggregatorSetup {
     pub key_prefix: String,
     /// Flush interval.
     pub flush_interval_ms: u64,
+    /// The cap on a failed flush's retry delay: 500 ms, so that tests recover fast; the
+    /// aggregator's default is 2,000.
+    pub retry_max_backoff_ms: u64,
 }
 
 impl AggregatorSetup {
@@ -91,6 +94,7 @@ impl AggregatorSetup {
             redis_url: redis_url.to_owned(),
             key_prefix: unique(name),
             flush_interval_ms: 200,
+            retry_max_backoff_ms: 500,
         }
     }
 
@@ -159,7 +163,10 @@ impl AggregatorSetup {
             .args(["--key-prefix", &self.key_prefix])
             .args(["--flush-interval-ms", &self.flush_interval_ms.to_string()])
             .args(["--metrics-addr", &format!("127.0.0.1:{metrics_port}")])
-            .args(["--retry-max-backoff-ms", "500"])
+            .args([
+                "--retry-max-backoff-ms",
+                &self.retry_max_backoff_ms.to_string(),
+            ])
             // A crashed member's partitions move after 6 s (the broker's minimum), not 45 s.
             .args(["--kafka-option", "session.timeout.ms=6000"])
             .args(["--kafka-option", "heartbeat.interval.ms=1000"])

@@ -51,7 +51,9 @@ struct Pipeline {
 
 impl Pipeline {
     async fn start(name: &str, redis: &RedisServer, dir: &TempDir, atomicity: &str) -> Self {
-        let setup = AggregatorSetup::create(name, &redis.url(), PARTITIONS).await;
+        let mut setup = AggregatorSetup::create(name, &redis.url(), PARTITIONS).await;
+        // The default cap on retry delays, whose recovery time the test measures.
+        setup.retry_max_backoff_ms = 2_000;
         let aggregator = setup.spawn(dir.path(), &["--redis-atomicity", atomicity]);
         let sending = Arc::new(AtomicBool::new(true));
         let (topic, flag) = (setup.topic.clone(), sending.clone());
