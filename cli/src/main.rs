@@ -12,7 +12,8 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
-use tally_aggregator::compact::Compactor;
+use tally_aggregator::backoff::Backoff;
+use tally_aggregator::compact::{CompactError, Compactor};
 use tally_aggregator::config::Store;
 use tally_cli::load::{self, LoadSpec};
 use tally_cli::{audit, verify};
@@ -451,16 +452,50 @@ async fn reset(args: ResetArgs) -> anyhow::Result<ExitCode> {
 async fn compact(args: CompactArgs) -> anyhow::Result<ExitCode> {
     let namespaces = Arc::new(args.redis.namespaces()?);
     let reader = args.redis.reader().await?;
-    let compactor = Compactor::start(
-        reader.conn().clone(),
-        reader.keyspace().clone(),
-        namespaces,
-        Duration::from_millis(args.cold_after_ms),
-    )
-    .await?;
     let cancel = tally_aggregator::shutdown::on_signals()?;
+    let fresh = || {
+        let cap = Duration::from_millis(args.interval_ms.max(100));
+        Backoff::new(Duration::from_millis(100), cap)
+    };
+    let mut backoff = fresh();
+    // Taking the compactor's epoch, like a pass, is retried in a loop while the store fails.
+    let compactor = loop {
+        let started = Compactor::start(
+            reader.conn().clone(),
+            reader.keyspace().clone(),
+            namespaces.clone(),
+            Duration::from_millis(args.cold_after_ms),
+        )
+        .await;
+        match started {
+            Ok(compactor) => break compactor,
+            Err(error) if args.repeat && !matches!(error, CompactError::Cluster) => {
+                eprintln!("starting compaction failed, retrying: {error}");
+                tokio::select! {
+                    () = cancel.cancelled() => return Ok(ExitCode::SUCCESS),
+                    () = tokio::time::sleep(backoff.next_delay()) => {}
+                }
+            }
+            Err(error) => return Err(error.into()),
+        }
+    };
+    let mut backoff = fresh();
     loop {
-        let r = compactor.pass().await?;
+        let r = match compactor.pass().await {
+            Ok(r) => r,
+            // A store that refuses or fails (out of memory, read-only, unreachable, anything but
+            // a newer compactor) is retried in a loop: each pass starts by finishing the moves an
+            // interrupted one journaled.
+            Err(error) if args.repeat && !matches!(error, CompactError::Fenced) => {
+                eprintln!("compaction pass failed, retrying: {error}");
+                tokio::select! {
+                    () = cancel.cancelled() => return Ok(ExitCode::SUCCESS),
+                    () = tokio::time::sleep(backoff.next_delay()) => continue,
+                }
+            }
+            Err(error) => return Err(error.into()),
+        };
+        backoff = fresh();
         if !args.repeat || r.compacted + r.recovered + r.markers_dropped > 0 {
             writeln!(
                 out(),

@@ -7,7 +7,7 @@
 //! ACL that takes `INCRBY` away for 10 s. None of it is the events' fault: each refused flush is
 //! retried whole until Redis takes it, no valid event is dead-lettered, the aggregator stays up,
 //! everything sent before a refusal ends is durable within 5 s of its end, and every counter
-//! ends exact.
+//! ends exact. A `tally compact --loop` folds shares throughout, and outlives the refusals.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use tally_tests::{
-    AggregatorProcess, AggregatorSetup, RedisServer, TempDir, end_offsets, free_port, seed,
+    AggregatorProcess, AggregatorSetup, RedisServer, TempDir, binary, end_offsets, free_port, seed,
     stream_until, wait_for_totals,
 };
 
@@ -199,6 +199,17 @@ async fn a_redis_that_refuses_writes_for_a_while_costs_no_event() {
             .wait_metric("tally_flushes_total", 8.0, Duration::from_secs(60))
             .await;
     }
+    // A compactor folding the scripts pipeline's shares the whole time: a pass the store
+    // refuses is retried, not the end of `--loop`.
+    let ks = pipelines[0].setup.keyspace();
+    let mut compactor = std::process::Command::new(binary("tally"))
+        .args(["compact", "--loop", "--cold-after-ms", "0"])
+        .args(["--interval-ms", "200"])
+        .args(["--redis-url", &redis.url(), "--key-prefix", ks.prefix()])
+        .stdout(std::fs::File::create(dir.path().join("compact.out")).expect("log file"))
+        .stderr(std::fs::File::create(dir.path().join("compact.log")).expect("log file"))
+        .spawn()
+        .expect("tally compact starts");
 
     let refusals = [
         Refusal {
@@ -240,6 +251,13 @@ async fn a_redis_that_refuses_writes_for_a_while_costs_no_event() {
             assert!(alive, "an aggregator died: {}", p.aggregator.log_tail(30));
         }
     }
+    let compacting = compactor.try_wait().expect("try_wait");
+    assert!(
+        compacting.is_none(),
+        "tally compact --loop ended: {compacting:?}"
+    );
+    let _ = compactor.kill();
+    let _ = compactor.wait();
     let [scripts, transactions] = pipelines;
     let scripts = scripts.finish(&redis).await;
     let transactions = transactions.finish(&redis).await;
