@@ -209,7 +209,11 @@ impl<S: Sink> Flusher<S> {
                     .await
                     .ok_or(FlushOutcome::Cancelled)?;
                 match applied {
-                    Applied::Written | Applied::AlreadyApplied => break,
+                    Applied::Written => break,
+                    Applied::AlreadyApplied => {
+                        self.metrics.repeated_write();
+                        break;
+                    }
                     Applied::Fenced => return Err(self.fenced(partition, group)),
                     Applied::RolledBack => return Err(self.rolled_back(partition, group)),
                     Applied::Rejected(rejected) => {

@@ -41,6 +41,8 @@ pub struct Metrics {
     redis_errors: IntCounter,
     /// Writes refused by a fence (this instance no longer owned the partition).
     fenced_writes: IntCounter,
+    /// Retried group writes that found an earlier attempt had landed.
+    repeated_writes: IntCounter,
     /// Messages passed over on resume because their group had already applied them.
     skipped_events: IntCounter,
     /// Times a partition found Redis had lost its writes and was re-fed from Kafka.
@@ -171,6 +173,11 @@ impl Metrics {
             fenced_writes: r.counter(
                 "tally_fenced_writes_total",
                 "Writes refused by a fence: another aggregator owned the partition by then.",
+            ),
+            repeated_writes: r.counter(
+                "tally_repeated_writes_total",
+                "Retried group writes whose earlier attempt had landed (its reply was lost): \
+                 recognised by the group's ledger and not applied again.",
             ),
             rollbacks: r.counter(
                 "tally_redis_rollbacks_total",
@@ -303,6 +310,11 @@ impl Metrics {
     /// A write was refused by a fence.
     pub fn fenced(&self) {
         self.fenced_writes.inc();
+    }
+
+    /// A retried write found its earlier attempt had landed.
+    pub fn repeated_write(&self) {
+        self.repeated_writes.inc();
     }
 
     /// Redis was found to have lost a partition's writes.

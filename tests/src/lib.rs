@@ -16,6 +16,7 @@ pub mod kafka_cluster;
 pub mod postgres;
 pub mod process;
 pub mod prometheus;
+pub mod proxy;
 pub mod scenarios;
 pub mod server;
 pub mod store;
