@@ -16,7 +16,7 @@ use tally_aggregator::backoff::Backoff;
 use tally_aggregator::compact::{CompactError, Compactor};
 use tally_aggregator::config::Store;
 use tally_cli::load::{self, LoadSpec};
-use tally_cli::{audit, verify};
+use tally_cli::{audit, dead_letters, verify};
 use tally_common::{CachedReader, Keyspace, Namespaces, Reader, RedisConn, defaults, pg};
 use tally_producer::{Producer, ProducerConfig, Routing};
 
@@ -57,6 +57,81 @@ enum Command {
     /// Recount the log up to the durable offsets and compare every counter with the store:
     /// print the counters checked, those off and the largest differences; exit 1 on any drift.
     Audit(AuditArgs),
+    /// List the dead-letter topic's messages, or put them back on the topic they came from.
+    #[command(subcommand)]
+    DeadLetters(DeadLettersCommand),
+}
+
+#[derive(Debug, Subcommand)]
+enum DeadLettersCommand {
+    /// Print one line per dead letter that passes the filter: where it is, when, why, where it
+    /// came from, its key and the error.
+    List(DeadLetterArgs),
+    /// Put the original key and bytes of each dead letter that passes the filter back on its
+    /// source topic, each at most once per --group even when killed and run again (Kafka
+    /// transactions carry the replay's progress). Fix the cause first.
+    Replay(ReplayArgs),
+}
+
+#[derive(Debug, clap::Args)]
+struct DeadLetterArgs {
+    /// Kafka bootstrap servers.
+    #[arg(long, env = "TALLY_BROKERS", default_value = defaults::BROKERS)]
+    brokers: String,
+    /// The dead-letter topic.
+    #[arg(long, env = "TALLY_DEAD_LETTER_TOPIC", default_value = defaults::DEAD_LETTER_TOPIC)]
+    dead_letter_topic: String,
+    /// Only dead letters with this reason (`overflow`, `undecodable`...); repeat for more.
+    #[arg(long = "reason")]
+    reasons: Vec<String>,
+    /// Only those read from this partition of the source topic.
+    #[arg(long)]
+    partition: Option<i32>,
+    /// Only those dead-lettered since: a duration ago (`2h`) or Unix ms.
+    #[arg(long, value_parser = parse_since)]
+    since: Option<i64>,
+    /// Only those dead-lettered before: a duration ago or Unix ms.
+    #[arg(long, value_parser = parse_since)]
+    until: Option<i64>,
+    /// A librdkafka setting (security settings, say), as `key=value`.
+    #[arg(long = "kafka-option", value_parser = tally_aggregator::config::parse_key_value)]
+    kafka_options: Vec<(String, String)>,
+}
+
+impl DeadLetterArgs {
+    fn kafka(&self) -> rdkafka::ClientConfig {
+        let mut kafka = rdkafka::ClientConfig::new();
+        kafka.set("bootstrap.servers", &self.brokers);
+        for (key, value) in &self.kafka_options {
+            kafka.set(key, value);
+        }
+        kafka
+    }
+
+    fn filter(&self) -> dead_letters::Filter {
+        dead_letters::Filter {
+            reasons: self.reasons.clone(),
+            source_partition: self.partition,
+            since_ms: self.since,
+            until_ms: self.until,
+        }
+    }
+}
+
+#[derive(Debug, clap::Args)]
+struct ReplayArgs {
+    #[command(flatten)]
+    letters: DeadLetterArgs,
+    /// The replay's consumer group: what it replayed (or passed over) it never takes again. A
+    /// replay with another filter over the same letters takes another group.
+    #[arg(long, default_value = "tally-dead-letter-replay")]
+    group: String,
+    /// Put them on this topic instead of each one's source topic.
+    #[arg(long)]
+    to: Option<String>,
+    /// Dead letters per transaction.
+    #[arg(long, default_value_t = 500)]
+    chunk: usize,
 }
 
 #[derive(Debug, clap::Args)]
@@ -325,6 +400,8 @@ async fn main() -> anyhow::Result<ExitCode> {
         Command::Load(args) => run_load(args).await,
         Command::Verify(args) => run_verify(args).await,
         Command::Audit(args) => run_audit(args).await,
+        Command::DeadLetters(DeadLettersCommand::List(args)) => list_dead_letters(&args),
+        Command::DeadLetters(DeadLettersCommand::Replay(args)) => replay_dead_letters(&args),
     };
     // Output piped into a reader that stops early (`tally load | head`): what was asked for is
     // done, so end quietly, as the reader intended, instead of reporting an error.
@@ -653,6 +730,54 @@ async fn run_verify(args: VerifyArgs) -> anyhow::Result<ExitCode> {
     for ((counter, sent), got) in largest.iter().zip(read) {
         writeln!(out(), "{counter:<28} {sent:>12} {got:>12}")?;
     }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `tally dead-letters list`.
+fn list_dead_letters(args: &DeadLetterArgs) -> anyhow::Result<ExitCode> {
+    let mut out = out();
+    let listed = dead_letters::list(
+        &args.kafka(),
+        &args.dead_letter_topic,
+        &args.filter(),
+        |l| {
+            let key = l.key.as_deref().map(String::from_utf8_lossy);
+            writeln!(
+                out,
+                "{}/{} at {} {} from {}/{}@{} key {:?}: {}",
+                l.partition,
+                l.offset,
+                l.timestamp_ms.unwrap_or(-1),
+                l.reason,
+                l.source_topic.as_deref().unwrap_or("?"),
+                l.source_partition.unwrap_or(-1),
+                l.source_offset.unwrap_or(-1),
+                key.unwrap_or_default(),
+                l.error
+            )
+        },
+    )?;
+    writeln!(out, "{listed} dead letters")?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `tally dead-letters replay`.
+fn replay_dead_letters(args: &ReplayArgs) -> anyhow::Result<ExitCode> {
+    let spec = dead_letters::ReplaySpec {
+        kafka: args.letters.kafka(),
+        topic: args.letters.dead_letter_topic.clone(),
+        group: args.group.clone(),
+        to: args.to.clone(),
+        chunk: args.chunk,
+    };
+    let done = dead_letters::replay(&spec, &args.letters.filter())?;
+    writeln!(
+        out(),
+        "replayed {}; passed over {} the filter left out and {} refused window buckets",
+        done.replayed,
+        done.passed_over,
+        done.window_buckets
+    )?;
     Ok(ExitCode::SUCCESS)
 }
 
