@@ -305,6 +305,108 @@ impl RedisCluster {
     pub async fn reader(&self, keyspace: Keyspace) -> Reader {
         reader(&self.url(), keyspace).await
     }
+
+    /// Each node's `(port, id, first and last slot served)` (one range per master, as
+    /// `redis-cli --cluster create` assigns them), from `CLUSTER NODES`.
+    async fn nodes(&self) -> Vec<(u16, String, Option<(u16, u16)>)> {
+        let mut conn = connect(&format!("redis://127.0.0.1:{}", self.nodes[0].0)).await;
+        let text: String = redis::cmd("CLUSTER")
+            .arg("NODES")
+            .query_async(&mut conn)
+            .await
+            .expect("CLUSTER NODES");
+        (text.lines())
+            .map(|line| {
+                let fields: Vec<&str> = line.split(' ').collect();
+                let port = fields[1].split(['@', ':']).nth(1).expect("port");
+                let range = fields.get(8).and_then(|r| {
+                    let (a, b) = r.split_once('-').unwrap_or((r, r));
+                    Some((a.parse().ok()?, b.parse().ok()?))
+                });
+                (port.parse().expect("port"), fields[0].to_owned(), range)
+            })
+            .collect()
+    }
+
+    /// Moves hash slot `slot` to another master while it is written, as `redis-cli --cluster
+    /// reshard` does: the target imports it, the owner migrates it, its keys move `batch` at a
+    /// time with `pause` between (clients meanwhile get `ASK`, or `TRYAGAIN` for a script whose
+    /// keys are split between the nodes), then every node is told the new owner (clients get
+    /// `MOVED`). Returns the old and the new owner's ports.
+    pub async fn migrate_slot(&self, slot: u16, batch: usize, pause: Duration) -> (u16, u16) {
+        let nodes = self.nodes().await;
+        let owner = (nodes.iter())
+            .find(|(_, _, r)| r.is_some_and(|(a, b)| (a..=b).contains(&slot)))
+            .expect("the slot's owner")
+            .clone();
+        let target = (nodes.iter())
+            .find(|(p, _, _)| *p != owner.0)
+            .expect("another node")
+            .clone();
+        let node = |port: u16| connect_owned(format!("redis://127.0.0.1:{port}"));
+        let (mut from, mut to) = (node(owner.0).await, node(target.0).await);
+        let setslot = |how: &'static str, id: String| {
+            let mut cmd = redis::cmd("CLUSTER");
+            cmd.arg("SETSLOT").arg(slot).arg(how).arg(id);
+            cmd
+        };
+        setslot("IMPORTING", owner.1.clone())
+            .exec_async(&mut to)
+            .await
+            .expect("IMPORTING");
+        setslot("MIGRATING", target.1.clone())
+            .exec_async(&mut from)
+            .await
+            .expect("MIGRATING");
+        let mut moved = 0;
+        loop {
+            let keys: Vec<String> = redis::cmd("CLUSTER")
+                .arg("GETKEYSINSLOT")
+                .arg(slot)
+                .arg(batch)
+                .query_async(&mut from)
+                .await
+                .expect("GETKEYSINSLOT");
+            if keys.is_empty() {
+                break;
+            }
+            redis::cmd("MIGRATE")
+                .arg("127.0.0.1")
+                .arg(target.0)
+                .arg("")
+                .arg(0)
+                .arg(5000)
+                .arg("REPLACE")
+                .arg("KEYS")
+                .arg(&keys)
+                .exec_async(&mut from)
+                .await
+                .expect("MIGRATE");
+            moved += keys.len();
+            tokio::time::sleep(pause).await;
+        }
+        for (port, _, _) in &nodes {
+            let mut conn = node(*port).await;
+            setslot("NODE", target.1.clone())
+                .exec_async(&mut conn)
+                .await
+                .expect("SETSLOT NODE");
+        }
+        wait_cluster_ok(
+            self.nodes[0].0,
+            "the cluster to agree on the slot's new owner",
+        )
+        .await;
+        eprintln!(
+            "slot {slot}: {moved} keys moved from {} to {}",
+            owner.0, target.0
+        );
+        (owner.0, target.0)
+    }
+}
+
+async fn connect_owned(url: String) -> redis::aio::MultiplexedConnection {
+    connect(&url).await
 }
 
 impl Drop for RedisCluster {

@@ -119,3 +119,75 @@ async fn cluster_at_least_once_counts_a_clean_stream_exactly() {
         assert_no_crossslot(dir.path());
     }
 }
+
+/// A shard group's hash slot moved to another master while the group is written, under a live
+/// stream: the flushes meet `ASK`, `TRYAGAIN` and then `MOVED`, each retried (none is the
+/// events' fault), and every counter ends exact with nothing dead-lettered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_group_slot_migrated_while_written_costs_no_event() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let _serial = tally_tests::serial().await;
+    let dir = TempDir::new("tally-cluster-migrate");
+    let cluster = RedisCluster::start().await;
+    let setup = AggregatorSetup::create("cluster-migrate", &cluster.url(), 8).await;
+    let mut aggregator = setup.spawn(dir.path(), &[]);
+    let sending = Arc::new(AtomicBool::new(true));
+    let (topic, flag) = (setup.topic.clone(), sending.clone());
+    let sent =
+        tokio::spawn(
+            async move { tally_tests::stream_until(&topic, 3_000, 2_000, seed(), flag).await },
+        );
+    aggregator
+        .wait_metric("tally_flushes_total", 10.0, Duration::from_secs(60))
+        .await;
+    // Group 0's slot: every key of the group shares it (hash tag).
+    let ks = setup.keyspace();
+    let mut conn = tally_tests::connect(
+        &cluster
+            .url()
+            .replace("redis+cluster://", "redis://")
+            .split(',')
+            .next()
+            .expect("a node")
+            .to_owned(),
+    )
+    .await;
+    let slot: u16 = redis::cmd("CLUSTER")
+        .arg("KEYSLOT")
+        .arg(ks.fence_key(0))
+        .query_async(&mut conn)
+        .await
+        .expect("KEYSLOT");
+    let (from, to) = cluster
+        .migrate_slot(slot, 2, Duration::from_millis(50))
+        .await;
+    eprintln!("slot {slot} of group 0 moved from {from} to {to}");
+    // Some flushes after the move, then the end of the stream.
+    let flushed = aggregator
+        .metric("tally_flushes_total")
+        .await
+        .unwrap_or(0.0);
+    aggregator
+        .wait_metric(
+            "tally_flushes_total",
+            flushed + 10.0,
+            Duration::from_secs(60),
+        )
+        .await;
+    sending.store(false, Ordering::Relaxed);
+    let totals = sent.await.expect("stream");
+    wait_for_totals(
+        &cluster.reader(setup.keyspace()).await,
+        &totals,
+        Duration::from_secs(90),
+    )
+    .await;
+    let dead = (aggregator.metric("tally_events_dead_lettered_total").await).unwrap_or(0.0);
+    assert_eq!(dead, 0.0, "valid events were dead-lettered");
+    let failed = (aggregator.metric("tally_redis_errors_total").await).unwrap_or(0.0);
+    eprintln!("flush attempts failed and retried: {failed}");
+    assert!(aggregator.is_running(), "the aggregator died");
+    aggregator.stop_gracefully().await;
+    assert_no_crossslot(dir.path());
+}
