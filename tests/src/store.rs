@@ -290,6 +290,11 @@ impl RedisCluster {
         format!("redis+cluster://{}", nodes.join(","))
     }
 
+    /// The URL of node `i` alone.
+    pub fn node_url(&self, i: usize) -> String {
+        format!("redis://127.0.0.1:{}", self.nodes[i].0)
+    }
+
     /// SIGKILLs node `i` and restarts it from its append-only file, waiting until the cluster
     /// serves every slot again.
     pub async fn kill_and_restart_node(&mut self, i: usize) {

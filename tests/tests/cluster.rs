@@ -143,16 +143,7 @@ async fn a_group_slot_migrated_while_written_costs_no_event() {
         .await;
     // Group 0's slot: every key of the group shares it (hash tag).
     let ks = setup.keyspace();
-    let mut conn = tally_tests::connect(
-        &cluster
-            .url()
-            .replace("redis+cluster://", "redis://")
-            .split(',')
-            .next()
-            .expect("a node")
-            .to_owned(),
-    )
-    .await;
+    let mut conn = tally_tests::connect(&cluster.node_url(0)).await;
     let slot: u16 = redis::cmd("CLUSTER")
         .arg("KEYSLOT")
         .arg(ks.fence_key(0))
