@@ -100,13 +100,32 @@ impl<S: Sink> Flusher<S> {
                 for g in &batch.groups {
                     // Memberships never reach this path: dedup namespaces need exactly-once;
                     // nor do expiries (expiring namespaces need it too).
-                    let applied = self
+                    let Some(rejected) = self
                         .retry(partition, g.group, cancel, || {
                             self.sink.apply(g.group, &g.deltas, &g.windows, &g.resets)
                         })
-                        .await;
-                    if applied.is_none() {
+                        .await
+                    else {
                         return FlushOutcome::Cancelled;
+                    };
+                    if !rejected.is_empty() {
+                        // The refused deltas were not applied (the rest was): dead-letter them.
+                        let write = GroupWrite {
+                            group: g.group,
+                            field: "",
+                            epoch: 0,
+                            expected_ledger: -1,
+                            next_offset: batch.next_offset,
+                            deltas: &g.deltas,
+                            windows: &g.windows,
+                            resets: &g.resets,
+                            members: &g.members,
+                            watermark: None,
+                        };
+                        let letters = rejected_letters(partition, &write, &rejected);
+                        if !self.send_dead_letters(partition, &letters, cancel).await {
+                            return FlushOutcome::Cancelled;
+                        }
                     }
                 }
                 self.forget_cached(&batch).await;

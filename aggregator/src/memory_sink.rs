@@ -10,7 +10,7 @@ use std::future::Future;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use crate::batch::WindowDelta;
-use crate::sink::{Applied, GroupWrite, Sink, SinkError, Stamp};
+use crate::sink::{Applied, GroupWrite, Rejection, Sink, SinkError, Stamp};
 use crate::transactions::{
     Current, MemberState, flush_verdict, next_epoch_after, stamp_refusal, watermark_refusal,
 };
@@ -94,7 +94,7 @@ impl MemorySink {
         deltas: &[(String, i64)],
         windows: &[WindowDelta],
         resets: &[String],
-    ) -> Result<(), SinkError> {
+    ) -> Result<Vec<Rejection>, SinkError> {
         assert!(
             windows.is_empty() && resets.is_empty(),
             "windows and resets are not modelled here"
@@ -103,7 +103,7 @@ impl MemorySink {
         for (counter, delta) in deltas {
             *state.counters.entry((group, counter.clone())).or_default() += delta;
         }
-        Ok(())
+        Ok(Vec::new())
     }
 
     fn apply_fenced_now(&self, write: GroupWrite<'_>) -> Result<Applied, SinkError> {
@@ -180,7 +180,7 @@ impl Sink for MemorySink {
         deltas: &[(String, i64)],
         windows: &[WindowDelta],
         resets: &[String],
-    ) -> impl Future<Output = Result<(), SinkError>> + Send {
+    ) -> impl Future<Output = Result<Vec<Rejection>, SinkError>> + Send {
         std::future::ready(self.apply_now(group, deltas, windows, resets))
     }
 

@@ -29,7 +29,8 @@ use crate::batch::WindowDelta;
 use crate::sink::{Applied, GroupWrite, Refused, Rejection, Sink, SinkError, Stamp};
 use crate::store_error::{ErrorClass, pg_class};
 use crate::transactions::{
-    Current, MemberState, flush_verdict, next_epoch_after, stamp_refusal, watermark_refusal,
+    Current, MemberState, flush_verdict, next_epoch_after, rejections, stamp_refusal,
+    watermark_refusal,
 };
 use tally_common::DeadLetterReason;
 use tally_common::pg::Schema;
@@ -130,16 +131,49 @@ impl PgSink {
         self.pool.get().await.map_err(pool_error)
     }
 
-    async fn apply_now(&self, group: u32, deltas: &[(String, i64)]) -> Result<(), SinkError> {
-        let client = self.client().await?;
-        let (counters, values) = sorted_columns(deltas);
-        client
-            .execute(
-                &self.schema.sql.upsert_shares,
-                &[&(group as i32), &counters, &values],
-            )
+    /// At-least-once: in one transaction, clears the reset counters' rows, locks the batch's
+    /// shares in counter order, refuses the deltas that would take a share past 64 bits, and
+    /// adds the rest.
+    async fn apply_now(
+        &self,
+        group: u32,
+        deltas: &[(String, i64)],
+        resets: &[String],
+    ) -> Result<Vec<Rejection>, SinkError> {
+        let sql = &self.schema.sql;
+        let shard = group as i32;
+        let mut client = self.client().await?;
+        let tx = client.transaction().await?;
+        if !resets.is_empty() {
+            // At least once there are no member sets: a reset is the counter's rows here.
+            tx.execute(&sql.reset_shares, &[&shard, &resets]).await?;
+        }
+        let (touched, _) = sorted_columns(deltas);
+        let rows = tx.query(&sql.lock_shares, &[&shard, &touched]).await?;
+        let held: std::collections::HashMap<String, i64> =
+            rows.iter().map(|r| (r.get(0), r.get(1))).collect();
+        let currents: Vec<Current> = (deltas.iter())
+            .map(|(c, _)| {
+                held.get(c)
+                    .map_or(Current::Missing, |v| Current::Integer(*v))
+            })
+            .collect();
+        let rejected = rejections(&currents, deltas);
+        let refused: std::collections::HashSet<usize> = (rejected.iter())
+            .filter_map(|r| match r.refused {
+                Refused::Delta(i) => Some(i),
+                _ => None,
+            })
+            .collect();
+        let kept: Vec<(String, i64)> = (deltas.iter().enumerate())
+            .filter(|(i, _)| !refused.contains(i))
+            .map(|(_, d)| d.clone())
+            .collect();
+        let (counters, values) = sorted_columns(&kept);
+        tx.execute(&sql.upsert_shares, &[&shard, &counters, &values])
             .await?;
-        Ok(())
+        tx.commit().await?;
+        Ok(rejected)
     }
 
     async fn apply_fenced_now(&self, write: GroupWrite<'_>) -> Result<Applied, SinkError> {
@@ -318,18 +352,11 @@ impl Sink for PgSink {
         deltas: &[(String, i64)],
         windows: &[WindowDelta],
         resets: &[String],
-    ) -> impl Future<Output = Result<(), SinkError>> + Send {
+    ) -> impl Future<Output = Result<Vec<Rejection>, SinkError>> + Send {
         let refused = no_windows(windows);
         async move {
             refused?;
-            if !resets.is_empty() {
-                // At least once there are no member sets: a reset is the counter's rows here.
-                let client = self.client().await?;
-                client
-                    .execute(&self.schema.sql.reset_shares, &[&(group as i32), &resets])
-                    .await?;
-            }
-            self.apply_now(group, deltas).await
+            self.apply_now(group, deltas, resets).await
         }
     }
 

@@ -19,10 +19,11 @@ use tally_common::{DeadLetterReason, Keyspace, RedisConn, RedisTarget};
 use crate::batch::WindowDelta;
 use crate::config::Atomicity;
 use crate::sink::{
-    Applied, GroupWrite, IdleWrite, Marked, Rejection, Sink, SinkError, SinkErrorKind, Stamp,
+    Applied, GroupWrite, IdleWrite, Marked, Refused, Rejection, Sink, SinkError, SinkErrorKind,
+    Stamp,
 };
 use crate::store_error::RedisReply;
-use crate::transactions::Transactions;
+use crate::transactions::{Transactions, redis_integer};
 
 /// The Lua scripts, hashed once.
 #[derive(Debug)]
@@ -148,6 +149,28 @@ fn refuses_scripts(e: &redis::RedisError) -> bool {
         Some("ERR") => detail.contains("unknown command") && about_scripts,
         _ => false,
     }
+}
+
+/// Why Redis refused an `INCRBY` on `key`, if it is about the key's data: `WRONGTYPE`, the
+/// overflow error, or "not an integer" once `GET` shows a string that is not a 64-bit integer.
+async fn data_refusal(
+    conn: &mut RedisConn,
+    key: &str,
+    error: &redis::RedisError,
+) -> Result<Option<DeadLetterReason>, SinkError> {
+    let detail = error.detail().unwrap_or("");
+    Ok(match error.code() {
+        Some("WRONGTYPE") => Some(DeadLetterReason::WrongType),
+        Some("ERR") if detail.contains("increment or decrement would overflow") => {
+            Some(DeadLetterReason::Overflow)
+        }
+        Some("ERR") if detail.contains("value is not an integer or out of range") => {
+            let value: Option<Vec<u8>> = redis::cmd("GET").arg(key).query_async(conn).await?;
+            (value.is_some_and(|v| redis_integer(&v).is_none()))
+                .then_some(DeadLetterReason::NotAnInteger)
+        }
+        _ => None,
+    })
 }
 
 /// A script reply the scripts never give.
@@ -357,33 +380,51 @@ impl Sink for RedisSink {
         deltas: &[(String, i64)],
         windows: &[WindowDelta],
         resets: &[String],
-    ) -> Result<(), SinkError> {
+    ) -> Result<Vec<Rejection>, SinkError> {
         if deltas.is_empty() && windows.is_empty() && resets.is_empty() {
-            return Ok(());
+            return Ok(Vec::new());
         }
+        // One MULTI/EXEC, each command's reply kept: Redis refuses a transaction it cannot run
+        // (out of memory, read-only, no permission) whole, before running any of it, but runs
+        // the rest when one command fails on its data, so those are told apart here.
         let mut pipe = redis::pipe();
-        pipe.atomic();
+        pipe.atomic().ignore_errors();
+        let ks = &self.keyspace;
         for counter in resets {
-            let ks = &self.keyspace;
             pipe.cmd("DEL")
                 .arg(ks.counter_key(group, counter))
                 .arg(ks.member_key(group, counter))
                 .arg(ks.journal_key(group, counter))
                 .ignore();
         }
-        let mut key = String::new();
+        let mut keys = Vec::with_capacity(deltas.len() + windows.len());
         for (counter, delta) in deltas {
-            self.keyspace.write_counter_key(&mut key, group, counter);
-            pipe.cmd("INCRBY").arg(&key).arg(*delta).ignore();
+            let key = ks.counter_key(group, counter);
+            pipe.cmd("INCRBY").arg(&key).arg(*delta);
+            keys.push((Refused::Delta(keys.len()), key));
         }
-        for w in windows {
-            let key = (self.keyspace).window_key(group, &w.counter, w.width_ms, w.start_ms);
-            pipe.cmd("INCRBY").arg(&key).arg(w.delta).ignore();
+        for (i, w) in windows.iter().enumerate() {
+            let key = ks.window_key(group, &w.counter, w.width_ms, w.start_ms);
+            pipe.cmd("INCRBY").arg(&key).arg(w.delta);
             pipe.cmd("PEXPIREAT").arg(&key).arg(w.expire_at_ms).ignore();
+            keys.push((Refused::Window(i), key));
         }
         let mut conn = self.conn.clone();
-        pipe.query_async::<()>(&mut conn).await?;
-        Ok(())
+        let replies: Vec<redis::RedisResult<redis::Value>> = pipe.query_async(&mut conn).await?;
+        let mut rejected = Vec::new();
+        for ((refused, key), reply) in keys.iter().zip(replies) {
+            let Err(error) = reply else { continue };
+            match data_refusal(&mut conn, key, &error).await? {
+                Some(reason) => rejected.push(Rejection {
+                    refused: *refused,
+                    reason,
+                }),
+                // Not about the data: fail the flush (the rest of the transaction ran; the
+                // retry adds it again, a duplicate that at-least-once allows).
+                None => return Err(SinkError::from(error)),
+            }
+        }
+        Ok(rejected)
     }
 
     async fn apply_fenced(&self, write: GroupWrite<'_>) -> Result<Applied, SinkError> {

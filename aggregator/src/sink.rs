@@ -242,15 +242,19 @@ pub enum Stamp {
 /// Applies deltas to shard groups, and keeps the exactly-once bookkeeping beside them.
 pub trait Sink: Clone + Send + Sync + 'static {
     /// At-least-once: clears the `resets` counters' keys in `group`, then adds each
-    /// `(counter, delta)` to the counter's key there and each window delta to its bucket's key,
-    /// all or nothing.
+    /// `(counter, delta)` to the counter's key there and each window delta to its bucket's key.
+    /// Returns the deltas the store refused for their data (as [`Sink::apply_fenced`] does:
+    /// `Refused::Delta` and `Refused::Window` indexes), none of which was applied; all the rest
+    /// was. An error means nothing was applied, or (an error the store gives for one command
+    /// of a transaction that is not about its data, which Redis does not) some of it: retried
+    /// whole, a duplicate that at-least-once allows.
     fn apply(
         &self,
         group: u32,
         deltas: &[(String, i64)],
         windows: &[WindowDelta],
         resets: &[String],
-    ) -> impl Future<Output = Result<(), SinkError>> + Send;
+    ) -> impl Future<Output = Result<Vec<Rejection>, SinkError>> + Send;
 
     /// Exactly-once: one fenced, deduplicated, validated write into one group.
     fn apply_fenced(

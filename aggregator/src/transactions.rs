@@ -199,15 +199,21 @@ fn number<T: std::str::FromStr>(value: &Value) -> Result<Option<T>, SinkError> {
     }
 }
 
+/// The 64-bit integer `bytes` hold as Redis reads one (`string2ll`): an optional minus sign and
+/// digits, no plus sign, spaces, leading zeros or `-0`; that is, exactly the integer's own
+/// decimal form.
+pub fn redis_integer(bytes: &[u8]) -> Option<i64> {
+    let text = std::str::from_utf8(bytes).ok()?;
+    let n: i64 = text.parse().ok()?;
+    (n.to_string() == text).then_some(n)
+}
+
 fn current(value: &Value) -> Result<Current, SinkError> {
     Ok(match value {
         Value::Nil => Current::Missing,
-        // Redis takes an optional minus sign and digits, no plus sign or spaces.
-        Value::BulkString(bytes) => std::str::from_utf8(bytes)
-            .ok()
-            .filter(|s| !s.starts_with('+'))
-            .and_then(|s| s.parse().ok())
-            .map_or(Current::NotAnInteger, Current::Integer),
+        Value::BulkString(bytes) => {
+            redis_integer(bytes).map_or(Current::NotAnInteger, Current::Integer)
+        }
         Value::ServerError(e) if e.code() == "WRONGTYPE" => Current::WrongType,
         Value::ServerError(e) => return Err(SinkError::from(redis::RedisError::from(e.clone()))),
         _ => return Err(protocol_error("not a string", value)),
@@ -769,5 +775,25 @@ mod tests {
             Some(Current::NotAnInteger)
         );
         assert_eq!(current(&Value::Nil).ok(), Some(Current::Missing));
+    }
+
+    #[test]
+    fn an_integer_is_what_redis_reads_as_one() {
+        for (text, want) in [
+            ("0", Some(0)),
+            ("-5", Some(-5)),
+            ("9223372036854775807", Some(i64::MAX)),
+            ("-9223372036854775808", Some(i64::MIN)),
+            ("007", None),
+            ("-0", None),
+            ("+5", None),
+            (" 5", None),
+            ("5 ", None),
+            ("9223372036854775808", None),
+            ("", None),
+            ("abc", None),
+        ] {
+            assert_eq!(redis_integer(text.as_bytes()), want, "{text:?}");
+        }
     }
 }

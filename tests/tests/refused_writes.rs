@@ -271,3 +271,79 @@ async fn transactions_refuse_the_same_writes() {
     refused_write_leaves_nothing_behind(Atomicity::Transactions).await;
     refused_membership_is_listed_after_the_deltas(Atomicity::Transactions).await;
 }
+
+/// At-least-once: one `MULTI`/`EXEC` per group, in which Redis runs every command it can. The
+/// deltas it refuses for their data come back as refusals, not applied, with the reason read
+/// from the key (a string Redis does not read as an integer, `007` included); every other delta
+/// landed once; and a server that refuses the whole transaction (out of memory) fails it with
+/// nothing applied.
+#[tokio::test]
+async fn at_least_once_refuses_only_what_the_data_refuses() {
+    let redis = RedisServer::start().await;
+    let url = redis.url();
+    let ks = Keyspace::new(unique("alo-refused"), 1).expect("keyspace");
+    let conn = RedisConn::connect(&url).await.expect("redis");
+    let target = RedisTarget::parse(&url).expect("target");
+    let sink = RedisSink::new(conn, &target, ks.clone(), Atomicity::Auto).expect("sink");
+    let mut conn = tally_tests::connect(&url).await;
+    let key = |counter: &str| ks.counter_key(GROUP, counter);
+    let _: () = conn.set(key("kept:1"), 7).await.expect("SET");
+    let _: () = conn.set(key("text:1"), "abc").await.expect("SET");
+    let _: () = conn.set(key("padded:1"), "007").await.expect("SET");
+    let _: () = conn
+        .hset(key("hash:1"), "not", "a counter")
+        .await
+        .expect("HSET");
+    let _: () = conn.set(key("big:1"), i64::MAX - 10).await.expect("SET");
+    let deltas: Vec<(String, i64)> = [
+        ("kept:1", 3),
+        ("text:1", 1),
+        ("new:1", 5),
+        ("padded:1", 1),
+        ("hash:1", 1),
+        ("big:1", 100),
+    ]
+    .into_iter()
+    .map(|(c, d)| (c.to_owned(), d))
+    .collect();
+
+    let rejected = sink.apply(GROUP, &deltas, &[], &[]).await.expect("apply");
+    assert_eq!(
+        sorted(rejected),
+        vec![
+            (Refused::Delta(1), "not_an_integer".to_owned()),
+            (Refused::Delta(3), "not_an_integer".to_owned()),
+            (Refused::Delta(4), "wrong_type".to_owned()),
+            (Refused::Delta(5), "overflow".to_owned()),
+        ]
+    );
+    for (counter, want) in [
+        ("kept:1", Some("10".to_owned())),
+        ("new:1", Some("5".to_owned())),
+        ("text:1", Some("abc".to_owned())),
+        ("padded:1", Some("007".to_owned())),
+        ("big:1", Some((i64::MAX - 10).to_string())),
+    ] {
+        let got: Option<String> = conn.get(key(counter)).await.expect("GET");
+        assert_eq!(got, want, "{counter}");
+    }
+
+    // Out of memory: the transaction is refused whole, with nothing applied.
+    redis::cmd("CONFIG")
+        .arg(&["SET", "maxmemory", "1"])
+        .exec_async(&mut conn)
+        .await
+        .expect("CONFIG SET");
+    let error = sink
+        .apply(GROUP, &deltas[..3], &[], &[])
+        .await
+        .expect_err("refused whole");
+    assert!(format!("{error}").contains("OOM"), "{error}");
+    redis::cmd("CONFIG")
+        .arg(&["SET", "maxmemory", "0"])
+        .exec_async(&mut conn)
+        .await
+        .expect("CONFIG SET");
+    let kept: Option<String> = conn.get(key("kept:1")).await.expect("GET");
+    assert_eq!(kept.as_deref(), Some("10"), "nothing applied");
+}
