@@ -222,12 +222,19 @@ pub struct RedisCluster {
 impl RedisCluster {
     /// Starts three masters, creates the cluster, and waits until every slot is served.
     pub async fn start() -> Self {
+        Self::start_with_replicas(0).await
+    }
+
+    /// Starts three masters with `replicas` replicas each, creates the cluster, and waits until
+    /// every slot is served.
+    pub async fn start_with_replicas(replicas: usize) -> Self {
         let dir = TempDir::new("tally-cluster");
+        let n = 3 * (1 + replicas);
         let mut cluster = Self {
-            nodes: (0..3).map(|_| (free_port(), None)).collect(),
+            nodes: (0..n).map(|_| (free_port(), None)).collect(),
             dir,
         };
-        for i in 0..3 {
+        for i in 0..n {
             cluster.start_node(i);
         }
         for (port, _) in &cluster.nodes {
@@ -244,7 +251,7 @@ impl RedisCluster {
             create.arg(format!("127.0.0.1:{port}"));
         }
         let out = create
-            .args(["--cluster-replicas", "0", "--cluster-yes"])
+            .args(["--cluster-replicas", &replicas.to_string(), "--cluster-yes"])
             .output()
             .expect("redis-cli runs");
         assert!(
@@ -333,6 +340,47 @@ impl RedisCluster {
             .collect()
     }
 
+    /// Fails the master serving `slot` over to its replica (`CLUSTER FAILOVER` on the replica,
+    /// as an operator does before maintenance), and waits until the replica serves the slot and
+    /// the cluster is ok. Returns the old and the new master's ports.
+    pub async fn fail_over(&self, slot: u16) -> (u16, u16) {
+        let owner = self.owner(slot).await;
+        let mut conn = connect(&format!("redis://127.0.0.1:{}", self.nodes[0].0)).await;
+        let text: String = redis::cmd("CLUSTER")
+            .arg("NODES")
+            .query_async(&mut conn)
+            .await
+            .expect("CLUSTER NODES");
+        let replica: u16 = (text.lines())
+            .map(|l| l.split(' ').collect::<Vec<_>>())
+            .find(|f| f[2].contains("slave") && f[3] == owner.1)
+            .and_then(|f| f[1].split(['@', ':']).nth(1)?.parse().ok())
+            .expect("a replica of the slot's master");
+        let mut replica_conn = connect(&format!("redis://127.0.0.1:{replica}")).await;
+        redis::cmd("CLUSTER")
+            .arg("FAILOVER")
+            .exec_async(&mut replica_conn)
+            .await
+            .expect("CLUSTER FAILOVER");
+        eventually(
+            Duration::from_secs(30),
+            "the replica to take the slot over",
+            || async { (self.owner(slot).await.0 == replica).then_some(()) },
+        )
+        .await;
+        wait_cluster_ok(replica, "the cluster to be ok after the failover").await;
+        (owner.0, replica)
+    }
+
+    /// The `(port, id)` of the master serving `slot`.
+    async fn owner(&self, slot: u16) -> (u16, String) {
+        let nodes = self.nodes().await;
+        let (port, id, _) = (nodes.into_iter())
+            .find(|(_, _, r)| r.is_some_and(|(a, b)| (a..=b).contains(&slot)))
+            .expect("the slot's owner");
+        (port, id)
+    }
+
     /// Moves hash slot `slot` to another master while it is written, as `redis-cli --cluster
     /// reshard` does: the target imports it, the owner migrates it, its keys move `batch` at a
     /// time with `pause` between (clients meanwhile get `ASK`, or `TRYAGAIN` for a script whose
@@ -345,8 +393,8 @@ impl RedisCluster {
             .expect("the slot's owner")
             .clone();
         let target = (nodes.iter())
-            .find(|(p, _, _)| *p != owner.0)
-            .expect("another node")
+            .find(|(p, _, r)| *p != owner.0 && r.is_some())
+            .expect("another master")
             .clone();
         let node = |port: u16| connect_owned(format!("redis://127.0.0.1:{port}"));
         let (mut from, mut to) = (node(owner.0).await, node(target.0).await);

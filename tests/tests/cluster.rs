@@ -120,17 +120,22 @@ async fn cluster_at_least_once_counts_a_clean_stream_exactly() {
     }
 }
 
-/// A shard group's hash slot moved to another master while the group is written, under a live
-/// stream: the flushes meet `ASK`, `TRYAGAIN` and then `MOVED`, each retried (none is the
-/// events' fault), and every counter ends exact with nothing dead-lettered.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_group_slot_migrated_while_written_costs_no_event() {
+/// What happens to a shard group's hash slot while the group is written.
+#[derive(Debug, Clone, Copy)]
+enum SlotFault {
+    /// Moved to another master, a few keys at a time (`ASK`, `TRYAGAIN`, then `MOVED`).
+    Migrate,
+    /// Its master failed over to its replica (`MOVED`, and `READONLY` from the demoted one).
+    FailOver,
+}
+
+/// Streams into a cluster, does `fault` to group 0's slot, and checks that every counter ends
+/// exact, with nothing dead-lettered and no CROSSSLOT.
+async fn group_slot_fault(name: &str, cluster: &RedisCluster, fault: SlotFault) {
     use std::sync::Arc;
     use std::sync::atomic::{AtomicBool, Ordering};
-    let _serial = tally_tests::serial().await;
-    let dir = TempDir::new("tally-cluster-migrate");
-    let cluster = RedisCluster::start().await;
-    let setup = AggregatorSetup::create("cluster-migrate", &cluster.url(), 8).await;
+    let dir = TempDir::new("tally-cluster-slot");
+    let setup = AggregatorSetup::create(name, &cluster.url(), 8).await;
     let mut aggregator = setup.spawn(dir.path(), &[]);
     let sending = Arc::new(AtomicBool::new(true));
     let (topic, flag) = (setup.topic.clone(), sending.clone());
@@ -142,19 +147,19 @@ async fn a_group_slot_migrated_while_written_costs_no_event() {
         .wait_metric("tally_flushes_total", 10.0, Duration::from_secs(60))
         .await;
     // Group 0's slot: every key of the group shares it (hash tag).
-    let ks = setup.keyspace();
     let mut conn = tally_tests::connect(&cluster.node_url(0)).await;
     let slot: u16 = redis::cmd("CLUSTER")
         .arg("KEYSLOT")
-        .arg(ks.fence_key(0))
+        .arg(setup.keyspace().fence_key(0))
         .query_async(&mut conn)
         .await
         .expect("KEYSLOT");
-    let (from, to) = cluster
-        .migrate_slot(slot, 2, Duration::from_millis(50))
-        .await;
-    eprintln!("slot {slot} of group 0 moved from {from} to {to}");
-    // Some flushes after the move, then the end of the stream.
+    let (from, to) = match fault {
+        SlotFault::Migrate => (cluster.migrate_slot(slot, 2, Duration::from_millis(50))).await,
+        SlotFault::FailOver => cluster.fail_over(slot).await,
+    };
+    eprintln!("{fault:?}: slot {slot} of group 0 moved from {from} to {to}");
+    // Some flushes after it, then the end of the stream.
     let flushed = aggregator
         .metric("tally_flushes_total")
         .await
@@ -177,8 +182,22 @@ async fn a_group_slot_migrated_while_written_costs_no_event() {
     let dead = (aggregator.metric("tally_events_dead_lettered_total").await).unwrap_or(0.0);
     assert_eq!(dead, 0.0, "valid events were dead-lettered");
     let failed = (aggregator.metric("tally_redis_errors_total").await).unwrap_or(0.0);
-    eprintln!("flush attempts failed and retried: {failed}");
+    eprintln!("{fault:?}: flush attempts failed and retried: {failed}");
     assert!(aggregator.is_running(), "the aggregator died");
     aggregator.stop_gracefully().await;
     assert_no_crossslot(dir.path());
+}
+
+/// A shard group's hash slot moved to another master while the group is written, then (on a
+/// cluster with a replica per master) its master failed over to its replica, each under a live
+/// stream: the flushes meet `ASK`, `TRYAGAIN`, `MOVED` and `READONLY`, none of them the events'
+/// fault, and every counter ends exact with nothing dead-lettered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_group_slot_migrated_or_failed_over_while_written_costs_no_event() {
+    let _serial = tally_tests::serial().await;
+    let cluster = RedisCluster::start().await;
+    group_slot_fault("cluster-migrate", &cluster, SlotFault::Migrate).await;
+    drop(cluster);
+    let cluster = RedisCluster::start_with_replicas(1).await;
+    group_slot_fault("cluster-failover", &cluster, SlotFault::FailOver).await;
 }
