@@ -318,16 +318,20 @@ impl RedisCluster {
         reader(&self.url(), keyspace).await
     }
 
-    /// Each node's `(port, id, first and last slot served)` (one range per master, as
-    /// `redis-cli --cluster create` assigns them), from `CLUSTER NODES`.
-    async fn nodes(&self) -> Vec<(u16, String, Option<(u16, u16)>)> {
-        let mut conn = connect(&format!("redis://127.0.0.1:{}", self.nodes[0].0)).await;
-        let text: String = redis::cmd("CLUSTER")
+    /// `CLUSTER NODES` as node 0 sees it.
+    async fn cluster_nodes(&self) -> String {
+        let mut conn = connect(&self.node_url(0)).await;
+        redis::cmd("CLUSTER")
             .arg("NODES")
             .query_async(&mut conn)
             .await
-            .expect("CLUSTER NODES");
-        (text.lines())
+            .expect("CLUSTER NODES")
+    }
+
+    /// Each node's `(port, id, first and last slot served)` (one range per master, as
+    /// `redis-cli --cluster create` assigns them), from `CLUSTER NODES`.
+    async fn nodes(&self) -> Vec<(u16, String, Option<(u16, u16)>)> {
+        (self.cluster_nodes().await.lines())
             .map(|line| {
                 let fields: Vec<&str> = line.split(' ').collect();
                 let port = fields[1].split(['@', ':']).nth(1).expect("port");
@@ -345,13 +349,7 @@ impl RedisCluster {
     /// the cluster is ok. Returns the old and the new master's ports.
     pub async fn fail_over(&self, slot: u16) -> (u16, u16) {
         let owner = self.owner(slot).await;
-        let mut conn = connect(&format!("redis://127.0.0.1:{}", self.nodes[0].0)).await;
-        let text: String = redis::cmd("CLUSTER")
-            .arg("NODES")
-            .query_async(&mut conn)
-            .await
-            .expect("CLUSTER NODES");
-        let replica: u16 = (text.lines())
+        let replica: u16 = (self.cluster_nodes().await.lines())
             .map(|l| l.split(' ').collect::<Vec<_>>())
             .find(|f| f[2].contains("slave") && f[3] == owner.1)
             .and_then(|f| f[1].split(['@', ':']).nth(1)?.parse().ok())
