@@ -252,7 +252,9 @@ async fn postgres_restarts_statement_timeouts_and_a_small_pool_lose_nothing() {
     let redis = RedisServer::start().await;
     // Few sessions, so that other clients can take them all in no time.
     let mut pg = PgServer::start_with_max_connections(16).await;
-    let setup = AggregatorSetup::create("pg-faults", &redis.url(), 8).await;
+    let mut setup = AggregatorSetup::create("pg-faults", &redis.url(), 8).await;
+    // The default cap on retry delays, whose recovery time the test measures.
+    setup.retry_max_backoff_ms = 2_000;
     // The aggregator logs in as a role of its own (not a superuser), so that the test can keep
     // it out for a moment.
     let (admin, connection) = tokio_postgres::connect(&pg.url(), tokio_postgres::NoTls)
@@ -304,7 +306,8 @@ async fn postgres_restarts_statement_timeouts_and_a_small_pool_lose_nothing() {
     refused("read-only").await;
     run("ALTER SYSTEM RESET default_transaction_read_only").await;
     run("SELECT pg_reload_conf()").await;
-    progress(&aggregator).await;
+    let mut slow = Vec::new();
+    slow.extend(recovered("read-only", &aggregator, &setup.topic).await);
 
     // 2. Every connection slot held by other clients for 10 s (53300), the aggregator's
     // sessions ended.
@@ -312,7 +315,7 @@ async fn postgres_restarts_statement_timeouts_and_a_small_pool_lose_nothing() {
     eprintln!("{} connections held by other clients", hogs.len());
     refused("no connection slot").await;
     drop(hogs);
-    progress(&aggregator).await;
+    slow.extend(recovered("no connection slot", &aggregator, &setup.topic).await);
 
     // 3. A fast shutdown: every session is disconnected; then the server comes back.
     pg.stop_fast();
@@ -371,7 +374,27 @@ async fn postgres_restarts_statement_timeouts_and_a_small_pool_lose_nothing() {
     eprintln!("flush attempts failed and retried: {failed}");
     let dead = (aggregator.metric("tally_events_dead_lettered_total").await).unwrap_or(0.0);
     assert_eq!(dead, 0.0, "valid events were dead-lettered");
+    assert!(
+        slow.is_empty(),
+        "not durable within 5 s of PostgreSQL taking writes again: {slow:?}"
+    );
     aggregator.stop_gracefully().await;
+}
+
+/// How long after `fault` ended everything sent before was durable, if longer than 5 s.
+async fn recovered(
+    fault: &'static str,
+    aggregator: &tally_tests::AggregatorProcess,
+    topic: &str,
+) -> Option<(&'static str, Duration)> {
+    let lifted = std::time::Instant::now();
+    let ends = tally_tests::end_offsets(topic, 8).await;
+    aggregator
+        .wait_durable(&ends, Duration::from_secs(60))
+        .await;
+    let took = lifted.elapsed();
+    eprintln!("{fault}: everything sent before it ended was durable {took:?} after");
+    (took > Duration::from_secs(5)).then_some((fault, took))
 }
 
 /// Direct writes into the rows: a hot counter written by 16 tasks as fast as they can, with the
