@@ -92,11 +92,12 @@ pub struct DeadLetterLog {
 }
 
 impl DeadLetterLog {
-    /// Records `letter`, sent; logs its reason's line if it is due. Returns whether it logged.
-    pub fn record(&self, letter: &DeadLetter) -> bool {
-        self.record_at(letter, Instant::now())
+    /// Records `letter`, sent; logs its reason's line if it is due.
+    pub fn record(&self, letter: &DeadLetter) {
+        self.record_at(letter, Instant::now());
     }
 
+    /// [`DeadLetterLog::record`] at `now`; returns whether it logged.
     fn record_at(&self, letter: &DeadLetter, now: Instant) -> bool {
         let mut reasons = self.reasons.lock().unwrap_or_else(|e| e.into_inner());
         let unlogged = reasons.entry(letter.reason).or_default();

@@ -110,19 +110,7 @@ impl<S: Sink> Flusher<S> {
                     };
                     if !rejected.is_empty() {
                         // The refused deltas were not applied (the rest was): dead-letter them.
-                        let write = GroupWrite {
-                            group: g.group,
-                            field: "",
-                            epoch: 0,
-                            expected_ledger: -1,
-                            next_offset: batch.next_offset,
-                            deltas: &g.deltas,
-                            windows: &g.windows,
-                            resets: &g.resets,
-                            members: &g.members,
-                            watermark: None,
-                        };
-                        let letters = rejected_letters(partition, &write, &rejected);
+                        let letters = rejected_letters(partition, g, batch.next_offset, &rejected);
                         if !self.send_dead_letters(partition, &letters, cancel).await {
                             return FlushOutcome::Cancelled;
                         }
@@ -193,18 +181,8 @@ impl<S: Sink> Flusher<S> {
         // A batch that wrote only into the home group moves the watermark in the same operation.
         let home_only = batch.groups.len() == 1 && batch.groups[0].group == owner.home;
         let groups = batch.groups.len();
-        for (
-            written,
-            GroupBatch {
-                group,
-                deltas,
-                windows,
-                resets,
-                members,
-            },
-        ) in batch.groups.iter_mut().enumerate()
-        {
-            let group = *group;
+        for (written, g) in batch.groups.iter_mut().enumerate() {
+            let group = g.group;
             let watermark = home_only.then(|| {
                 let mut after = owner.ledgers.clone();
                 after[group as usize] = next_offset;
@@ -217,10 +195,10 @@ impl<S: Sink> Flusher<S> {
                     epoch: owner.epoch,
                     expected_ledger: owner.ledgers[group as usize],
                     next_offset,
-                    deltas,
-                    windows,
-                    resets,
-                    members,
+                    deltas: &g.deltas,
+                    windows: &g.windows,
+                    resets: &g.resets,
+                    members: &g.members,
                     watermark: watermark.as_deref(),
                 };
                 let applied = self
@@ -236,7 +214,7 @@ impl<S: Sink> Flusher<S> {
                     Applied::Fenced => return Err(self.fenced(partition, group)),
                     Applied::RolledBack => return Err(self.rolled_back(partition, group)),
                     Applied::Rejected(rejected) => {
-                        let letters = rejected_letters(partition, &write, &rejected);
+                        let letters = rejected_letters(partition, g, next_offset, &rejected);
                         if !self.send_dead_letters(partition, &letters, cancel).await {
                             return Err(FlushOutcome::Cancelled);
                         }
@@ -249,16 +227,16 @@ impl<S: Sink> Flusher<S> {
                         for r in refused {
                             match r {
                                 Refused::Delta(i) => {
-                                    deltas.swap_remove(i);
+                                    g.deltas.swap_remove(i);
                                 }
                                 Refused::Window(i) => {
-                                    windows.swap_remove(i);
+                                    g.windows.swap_remove(i);
                                 }
                                 Refused::Reset(i) => {
-                                    resets.swap_remove(i);
+                                    g.resets.swap_remove(i);
                                 }
                                 Refused::Member(i) => {
-                                    members.swap_remove(i);
+                                    g.members.swap_remove(i);
                                 }
                             }
                         }
@@ -420,12 +398,13 @@ impl<S: Sink> Flusher<S> {
 /// Dead letters for deltas that Redis cannot take: the summed delta and why, one per counter.
 fn rejected_letters(
     partition: i32,
-    write: &GroupWrite<'_>,
+    batch: &GroupBatch,
+    next_offset: i64,
     rejected: &[Rejection],
 ) -> Vec<DeadLetter> {
-    let (group, next_offset) = (write.group, write.next_offset);
+    let group = batch.group;
     let (deltas, windows, resets, members) =
-        (write.deltas, write.windows, write.resets, write.members);
+        (&batch.deltas, &batch.windows, &batch.resets, &batch.members);
     rejected
         .iter()
         .map(|rejection| {

@@ -22,7 +22,7 @@ use crate::sink::{
     Applied, GroupWrite, IdleWrite, Marked, Refused, Rejection, Sink, SinkError, SinkErrorKind,
     Stamp,
 };
-use crate::store_error::RedisReply;
+use crate::store_error::{ERR_NOT_AN_INTEGER, ERR_OVERFLOW, RedisReply};
 use crate::transactions::{Transactions, redis_integer};
 
 /// The Lua scripts, hashed once.
@@ -161,10 +161,8 @@ async fn data_refusal(
     let detail = error.detail().unwrap_or("");
     Ok(match error.code() {
         Some("WRONGTYPE") => Some(DeadLetterReason::WrongType),
-        Some("ERR") if detail.contains("increment or decrement would overflow") => {
-            Some(DeadLetterReason::Overflow)
-        }
-        Some("ERR") if detail.contains("value is not an integer or out of range") => {
+        Some("ERR") if detail.contains(ERR_OVERFLOW) => Some(DeadLetterReason::Overflow),
+        Some("ERR") if detail.contains(ERR_NOT_AN_INTEGER) => {
             let value: Option<Vec<u8>> = redis::cmd("GET").arg(key).query_async(conn).await?;
             (value.is_some_and(|v| redis_integer(&v).is_none()))
                 .then_some(DeadLetterReason::NotAnInteger)
@@ -397,28 +395,34 @@ impl Sink for RedisSink {
                 .arg(ks.journal_key(group, counter))
                 .ignore();
         }
-        let mut keys = Vec::with_capacity(deltas.len() + windows.len());
+        let mut key = String::new();
         for (counter, delta) in deltas {
-            let key = ks.counter_key(group, counter);
+            ks.write_counter_key(&mut key, group, counter);
             pipe.cmd("INCRBY").arg(&key).arg(*delta);
-            keys.push((Refused::Delta(keys.len()), key));
         }
-        for (i, w) in windows.iter().enumerate() {
+        for w in windows {
             let key = ks.window_key(group, &w.counter, w.width_ms, w.start_ms);
             pipe.cmd("INCRBY").arg(&key).arg(w.delta);
             pipe.cmd("PEXPIREAT").arg(&key).arg(w.expire_at_ms).ignore();
-            keys.push((Refused::Window(i), key));
         }
         let mut conn = self.conn.clone();
         let replies: Vec<redis::RedisResult<redis::Value>> = pipe.query_async(&mut conn).await?;
+        // One reply per INCRBY, deltas then windows (the DELs and PEXPIREATs are ignored).
         let mut rejected = Vec::new();
-        for ((refused, key), reply) in keys.iter().zip(replies) {
+        for (i, reply) in replies.into_iter().enumerate() {
             let Err(error) = reply else { continue };
-            match data_refusal(&mut conn, key, &error).await? {
-                Some(reason) => rejected.push(Rejection {
-                    refused: *refused,
-                    reason,
-                }),
+            // Rare: a key is built again only for a refused command.
+            let (refused, key) = match deltas.get(i) {
+                Some((counter, _)) => (Refused::Delta(i), ks.counter_key(group, counter)),
+                None => {
+                    let j = i - deltas.len();
+                    let w = &windows[j];
+                    let key = ks.window_key(group, &w.counter, w.width_ms, w.start_ms);
+                    (Refused::Window(j), key)
+                }
+            };
+            match data_refusal(&mut conn, &key, &error).await? {
+                Some(reason) => rejected.push(Rejection { refused, reason }),
                 // Not about the data: fail the flush (the rest of the transaction ran; the
                 // retry adds it again, a duplicate that at-least-once allows).
                 None => return Err(SinkError::from(error)),

@@ -4,9 +4,11 @@
 //! **No error refuses a delta.** A delta is refused (and its events dead-lettered) only by a
 //! check of the data itself: the flush script or the transaction reads the key and finds another
 //! type, a string that is not a 64-bit integer, or a sum past 64 bits (`scripts/flush.lua`,
-//! `crate::transactions`, `crate::pg_sink`). Every error, whatever its class, fails the whole
-//! write with nothing of it applied, and the flush retries it with capped backoff until the
-//! store takes it; its offsets do not move meanwhile. The class only says what to tell the
+//! `crate::transactions`, `crate::pg_sink`, and at least once `crate::redis_sink`'s reading of
+//! the transaction's per-command replies). Every error, whatever its class, fails the whole
+//! write with nothing of it applied (at least once, see `Sink::apply` for the one exception),
+//! and the flush retries it with capped backoff until the store takes it; its offsets do not
+//! move meanwhile. The class only says what to tell the
 //! operator: whether the store is expected to heal by itself ([`ErrorClass::Unavailable`]),
 //! needs someone to act ([`ErrorClass::Permission`], [`ErrorClass::Data`]), or said something
 //! this table does not know ([`ErrorClass::Unknown`]), which is retried like the rest.
@@ -37,17 +39,6 @@ impl ErrorClass {
     }
 }
 
-impl fmt::Display for ErrorClass {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            ErrorClass::Unavailable => "unavailable",
-            ErrorClass::Permission => "permission",
-            ErrorClass::Data => "data",
-            ErrorClass::Unknown => "unknown",
-        })
-    }
-}
-
 /// Redis's error codes, by class. `ERR` is the catch-all code, told apart by its text below.
 const REDIS_CODES: &[(&str, ErrorClass)] = &[
     ("OOM", ErrorClass::Unavailable),
@@ -70,6 +61,14 @@ const REDIS_CODES: &[(&str, ErrorClass)] = &[
     ("WRONGTYPE", ErrorClass::Data),
 ];
 
+/// The text of Redis's `ERR` for an `INCRBY` on a string it does not read as an integer (also
+/// matched, word for word, in `scripts/flush.lua`).
+pub const ERR_NOT_AN_INTEGER: &str = "value is not an integer or out of range";
+
+/// The text of Redis's `ERR` for an `INCRBY` whose sum would pass 64 bits (also in
+/// `scripts/flush.lua`).
+pub const ERR_OVERFLOW: &str = "increment or decrement would overflow";
+
 /// `ERR` replies by a piece of their text.
 const REDIS_ERR_TEXTS: &[(&str, ErrorClass)] = &[
     ("max number of clients reached", ErrorClass::Unavailable),
@@ -79,8 +78,8 @@ const REDIS_ERR_TEXTS: &[(&str, ErrorClass)] = &[
         "can't run this command or subcommand",
         ErrorClass::Permission,
     ),
-    ("value is not an integer or out of range", ErrorClass::Data),
-    ("increment or decrement would overflow", ErrorClass::Data),
+    (ERR_NOT_AN_INTEGER, ErrorClass::Data),
+    (ERR_OVERFLOW, ErrorClass::Data),
 ];
 
 /// The class of a Redis error reply, `code` being its first word and `detail` the rest.

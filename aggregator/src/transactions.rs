@@ -203,9 +203,15 @@ fn number<T: std::str::FromStr>(value: &Value) -> Result<Option<T>, SinkError> {
 /// digits, no plus sign, spaces, leading zeros or `-0`; that is, exactly the integer's own
 /// decimal form.
 pub fn redis_integer(bytes: &[u8]) -> Option<i64> {
-    let text = std::str::from_utf8(bytes).ok()?;
-    let n: i64 = text.parse().ok()?;
-    (n.to_string() == text).then_some(n)
+    let digits = bytes.strip_prefix(b"-").unwrap_or(bytes);
+    let canonical = match digits {
+        [b'0'] => digits.len() == bytes.len(),
+        [b'0', ..] | [b'+', ..] => false,
+        _ => true,
+    };
+    canonical
+        .then(|| std::str::from_utf8(bytes).ok()?.parse().ok())
+        .flatten()
 }
 
 fn current(value: &Value) -> Result<Current, SinkError> {

@@ -535,36 +535,35 @@ async fn compact(args: CompactArgs) -> anyhow::Result<ExitCode> {
         Backoff::new(Duration::from_millis(100), cap)
     };
     let mut backoff = fresh();
-    // Taking the compactor's epoch, like a pass, is retried in a loop while the store fails.
-    let compactor = loop {
-        let started = Compactor::start(
-            reader.conn().clone(),
-            reader.keyspace().clone(),
-            namespaces.clone(),
-            Duration::from_millis(args.cold_after_ms),
-        )
-        .await;
-        match started {
-            Ok(compactor) => break compactor,
-            Err(error) if args.repeat && !matches!(error, CompactError::Cluster) => {
-                eprintln!("starting compaction failed, retrying: {error}");
-                tokio::select! {
-                    () = cancel.cancelled() => return Ok(ExitCode::SUCCESS),
-                    () = tokio::time::sleep(backoff.next_delay()) => {}
-                }
-            }
-            Err(error) => return Err(error.into()),
-        }
-    };
-    let mut backoff = fresh();
+    let mut compactor: Option<Compactor> = None;
     loop {
-        let r = match compactor.pass().await {
-            Ok(r) => r,
-            // A store that refuses or fails (out of memory, read-only, unreachable, anything but
-            // a newer compactor) is retried in a loop: each pass starts by finishing the moves an
-            // interrupted one journaled.
-            Err(error) if args.repeat && !matches!(error, CompactError::Fenced) => {
-                eprintln!("compaction pass failed, retrying: {error}");
+        // Taking the compactor's epoch first, then a pass each round.
+        let attempt = if let Some(running) = &compactor {
+            running.pass().await.map(Some)
+        } else {
+            let started = Compactor::start(
+                reader.conn().clone(),
+                reader.keyspace().clone(),
+                namespaces.clone(),
+                Duration::from_millis(args.cold_after_ms),
+            )
+            .await;
+            started.map(|started| {
+                compactor = Some(started);
+                None
+            })
+        };
+        let r = match attempt {
+            Ok(Some(r)) => r,
+            Ok(None) => continue,
+            // A store that refuses or fails (out of memory, read-only, unreachable: anything but
+            // a newer compactor or a cluster) is retried in a loop: each pass starts by finishing
+            // the moves an interrupted one journaled.
+            Err(error)
+                if args.repeat
+                    && !matches!(error, CompactError::Fenced | CompactError::Cluster) =>
+            {
+                eprintln!("compaction failed, retrying: {error}");
                 tokio::select! {
                     () = cancel.cancelled() => return Ok(ExitCode::SUCCESS),
                     () = tokio::time::sleep(backoff.next_delay()) => continue,

@@ -389,6 +389,13 @@ impl AggregatorProcess {
             .and_then(|v| v.parse().ok())
     }
 
+    /// Waits until `more` flushes beyond those made so far are durable (`tally_flushes_total`).
+    pub async fn wait_more_flushes(&self, more: f64, timeout: Duration) {
+        let now = self.metric("tally_flushes_total").await.unwrap_or(0.0);
+        self.wait_metric("tally_flushes_total", now + more, timeout)
+            .await;
+    }
+
     /// Waits until every partition `p` is durable up to `ends[p]` (`tally_durable_offset`), and
     /// returns how long that took; on timeout, panics with the end of the process's log.
     pub async fn wait_durable(&self, ends: &[i64], timeout: Duration) -> Duration {

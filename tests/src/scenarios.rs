@@ -188,13 +188,8 @@ pub async fn zombie_is_fenced_off<'a>(name: &str, store: impl Into<Store<'a>>, g
         .wait_metric("tally_assigned_partitions", 8.0, Duration::from_secs(60))
         .await;
     // Let the survivor stamp its fences and flush before the zombie wakes up.
-    let flushed = survivor.metric("tally_flushes_total").await.unwrap_or(0.0);
     survivor
-        .wait_metric(
-            "tally_flushes_total",
-            flushed + 8.0,
-            Duration::from_secs(30),
-        )
+        .wait_more_flushes(8.0, Duration::from_secs(30))
         .await;
     assert!(!load.is_finished(), "the load ended while the zombie slept");
     zombie.signal("CONT");

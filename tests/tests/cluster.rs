@@ -160,16 +160,8 @@ async fn group_slot_fault(name: &str, cluster: &RedisCluster, fault: SlotFault) 
     };
     eprintln!("{fault:?}: slot {slot} of group 0 moved from {from} to {to}");
     // Some flushes after it, then the end of the stream.
-    let flushed = aggregator
-        .metric("tally_flushes_total")
-        .await
-        .unwrap_or(0.0);
     aggregator
-        .wait_metric(
-            "tally_flushes_total",
-            flushed + 10.0,
-            Duration::from_secs(60),
-        )
+        .wait_more_flushes(10.0, Duration::from_secs(60))
         .await;
     sending.store(false, Ordering::Relaxed);
     let totals = sent.await.expect("stream");

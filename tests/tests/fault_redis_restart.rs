@@ -64,17 +64,9 @@ async fn redis_back_with_an_older_state_is_re_fed_from_kafka() {
         .wait_metric("tally_flushes_total", 10.0, Duration::from_secs(60))
         .await;
     redis.snapshot().await;
-    let at_snapshot = aggregator
-        .metric("tally_flushes_total")
-        .await
-        .unwrap_or(0.0);
     // Let at least 16 more flushes land, then lose them all.
     aggregator
-        .wait_metric(
-            "tally_flushes_total",
-            at_snapshot + 16.0,
-            Duration::from_secs(60),
-        )
+        .wait_more_flushes(16.0, Duration::from_secs(60))
         .await;
     redis.restore_snapshot().await;
     assert!(!load.is_finished(), "the load ended before the rollback");
