@@ -232,9 +232,6 @@ impl<S: Sink> Flusher<S> {
                                 Refused::Window(i) => {
                                     g.windows.swap_remove(i);
                                 }
-                                Refused::Reset(i) => {
-                                    g.resets.swap_remove(i);
-                                }
                                 Refused::Member(i) => {
                                     g.members.swap_remove(i);
                                 }
@@ -403,8 +400,7 @@ fn rejected_letters(
     rejected: &[Rejection],
 ) -> Vec<DeadLetter> {
     let group = batch.group;
-    let (deltas, windows, resets, members) =
-        (&batch.deltas, &batch.windows, &batch.resets, &batch.members);
+    let (deltas, windows, members) = (&batch.deltas, &batch.windows, &batch.members);
     rejected
         .iter()
         .map(|rejection| {
@@ -423,11 +419,6 @@ fn rejected_letters(
                         "bucket_start_ms": w.start_ms,
                     });
                     (&w.counter, payload, w.delta)
-                }
-                Refused::Reset(i) => {
-                    let counter = &resets[i];
-                    let payload = serde_json::json!({ "counter": counter, "reset": true });
-                    (counter, payload, 0)
                 }
                 Refused::Member(i) => {
                     let m = &members[i];

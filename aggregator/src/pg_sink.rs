@@ -7,13 +7,15 @@
 //!
 //! Each exactly-once flush into a group is one transaction: it locks the partition's fence and
 //! ledger row in that group and the batch's share rows (in counter order, so two flushes never
-//! deadlock), applies likes and unlikes through the `members` table (a like adds 1 only if the
-//! actor was not a member, an unlike takes 1 only if it was, in the batch's order), decides exactly as the Redis script does (`crate::transactions::flush_verdict`:
-//! fenced, already applied, rolled back, or a delta that would overflow 64 bits), then applies
-//! the batch as one multi-row upsert (`INSERT … ON CONFLICT … DO UPDATE SET value = value +
-//! EXCLUDED.value`), moves the ledger, and stores the watermark when asked, and commits. So a
-//! crash, a retried flush whose first attempt committed, and a zombie owner all end with every
-//! offset applied once, as with Redis.
+//! deadlock), decides exactly as the Redis script does (`crate::transactions::flush_verdict`:
+//! fenced, already applied, rolled back, or a delta that would overflow 64 bits), then clears
+//! the group's part of each reset (the counter's share row here and the `members` rows whose
+//! like it holds), applies the deltas as one multi-row upsert (`INSERT … ON CONFLICT … DO
+//! UPDATE SET value = value + EXCLUDED.value`), applies likes and unlikes through `members` in
+//! the batch's order (a like adds 1 only if the actor was not a member, an unlike takes 1 only
+//! if it was), moves the ledger, stores the watermark when asked, and commits. So a crash, a
+//! retried flush whose first attempt committed, and a zombie owner all end with every offset
+//! applied once, as with Redis.
 //!
 //! Connections come from a pool (deadpool-postgres). Errors are classified by their SQLSTATE
 //! (`crate::store_error`): a lost connection, a pool timeout, a shutdown, too many connections,
@@ -32,7 +34,6 @@ use crate::transactions::{
     Current, MemberState, flush_verdict, next_epoch_after, rejections, stamp_refusal,
     watermark_refusal,
 };
-use tally_common::DeadLetterReason;
 use tally_common::pg::Schema;
 
 /// Classifies a PostgreSQL error by its SQLSTATE (`crate::store_error::pg_class`).
@@ -179,17 +180,6 @@ impl PgSink {
     async fn apply_fenced_now(&self, write: GroupWrite<'_>) -> Result<Applied, SinkError> {
         let sql = &self.schema.sql;
         no_windows(write.windows)?;
-        if !write.resets.is_empty() {
-            // Not supported here: each is dead-lettered, and the rest of the write goes on.
-            return Ok(Applied::Rejected(
-                (0..write.resets.len())
-                    .map(|i| Rejection {
-                        refused: Refused::Reset(i),
-                        reason: DeadLetterReason::Rejected,
-                    })
-                    .collect(),
-            ));
-        }
         let mut client = self.client().await?;
         let tx = client.transaction().await?;
         let shard = write.group as i32;
@@ -201,18 +191,27 @@ impl PgSink {
             .and_then(|r| r.get::<_, Option<i64>>(0))
             .map(|f| f as u64);
         let ledger: Option<i64> = row.as_ref().and_then(|r| r.get(1));
-        // Every share the write touches, locked in counter order.
+        // Every share the write touches, and every share it resets, locked in counter order.
         let mut touched: Vec<&str> = (write.deltas.iter().map(|(c, _)| c.as_str()))
             .chain(write.members.iter().map(|m| m.counter.as_str()))
             .collect();
         touched.sort_unstable();
         touched.dedup();
-        let rows = tx.query(&sql.lock_shares, &[&shard, &touched]).await?;
+        let mut locked: Vec<&str> = touched
+            .iter()
+            .copied()
+            .chain(write.resets.iter().map(String::as_str))
+            .collect();
+        locked.sort_unstable();
+        locked.dedup();
+        let rows = tx.query(&sql.lock_shares, &[&shard, &locked]).await?;
         let held: std::collections::HashMap<String, i64> =
             rows.iter().map(|r| (r.get(0), r.get(1))).collect();
-        let current = |counter: &str| {
-            held.get(counter)
-                .map_or(Current::Missing, |v| Current::Integer(*v))
+        // A reset counter's share is cleared before the write: what the batch adds to it
+        // starts from nothing.
+        let current = |counter: &str| match held.get(counter) {
+            Some(v) if !write.resets.iter().any(|r| r == counter) => Current::Integer(*v),
+            _ => Current::Missing,
         };
         let currents: Vec<Current> = write.deltas.iter().map(|(c, _)| current(c)).collect();
         // A members table always takes a like: only the share can refuse one (64 bits).
@@ -225,6 +224,13 @@ impl PgSink {
         if let Some(verdict) = flush_verdict(fence, ledger, &currents, &[], &members, &write) {
             // Nothing written: the transaction rolls back as it is dropped.
             return Ok(verdict);
+        }
+        if !write.resets.is_empty() {
+            // This group's part of each reset: its share, and the members whose likes it holds.
+            tx.execute(&sql.reset_shares, &[&shard, &write.resets])
+                .await?;
+            tx.execute(&sql.reset_members, &[&shard, &write.resets])
+                .await?;
         }
         // Every touched share row exists after this, created in counter order (a counter only
         // liked gets a 0 first), so the likes below take no new locks out of order.

@@ -285,12 +285,11 @@ impl RedisSink {
             Some("rejected") => reply[1..]
                 .chunks(2)
                 .map(|pair| match pair {
+                    // A reason not about the data is not a refusal: the write is retried.
                     [index, reason] => (index.parse().ok())
                         .and_then(|i| write.refused(i))
-                        .map(|refused| Rejection {
-                            refused,
-                            reason: DeadLetterReason::from_script(reason),
-                        })
+                        .zip(DeadLetterReason::from_script(reason))
+                        .map(|(refused, reason)| Rejection { refused, reason })
                         .ok_or_else(|| unexpected(&reply)),
                     _ => Err(unexpected(&reply)),
                 })

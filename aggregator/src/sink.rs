@@ -181,8 +181,6 @@ pub enum Refused {
     Delta(usize),
     /// `windows[i]`.
     Window(usize),
-    /// `resets[i]` (a store that cannot reset).
-    Reset(usize),
     /// `members[i]`.
     Member(usize),
 }

@@ -26,7 +26,8 @@ pub enum DeadLetterReason {
     WrongType,
     /// A key the delta goes to holds a string that is not an integer.
     NotAnInteger,
-    /// Redis refused the delta for a reason not listed above.
+    /// A store refused the delta for a reason not listed above. No longer given: written by
+    /// earlier versions (PostgreSQL resets), and kept so that their dead letters still read.
     Rejected,
 }
 
@@ -61,10 +62,15 @@ impl DeadLetterReason {
         }
     }
 
-    /// The reason a script gave for refusing a delta: the label, or [`Self::Rejected`] for one
-    /// this build does not know (a newer script), so that nothing is lost for want of a label.
-    pub fn from_script(label: &str) -> Self {
-        label.parse().unwrap_or(Self::Rejected)
+    /// The reason a script gave for refusing a delta, if it is one about the data
+    /// ([`Self::Overflow`], [`Self::WrongType`], [`Self::NotAnInteger`]): the only reasons a
+    /// store may refuse one. Any other label is not a refusal to dead-letter on (the write is
+    /// retried instead).
+    pub fn from_script(label: &str) -> Option<Self> {
+        match label.parse() {
+            Ok(reason @ (Self::Overflow | Self::WrongType | Self::NotAnInteger)) => Some(reason),
+            _ => None,
+        }
     }
 }
 
@@ -101,8 +107,11 @@ mod tests {
         }
         assert!("nonsense".parse::<DeadLetterReason>().is_err());
         assert_eq!(
-            DeadLetterReason::from_script("from_a_newer_script"),
-            DeadLetterReason::Rejected
+            DeadLetterReason::from_script("overflow"),
+            Some(DeadLetterReason::Overflow)
         );
+        for label in ["from_a_newer_script", "rejected", "undecodable", ""] {
+            assert_eq!(DeadLetterReason::from_script(label), None, "{label}");
+        }
     }
 }

@@ -32,6 +32,11 @@ pub const MIGRATIONS: &[(i32, &str, &str)] = &[
         "fillfactor for rows updated in place",
         include_str!("pg/0003_fillfactor.sql"),
     ),
+    (
+        4,
+        "the shard each like was counted in",
+        include_str!("pg/0004_member_shards.sql"),
+    ),
 ];
 
 /// How long an operation waits for a pooled connection (or for a new one to be made) before it
@@ -71,6 +76,9 @@ pub struct Statements {
     pub upsert_shares: String,
     /// `$1` shard, `$2` counters: deletes their shares there (a reset).
     pub reset_shares: String,
+    /// `$1` shard, `$2` counters: deletes the members whose likes their shares there hold, and
+    /// those from before the shard was recorded (a reset).
+    pub reset_members: String,
     /// `$1` shard, `$2` counters: their shares there, locked, in counter order.
     pub lock_shares: String,
     /// `$1` field, `$2` shard: the fence and ledger, locked.
@@ -117,6 +125,9 @@ impl Schema {
                  ON CONFLICT (counter, shard) DO UPDATE SET value = t.value + EXCLUDED.value"
             ),
             reset_shares: format!("DELETE FROM {s}.shares WHERE shard = $1 AND counter = ANY($2)"),
+            reset_members: format!(
+                "DELETE FROM {s}.members WHERE counter = ANY($2) AND (shard = $1 OR shard IS NULL)"
+            ),
             lock_shares: format!(
                 "SELECT counter, value FROM {s}.shares WHERE shard = $1 AND counter = ANY($2) \
                  ORDER BY counter FOR UPDATE"
@@ -148,7 +159,7 @@ impl Schema {
             ),
             shares: format!("SELECT shard, value FROM {s}.shares WHERE counter = $1"),
             like: format!(
-                "WITH added AS (INSERT INTO {s}.members (counter, actor) VALUES ($1, $2) \
+                "WITH added AS (INSERT INTO {s}.members (counter, actor, shard) VALUES ($1, $2, $3) \
                  ON CONFLICT DO NOTHING RETURNING counter) \
                  INSERT INTO {s}.shares AS t (counter, shard, value) SELECT counter, $3, 1 FROM added \
                  ON CONFLICT (counter, shard) DO UPDATE SET value = t.value + 1"

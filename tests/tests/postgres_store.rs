@@ -589,9 +589,14 @@ async fn overflow_is_refused_and_bad_messages_dead_lettered_with_postgres() {
     aggregator.stop_gracefully().await;
 }
 
-/// At-least-once into PostgreSQL: without faults, every event counts once.
+/// At-least-once into PostgreSQL: without faults, every event counts once, and a delta that
+/// would take a share past 64 bits is refused (dead-lettered as `overflow`) while the rest of
+/// its batch is written.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn at_least_once_into_postgres_counts_every_event() {
+    use rdkafka::ClientConfig;
+    use rdkafka::producer::{FutureProducer, FutureRecord};
+
     let _serial = serial().await;
     let dir = TempDir::new("tally-pg-alo");
     let redis = RedisServer::start().await;
@@ -607,8 +612,50 @@ async fn at_least_once_into_postgres_counts_every_event() {
         "at-least-once",
     ];
     let mut aggregator = setup.spawn(dir.path(), &flags);
+    aggregator
+        .wait_metric("tally_assigned_partitions", 4.0, Duration::from_secs(60))
+        .await;
+    // Partition 0 writes to shard group 0, where the near-full share is put.
+    let (client, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .expect("connects");
+    tokio::spawn(connection);
+    let near_max = i64::MAX - 10;
+    let shares = format!("\"{}\".shares", setup.key_prefix);
+    client
+        .execute(
+            &format!("INSERT INTO {shares} VALUES ('big:1', 0, $1)"),
+            &[&near_max],
+        )
+        .await
+        .expect("near-full share");
+
     let load = start_load(&setup.topic, spec(50_000, 0, seed()));
+    let plain: FutureProducer = ClientConfig::new()
+        .set("bootstrap.servers", tally_tests::brokers())
+        .create()
+        .expect("producer");
+    let record = FutureRecord::<str, str>::to(&setup.topic)
+        .payload(r#"{"counter":"big:1","delta":100}"#)
+        .key("big:1")
+        .partition(0);
+    tally_tests::assert_delivered(vec![tally_tests::enqueue_raw(&plain, record)]).await;
     let sent = finish_load(load, 50_000).await;
     wait_for_postgres_totals(&redis.url(), &url, &setup, &sent.totals).await;
+    let letters = tally_tests::read_dead_letters(&setup.dead_letter_topic, 1);
+    assert_eq!(letters[0].reason, "overflow");
+    assert!(String::from_utf8_lossy(&letters[0].payload).contains("big:1"));
+    let big: i64 = client
+        .query_one(
+            &format!("SELECT value FROM {shares} WHERE counter = 'big:1'"),
+            &[],
+        )
+        .await
+        .expect("big:1")
+        .get(0);
+    assert_eq!(big, near_max, "the overflowing delta was not applied");
+    assert!(aggregator.is_running());
     aggregator.stop_gracefully().await;
+    let dead = tally_tests::end_offsets(&setup.dead_letter_topic, 1).await;
+    assert_eq!(dead, vec![1], "one dead letter: the refused delta");
 }
