@@ -15,7 +15,9 @@ use tally_common::CounterEvent;
 use tally_producer::{Producer, ProducerConfig};
 use tally_tests::postgres::PgServer;
 use tally_tests::scenarios::Store;
-use tally_tests::{NamespacedSetup, PacedSender, brokers, kill_repeatedly, seed, wait_for_totals};
+use tally_tests::{
+    NamespacedSetup, PacedSender, brokers, end_offsets, kill_repeatedly, seed, wait_for_totals,
+};
 
 const RATE: u64 = 10_000;
 
@@ -89,6 +91,10 @@ async fn resets_clear_what_came_before(name: &str, grouping: &str, postgres: Opt
     producer.unlike(post, "u4").await.expect("sent");
     truth.insert(post.to_owned(), 2);
 
+    // Durable to the log's end first: the totals alone pass through the expected values on the
+    // way (2 after the first two likes), while a membership read then would see u0 still in.
+    let ends = end_offsets(&setup.topic, 8).await;
+    last.wait_durable(&ends, Duration::from_secs(90)).await;
     let counts = store.reader(setup.keyspace()).await;
     wait_for_totals(&counts, &truth, Duration::from_secs(90)).await;
     for actor in 0..8 {
