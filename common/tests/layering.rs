@@ -241,11 +241,7 @@ fn no_cycle_of_modules_in_any_crate() {
         counted.values().sum::<usize>() > 100,
         "too few module edges found to trust the check: {counted:?}"
     );
-    assert!(
-        found.is_empty(),
-        "modules in cycles:\n{}",
-        found.join("\n")
-    );
+    assert!(found.is_empty(), "modules in cycles:\n{}", found.join("\n"));
     println!("module edges per crate: {counted:?}");
 }
 
@@ -276,7 +272,10 @@ fn the_checker_sees_a_cycle_when_there_is_one() {
     std::fs::write(dir.join("b/c.rs"), "fn f() { crate::a::y(); }\n").expect("c");
     let e = edges(&dir);
     assert_eq!(cycles(&e), vec![vec![m("a"), m("b"), m("b/c")]]);
-    assert_eq!(one_cycle(&e, &cycles(&e)[0]), [m("a"), m("b"), m("b/c"), m("a")]);
+    assert_eq!(
+        one_cycle(&e, &cycles(&e)[0]),
+        [m("a"), m("b"), m("b/c"), m("a")]
+    );
     std::fs::remove_dir_all(dir).ok();
 }
 

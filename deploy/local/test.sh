@@ -20,12 +20,15 @@ fi
 
 log "cargo fmt --check"
 cargo fmt --all -- --check
-if cargo clippy --version >/dev/null 2>&1; then
-  log "cargo clippy"
-  cargo clippy --workspace --all-targets --locked -- -D warnings
-else
-  log "clippy is not installed with this toolchain: lint step skipped"
+if ! cargo clippy --version >/dev/null 2>&1; then
+  log "clippy is not installed with this toolchain: adding it (rustup component add clippy)"
+  rustup component add clippy || {
+    log "clippy is required (the lint step is part of the test run) and could not be installed"
+    exit 1
+  }
 fi
+log "cargo clippy"
+cargo clippy --workspace --all-targets --locked -- -D warnings
 
 log "validating the deployment files (deploy/validate.sh)"
 "$root/deploy/validate.sh"

@@ -1,11 +1,39 @@
 //! Decompressing a batch's records section: gzip, Snappy (raw or Java's xerial framing), LZ4
 //! frames and Zstandard frames: every codec Kafka defines. A codec id Kafka does not define is
 //! an error naming it (the aggregator dead-letters such a batch whole, as it does any batch it
-//! cannot read).
+//! cannot read). And compressing one, for the appender: LZ4 frames or gzip.
 
-use std::io::Read;
+use std::io::{Read, Write};
 
+use crate::config::Codec;
 use crate::records::Compression;
+
+/// `section` compressed with `codec`, with the batch attributes that name it; `None` for
+/// [`Codec::None`], or when compressing failed or saved nothing (the batch then goes plain).
+pub fn compress(codec: Codec, section: &[u8]) -> Option<(i16, Vec<u8>)> {
+    match codec {
+        Codec::None => None,
+        Codec::Lz4 => {
+            let mut encoder =
+                lz4_flex::frame::FrameEncoder::new(Vec::with_capacity(section.len() / 2));
+            encoder
+                .write_all(section)
+                .ok()
+                .and_then(|()| encoder.finish().ok())
+                .map(|out| (3i16, out))
+        }
+        Codec::Gzip => {
+            let mut encoder =
+                flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+            encoder
+                .write_all(section)
+                .ok()
+                .and_then(|()| encoder.finish().ok())
+                .map(|out| (1i16, out))
+        }
+    }
+    .filter(|(_, out)| out.len() < section.len())
+}
 
 /// A records section that could not be decompressed.
 #[derive(Debug, thiserror::Error)]

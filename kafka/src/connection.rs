@@ -358,6 +358,24 @@ impl Connection {
         protocol::parse_metadata(&buf, topic).map_err(|e| self.malformed(e))
     }
 
+    /// A producer id and epoch for an idempotent producer (`InitProducerId`).
+    pub async fn init_producer_id(&mut self) -> Result<(i64, i16), String> {
+        let mut buf = Vec::new();
+        self.request(
+            protocol::INIT_PRODUCER_ID,
+            protocol::init_producer_id_request,
+            &mut buf,
+        )
+        .await
+        .map_err(|e| e.to_string())?;
+        let (error, id, epoch) =
+            protocol::parse_init_producer_id(&buf).map_err(|e| e.to_string())?;
+        if error.is_error() {
+            return Err(format!("InitProducerId: {error}"));
+        }
+        Ok((id, epoch))
+    }
+
     /// Where the logs of `partitions` start or end.
     pub async fn list_offsets(
         &mut self,

@@ -14,7 +14,8 @@ use tally_producer::WriteError;
 use utoipa::{IntoParams, ToSchema};
 
 use crate::error::{ApiError, ErrorBody};
-use crate::state::{AppState, MAX_BATCH, MAX_TOP};
+use crate::limits::{MAX_BATCH, MAX_TOP};
+use crate::state::AppState;
 
 /// One counter's total.
 #[derive(Debug, Serialize, ToSchema)]

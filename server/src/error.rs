@@ -24,7 +24,7 @@ use serde::Serialize;
 use tally_common::ReadError;
 use utoipa::ToSchema;
 
-use crate::state::MAX_BODY_BYTES;
+use crate::limits::MAX_BODY_BYTES;
 
 /// The body of every error answer.
 #[derive(Debug, Serialize, ToSchema)]

@@ -26,11 +26,13 @@ pub mod config;
 pub mod counters;
 pub mod error;
 pub mod events;
+pub mod limits;
 pub mod metrics;
 pub mod pipeline;
 pub mod routes;
 pub mod state;
 
 pub use events::MAX_EVENTS;
+pub use limits::{MAX_BATCH, MAX_BODY_BYTES, MAX_TOP, READY_PING_TIMEOUT};
 pub use routes::{api, router};
-pub use state::{AppState, MAX_BATCH, MAX_BODY_BYTES, MAX_TOP, READY_PING_TIMEOUT};
+pub use state::AppState;

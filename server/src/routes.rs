@@ -17,9 +17,10 @@ use crate::auth::{self, Guard, Scope, Tokens};
 use crate::counters;
 use crate::error::{ApiError, ErrorBody};
 use crate::events;
+use crate::limits::{MAX_BODY_BYTES, READY_PING_TIMEOUT};
 use crate::metrics;
 use crate::pipeline::PipelineState;
-use crate::state::{AppState, MAX_BODY_BYTES, READY_PING_TIMEOUT};
+use crate::state::AppState;
 
 /// The operator console: one page, no build step.
 const CONSOLE: &str = include_str!("console.html");

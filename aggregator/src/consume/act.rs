@@ -1,0 +1,302 @@
+//! The state machines' actions carried out: ticks, task reports, flush and check tasks,
+//! acquisitions, seeks, pauses and offset commits.
+
+use std::time::{Duration, Instant};
+
+use rdkafka::consumer::{CommitMode, Consumer, ConsumerContext};
+use rdkafka::{Offset, TopicPartitionList};
+use tally_kafka::Start;
+use tokio::task::JoinHandle;
+
+use crate::backoff::Backoff;
+use crate::batch::Pace;
+use crate::fence::{self, Resume};
+use crate::flush::FlushOutcome;
+use crate::partition::Action;
+use crate::sink::Sink;
+
+use super::{Done, Report, Shared, Slot, Task, lock, warm_up_ids};
+
+impl<S: Sink> Shared<S> {
+    /// Starts flushes of due buffers and checks of idle owners, and refreshes the buffer gauges.
+    pub(crate) fn tick<X: ConsumerContext, K: Consumer<X>>(&self, consumer: &K) {
+        let now = Instant::now();
+        let mut parts = lock(&self.partitions);
+        let (mut buffered, mut paused, mut catching_up) = (0, 0, 0);
+        for (&partition, slot) in parts.map.iter_mut() {
+            let (pace, action) = (slot.machine).on_tick(
+                &self.settings.limits,
+                self.settings.check_idle_interval,
+                now,
+            );
+            if let Some(action) = action {
+                self.execute(consumer, partition, slot, action);
+            }
+            catching_up += usize::from(pace == Pace::CatchingUp);
+            buffered += slot.machine.pending_events();
+            paused += usize::from(slot.machine.paused);
+        }
+        self.metrics
+            .buffers(buffered, parts.map.len(), paused, catching_up);
+    }
+
+    /// A task reported back.
+    pub(crate) fn report<X: ConsumerContext, K: Consumer<X>>(&self, consumer: &K, report: Report) {
+        let Report {
+            partition,
+            generation,
+            done,
+        } = report;
+        let mut parts = lock(&self.partitions);
+        let Some(slot) = parts.map.get_mut(&partition) else {
+            return;
+        };
+        if slot.machine.generation != generation {
+            // A report from an earlier ownership, already handled by the revoke.
+            return;
+        }
+        let (limits, now) = (&self.settings.limits, Instant::now());
+        let actions = match done {
+            Done::Flushed(outcome) => {
+                slot.task = None;
+                slot.machine.on_flushed(outcome, limits, now)
+            }
+            Done::Checked(standing) => {
+                slot.task = None;
+                slot.machine.on_checked(standing, limits, now)
+            }
+            Done::Acquired {
+                owner,
+                resume,
+                log_end,
+                ids,
+            } => {
+                slot.acquiring = None;
+                slot.ids = ids;
+                tracing::info!(partition, epoch = owner.epoch, ?resume, "partition owned");
+                vec![slot.machine.on_acquired(owner, resume, log_end)]
+            }
+        };
+        for action in actions {
+            self.execute(consumer, partition, slot, action);
+        }
+    }
+
+    /// Carries out one of a partition's actions.
+    pub(super) fn execute<X: ConsumerContext, K: Consumer<X>>(
+        &self,
+        consumer: &K,
+        partition: i32,
+        slot: &mut Slot,
+        action: Action,
+    ) {
+        let generation = slot.machine.generation;
+        match action {
+            Action::Flush { batch, owner } => {
+                let flusher = self.flusher.clone();
+                let cancel = self.hard_stop.clone();
+                let done_tx = self.done_tx.clone();
+                slot.task = Some(Task::Flush(tokio::spawn(async move {
+                    // In the task, not the consume loop: feeding the sketches costs a hash per
+                    // counter.
+                    let trending = flusher.trending.as_ref();
+                    let warm = trending.map(|t| t.observe(&batch)).unwrap_or_default();
+                    let outcome = flusher.flush(partition, batch, owner, &cancel).await;
+                    // The loop may be gone (shutdown); the outcome is also the task's output.
+                    let _ = done_tx.send(Report {
+                        partition,
+                        generation,
+                        done: Done::Flushed(outcome.clone()),
+                    });
+                    if let (FlushOutcome::Durable { .. }, Some(trending)) = (&outcome, trending)
+                        && !warm.is_empty()
+                    {
+                        trending.warm(&warm).await;
+                    }
+                    outcome
+                })));
+            }
+            Action::Check(owner) => {
+                let flusher = self.flusher.clone();
+                let done_tx = self.done_tx.clone();
+                slot.task = Some(Task::Check(tokio::spawn(async move {
+                    let standing = flusher.verify(partition, &owner).await;
+                    let _ = done_tx.send(Report {
+                        partition,
+                        generation,
+                        done: Done::Checked(standing),
+                    });
+                    standing
+                })));
+            }
+            Action::Commit(next_offset) => self.durable(consumer, partition, next_offset),
+            Action::Pause => self.set_paused(consumer, partition, slot, true),
+            Action::Resume => self.set_paused(consumer, partition, slot, false),
+            Action::Acquire => slot.acquiring = Some(self.spawn_acquire(partition, generation)),
+            Action::Seek(resume) => {
+                let sought = match &self.fetcher {
+                    Some(fetcher) => {
+                        let start = match resume {
+                            Resume::Beginning => Start::Earliest,
+                            Resume::At(offset) => Start::At(offset),
+                        };
+                        // Paused, as the partition is while it is acquired; the resume follows.
+                        slot.epoch = fetcher.seek(partition, start, true);
+                        true
+                    }
+                    None => {
+                        let offset = match resume {
+                            Resume::Beginning => Offset::Beginning,
+                            Resume::At(offset) => Offset::Offset(offset),
+                        };
+                        let topic = &self.settings.topic;
+                        let sought =
+                            consumer.seek(topic, partition, offset, Duration::from_secs(10));
+                        if let Err(error) = &sought {
+                            // Without the seek the position is unknown: stay paused and acquire
+                            // again.
+                            tracing::warn!(partition, %error, "seek failed; acquiring the partition again");
+                        }
+                        sought.is_ok()
+                    }
+                };
+                let next = slot.machine.on_seek(sought, Instant::now());
+                self.execute(consumer, partition, slot, next);
+            }
+        }
+    }
+
+    /// A flush up to `next_offset` is durable: commit it.
+    pub(super) fn durable<X: ConsumerContext, K: Consumer<X>>(
+        &self,
+        consumer: &K,
+        partition: i32,
+        next_offset: i64,
+    ) {
+        if let Some(limit) = self.settings.crash_after_flushes {
+            let n = self
+                .flushes
+                .fetch_add(1, std::sync::atomic::Ordering::SeqCst)
+                + 1;
+            if n >= limit {
+                eprintln!("failpoint: aborting after {n} durable flushes, before committing");
+                std::process::abort();
+            }
+        }
+        self.commit(consumer, &[(partition, next_offset)], CommitMode::Async);
+        self.metrics.durable(partition, next_offset);
+    }
+
+    /// Starts acquiring exactly-once ownership of `partition`, retrying until it succeeds; the
+    /// result comes back as a [`Report`] of [`Done::Acquired`].
+    pub(super) fn spawn_acquire(&self, partition: i32, generation: u64) -> JoinHandle<()> {
+        let sink = self.flusher.sink.clone();
+        let dead_letters = self.flusher.dead_letters.clone();
+        let keyspace = self.settings.keyspace.clone();
+        let spread = self.settings.partition_spread;
+        let topic = self.settings.topic.clone();
+        let metrics = self.metrics.clone();
+        let done_tx = self.done_tx.clone();
+        let (initial, max) = (self.flusher.retry_initial, self.flusher.retry_max);
+        let warm_up = self.warm_up.clone();
+        tokio::spawn(async move {
+            let mut backoff = Backoff::new(initial, max);
+            loop {
+                match fence::acquire(&sink, &keyspace, &topic, partition, spread).await {
+                    Ok((owner, resume)) => {
+                        // Where the log starts and ends: its end sets the partition's pace
+                        // from the first message (statistics come a second later). Seek to its
+                        // first offset rather than to the logical beginning: librdkafka is
+                        // already resolving the group's starting offset, and a seek to a
+                        // logical offset outdates that lookup, which it then retries only
+                        // after 500 ms (every first start of a group paid it).
+                        let watermarks = dead_letters.watermarks(partition).await;
+                        let resume = match (resume, watermarks) {
+                            (Resume::Beginning, Some((low, _))) => Resume::At(low),
+                            (resume, _) => resume,
+                        };
+                        let ids = match &warm_up {
+                            Some(warm_up) => match warm_up_ids(warm_up, partition, resume).await {
+                                Ok(ids) => Some(ids),
+                                Err(error) => {
+                                    tracing::warn!(partition, %error, "reading the recent ids from the log failed; retrying");
+                                    tokio::time::sleep(backoff.next_delay()).await;
+                                    continue;
+                                }
+                            },
+                            None => None,
+                        };
+                        let _ = done_tx.send(Report {
+                            partition,
+                            generation,
+                            done: Done::Acquired {
+                                owner,
+                                resume,
+                                log_end: watermarks.map(|(_, high)| high),
+                                ids,
+                            },
+                        });
+                        return;
+                    }
+                    Err(error) => {
+                        metrics.redis_error();
+                        tracing::warn!(partition, %error, "acquiring the partition failed; retrying");
+                        tokio::time::sleep(backoff.next_delay()).await;
+                    }
+                }
+            }
+        })
+    }
+
+    /// Commits `(partition, next_offset)` pairs.
+    pub(crate) fn commit<X: ConsumerContext, K: Consumer<X>>(
+        &self,
+        consumer: &K,
+        offsets: &[(i32, i64)],
+        mode: CommitMode,
+    ) {
+        let mut tpl = TopicPartitionList::new();
+        for &(partition, offset) in offsets {
+            // Adding an offset to a fresh list cannot fail.
+            let _ =
+                tpl.add_partition_offset(&self.settings.topic, partition, Offset::Offset(offset));
+        }
+        if tpl.count() == 0 {
+            return;
+        }
+        if let Err(error) = consumer.commit(&tpl, mode) {
+            // Not fatal: the work is durable, and at worst the next owner re-reads it.
+            tracing::warn!(%error, "offset commit failed");
+        }
+    }
+
+    pub(super) fn set_paused<X: ConsumerContext, K: Consumer<X>>(
+        &self,
+        consumer: &K,
+        partition: i32,
+        slot: &mut Slot,
+        pause: bool,
+    ) {
+        if let Some(fetcher) = &self.fetcher {
+            match (pause, slot.machine.read_to()) {
+                // As librdkafka does: drop what was fetched past the last message read, and
+                // fetch from there once resumed, so a paused partition holds nothing more.
+                (true, Some(next)) => slot.epoch = fetcher.seek(partition, Start::At(next), true),
+                (true, None) => fetcher.pause(partition),
+                (false, _) => fetcher.resume(partition),
+            }
+            return;
+        }
+        let mut tpl = TopicPartitionList::new();
+        tpl.add_partition(&self.settings.topic, partition);
+        let result = if pause {
+            consumer.pause(&tpl)
+        } else {
+            consumer.resume(&tpl)
+        };
+        match result {
+            Ok(()) => tracing::debug!(partition, pause, "partition fetch paused/resumed"),
+            Err(error) => tracing::warn!(partition, pause, %error, "pause/resume failed"),
+        }
+    }
+}

@@ -1,0 +1,251 @@
+//! Rebalances: new partitions get their state machine (exactly-once ones start paused,
+//! acquiring); revoked ones, and every one at shutdown, are drained: in-flight work awaited,
+//! buffers flushed, offsets committed, within a deadline.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant, SystemTime};
+
+use rdkafka::consumer::{CommitMode, Consumer, ConsumerContext};
+use rdkafka::{Offset, TopicPartitionList};
+use tally_kafka::{OffsetReset, Start};
+use tokio::task::{JoinHandle, JoinSet};
+use tokio_util::sync::CancellationToken;
+
+use crate::config::Delivery;
+use crate::flush::{FlushOutcome, Flusher, Standing};
+use crate::partition::{Drain, NotDrained, Partition};
+use crate::sink::Sink;
+
+use super::{Drained, Shared, Slot, Task, lock};
+
+impl<S: Sink> Shared<S> {
+    /// New partitions: each gets its state machine; exactly-once ones start paused, acquiring.
+    pub(crate) fn assign<X: ConsumerContext, K: Consumer<X>>(
+        &self,
+        consumer: &K,
+        assigned: &TopicPartitionList,
+    ) {
+        let exactly_once = self.settings.delivery == Delivery::ExactlyOnce;
+        // librdkafka keeps an application pause across revoke and re-assign, so set it
+        // explicitly: at-least-once partitions start fetching; exactly-once ones wait, paused,
+        // until their fences are stamped and their position is known. With tally's fetcher,
+        // librdkafka fetches nothing: every partition stays paused there.
+        let paused = if exactly_once || self.fetcher.is_some() {
+            consumer.pause(assigned)
+        } else {
+            consumer.resume(assigned)
+        };
+        if let Err(error) = paused {
+            tracing::warn!(%error, "pausing/resuming newly assigned partitions failed");
+        }
+        let committed = match (&self.fetcher, exactly_once) {
+            (Some(_), false) => self.committed(consumer, assigned),
+            _ => HashMap::new(),
+        };
+        let mut parts = lock(&self.partitions);
+        for element in assigned.elements_for_topic(&self.settings.topic) {
+            let partition = element.partition();
+            let generation = parts.next_generation;
+            parts.next_generation += 1;
+            let (machine, action) = Partition::assigned(
+                partition,
+                generation,
+                exactly_once,
+                self.settings.limits.flush_interval,
+                Instant::now(),
+                SystemTime::now(),
+            );
+            let mut slot = Slot {
+                machine,
+                task: None,
+                acquiring: None,
+                ids: None,
+                epoch: 0,
+            };
+            if let Some(action) = action {
+                self.execute(consumer, partition, &mut slot, action);
+            }
+            if let (Some(fetcher), false) = (&self.fetcher, exactly_once) {
+                // At-least-once reads on from the group's committed offset.
+                let start = committed.get(&partition).copied().map_or(
+                    match fetcher.offset_reset() {
+                        OffsetReset::Latest => Start::Latest,
+                        OffsetReset::Earliest | OffsetReset::Error => Start::Earliest,
+                    },
+                    Start::At,
+                );
+                slot.epoch = fetcher.seek(partition, start, false);
+            }
+            parts.map.insert(partition, slot);
+        }
+        tracing::info!(
+            partitions = ?parts.map.keys().collect::<Vec<_>>(),
+            "partitions assigned"
+        );
+    }
+
+    /// The group's committed offsets of `assigned` (at-least-once with tally's fetcher, which
+    /// starts there); a partition with none, or whose lookup failed, is read from where
+    /// `auto.offset.reset` says (its start unless it says `latest`), as librdkafka does.
+    pub(super) fn committed<X: ConsumerContext, K: Consumer<X>>(
+        &self,
+        consumer: &K,
+        assigned: &TopicPartitionList,
+    ) -> HashMap<i32, i64> {
+        match consumer.committed_offsets(assigned.clone(), Duration::from_secs(10)) {
+            Ok(tpl) => (tpl.elements_for_topic(&self.settings.topic).iter())
+                .filter_map(|e| match e.offset() {
+                    Offset::Offset(offset) => Some((e.partition(), offset)),
+                    _ => None,
+                })
+                .collect(),
+            Err(error) => {
+                tracing::warn!(%error, "reading the committed offsets failed; reading the partitions from their start");
+                HashMap::new()
+            }
+        }
+    }
+
+    /// The revoke callback's work: drain the revoked partitions and commit, before returning.
+    pub(crate) fn revoke<X: ConsumerContext, K: Consumer<X>>(
+        &self,
+        consumer: &K,
+        revoked: &TopicPartitionList,
+    ) {
+        let taken: Vec<(i32, Slot)> = {
+            let mut parts = lock(&self.partitions);
+            (revoked.elements_for_topic(&self.settings.topic).iter())
+                .filter_map(|e| parts.map.remove(&e.partition()).map(|s| (e.partition(), s)))
+                .collect()
+        };
+        if taken.is_empty() {
+            return;
+        }
+        for (partition, _) in &taken {
+            self.metrics.released(*partition);
+            if let Some(fetcher) = &self.fetcher {
+                fetcher.remove(*partition);
+            }
+        }
+        let count = taken.len();
+        let deadline = Instant::now() + self.settings.revoke_timeout;
+        let durable =
+            tokio::task::block_in_place(|| self.runtime.block_on(self.drain(taken, deadline)));
+        self.commit(consumer, &durable.commit, CommitMode::Sync);
+        tracing::info!(
+            revoked = count,
+            drained = durable.drained,
+            "partitions revoked"
+        );
+    }
+
+    /// Shutdown: drains every partition (bounded by the shutdown timeout), commits, and stops
+    /// every flush still retrying.
+    pub(crate) async fn drain_all<X: ConsumerContext, K: Consumer<X>>(
+        &self,
+        consumer: &K,
+    ) -> Drained {
+        let taken: Vec<(i32, Slot)> = lock(&self.partitions).map.drain().collect();
+        if let Some(fetcher) = &self.fetcher {
+            for (partition, _) in &taken {
+                fetcher.remove(*partition);
+            }
+        }
+        let deadline = Instant::now() + self.settings.shutdown_timeout;
+        let drained = self.drain(taken, deadline).await;
+        self.commit(consumer, &drained.commit, CommitMode::Sync);
+        // Nothing may keep retrying past this point.
+        self.hard_stop.cancel();
+        drained
+    }
+
+    /// Waits for each partition's in-flight flush, then flushes its buffer, until `deadline`.
+    pub(super) async fn drain(&self, taken: Vec<(i32, Slot)>, deadline: Instant) -> Drained {
+        let mut drained = Drained::default();
+        if taken.is_empty() {
+            return drained;
+        }
+        let cancel = self.hard_stop.child_token();
+        let timer = {
+            let cancel = cancel.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep_until(deadline.into()).await;
+                cancel.cancel();
+            })
+        };
+        let mut tasks = JoinSet::new();
+        for (partition, slot) in taken {
+            let flusher = self.flusher.clone();
+            let cancel = cancel.clone();
+            tasks.spawn(async move {
+                let outcome = drain_one(&flusher, partition, slot, &cancel).await;
+                (partition, outcome)
+            });
+        }
+        while let Some(joined) = tasks.join_next().await {
+            match joined {
+                Ok((partition, Ok(durable))) => {
+                    drained.drained += 1;
+                    (drained.commit).extend(durable.map(|offset| (partition, offset)));
+                }
+                Ok((partition, Err(NotDrained))) => {
+                    tracing::warn!(
+                        partition,
+                        "partition not drained before the deadline; its uncommitted events will be read again"
+                    );
+                    drained.not_drained.push(partition);
+                }
+                Err(error) => tracing::error!(%error, "drain task failed"),
+            }
+        }
+        timer.abort();
+        drained
+    }
+}
+
+/// `task`'s output, or `otherwise` if it failed or `cancel` fired first (then it is aborted).
+pub(super) async fn join_or<T>(
+    mut task: JoinHandle<T>,
+    cancel: &CancellationToken,
+    otherwise: T,
+) -> T {
+    tokio::select! {
+        joined = &mut task => joined.unwrap_or(otherwise),
+        () = cancel.cancelled() => {
+            task.abort();
+            otherwise
+        }
+    }
+}
+
+/// Drains one partition: waits for its in-flight task, then flushes its buffer; the offset to
+/// commit, if it flushed anything.
+pub(super) async fn drain_one<S: Sink>(
+    flusher: &Flusher<S>,
+    partition: i32,
+    slot: Slot,
+    cancel: &CancellationToken,
+) -> Result<Option<i64>, NotDrained> {
+    if let Some(acquiring) = slot.acquiring {
+        acquiring.abort();
+    }
+    let Drain::Work(mut draining) = slot.machine.into_drain() else {
+        return Ok(None);
+    };
+    match slot.task {
+        Some(Task::Flush(handle)) => {
+            let outcome = join_or(handle, cancel, FlushOutcome::Cancelled).await;
+            draining.on_flushed(outcome)?;
+        }
+        // A check that cannot finish found nothing wrong: the flush below asks again.
+        Some(Task::Check(handle)) => {
+            draining.on_checked(join_or(handle, cancel, Standing::Held).await)?;
+        }
+        None => {}
+    }
+    if let Some((batch, owner)) = draining.last_flush() {
+        let outcome = flusher.flush(partition, batch, owner, cancel).await;
+        draining.on_flushed(outcome)?;
+    }
+    Ok(draining.commit())
+}

@@ -1,0 +1,294 @@
+//! Messages in, from librdkafka or from tally's fetcher's chunks: each decoded, routed to its
+//! partition's state machine, and the action that returns carried out.
+
+use rdkafka::consumer::{Consumer, ConsumerContext};
+use rdkafka::error::KafkaResult;
+use rdkafka::message::BorrowedMessage;
+use tally_common::codec::Record;
+use tally_common::window::Placement;
+use tally_common::{DeadLetterReason, codec};
+use tally_kafka::{Chunk, Fetched, Item};
+
+use crate::dead_letter::DeadLetter;
+use crate::idempotency;
+use crate::partition::{Entry, Handled};
+use crate::sink::Sink;
+
+use super::{MAX_UNREADABLE_BYTES, Message, Partitions, Shared, Slot, lock};
+
+impl<S: Sink> Shared<S> {
+    /// Handles a run of messages under one lock of the partitions.
+    pub(crate) fn handle_messages<X: ConsumerContext, K: Consumer<X>>(
+        &self,
+        consumer: &K,
+        messages: &[KafkaResult<BorrowedMessage<'_>>],
+    ) {
+        let mut parts = lock(&self.partitions);
+        let mut read = 0;
+        for message in messages {
+            match message {
+                Ok(message) => {
+                    read += 1;
+                    let message = Message::of(message);
+                    if let Some(slot) = parts.map.get_mut(&message.partition) {
+                        self.handle_message(slot, consumer, &message);
+                    }
+                }
+                Err(error) => tracing::warn!(%error, "Kafka consumer error"),
+            }
+        }
+        self.metrics.consumed(read);
+    }
+
+    /// What tally's fetcher handed over: a chunk of one partition's records, each decoded and
+    /// routed to the partition's state machine in turn, under one lock.
+    pub(crate) fn handle_fetched<X: ConsumerContext, K: Consumer<X>>(
+        &self,
+        consumer: &K,
+        fetched: Fetched,
+    ) {
+        let chunk = match fetched {
+            Fetched::Chunk(chunk) => chunk,
+            Fetched::OutOfRange {
+                partition,
+                from,
+                to,
+                ..
+            } => {
+                self.metrics.offset_reset();
+                match to {
+                    Some(to) => tracing::error!(
+                        partition,
+                        from,
+                        to,
+                        "the partition's position is no longer in its log (retention deleted it): reading goes on where auto.offset.reset says; the events in between were never counted"
+                    ),
+                    None => tracing::error!(
+                        partition,
+                        from,
+                        "the partition's position is no longer in its log, and auto.offset.reset = error: it is not read until it is positioned again"
+                    ),
+                }
+                return;
+            }
+            Fetched::Failed { error } => {
+                tracing::error!(%error, "reading the topic fails; retrying");
+                return;
+            }
+        };
+        let mut parts = lock(&self.partitions);
+        let read = self.handle_chunk(&mut parts, consumer, &chunk);
+        self.metrics.consumed(read);
+    }
+
+    /// Routes a chunk's records while the chunk's epoch is the partition's; returns how many
+    /// were read.
+    pub(super) fn handle_chunk<X: ConsumerContext, K: Consumer<X>>(
+        &self,
+        parts: &mut Partitions,
+        consumer: &K,
+        chunk: &Chunk,
+    ) -> u64 {
+        let partition = chunk.partition;
+        let Some(slot) = parts.map.get_mut(&partition) else {
+            return 0;
+        };
+        if slot.epoch != chunk.epoch {
+            // Fetched before the partition's last seek (or pause).
+            return 0;
+        }
+        slot.machine.on_log_end(chunk.log_end);
+        let mut read = 0;
+        for item in chunk.items() {
+            match item {
+                Item::Record(record) => {
+                    let message = Message {
+                        partition,
+                        offset: record.offset,
+                        key: record.key,
+                        payload: record.value,
+                        timestamp_ms: (record.timestamp_ms >= 0).then_some(record.timestamp_ms),
+                    };
+                    self.handle_message(slot, consumer, &message);
+                }
+                Item::Undecodable {
+                    first_offset,
+                    last_offset,
+                    bytes,
+                    reason,
+                } => {
+                    if slot.machine.accepts() {
+                        tracing::warn!(partition, first_offset, last_offset, %reason, "dead-lettering a batch that cannot be read");
+                        // Its bytes as evidence, at most a dead letter's worth.
+                        let kept = bytes.len().min(MAX_UNREADABLE_BYTES);
+                        let letter = DeadLetter {
+                            key: None,
+                            payload: Some(bytes[..kept].to_vec()),
+                            reason: DeadLetterReason::Undecodable,
+                            error: format!(
+                                "offsets {first_offset} to {last_offset}: {reason} (the first {kept} of its {} bytes)",
+                                bytes.len()
+                            ),
+                            partition,
+                            offset: first_offset,
+                        };
+                        let entry = Entry::DeadLetter {
+                            group: None,
+                            letter,
+                        };
+                        // At the stretch's last offset: reading goes on after it.
+                        self.deliver(consumer, partition, slot, last_offset, entry);
+                    }
+                }
+            }
+            read += 1;
+            if slot.epoch != chunk.epoch {
+                // Paused: the fetcher reads on from the next offset once resumed.
+                break;
+            }
+        }
+        read
+    }
+
+    /// Decodes one message and routes it to its partition's state machine.
+    pub(super) fn handle_message<X: ConsumerContext, K: Consumer<X>>(
+        &self,
+        slot: &mut Slot,
+        consumer: &K,
+        message: &Message<'_>,
+    ) {
+        let Message {
+            partition,
+            offset,
+            key,
+            payload,
+            timestamp_ms: kafka_ms,
+        } = *message;
+        // Not positioned yet (it will be re-read after the seek), or fenced off: not decoded.
+        if !slot.machine.accepts() {
+            return;
+        }
+        let dead_letter = |reason: DeadLetterReason, error: String| DeadLetter {
+            key: key.map(<[u8]>::to_vec),
+            payload: payload.map(<[u8]>::to_vec),
+            reason,
+            error,
+            partition,
+            offset,
+        };
+        let payload = payload.unwrap_or_default();
+        // An event, or an expiry record an expirer wrote into the partition (`crate::expiry`).
+        let decoded = codec::decode_record(payload, self.settings.max_message_bytes);
+        // Every message's Kafka timestamp (`kafka_ms`) is what windows, idempotency windows and
+        // expiry go by.
+        // Idempotency keys: every event read is decided (and its id recorded) in log order.
+        let repeat = match (&decoded, slot.ids.as_mut()) {
+            (Ok(Record::Event(event)), Some(ids)) => {
+                let namespaces = &self.settings.namespaces;
+                let kafka = kafka_ms.unwrap_or(0);
+                idempotency::decide(ids, namespaces, event, offset, kafka) == Some(true)
+            }
+            _ => false,
+        };
+        // A windowed event's buckets, borrowed by its entry.
+        let placement;
+        let entry = match &decoded {
+            Ok(_) if repeat => {
+                self.metrics.repeated_id();
+                Entry::Repeat
+            }
+            Ok(Record::Expiry(expiry)) => Entry::Expire {
+                counter: &expiry.counter,
+                deadline_ms: expiry.deadline_ms,
+                groups: self.settings.keyspace.groups(),
+            },
+            Ok(Record::Event(event)) if event.reset => Entry::Reset {
+                counter: &event.counter,
+                groups: self.settings.keyspace.groups(),
+            },
+            Ok(Record::Event(event)) => {
+                let policy = self.settings.namespaces.policy(&event.counter);
+                let actor = event.actor.as_deref();
+                let keyspace = &self.settings.keyspace;
+                let spread =
+                    (slot.machine.spread_at(offset)).unwrap_or(self.settings.partition_spread);
+                let group = keyspace.group_for_event(
+                    policy.grouping,
+                    partition,
+                    actor,
+                    &event.counter,
+                    spread,
+                );
+                // Only windowed namespaces pay for a placement.
+                placement = (!policy.windows.is_empty()).then(|| {
+                    let placed = (policy.windows).place(event.ts_ms, kafka_ms);
+                    self.metrics.window_dropped(placed.late, placed.future);
+                    placed
+                });
+                let idle_deadline = (policy.expire_after_ms)
+                    .map(|after| kafka_ms.unwrap_or(0).saturating_add(after));
+                match actor {
+                    _ if !policy.dedup => Entry::Delta {
+                        group,
+                        counter: &event.counter,
+                        delta: event.delta,
+                        buckets: placement.as_ref().map_or(&[], Placement::buckets),
+                        idle_deadline,
+                    },
+                    Some(actor) => Entry::Member {
+                        group,
+                        counter: &event.counter,
+                        actor,
+                        like: event.delta > 0,
+                        idle_deadline,
+                    },
+                    None => {
+                        tracing::debug!(
+                            partition,
+                            offset,
+                            "dead-lettering a like without an actor"
+                        );
+                        let why = format!(
+                            "{} is in a namespace that counts one per actor, and the event names no actor",
+                            event.counter
+                        );
+                        Entry::DeadLetter {
+                            group: Some(group),
+                            letter: dead_letter(DeadLetterReason::MissingActor, why),
+                        }
+                    }
+                }
+            }
+            Err(error) => {
+                tracing::debug!(partition, offset, %error, "dead-lettering a malformed message");
+                let letter = dead_letter(error.reason(), error.to_string());
+                Entry::DeadLetter {
+                    group: None,
+                    letter,
+                }
+            }
+        };
+        self.deliver(consumer, partition, slot, offset, entry);
+    }
+
+    /// Hands the message at `offset` to its partition's state machine and carries out what it
+    /// decides.
+    pub(super) fn deliver<X: ConsumerContext, K: Consumer<X>>(
+        &self,
+        consumer: &K,
+        partition: i32,
+        slot: &mut Slot,
+        offset: i64,
+        entry: Entry<'_>,
+    ) {
+        let (handled, action) = slot
+            .machine
+            .on_message(offset, entry, &self.settings.limits);
+        if handled == Handled::Skipped {
+            self.metrics.skipped();
+        }
+        if let Some(action) = action {
+            self.execute(consumer, partition, slot, action);
+        }
+    }
+}
