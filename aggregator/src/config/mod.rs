@@ -14,75 +14,17 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use serde::Deserialize;
-use tally_common::defaults;
 use tally_common::{GroupingRule, Keyspace, Namespaces, Policy, RedisTarget};
 
 use crate::batch::{Limits, Size};
 pub use crate::config_error::ConfigError;
 use crate::secrets::{self, Secrets};
 
-/// How logs are written.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, clap::ValueEnum)]
-#[serde(rename_all = "lowercase")]
-pub enum LogFormat {
-    /// Human-readable lines.
-    #[default]
-    Text,
-    /// One JSON object per line.
-    Json,
-}
+mod choices;
+mod settings;
 
-/// The delivery guarantee.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, clap::ValueEnum)]
-#[serde(rename_all = "kebab-case")]
-pub enum Delivery {
-    /// Every Kafka offset applied to Redis exactly once: fenced, ledgered writes (Lua scripts).
-    #[default]
-    ExactlyOnce,
-    /// Flush, then commit: a crash between the two applies a batch twice. Plain `MULTI`/`EXEC`.
-    AtLeastOnce,
-}
-
-/// How the exactly-once operations are made atomic in Redis.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, clap::ValueEnum)]
-#[serde(rename_all = "kebab-case")]
-pub enum Atomicity {
-    /// Lua scripts, falling back to transactions for good if the server refuses scripts.
-    #[default]
-    Auto,
-    /// Lua scripts only (one round trip per operation).
-    Scripts,
-    /// Optimistic `WATCH`/`MULTI`/`EXEC` transactions on dedicated connections (standalone Redis).
-    Transactions,
-}
-
-/// How the topic's partitions are read.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, clap::ValueEnum)]
-#[serde(rename_all = "lowercase")]
-pub enum Fetch {
-    /// tally's own fetcher (`tally-kafka`) when it supports the Kafka options given, else
-    /// librdkafka's, saying why at start-up.
-    #[default]
-    Auto,
-    /// tally's own fetcher: partitions read straight from their leaders, record batches
-    /// parsed in place. Refuses to start with options it does not support.
-    Direct,
-    /// librdkafka's fetcher, one message at a time.
-    Librdkafka,
-}
-
-/// Where counts are stored.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, clap::ValueEnum)]
-#[serde(rename_all = "lowercase")]
-pub enum Store {
-    /// Sharded Redis keys (the store and the cache of totals are one).
-    #[default]
-    Redis,
-    /// Share rows in PostgreSQL, the store of record (`crate::pg_sink`); Redis keeps the cache of
-    /// totals and the trending counters.
-    Postgres,
-}
+pub use choices::{Atomicity, Delivery, Fetch, LogFormat, Store};
+pub use settings::{Settings, Shown, Values, with_defaults_in_help};
 
 /// Where the PostgreSQL store is.
 #[derive(Clone)]
@@ -107,114 +49,6 @@ impl std::fmt::Debug for PostgresTarget {
             .field("statement_timeout", &self.statement_timeout)
             .finish()
     }
-}
-
-/// Settings as given by a file, the environment or flags: every field optional.
-#[derive(Debug, Default, Clone, Deserialize, clap::Args)]
-#[serde(deny_unknown_fields)]
-pub struct Settings {
-    /// Kafka bootstrap servers [default: 127.0.0.1:9092]
-    #[arg(long, env = "TALLY_BROKERS")]
-    pub brokers: Option<String>,
-    /// Topic holding counter events [default: tally.events]
-    #[arg(long, env = "TALLY_TOPIC")]
-    pub topic: Option<String>,
-    /// Kafka consumer group [default: tally-aggregator]
-    #[arg(long, env = "TALLY_GROUP")]
-    pub group: Option<String>,
-    /// Redis URL: redis://host:port/db, or redis+cluster://host:port,host:port for a cluster
-    /// [default: redis://127.0.0.1:6379]
-    #[arg(long, env = "TALLY_REDIS_URL", hide_env_values = true)]
-    pub redis_url: Option<String>,
-    /// Flush each partition's buffer every this many ms (partitions at staggered moments), so
-    /// no event waits longer [default: 1000]
-    #[arg(long, env = "TALLY_FLUSH_INTERVAL_MS")]
-    pub flush_interval_ms: Option<u64>,
-    /// Flush a partition's buffer once it holds this many events [default: 200000]
-    #[arg(long, env = "TALLY_MAX_BATCH_EVENTS")]
-    pub max_batch_events: Option<usize>,
-    /// Flush a partition's buffer once it holds this many distinct (group, counter) pairs; bounds how long one flush script blocks Redis: a flush holds at most twice this, as the buffer keeps filling while the previous flush lands [default: 5000]
-    #[arg(long, env = "TALLY_MAX_BATCH_COUNTERS")]
-    pub max_batch_counters: Option<usize>,
-    /// While a partition catches up (its log holds at least 1,000 events more than it has read), flush its buffer once it holds this many events, not by the clock [default: 1000000]
-    #[arg(long, env = "TALLY_CATCH_UP_MAX_BATCH_EVENTS")]
-    pub catch_up_max_batch_events: Option<usize>,
-    /// While a partition catches up, flush its buffer once it holds this many distinct (group, counter) pairs; bounds a catch-up flush script as --max-batch-counters bounds a live one [default: 15000]
-    #[arg(long, env = "TALLY_CATCH_UP_MAX_BATCH_COUNTERS")]
-    pub catch_up_max_batch_counters: Option<usize>,
-    /// While a partition catches up, flush its buffer at least this often, in ms, so its offsets move and its counts show [default: 10000]
-    #[arg(long, env = "TALLY_CATCH_UP_FLUSH_INTERVAL_MS")]
-    pub catch_up_flush_interval_ms: Option<u64>,
-    /// Address serving /metrics and /healthz [default: 127.0.0.1:9464]
-    #[arg(long, env = "TALLY_METRICS_ADDR")]
-    pub metrics_addr: Option<SocketAddr>,
-    /// Topic receiving malformed messages [default: tally.events.dlq]
-    #[arg(long, env = "TALLY_DEAD_LETTER_TOPIC")]
-    pub dead_letter_topic: Option<String>,
-    /// Prefix of every Redis key [default: tally]
-    #[arg(long, env = "TALLY_KEY_PREFIX")]
-    pub key_prefix: Option<String>,
-    /// Number of shard groups a counter is spread over; fixed for a deployment [default: 16]
-    #[arg(long, env = "TALLY_SHARD_GROUPS")]
-    pub shard_groups: Option<u32>,
-    /// Shard groups one partition's counters are spread over (by a hash of the counter), so that a catch-up flush is that many short Redis scripts rather than one long one; 1 with --store postgres unless set [default: 4]
-    #[arg(long, env = "TALLY_PARTITION_SPREAD")]
-    pub partition_spread: Option<u32>,
-    /// Largest message accepted; larger ones are dead-lettered, in bytes [default: 16384]
-    #[arg(long, env = "TALLY_MAX_MESSAGE_BYTES")]
-    pub max_message_bytes: Option<usize>,
-    /// Longest a graceful shutdown may spend flushing, in ms [default: 30000]
-    #[arg(long, env = "TALLY_SHUTDOWN_TIMEOUT_MS")]
-    pub shutdown_timeout_ms: Option<u64>,
-    /// Longest a rebalance may spend flushing revoked partitions, in ms [default: 20000]
-    #[arg(long, env = "TALLY_REVOKE_TIMEOUT_MS")]
-    pub revoke_timeout_ms: Option<u64>,
-    /// How often a partition with nothing to flush checks that Redis still holds its writes (exactly-once), in ms [default: 5000]
-    #[arg(long, env = "TALLY_CHECK_IDLE_INTERVAL_MS")]
-    pub check_idle_interval_ms: Option<u64>,
-    /// Longest wait between two retries of a failed flush, in ms [default: 2000]
-    #[arg(long, env = "TALLY_RETRY_MAX_BACKOFF_MS")]
-    pub retry_max_backoff_ms: Option<u64>,
-    /// Delivery guarantee [default: exactly-once]
-    #[arg(long, env = "TALLY_DELIVERY", value_enum)]
-    pub delivery: Option<Delivery>,
-    /// Which shard group an event's delta goes to: its partition's (partition) or its actor's (actor) [default: partition]
-    #[arg(long, env = "TALLY_GROUPING")]
-    pub grouping: Option<GroupingRule>,
-    /// Raise a directly written counter's shard count when one shard takes more than this many writes per second; 0 turns the shard monitor off [default: 1000]
-    #[arg(long, env = "TALLY_SHARD_THRESHOLD")]
-    pub shard_threshold: Option<u64>,
-    /// How often the trending counters seen are published and the hot set (kept warm in the read cache) renewed, in ms; 0 turns trending off [default: 5000]
-    #[arg(long, env = "TALLY_TRENDING_INTERVAL_MS")]
-    pub trending_interval_ms: Option<u64>,
-    /// TOML file of namespace policies (docs/namespaces.md): dedup, cache TTL, grouping per namespace [default: none, every namespace gets the defaults]
-    #[arg(long, env = "TALLY_NAMESPACES")]
-    pub namespaces: Option<PathBuf>,
-    /// How exactly-once writes are made atomic: Lua scripts, WATCH/MULTI/EXEC transactions (for servers that refuse scripts; standalone Redis only), or scripts with a fallback [default: auto]
-    #[arg(long, env = "TALLY_REDIS_ATOMICITY", value_enum)]
-    pub redis_atomicity: Option<Atomicity>,
-    /// Log format [default: text]
-    #[arg(long, env = "TALLY_LOG_FORMAT", value_enum)]
-    pub log_format: Option<LogFormat>,
-    /// Where counts are stored: redis, or postgres (share rows in PostgreSQL, the store of record; Redis keeps the cache of totals) [default: redis]
-    #[arg(long, env = "TALLY_STORE", value_enum)]
-    pub store: Option<Store>,
-    /// PostgreSQL for --store postgres: postgres://user@host:port/db; a password only through TALLY_POSTGRES_PASSWORD, TALLY_POSTGRES_URL or the file [default: none]
-    #[arg(long, env = "TALLY_POSTGRES_URL", hide_env_values = true)]
-    pub postgres_url: Option<String>,
-    /// Most PostgreSQL connections held with --store postgres [default: 16]
-    #[arg(long, env = "TALLY_POSTGRES_POOL_SIZE")]
-    pub postgres_pool_size: Option<usize>,
-    /// Longest one PostgreSQL statement may run before the server cancels it (the flush is then retried), in ms [default: 10000]
-    #[arg(long, env = "TALLY_POSTGRES_STATEMENT_TIMEOUT_MS")]
-    pub postgres_statement_timeout_ms: Option<u64>,
-    /// How partitions are read: direct (tally's own fetcher, straight from the leaders), librdkafka, or auto (direct unless a Kafka option needs librdkafka) [default: auto]
-    #[arg(long, env = "TALLY_FETCH", value_enum)]
-    pub fetch: Option<Fetch>,
-    /// Raw librdkafka options (the file's `[kafka]` table).
-    #[arg(skip)]
-    #[serde(default)]
-    pub kafka: BTreeMap<String, String>,
 }
 
 /// The command line of `tally-aggregator`.
@@ -377,64 +211,18 @@ impl Settings {
         read_toml(path)
     }
 
-    /// These settings, with every field that `over` sets replaced by its value.
-    pub fn overridden_by(mut self, over: Settings) -> Self {
-        macro_rules! take {
-            ($($field:ident),*) => { $( if over.$field.is_some() { self.$field = over.$field; } )* };
-        }
-        take!(
-            brokers,
-            topic,
-            group,
-            redis_url,
-            flush_interval_ms,
-            max_batch_events,
-            max_batch_counters,
-            catch_up_max_batch_events,
-            catch_up_max_batch_counters,
-            catch_up_flush_interval_ms,
-            metrics_addr,
-            dead_letter_topic,
-            key_prefix,
-            shard_groups,
-            partition_spread,
-            max_message_bytes,
-            shutdown_timeout_ms,
-            revoke_timeout_ms,
-            retry_max_backoff_ms,
-            check_idle_interval_ms,
-            delivery,
-            grouping,
-            namespaces,
-            shard_threshold,
-            trending_interval_ms,
-            redis_atomicity,
-            log_format,
-            store,
-            postgres_url,
-            postgres_pool_size,
-            postgres_statement_timeout_ms,
-            fetch
-        );
-        self.kafka.extend(over.kafka);
-        self
-    }
-
     /// Fills in defaults and checks the values.
     pub fn resolve(self) -> Result<Config, ConfigError> {
-        let limits = self.limits()?;
-        let topic = self.topic.unwrap_or_else(|| defaults::TOPIC.to_owned());
-        let dead_letter_topic = self
-            .dead_letter_topic
-            .unwrap_or_else(|| defaults::DEAD_LETTER_TOPIC.to_owned());
-        if topic == dead_letter_topic {
+        let v = self.values();
+        let limits = limits(&v)?;
+        if v.topic == v.dead_letter_topic {
             return Err(ConfigError::Invalid {
                 name: "dead_letter_topic",
                 why: "must differ from the events topic".to_owned(),
             });
         }
-        let grouping = self.grouping.unwrap_or_default();
-        let namespaces = match &self.namespaces {
+        let grouping = v.grouping;
+        let namespaces = match &v.namespaces {
             Some(path) => {
                 Namespaces::from_toml_with_grouping(&Namespaces::read(path)?, Some(grouping))?
             }
@@ -443,7 +231,7 @@ impl Settings {
                 ..Policy::default()
             }),
         };
-        let delivery = self.delivery.unwrap_or_default();
+        let delivery = v.delivery;
         if delivery == Delivery::AtLeastOnce && namespaces.any_dedup() {
             return Err(ConfigError::Invalid {
                 name: "delivery",
@@ -463,13 +251,12 @@ impl Settings {
                 why: "namespaces whose counters expire need exactly-once delivery".to_owned(),
             });
         }
-        check_kafka_options(&self.kafka, delivery)?;
-        let redis = RedisTarget::parse(self.redis_url.as_deref().unwrap_or(defaults::REDIS_URL))
-            .map_err(|e| ConfigError::Invalid {
-                name: "redis_url",
-                why: e.to_string(),
-            })?;
-        let redis_atomicity = self.redis_atomicity.unwrap_or_default();
+        check_kafka_options(&v.kafka, delivery)?;
+        let redis = RedisTarget::parse(&v.redis_url).map_err(|e| ConfigError::Invalid {
+            name: "redis_url",
+            why: e.to_string(),
+        })?;
+        let redis_atomicity = v.redis_atomicity;
         if redis_atomicity == Atomicity::Transactions && redis.is_cluster() {
             return Err(ConfigError::Invalid {
                 name: "redis_atomicity",
@@ -477,7 +264,7 @@ impl Settings {
                     .to_owned(),
             });
         }
-        let store = self.store.unwrap_or_default();
+        let store = v.store;
         if store == Store::Postgres && namespaces.any_windows() {
             return Err(ConfigError::Invalid {
                 name: "store",
@@ -492,20 +279,14 @@ impl Settings {
         }
         let postgres = PostgresTarget::from_settings(
             store,
-            self.postgres_url,
-            self.postgres_pool_size
-                .unwrap_or(default::POSTGRES_POOL_SIZE),
-            self.postgres_statement_timeout_ms
-                .unwrap_or(default::POSTGRES_STATEMENT_TIMEOUT_MS),
+            v.postgres_url,
+            v.postgres_pool_size,
+            v.postgres_statement_timeout_ms,
         )?;
-        let keyspace = Keyspace::new(
-            self.key_prefix
-                .unwrap_or_else(|| defaults::KEY_PREFIX.to_owned()),
-            self.shard_groups.unwrap_or(defaults::SHARD_GROUPS),
-        )?;
+        let keyspace = Keyspace::new(v.key_prefix, v.shard_groups)?;
         // The spread bounds Redis scripts; a PostgreSQL transaction per group would only add
         // round trips and commits.
-        let partition_spread = self.partition_spread.unwrap_or(match store {
+        let partition_spread = v.partition_spread.unwrap_or(match store {
             Store::Redis => tally_common::keyspace::DEFAULT_SPREAD.min(keyspace.groups()),
             Store::Postgres => 1,
         });
@@ -518,106 +299,64 @@ impl Settings {
                 ),
             });
         }
-        let ms = |name, value: Option<u64>, default| positive(name, value.unwrap_or(default));
+        let ms = |name, value| Ok::<_, ConfigError>(Duration::from_millis(positive(name, value)?));
         Ok(Config {
-            brokers: self.brokers.unwrap_or_else(|| defaults::BROKERS.to_owned()),
-            topic,
-            group: self.group.unwrap_or_else(|| defaults::GROUP.to_owned()),
+            brokers: v.brokers,
+            topic: v.topic,
+            group: v.group,
             redis,
             limits,
-            metrics_addr: self.metrics_addr.unwrap_or(default::METRICS_ADDR),
-            dead_letter_topic,
+            metrics_addr: v.metrics_addr,
+            dead_letter_topic: v.dead_letter_topic,
             keyspace,
-            max_message_bytes: positive(
-                "max_message_bytes",
-                self.max_message_bytes.unwrap_or(default::MAX_MESSAGE_BYTES),
-            )?,
-            shutdown_timeout: Duration::from_millis(ms(
-                "shutdown_timeout_ms",
-                self.shutdown_timeout_ms,
-                default::SHUTDOWN_TIMEOUT_MS,
-            )?),
-            revoke_timeout: Duration::from_millis(ms(
-                "revoke_timeout_ms",
-                self.revoke_timeout_ms,
-                default::REVOKE_TIMEOUT_MS,
-            )?),
-            retry_max_backoff: Duration::from_millis(ms(
-                "retry_max_backoff_ms",
-                self.retry_max_backoff_ms,
-                default::RETRY_MAX_BACKOFF_MS,
-            )?),
-            check_idle_interval: Duration::from_millis(ms(
-                "check_idle_interval_ms",
-                self.check_idle_interval_ms,
-                default::CHECK_IDLE_INTERVAL_MS,
-            )?),
+            max_message_bytes: positive("max_message_bytes", v.max_message_bytes)?,
+            shutdown_timeout: ms("shutdown_timeout_ms", v.shutdown_timeout_ms)?,
+            revoke_timeout: ms("revoke_timeout_ms", v.revoke_timeout_ms)?,
+            retry_max_backoff: ms("retry_max_backoff_ms", v.retry_max_backoff_ms)?,
+            check_idle_interval: ms("check_idle_interval_ms", v.check_idle_interval_ms)?,
             delivery,
             grouping,
             partition_spread,
             namespaces: Arc::new(namespaces),
-            shard_threshold: self.shard_threshold.unwrap_or(default::SHARD_THRESHOLD),
-            trending_interval: Duration::from_millis(
-                self.trending_interval_ms
-                    .unwrap_or(default::TRENDING_INTERVAL_MS),
-            ),
+            shard_threshold: v.shard_threshold,
+            trending_interval: Duration::from_millis(v.trending_interval_ms),
             redis_atomicity,
             store,
             postgres,
-            log_format: self.log_format.unwrap_or_default(),
-            fetch: self.fetch.unwrap_or_default(),
-            kafka: self.kafka,
+            log_format: v.log_format,
+            fetch: v.fetch,
+            kafka: v.kafka,
         })
     }
+}
 
-    /// The flush triggers, with their defaults.
-    fn limits(&self) -> Result<Limits, ConfigError> {
-        let size = |(events_name, events, events_default),
-                    (counters_name, counters, counters_default)| {
-            Ok::<_, ConfigError>(Size {
-                max_events: positive(events_name, Option::unwrap_or(events, events_default))?,
-                max_counters: positive(
-                    counters_name,
-                    Option::unwrap_or(counters, counters_default),
-                )?,
-            })
-        };
-        Ok(Limits {
-            flush_interval: Duration::from_millis(positive(
-                "flush_interval_ms",
-                self.flush_interval_ms.unwrap_or(default::FLUSH_INTERVAL_MS),
-            )?),
-            live: size(
-                (
-                    "max_batch_events",
-                    self.max_batch_events,
-                    default::MAX_BATCH_EVENTS,
-                ),
-                (
-                    "max_batch_counters",
-                    self.max_batch_counters,
-                    default::MAX_BATCH_COUNTERS,
-                ),
-            )?,
-            catch_up: size(
-                (
-                    "catch_up_max_batch_events",
-                    self.catch_up_max_batch_events,
-                    default::CATCH_UP_MAX_BATCH_EVENTS,
-                ),
-                (
-                    "catch_up_max_batch_counters",
-                    self.catch_up_max_batch_counters,
-                    default::CATCH_UP_MAX_BATCH_COUNTERS,
-                ),
-            )?,
-            catch_up_interval: Duration::from_millis(positive(
-                "catch_up_flush_interval_ms",
-                self.catch_up_flush_interval_ms
-                    .unwrap_or(default::CATCH_UP_FLUSH_INTERVAL_MS),
-            )?),
+/// The flush triggers.
+fn limits(v: &Values) -> Result<Limits, ConfigError> {
+    let size = |events_name, events, counters_name, counters| {
+        Ok::<_, ConfigError>(Size {
+            max_events: positive(events_name, events)?,
+            max_counters: positive(counters_name, counters)?,
         })
-    }
+    };
+    Ok(Limits {
+        flush_interval: Duration::from_millis(positive("flush_interval_ms", v.flush_interval_ms)?),
+        live: size(
+            "max_batch_events",
+            v.max_batch_events,
+            "max_batch_counters",
+            v.max_batch_counters,
+        )?,
+        catch_up: size(
+            "catch_up_max_batch_events",
+            v.catch_up_max_batch_events,
+            "catch_up_max_batch_counters",
+            v.catch_up_max_batch_counters,
+        )?,
+        catch_up_interval: Duration::from_millis(positive(
+            "catch_up_flush_interval_ms",
+            v.catch_up_flush_interval_ms,
+        )?),
+    })
 }
 
 /// `value`, refused if zero.
@@ -664,38 +403,16 @@ fn check_kafka_options(
     Ok(())
 }
 
-/// The defaults of the aggregator's own settings (those shared with the other tools are in
-/// `tally_common::defaults`). The help's `[default: ...]` of each is checked against these by
-/// a unit test.
-mod default {
-    use std::net::SocketAddr;
-
-    pub const FLUSH_INTERVAL_MS: u64 = 1_000;
-    pub const MAX_BATCH_EVENTS: usize = 200_000;
-    pub const MAX_BATCH_COUNTERS: usize = 5_000;
-    pub const CATCH_UP_MAX_BATCH_EVENTS: usize = 1_000_000;
-    pub const CATCH_UP_MAX_BATCH_COUNTERS: usize = 15_000;
-    pub const CATCH_UP_FLUSH_INTERVAL_MS: u64 = 10_000;
-    pub const METRICS_ADDR: SocketAddr = SocketAddr::V4(std::net::SocketAddrV4::new(
-        std::net::Ipv4Addr::LOCALHOST,
-        9464,
-    ));
-    pub const MAX_MESSAGE_BYTES: usize = 16_384;
-    pub const SHUTDOWN_TIMEOUT_MS: u64 = 30_000;
-    pub const REVOKE_TIMEOUT_MS: u64 = 20_000;
-    pub const CHECK_IDLE_INTERVAL_MS: u64 = 5_000;
-    pub const RETRY_MAX_BACKOFF_MS: u64 = 2_000;
-    pub const SHARD_THRESHOLD: u64 = 1_000;
-    pub const TRENDING_INTERVAL_MS: u64 = 5_000;
-    pub const POSTGRES_POOL_SIZE: usize = 16;
-    pub const POSTGRES_STATEMENT_TIMEOUT_MS: u64 = 10_000;
-}
-
 impl Cli {
+    /// The command line's grammar, with each setting's default in its help.
+    pub fn command() -> clap::Command {
+        with_defaults_in_help(<Self as clap::CommandFactory>::command())
+    }
+
     /// Parses the process's command line (exiting with clap's message on a usage error), and
     /// refuses secrets given as flags (see [`crate::secrets`]).
     pub fn from_command_line() -> Result<Self, ConfigError> {
-        let matches = <Self as clap::CommandFactory>::command().get_matches();
+        let matches = Self::command().get_matches();
         Self::from_matches(&matches)
     }
 
@@ -788,15 +505,10 @@ mod tests {
         assert!(!format!("{config:?}").contains("hunter2"));
     }
 
-    fn value_name(v: &impl clap::ValueEnum) -> String {
-        v.to_possible_value()
-            .map(|p| p.get_name().to_owned())
-            .unwrap_or_default()
-    }
-
     #[test]
-    fn the_help_documents_the_defaults_applied() {
+    fn the_help_shows_each_default_the_resolve_applies() {
         let c = Settings::default().resolve().expect("valid");
+        let v = Settings::default().values();
         let applied = |id: &str| -> Option<String> {
             let limits = &c.limits;
             Some(match id {
@@ -814,50 +526,90 @@ mod tests {
                 "dead_letter_topic" => c.dead_letter_topic.clone(),
                 "key_prefix" => c.keyspace.prefix().to_owned(),
                 "shard_groups" => c.keyspace.groups().to_string(),
-                "partition_spread" => c.partition_spread.to_string(),
                 "max_message_bytes" => c.max_message_bytes.to_string(),
                 "shutdown_timeout_ms" => c.shutdown_timeout.as_millis().to_string(),
                 "revoke_timeout_ms" => c.revoke_timeout.as_millis().to_string(),
                 "check_idle_interval_ms" => c.check_idle_interval.as_millis().to_string(),
                 "retry_max_backoff_ms" => c.retry_max_backoff.as_millis().to_string(),
-                "delivery" => value_name(&c.delivery),
-                "grouping" => c.grouping.as_str().to_owned(),
+                "delivery" => c.delivery.shown(),
+                "grouping" => c.grouping.shown(),
                 "shard_threshold" => c.shard_threshold.to_string(),
                 "trending_interval_ms" => c.trending_interval.as_millis().to_string(),
-                "redis_atomicity" => value_name(&c.redis_atomicity),
-                "log_format" => value_name(&c.log_format),
-                "store" => value_name(&c.store),
-                "fetch" => value_name(&c.fetch),
-                "postgres_pool_size" => default::POSTGRES_POOL_SIZE.to_string(),
-                "postgres_statement_timeout_ms" => {
-                    default::POSTGRES_STATEMENT_TIMEOUT_MS.to_string()
-                }
+                "redis_atomicity" => c.redis_atomicity.shown(),
+                "log_format" => c.log_format.shown(),
+                "store" => c.store.shown(),
+                "fetch" => c.fetch.shown(),
+                // Applied only with --store postgres.
+                "postgres_pool_size" => v.postgres_pool_size.to_string(),
+                "postgres_statement_timeout_ms" => v.postgres_statement_timeout_ms.to_string(),
                 _ => return None,
             })
         };
-        let command = <Cli as clap::CommandFactory>::command();
-        let mut checked = 0;
-        for arg in command.get_arguments() {
-            let id = arg.get_id().as_str();
-            let help = arg.get_help().map(ToString::to_string).unwrap_or_default();
-            let Some((_, documented)) = help.rsplit_once("[default: ") else {
-                continue;
-            };
-            let documented = documented.strip_suffix(']').expect(id);
-            if id == "postgres_url" {
-                assert!(c.postgres.is_none());
-                continue;
-            }
-            if id == "namespaces" {
-                assert!(c.namespaces.policy("likes:post:1").cache_ttl_ms > 0);
-                continue;
-            }
+        let command = Cli::command();
+        let help = |id: &str| -> String {
+            let arg = (command.get_arguments())
+                .find(|a| a.get_id() == id)
+                .unwrap_or_else(|| panic!("{id} is a flag"));
+            arg.get_help().map(ToString::to_string).unwrap_or_default()
+        };
+        let defaults = Settings::defaults();
+        for (id, default) in &defaults {
             let applied = applied(id).unwrap_or_else(|| panic!("{id}: add its applied default"));
-            assert_eq!(documented, applied, "{id}");
-            checked += 1;
+            assert_eq!(*default, applied, "{id}");
+            let help = help(id);
+            assert!(
+                help.ends_with(&format!("[default: {default}]")),
+                "{id}: {help}"
+            );
         }
-        assert_eq!(checked, 30, "every documented default is checked");
+        assert_eq!(defaults.len(), 29, "every default is checked");
+        // The one default that depends on another setting is written by hand.
+        assert!(help("partition_spread").ends_with(&format!(
+            "[default: {}, or 1 with --store postgres]",
+            c.partition_spread
+        )));
         assert_eq!(c.keyspace, Keyspace::default());
+    }
+
+    /// The TOML inside `deploy/k8s/tally-aggregator.yaml`'s ConfigMap.
+    fn k8s_config() -> String {
+        let path =
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/k8s/tally-aggregator.yaml");
+        let yaml = std::fs::read_to_string(path).expect("the k8s manifest");
+        let (_, after) = yaml
+            .split_once("aggregator.toml: |\n")
+            .expect("the ConfigMap holds aggregator.toml");
+        after
+            .lines()
+            .take_while(|l| l.starts_with("    ") || l.is_empty())
+            .map(|l| l.strip_prefix("    ").unwrap_or(l))
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+
+    #[test]
+    fn the_example_file_and_the_k8s_config_follow_the_declaration() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/aggregator.example.toml");
+        let text = std::fs::read_to_string(&path).expect("the example file");
+        let table: toml::Table = toml::from_str(&text).expect("TOML");
+        // Every setting is in the example (those without a default may be commented out), each
+        // that has a default at its default.
+        for name in Settings::names() {
+            assert!(
+                text.contains(&format!("{name} = ")),
+                "the example file lacks {name}"
+            );
+        }
+        for (name, default) in Settings::defaults() {
+            let value = table.get(name);
+            let shown = match value.unwrap_or_else(|| panic!("{name} is commented out")) {
+                toml::Value::String(s) => s.clone(),
+                other => other.to_string(),
+            };
+            assert_eq!(shown, default, "{name} in the example file");
+        }
+        let k8s: Settings = toml::from_str(&k8s_config()).expect("the k8s config's keys");
+        k8s.resolve().expect("the k8s config resolves");
     }
 
     #[test]

@@ -1,0 +1,196 @@
+//! Every setting of the aggregator, declared once: its name (the flag `--name-with-dashes`, the
+//! file's key `name_with_underscores`), its environment variable, its type, its default and its
+//! help. From that one declaration come [`Settings`] (what a file, the environment or flags
+//! gave: each field optional), the merge of one over another ([`Settings::overridden_by`]),
+//! [`Values`] (every default filled in), the `[default: ...]` of each flag's help
+//! ([`with_defaults_in_help`]), and [`Settings::defaults`], which a test holds
+//! `deploy/aggregator.example.toml` and the Kubernetes config to.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use serde::Deserialize;
+use tally_common::{GroupingRule, defaults};
+
+use super::choices::{Atomicity, Delivery, Fetch, LogFormat, Store};
+
+/// How a default is written in the help and in the example file.
+pub trait Shown {
+    /// The value as a flag would take it.
+    fn shown(&self) -> String;
+}
+
+macro_rules! shown_by_display {
+    ($($t:ty),*) => { $( impl Shown for $t { fn shown(&self) -> String { self.to_string() } } )* };
+}
+shown_by_display!(String, u32, u64, usize, SocketAddr);
+
+macro_rules! shown_by_value_enum {
+    ($($t:ty),*) => {
+        $( impl Shown for $t {
+            fn shown(&self) -> String {
+                clap::ValueEnum::to_possible_value(self)
+                    .map(|p| p.get_name().to_owned())
+                    .unwrap_or_default()
+            }
+        } )*
+    };
+}
+shown_by_value_enum!(LogFormat, Delivery, Atomicity, Fetch, Store);
+
+impl Shown for GroupingRule {
+    fn shown(&self) -> String {
+        self.as_str().to_owned()
+    }
+}
+
+/// Declares the settings: `defaulted` ones have a default, `optional` ones have none (or one
+/// that depends on another setting, said in their help). `[...]` holds extra `#[arg]` options.
+macro_rules! settings {
+    (
+        defaulted {
+            $( $(#[doc = $doc:literal])* $name:ident: $ty:ty = $default:expr, $env:literal, [$($arg:tt)*]; )*
+        }
+        optional {
+            $( $(#[doc = $odoc:literal])* $oname:ident: $oty:ty, $oenv:literal, [$($oarg:tt)*]; )*
+        }
+    ) => {
+        /// Settings as given by a file, the environment or flags: every field optional.
+        #[derive(Debug, Default, Clone, Deserialize, clap::Args)]
+        #[serde(deny_unknown_fields)]
+        pub struct Settings {
+            $( $(#[doc = $doc])* #[arg(long, env = $env, $($arg)*)] pub $name: Option<$ty>, )*
+            $( $(#[doc = $odoc])* #[arg(long, env = $oenv, $($oarg)*)] pub $oname: Option<$oty>, )*
+            /// Raw librdkafka options (the file's `[kafka]` table).
+            #[arg(skip)]
+            #[serde(default)]
+            pub kafka: BTreeMap<String, String>,
+        }
+
+        /// Every setting with its default filled in; the optional ones as given.
+        #[derive(Debug, Clone)]
+        pub struct Values {
+            $( $(#[doc = $doc])* pub $name: $ty, )*
+            $( $(#[doc = $odoc])* pub $oname: Option<$oty>, )*
+            /// Raw librdkafka options.
+            pub kafka: BTreeMap<String, String>,
+        }
+
+        impl Settings {
+            /// These settings, with every field that `over` sets replaced by its value (and
+            /// `over`'s Kafka options added over these).
+            pub fn overridden_by(mut self, over: Settings) -> Self {
+                $( if over.$name.is_some() { self.$name = over.$name; } )*
+                $( if over.$oname.is_some() { self.$oname = over.$oname; } )*
+                self.kafka.extend(over.kafka);
+                self
+            }
+
+            /// Every default filled in.
+            pub fn values(self) -> Values {
+                Values {
+                    $( $name: self.$name.unwrap_or_else(|| $default), )*
+                    $( $oname: self.$oname, )*
+                    kafka: self.kafka,
+                }
+            }
+
+            /// Each setting that has a default, with the default as a flag takes it.
+            pub fn defaults() -> Vec<(&'static str, String)> {
+                vec![ $( (stringify!($name), Shown::shown(&{ let d: $ty = $default; d })), )* ]
+            }
+
+            /// Every setting's name, as the file spells it.
+            pub fn names() -> Vec<&'static str> {
+                vec![ $( stringify!($name), )* $( stringify!($oname), )* ]
+            }
+        }
+    };
+}
+
+settings! {
+    defaulted {
+        /// Kafka bootstrap servers
+        brokers: String = defaults::BROKERS.to_owned(), "TALLY_BROKERS", [];
+        /// Topic holding counter events
+        topic: String = defaults::TOPIC.to_owned(), "TALLY_TOPIC", [];
+        /// Kafka consumer group
+        group: String = defaults::GROUP.to_owned(), "TALLY_GROUP", [];
+        /// Redis URL: redis://host:port/db, or redis+cluster://host:port,host:port for a cluster
+        redis_url: String = defaults::REDIS_URL.to_owned(), "TALLY_REDIS_URL", [hide_env_values = true];
+        /// Flush each partition's buffer every this many ms (partitions at staggered moments), so no event waits longer
+        flush_interval_ms: u64 = 1_000, "TALLY_FLUSH_INTERVAL_MS", [];
+        /// Flush a partition's buffer once it holds this many events
+        max_batch_events: usize = 200_000, "TALLY_MAX_BATCH_EVENTS", [];
+        /// Flush a partition's buffer once it holds this many distinct (group, counter) pairs; bounds how long one flush script blocks Redis: a flush holds at most twice this, as the buffer keeps filling while the previous flush lands
+        max_batch_counters: usize = 5_000, "TALLY_MAX_BATCH_COUNTERS", [];
+        /// While a partition catches up (its log holds at least 1,000 events more than it has read), flush its buffer once it holds this many events, not by the clock
+        catch_up_max_batch_events: usize = 1_000_000, "TALLY_CATCH_UP_MAX_BATCH_EVENTS", [];
+        /// While a partition catches up, flush its buffer once it holds this many distinct (group, counter) pairs; bounds a catch-up flush script as --max-batch-counters bounds a live one
+        catch_up_max_batch_counters: usize = 15_000, "TALLY_CATCH_UP_MAX_BATCH_COUNTERS", [];
+        /// While a partition catches up, flush its buffer at least this often, in ms, so its offsets move and its counts show
+        catch_up_flush_interval_ms: u64 = 10_000, "TALLY_CATCH_UP_FLUSH_INTERVAL_MS", [];
+        /// Address serving /metrics and /healthz
+        metrics_addr: SocketAddr = SocketAddr::from(([127, 0, 0, 1], 9464)), "TALLY_METRICS_ADDR", [];
+        /// Topic receiving malformed messages
+        dead_letter_topic: String = defaults::DEAD_LETTER_TOPIC.to_owned(), "TALLY_DEAD_LETTER_TOPIC", [];
+        /// Prefix of every Redis key
+        key_prefix: String = defaults::KEY_PREFIX.to_owned(), "TALLY_KEY_PREFIX", [];
+        /// Number of shard groups a counter is spread over; fixed for a deployment
+        shard_groups: u32 = defaults::SHARD_GROUPS, "TALLY_SHARD_GROUPS", [];
+        /// Largest message accepted; larger ones are dead-lettered, in bytes
+        max_message_bytes: usize = 16_384, "TALLY_MAX_MESSAGE_BYTES", [];
+        /// Longest a graceful shutdown may spend flushing, in ms
+        shutdown_timeout_ms: u64 = 30_000, "TALLY_SHUTDOWN_TIMEOUT_MS", [];
+        /// Longest a rebalance may spend flushing revoked partitions, in ms
+        revoke_timeout_ms: u64 = 20_000, "TALLY_REVOKE_TIMEOUT_MS", [];
+        /// How often a partition with nothing to flush checks that Redis still holds its writes (exactly-once), in ms
+        check_idle_interval_ms: u64 = 5_000, "TALLY_CHECK_IDLE_INTERVAL_MS", [];
+        /// Longest wait between two retries of a failed flush, in ms
+        retry_max_backoff_ms: u64 = 2_000, "TALLY_RETRY_MAX_BACKOFF_MS", [];
+        /// Delivery guarantee
+        delivery: Delivery = Delivery::default(), "TALLY_DELIVERY", [value_enum];
+        /// Which shard group an event's delta goes to: its partition's (partition) or its actor's (actor)
+        grouping: GroupingRule = GroupingRule::default(), "TALLY_GROUPING", [];
+        /// Raise a directly written counter's shard count when one shard takes more than this many writes per second; 0 turns the shard monitor off
+        shard_threshold: u64 = 1_000, "TALLY_SHARD_THRESHOLD", [];
+        /// How often the trending counters seen are published and the hot set (kept warm in the read cache) renewed, in ms; 0 turns trending off
+        trending_interval_ms: u64 = 5_000, "TALLY_TRENDING_INTERVAL_MS", [];
+        /// How exactly-once writes are made atomic: Lua scripts, WATCH/MULTI/EXEC transactions (for servers that refuse scripts; standalone Redis only), or scripts with a fallback
+        redis_atomicity: Atomicity = Atomicity::default(), "TALLY_REDIS_ATOMICITY", [value_enum];
+        /// Log format
+        log_format: LogFormat = LogFormat::default(), "TALLY_LOG_FORMAT", [value_enum];
+        /// Where counts are stored: redis, or postgres (share rows in PostgreSQL, the store of record; Redis keeps the cache of totals)
+        store: Store = Store::default(), "TALLY_STORE", [value_enum];
+        /// Most PostgreSQL connections held with --store postgres
+        postgres_pool_size: usize = 16, "TALLY_POSTGRES_POOL_SIZE", [];
+        /// Longest one PostgreSQL statement may run before the server cancels it (the flush is then retried), in ms
+        postgres_statement_timeout_ms: u64 = 10_000, "TALLY_POSTGRES_STATEMENT_TIMEOUT_MS", [];
+        /// How partitions are read: direct (tally's own fetcher, straight from the leaders), librdkafka, or auto (direct unless a Kafka option needs librdkafka)
+        fetch: Fetch = Fetch::default(), "TALLY_FETCH", [value_enum];
+    }
+    optional {
+        /// Shard groups one partition's counters are spread over (by a hash of the counter), so that a catch-up flush is that many short Redis scripts rather than one long one [default: 4, or 1 with --store postgres]
+        partition_spread: u32, "TALLY_PARTITION_SPREAD", [];
+        /// TOML file of namespace policies (docs/namespaces.md): dedup, cache TTL, grouping per namespace [default: none, every namespace gets the defaults]
+        namespaces: PathBuf, "TALLY_NAMESPACES", [];
+        /// PostgreSQL for --store postgres: postgres://user@host:port/db; a password only through TALLY_POSTGRES_PASSWORD, TALLY_POSTGRES_URL or the file [default: none]
+        postgres_url: String, "TALLY_POSTGRES_URL", [hide_env_values = true];
+    }
+}
+
+/// `command` with `[default: ...]` added to the help of each setting that has a default.
+pub fn with_defaults_in_help(command: clap::Command) -> clap::Command {
+    let defaults = Settings::defaults();
+    command.mut_args(|arg| {
+        let id = arg.get_id().as_str();
+        match defaults.iter().find(|(name, _)| *name == id) {
+            Some((_, value)) => {
+                let help = arg.get_help().map(ToString::to_string).unwrap_or_default();
+                arg.help(format!("{help} [default: {value}]"))
+            }
+            None => arg,
+        }
+    })
+}
