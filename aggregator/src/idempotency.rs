@@ -25,7 +25,7 @@ use rdkafka::error::KafkaError;
 use rdkafka::{ClientConfig, Message};
 use tally_common::{Namespaces, codec};
 
-use crate::topic::{offsets_at_time, read_ranges};
+use tally_ops::topic::{offsets_at_time, read_ranges};
 
 /// How far a partition's Kafka timestamps may run backwards (producers' clocks apart) while
 /// duplicates are still recognised: ids are kept this much longer than the widest window.

@@ -4,8 +4,8 @@
 //!
 //! # Layout
 //! - [`config`]: the typed [`Config`] and the command line that builds it.
-//! - [`config_error`]: [`config::ConfigError`], what both report.
-//! - [`secrets`]: where credentials come from (environment, files) and where they are refused (flags).
+//!   Its errors, the credentials, shutdown on signals and reading a topic are `tally_ops`'s,
+//!   shared with `tally-server` and the `tally` command line.
 //! - [`daemon`]: the loop ([`Aggregator`]): shutdown, reports, ticks and messages, in one task.
 //! - [`partition`]: one partition as a state machine with no I/O: what to flush, commit, pause.
 //! - [`consume`]: the Kafka side of it: messages decoded and routed, actions carried out,
@@ -26,13 +26,11 @@
 //! - [`expiry`]: counters that expire: the idle index, expiry records and their decision.
 //! - [`compact`]: collapsing cold counters' shares into one key, crash-safe (`tally compact`).
 //! - [`shard_monitor`]: raises the shard counts of directly written counters that run hot.
-//! - [`shutdown`]: signals into a cancellation token.
 
 pub mod backoff;
 pub mod batch;
 pub mod compact;
 pub mod config;
-pub mod config_error;
 pub mod consume;
 pub mod daemon;
 pub mod dead_letter;
@@ -48,12 +46,9 @@ pub mod partition;
 pub mod pg_sink;
 pub mod rebalance;
 pub mod redis_sink;
-pub mod secrets;
 pub mod shard_monitor;
-pub mod shutdown;
 pub mod sink;
 pub mod store_error;
-pub mod topic;
 pub mod transactions;
 pub mod trending;
 

@@ -4,9 +4,9 @@
 use std::path::PathBuf;
 
 use clap::{Parser, Subcommand};
-use tally_aggregator::config::Store;
 use tally_cli::dead_letters;
 use tally_common::{Keyspace, Namespaces, Reader, RedisConn, defaults};
+use tally_ops::config::Store;
 use tally_producer::{Producer, ProducerConfig, Routing};
 
 #[derive(Debug, Parser)]
@@ -83,7 +83,7 @@ pub(crate) struct DeadLetterArgs {
     #[arg(long, value_parser = parse_since)]
     pub(crate) until: Option<i64>,
     /// A librdkafka setting (security settings, say), as `key=value`.
-    #[arg(long = "kafka-option", value_parser = tally_aggregator::config::parse_key_value)]
+    #[arg(long = "kafka-option", value_parser = tally_ops::config::parse_key_value)]
     pub(crate) kafka_options: Vec<(String, String)>,
 }
 
@@ -298,7 +298,7 @@ pub(crate) struct AuditArgs {
     #[arg(long, env = "TALLY_GROUP", default_value = defaults::GROUP)]
     pub(crate) group: String,
     /// A librdkafka setting for the audit's consumer (security settings, say), as `key=value`.
-    #[arg(long = "kafka-option", value_parser = tally_aggregator::config::parse_key_value)]
+    #[arg(long = "kafka-option", value_parser = tally_ops::config::parse_key_value)]
     pub(crate) kafka_options: Vec<(String, String)>,
     /// Messages larger than this are dead letters, as the aggregator's max_message_bytes.
     #[arg(long, env = "TALLY_MAX_MESSAGE_BYTES", default_value_t = tally_common::codec::DEFAULT_MAX_MESSAGE_BYTES)]

@@ -27,11 +27,11 @@ use rdkafka::error::KafkaError;
 use rdkafka::{ClientConfig, Message};
 use tally_aggregator::expiry;
 use tally_aggregator::idempotency::{self, RecentIds};
-use tally_aggregator::topic::{PartitionLog, offsets_at_time, partition_logs, read_ranges};
 use tally_common::codec::Record;
 use tally_common::namespace::WritePath;
 use tally_common::window::format_duration;
 use tally_common::{Namespaces, Reader, codec};
+use tally_ops::topic::{PartitionLog, offsets_at_time, partition_logs, read_ranges};
 
 /// Longest one Kafka metadata or offset request may take.
 const KAFKA_TIMEOUT: Duration = Duration::from_secs(10);

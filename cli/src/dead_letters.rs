@@ -22,7 +22,7 @@ use rdkafka::message::{BorrowedMessage, Headers};
 use rdkafka::producer::{BaseProducer, BaseRecord, Producer};
 use rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
 use tally_aggregator::dead_letter::headers;
-use tally_aggregator::topic::{partition_logs, read_ranges};
+use tally_ops::topic::{partition_logs, read_ranges};
 
 const KAFKA_TIMEOUT: Duration = Duration::from_secs(30);
 

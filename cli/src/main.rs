@@ -13,10 +13,10 @@ use anyhow::Context;
 use clap::Parser;
 use tally_aggregator::backoff::Backoff;
 use tally_aggregator::compact::{CompactError, Compactor};
-use tally_aggregator::config::Store;
 use tally_cli::load::{self, LoadSpec};
 use tally_cli::{audit, dead_letters, verify};
 use tally_common::{CachedReader, Reader, pg};
+use tally_ops::config::Store;
 use tally_producer::ProducerConfig;
 
 mod args;
@@ -169,7 +169,7 @@ async fn reset(args: ResetArgs) -> anyhow::Result<ExitCode> {
 async fn compact(args: CompactArgs) -> anyhow::Result<ExitCode> {
     let namespaces = Arc::new(args.redis.namespaces()?);
     let reader = args.redis.reader().await?;
-    let cancel = tally_aggregator::shutdown::on_signals()?;
+    let cancel = tally_ops::shutdown::on_signals()?;
     let fresh = || {
         let cap = Duration::from_millis(args.interval_ms.max(100));
         Backoff::new(Duration::from_millis(100), cap)

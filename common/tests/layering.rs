@@ -13,9 +13,10 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
 /// Each crate's source directory, relative to the workspace root.
-const CRATES: [&str; 8] = [
+const CRATES: [&str; 9] = [
     "common/src",
     "kafka/src",
+    "ops/src",
     "producer/src",
     "aggregator/src",
     "cli/src",

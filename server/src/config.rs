@@ -2,7 +2,7 @@
 //! (`--config`), `TALLY_*` variables and flags, in rising order of precedence; librdkafka
 //! options from the file's `[kafka]` table or `--kafka-option key=value`. Credentials come from
 //! the environment or the files it names, never flags (the aggregator's
-//! [`tally_aggregator::secrets`]: `TALLY_REDIS_PASSWORD[_FILE]`, `TALLY_KAFKA_SASL_PASSWORD[_FILE]`
+//! [`tally_ops::secrets`]: `TALLY_REDIS_PASSWORD[_FILE]`, `TALLY_KAFKA_SASL_PASSWORD[_FILE]`
 //! and the rest); a Redis URL holding a password given as a flag is refused.
 
 use std::collections::BTreeMap;
@@ -11,9 +11,10 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use serde::Deserialize;
-use tally_aggregator::config::{ConfigError, PostgresTarget, Store, parse_key_value, read_toml};
-use tally_aggregator::secrets::{self, Secrets};
 use tally_common::{RedisTarget, defaults};
+use tally_ops::ConfigError;
+use tally_ops::config::{PostgresTarget, Store, parse_key_value, read_toml};
+use tally_ops::secrets::{self, Secrets};
 
 /// The defaults of the settings below.
 pub mod default {

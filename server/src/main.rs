@@ -10,8 +10,8 @@ use std::sync::Arc;
 use anyhow::{Context, bail};
 use clap::CommandFactory;
 use rdkafka::ClientConfig;
-use tally_aggregator::secrets::Secrets;
 use tally_common::{CachedReader, Keyspace, Namespaces, Reader, RedisConn, pg};
+use tally_ops::secrets::Secrets;
 use tally_producer::{Counts, DirectWriter, Producer, ProducerConfig};
 use tally_server::auth::Tokens;
 use tally_server::config::Cli;
@@ -101,7 +101,7 @@ async fn main() -> anyhow::Result<()> {
             tracing::warn!(%addr, redis = %config.redis, brokers = %config.brokers, topic = %config.topic, "serving the tally API on loopback only, without tokens: every local process may read and write counts")
         }
     }
-    let shutdown = tally_aggregator::shutdown::on_signals()?;
+    let shutdown = tally_ops::shutdown::on_signals()?;
     axum::serve(listener, app)
         .with_graceful_shutdown(async move { shutdown.cancelled().await })
         .await?;

@@ -14,8 +14,8 @@ use std::time::{Duration, Instant};
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
 use serde::Serialize;
-use tally_aggregator::topic::partition_logs;
 use tally_common::event::now_ms;
+use tally_ops::topic::partition_logs;
 use utoipa::ToSchema;
 
 use crate::error::ApiError;

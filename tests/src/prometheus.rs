@@ -6,7 +6,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use serde_json::Value;
-use tally_aggregator::secrets::percent_encode;
+use tally_ops::secrets::percent_encode;
 
 use crate::http::http_get_status;
 use crate::support::{TempDir, eventually, free_port};

@@ -34,7 +34,7 @@ async fn main() -> anyhow::Result<std::process::ExitCode> {
     init_logs(config.log_format);
     abort_on_panic();
     tracing::info!(?config, "starting");
-    let shutdown = tally_aggregator::shutdown::on_signals()?;
+    let shutdown = tally_ops::shutdown::on_signals()?;
     let summary = tally_aggregator::run(config, shutdown).await?;
     if summary.not_drained.is_empty() {
         tracing::info!(partitions = summary.drained, "drained and committed; bye");

@@ -52,15 +52,3 @@ pub enum Fetch {
     /// librdkafka's fetcher, one message at a time.
     Librdkafka,
 }
-
-/// Where counts are stored.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, clap::ValueEnum)]
-#[serde(rename_all = "lowercase")]
-pub enum Store {
-    /// Sharded Redis keys (the store and the cache of totals are one).
-    #[default]
-    Redis,
-    /// Share rows in PostgreSQL, the store of record (`crate::pg_sink`); Redis keeps the cache of
-    /// totals and the trending counters.
-    Postgres,
-}

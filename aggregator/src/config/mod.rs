@@ -6,7 +6,7 @@
 //! Raw librdkafka options pass through from the file's `[kafka]` table or repeated
 //! `--kafka-option key=value` flags (`TALLY_KAFKA_OPTIONS=k=v,k=v`), applied over tally's own
 //! consumer settings. Cross-field checks run in [`Settings::resolve`]. Credentials come from the
-//! environment or files, never flags: see [`crate::secrets`].
+//! environment or files, never flags: see [`tally_ops::secrets`].
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -17,39 +17,16 @@ use std::time::Duration;
 use tally_common::{GroupingRule, Keyspace, Namespaces, Policy, RedisTarget};
 
 use crate::batch::{Limits, Size};
-pub use crate::config_error::ConfigError;
-use crate::secrets::{self, Secrets};
+pub use tally_ops::ConfigError;
+use tally_ops::config::positive;
+pub use tally_ops::config::{PostgresTarget, Store, parse_key_value, read_toml};
+use tally_ops::secrets::{self, Secrets};
 
 mod choices;
 mod settings;
 
-pub use choices::{Atomicity, Delivery, Fetch, LogFormat, Store};
+pub use choices::{Atomicity, Delivery, Fetch, LogFormat};
 pub use settings::{Settings, Shown, Values, with_defaults_in_help};
-
-/// Where the PostgreSQL store is.
-#[derive(Clone)]
-pub struct PostgresTarget {
-    /// Its URL (`postgres://user@host:port/db`) or key=value connection string, without the
-    /// password.
-    pub url: String,
-    /// The password, from `TALLY_POSTGRES_PASSWORD[_FILE]`.
-    pub password: Option<String>,
-    /// Most connections held.
-    pub pool_size: usize,
-    /// Longest one statement may run.
-    pub statement_timeout: Duration,
-}
-
-impl std::fmt::Debug for PostgresTarget {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("PostgresTarget")
-            .field("url", &self.url)
-            .field("password", &self.password.as_ref().map(|_| "***"))
-            .field("pool_size", &self.pool_size)
-            .field("statement_timeout", &self.statement_timeout)
-            .finish()
-    }
-}
 
 /// The command line of `tally-aggregator`.
 #[derive(Debug, clap::Parser)]
@@ -69,14 +46,6 @@ pub struct Cli {
     /// Every other setting.
     #[command(flatten)]
     pub settings: Settings,
-}
-
-/// A `key=value` flag, split (for `--kafka-option`).
-pub fn parse_key_value(s: &str) -> Result<(String, String), String> {
-    let (k, v) = s
-        .split_once('=')
-        .ok_or_else(|| format!("{s:?} is not key=value"))?;
-    Ok((k.trim().to_owned(), v.trim().to_owned()))
 }
 
 /// The resolved configuration.
@@ -162,46 +131,6 @@ impl std::fmt::Debug for Config {
             .field("revoke_timeout", &self.revoke_timeout)
             .field("kafka_options", &self.kafka.keys().collect::<Vec<_>>())
             .finish()
-    }
-}
-
-/// Reads a TOML file of settings (the aggregator's, or another daemon's of the same conventions).
-pub fn read_toml<T: serde::de::DeserializeOwned>(path: &Path) -> Result<T, ConfigError> {
-    let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
-        path: path.to_owned(),
-        source,
-    })?;
-    toml::from_str(&text).map_err(|source| ConfigError::Parse {
-        path: path.to_owned(),
-        source: Box::new(source),
-    })
-}
-
-impl PostgresTarget {
-    /// The PostgreSQL store the settings name, if `store` is PostgreSQL (which needs `url`);
-    /// the password comes later, from the secrets.
-    pub fn from_settings(
-        store: Store,
-        url: Option<String>,
-        pool_size: usize,
-        statement_timeout_ms: u64,
-    ) -> Result<Option<Self>, ConfigError> {
-        match (store, url) {
-            (Store::Redis, _) => Ok(None),
-            (Store::Postgres, None) => Err(ConfigError::Invalid {
-                name: "postgres_url",
-                why: "--store postgres needs --postgres-url (or TALLY_POSTGRES_URL)".to_owned(),
-            }),
-            (Store::Postgres, Some(url)) => Ok(Some(PostgresTarget {
-                url,
-                password: None,
-                pool_size: positive("postgres_pool_size", pool_size)?,
-                statement_timeout: Duration::from_millis(positive(
-                    "postgres_statement_timeout_ms",
-                    statement_timeout_ms,
-                )?),
-            })),
-        }
     }
 }
 
@@ -359,18 +288,6 @@ fn limits(v: &Values) -> Result<Limits, ConfigError> {
     })
 }
 
-/// `value`, refused if zero.
-fn positive<T: Default + PartialEq>(name: &'static str, value: T) -> Result<T, ConfigError> {
-    if value == T::default() {
-        Err(ConfigError::Invalid {
-            name,
-            why: "must be greater than 0".to_owned(),
-        })
-    } else {
-        Ok(value)
-    }
-}
-
 /// Raw librdkafka options tally cannot run with.
 fn check_kafka_options(
     kafka: &BTreeMap<String, String>,
@@ -410,7 +327,7 @@ impl Cli {
     }
 
     /// Parses the process's command line (exiting with clap's message on a usage error), and
-    /// refuses secrets given as flags (see [`crate::secrets`]).
+    /// refuses secrets given as flags (see [`tally_ops::secrets`]).
     pub fn from_command_line() -> Result<Self, ConfigError> {
         let matches = Self::command().get_matches();
         Self::from_matches(&matches)

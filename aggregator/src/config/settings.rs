@@ -13,7 +13,9 @@ use std::path::PathBuf;
 use serde::Deserialize;
 use tally_common::{GroupingRule, defaults};
 
-use super::choices::{Atomicity, Delivery, Fetch, LogFormat, Store};
+use tally_ops::config::Store;
+
+use super::choices::{Atomicity, Delivery, Fetch, LogFormat};
 
 /// How a default is written in the help and in the example file.
 pub trait Shown {

@@ -1,4 +1,4 @@
-//! [`ConfigError`]: why a configuration is unusable, shared by the settings (`crate::config`) and
+//! [`ConfigError`]: why a configuration is unusable, shared by the settings (each program's `config`) and
 //! the credentials (`crate::secrets`), which both report into it.
 
 use std::path::PathBuf;

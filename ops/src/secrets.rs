@@ -16,7 +16,7 @@
 //! | `TALLY_KAFKA_SSL_KEYSTORE_PASSWORD` | librdkafka `ssl.keystore.password` |
 //! | `TALLY_KAFKA_SASL_OAUTHBEARER_CLIENT_SECRET` | librdkafka `sasl.oauthbearer.client.secret` |
 //!
-//! Once in the [`Config`](crate::Config), secrets are never printed: its `Debug` shows Kafka
+//! Once in the aggregator's `Config`, secrets are never printed: its `Debug` shows Kafka
 //! option names only and the Redis URL with `***` for the password, and no metric carries a
 //! setting's value.
 
@@ -25,7 +25,7 @@ use std::path::PathBuf;
 
 use tally_common::RedisTarget;
 
-use crate::config_error::ConfigError;
+use crate::error::ConfigError;
 
 /// librdkafka options whose values are secrets, and the variables that set them.
 pub const KAFKA_SECRET_VARIABLES: [(&str, &str); 4] = [

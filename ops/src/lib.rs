@@ -1,0 +1,19 @@
+//! What tally's programs share as programs, below the daemon: the aggregator, `tally-server` and
+//! the `tally` command line each read settings, take credentials, stop on signals and read a
+//! topic's ends, the same way.
+//!
+//! - [`config`]: where counts are stored, the PostgreSQL store's settings, `key=value` flags,
+//!   TOML files.
+//! - [`error`]: [`ConfigError`], what a configuration and its credentials report.
+//! - [`secrets`]: where credentials come from (environment, files) and where they are refused
+//!   (flags).
+//! - [`shutdown`]: signals into a cancellation token.
+//! - [`topic`]: a topic's partitions, their ends, and reading offset ranges back.
+
+pub mod config;
+pub mod error;
+pub mod secrets;
+pub mod shutdown;
+pub mod topic;
+
+pub use error::ConfigError;
