@@ -20,7 +20,6 @@ use std::time::{Duration, Instant};
 
 use tokio_util::sync::CancellationToken;
 
-use crate::backoff::Backoff;
 use crate::batch::{GroupBatch, SealedBatch};
 use crate::dead_letter::{DeadLetter, DeadLetterQueue};
 use crate::fence::{Owner, Watermark};
@@ -28,6 +27,7 @@ use crate::metrics::Metrics;
 use crate::sink::{
     Applied, GroupWrite, IdleWrite, Marked, Refused, Rejection, Sink, SinkError, SinkErrorKind,
 };
+use tally_kafka::backoff::Backoff;
 
 /// How a flush ended.
 #[derive(Debug, Clone, PartialEq, Eq)]

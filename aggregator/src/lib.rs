@@ -22,12 +22,10 @@
 //!   refuse scripts.
 //! - [`dead_letter`]: the dead-letter topic for malformed messages.
 //! - [`metrics`] and [`http`]: Prometheus metrics on `/metrics`, `/healthz` and `/readyz`.
-//! - [`backoff`]: capped exponential backoff.
 //! - [`expiry`]: counters that expire: the idle index, expiry records and their decision.
 //! - [`compact`]: collapsing cold counters' shares into one key, crash-safe (`tally compact`).
 //! - [`shard_monitor`]: raises the shard counts of directly written counters that run hot.
 
-pub mod backoff;
 pub mod batch;
 pub mod compact;
 pub mod config;

@@ -11,11 +11,11 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Parser;
-use tally_aggregator::backoff::Backoff;
 use tally_aggregator::compact::{CompactError, Compactor};
 use tally_cli::load::{self, LoadSpec};
 use tally_cli::{audit, dead_letters, verify};
 use tally_common::{CachedReader, Reader, pg};
+use tally_kafka::backoff::Backoff;
 use tally_ops::config::Store;
 use tally_producer::ProducerConfig;
 

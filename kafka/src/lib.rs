@@ -21,8 +21,10 @@
 //! - [`fetcher`]: [`Fetcher`], the partitions' fetch loop, and the [`Chunk`]s it hands out.
 //! - [`append`]: [`Appender`], an idempotent producer for bulk traffic: records encoded into
 //!   their partition's batch as they are appended, one `Produce` per broker at a time.
+//! - [`backoff`]: capped exponential backoff with jitter, which every retry in tally uses.
 
 pub mod append;
+pub mod backoff;
 pub mod compression;
 pub mod config;
 pub mod connection;

@@ -8,12 +8,12 @@ use rdkafka::{Offset, TopicPartitionList};
 use tally_kafka::Start;
 use tokio::task::JoinHandle;
 
-use crate::backoff::Backoff;
 use crate::batch::Pace;
 use crate::fence::{self, Resume};
 use crate::flush::FlushOutcome;
 use crate::partition::Action;
 use crate::sink::Sink;
+use tally_kafka::backoff::Backoff;
 
 use super::{Done, Report, Shared, Slot, Task, lock, warm_up_ids};
 

@@ -5,6 +5,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
+use crate::backoff::Backoff;
 use crate::connection::{Connection, ConnectionError};
 use crate::protocol;
 
@@ -61,7 +62,7 @@ pub(super) async fn io_main(shared: Arc<Shared>) {
 pub(super) async fn metadata_loop(shared: Arc<Shared>) {
     let config = &shared.config;
     let mut connection: Option<Connection> = None;
-    let mut backoff = BACKOFF.0;
+    let mut backoff = Backoff::new(BACKOFF.0, BACKOFF.1);
     while !shared.stop.load(Ordering::Acquire) {
         let outcome = async {
             if connection.is_none() {
@@ -94,7 +95,7 @@ pub(super) async fn metadata_loop(shared: Arc<Shared>) {
         .await;
         match outcome {
             Ok((metadata, producer)) => {
-                backoff = BACKOFF.0;
+                backoff.reset();
                 let leaderless = apply_metadata(&shared, &metadata, producer);
                 shared.work.notify_waiters();
                 let wait = if leaderless {
@@ -113,8 +114,7 @@ pub(super) async fn metadata_loop(shared: Arc<Shared>) {
                         state.start_error = Some(error);
                     }
                 }
-                tokio::time::sleep(backoff).await;
-                backoff = (backoff * 2).min(BACKOFF.1);
+                backoff.wait().await;
             }
         }
     }
@@ -160,7 +160,7 @@ pub(super) async fn broker_task(shared: Arc<Shared>, node: i32) {
     let config = &shared.config;
     let mut connection: Option<Connection> = None;
     let mut response = Vec::new();
-    let mut backoff = BACKOFF.0;
+    let mut backoff = Backoff::new(BACKOFF.0, BACKOFF.1);
     let timeout_ms = i32::try_from(config.client.timeout.as_millis())
         .unwrap_or(i32::MAX)
         .min(30_000);
@@ -220,7 +220,7 @@ pub(super) async fn broker_task(shared: Arc<Shared>, node: i32) {
         .await;
         let answers = match sent {
             Ok(answers) => {
-                backoff = BACKOFF.0;
+                backoff.reset();
                 answers
             }
             Err(error) => {
@@ -234,8 +234,7 @@ pub(super) async fn broker_task(shared: Arc<Shared>, node: i32) {
         let retry = settle(&shared, node, taken, &answers);
         if retry {
             shared.stale.notify_one();
-            tokio::time::sleep(backoff).await;
-            backoff = (backoff * 2).min(BACKOFF.1);
+            backoff.wait().await;
         }
         shared.work.notify_waiters();
     }

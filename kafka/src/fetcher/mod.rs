@@ -28,6 +28,7 @@ use std::time::Duration;
 use tokio::sync::{Notify, mpsc};
 use tokio::task::JoinSet;
 
+use crate::backoff::Backoff;
 use crate::config::{FetchConfig, OffsetReset};
 use crate::connection::Connection;
 use crate::protocol::{self, ErrorCode, FetchPartition, LogEnd};
@@ -245,31 +246,12 @@ fn lock_tasks(tasks: &Mutex<JoinSet<()>>) -> MutexGuard<'_, JoinSet<()>> {
     tasks.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
-/// Doubling waits between `BACKOFF`'s bounds.
-#[derive(Debug)]
-struct Backoff(Duration);
-
-impl Backoff {
-    fn new() -> Self {
-        Self(BACKOFF.0)
-    }
-
-    async fn wait(&mut self) {
-        tokio::time::sleep(self.0).await;
-        self.0 = (self.0 * 2).min(BACKOFF.1);
-    }
-
-    fn reset(&mut self) {
-        self.0 = BACKOFF.0;
-    }
-}
-
 /// Keeps the partitions' leaders known: asks when a broker task or a seek says they are stale,
 /// and every [`METADATA_REFRESH`]; starts a fetch task for each broker that leads a partition.
 async fn metadata_task(shared: Arc<Shared>, tasks: Arc<Mutex<JoinSet<()>>>) {
     let config = &shared.config;
     let mut connection: Option<Connection> = None;
-    let mut backoff = Backoff::new();
+    let mut backoff = Backoff::new(BACKOFF.0, BACKOFF.1);
     let mut last_failure: Option<String> = None;
     loop {
         let metadata = async {
@@ -375,7 +357,7 @@ fn fetchable(state: &mut State, node: i32) -> Fetchable {
 async fn broker_task(shared: Arc<Shared>, node: i32) {
     let config = &shared.config;
     let mut connection: Option<Connection> = None;
-    let mut backoff = Backoff::new();
+    let mut backoff = Backoff::new(BACKOFF.0, BACKOFF.1);
     let mut response = Vec::new();
     let mut scratch = Vec::new();
     loop {

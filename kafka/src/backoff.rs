@@ -1,4 +1,6 @@
-//! Capped exponential backoff with jitter, for retrying Redis and Kafka writes.
+//! Capped exponential backoff with jitter: the one every retry in tally uses (Redis and
+//! PostgreSQL writes, Kafka connections and metadata, compaction passes). It lives in this
+//! ground crate so that the Kafka client's own retries use it too.
 
 use std::time::Duration;
 
@@ -6,6 +8,8 @@ use std::time::Duration;
 /// that many retrying flushes do not hit a recovering server in lockstep.
 #[derive(Debug, Clone)]
 pub struct Backoff {
+    /// The first delay's upper bound, and where [`Backoff::reset`] goes back to.
+    initial: Duration,
     /// The next delay's upper bound.
     next: Duration,
     /// The cap.
@@ -16,9 +20,20 @@ impl Backoff {
     /// A backoff starting at `initial` and capped at `max`.
     pub fn new(initial: Duration, max: Duration) -> Self {
         Self {
+            initial: initial.min(max),
             next: initial.min(max),
             max,
         }
+    }
+
+    /// Back to the first delay, after a success.
+    pub fn reset(&mut self) {
+        self.next = self.initial;
+    }
+
+    /// Sleeps for the next delay.
+    pub async fn wait(&mut self) {
+        tokio::time::sleep(self.next_delay()).await;
     }
 
     /// The delay before the next attempt.
@@ -47,5 +62,8 @@ mod tests {
                 upper / 2
             );
         }
+        b.reset();
+        let d = b.next_delay();
+        assert!(d >= Duration::from_millis(50) && d <= Duration::from_millis(100));
     }
 }
