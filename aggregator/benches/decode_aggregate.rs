@@ -8,7 +8,7 @@
 use std::hint::black_box;
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
-use tally_aggregator::batch::Batch;
+use tally_aggregator::machine::batch::Batch;
 use tally_common::{CounterEvent, Keyspace, Namespaces, codec};
 
 const EVENTS: usize = 100_000;

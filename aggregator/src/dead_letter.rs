@@ -24,6 +24,8 @@ use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
 use rdkafka::util::Timeout;
 use tally_common::DeadLetterReason;
 
+use crate::machine::letter::DeadLetter;
+
 /// Header names, shared with tests and tools that read the dead-letter topic.
 pub mod headers {
     /// The fixed reason label.
@@ -36,23 +38,6 @@ pub mod headers {
     pub const SOURCE_PARTITION: &str = "tally-source-partition";
     /// Offset the message was read at.
     pub const SOURCE_OFFSET: &str = "tally-source-offset";
-}
-
-/// A malformed message, copied out of the consumer's buffer.
-#[derive(Debug, Clone)]
-pub struct DeadLetter {
-    /// The original key.
-    pub key: Option<Vec<u8>>,
-    /// The original payload.
-    pub payload: Option<Vec<u8>>,
-    /// Why.
-    pub reason: DeadLetterReason,
-    /// The full error message.
-    pub error: String,
-    /// Where it came from.
-    pub partition: i32,
-    /// Its offset.
-    pub offset: i64,
 }
 
 impl DeadLetter {

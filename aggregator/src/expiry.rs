@@ -18,7 +18,7 @@
 //!    clears the counter only if it is still idle at that point: no event of it in the
 //!    partition since its last expiry, or the last one's deadline at or before the record's
 //!    clock ([`expires`]). Events earlier in the same batch are held aside until the flush
-//!    decides (`crate::batch::Batch::expire`). The flush decides in the home group before
+//!    decides (`crate::machine::batch::Batch::expire`). The flush decides in the home group before
 //!    writing any group (`scripts/idle.lua`, or `Transactions::mark_idle`) and records the
 //!    decision under the record's offset, so a batch replayed after a crash decides every
 //!    group's part the same way, whatever the index says by then. An expired counter is then

@@ -26,7 +26,6 @@
 //! - [`compact`]: collapsing cold counters' shares into one key, crash-safe (`tally compact`).
 //! - [`shard_monitor`]: raises the shard counts of directly written counters that run hot.
 
-pub mod batch;
 pub mod compact;
 pub mod config;
 pub mod consume;
@@ -37,10 +36,10 @@ pub mod fence;
 pub mod flush;
 pub mod http;
 pub mod idempotency;
+pub mod machine;
 #[cfg(test)]
 mod memory_sink;
 pub mod metrics;
-pub mod partition;
 pub mod pg_sink;
 pub mod rebalance;
 pub mod redis_sink;

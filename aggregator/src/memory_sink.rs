@@ -9,7 +9,7 @@ use std::collections::HashMap;
 use std::future::Future;
 use std::sync::{Arc, Mutex, PoisonError};
 
-use crate::batch::WindowDelta;
+use crate::machine::batch::WindowDelta;
 use crate::sink::{Applied, GroupWrite, Rejection, Sink, SinkError, Stamp};
 use crate::transactions::{
     Current, MemberState, flush_verdict, next_epoch_after, stamp_refusal, watermark_refusal,
@@ -255,12 +255,14 @@ mod tests {
     use tokio_util::sync::CancellationToken;
 
     use super::*;
-    use crate::batch::{Limits, Size};
     use crate::dead_letter::DeadLetterQueue;
-    use crate::fence::{self, Owner, Resume, Watermark};
-    use crate::flush::{FlushOutcome, Flusher, Standing};
+    use crate::fence::{self, Watermark};
+    use crate::flush::Flusher;
+    use crate::machine::batch::{Limits, Size};
+    use crate::machine::outcome::{FlushOutcome, Standing};
+    use crate::machine::ownership::{Owner, Resume};
+    use crate::machine::partition::{Action, Entry, Partition};
     use crate::metrics::Metrics;
-    use crate::partition::{Action, Entry, Partition};
     use crate::sink::SinkErrorKind;
 
     const TOPIC: &str = "events";

@@ -27,7 +27,7 @@ use std::future::Future;
 
 use deadpool_postgres::{Pool, PoolError};
 
-use crate::batch::WindowDelta;
+use crate::machine::batch::WindowDelta;
 use crate::sink::{Applied, GroupWrite, Refused, Rejection, Sink, SinkError, Stamp};
 use crate::store_error::{ErrorClass, pg_class};
 use crate::transactions::{

@@ -16,8 +16,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use redis::ErrorKind;
 use tally_common::{DeadLetterReason, Keyspace, RedisConn, RedisTarget};
 
-use crate::batch::WindowDelta;
 use crate::config::Atomicity;
+use crate::machine::batch::WindowDelta;
 use crate::sink::{
     Applied, GroupWrite, IdleWrite, Marked, Refused, Rejection, Sink, SinkError, SinkErrorKind,
     Stamp,

@@ -21,7 +21,7 @@ use std::future::Future;
 
 use tally_common::DeadLetterReason;
 
-use crate::batch::{Member, PendingExpiry, WindowDelta};
+use crate::machine::batch::{Member, PendingExpiry, WindowDelta};
 use crate::store_error::{ErrorClass, RedisReply, redis_error_class};
 
 /// Why a sink write failed.

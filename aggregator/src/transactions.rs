@@ -23,7 +23,7 @@ use redis::{AsyncConnectionConfig, ErrorKind, Pipeline, ServerErrorKind, Value};
 use tally_common::connection::{DEFAULT_CONNECT_TIMEOUT, DEFAULT_RESPONSE_TIMEOUT};
 use tally_common::{DeadLetterReason, Keyspace, RedisTarget};
 
-use crate::batch::WindowDelta;
+use crate::machine::batch::WindowDelta;
 use crate::sink::{
     Applied, GroupWrite, IdleWrite, Marked, Refused, Rejection, SinkError, SinkErrorKind, Stamp,
 };

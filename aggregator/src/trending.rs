@@ -21,7 +21,7 @@ use tally_common::reader::TOP_BUCKET_S;
 use tally_common::{Namespaces, Reader};
 use tokio_util::sync::CancellationToken;
 
-use crate::batch::SealedBatch;
+use crate::machine::batch::SealedBatch;
 use crate::metrics::Metrics;
 
 /// Entries per namespace sketch.

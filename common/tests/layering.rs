@@ -315,3 +315,21 @@ fn no_file_over_700_lines_of_production_code() {
     assert!(seen > 100, "too few files found to trust the check: {seen}");
     assert!(over.is_empty(), "files too long:\n{}", over.join("\n"));
 }
+
+/// The aggregator's core (`aggregator/src/machine`: the partition state machine, its batch,
+/// ownership and outcomes) imports no other module of the crate: nothing that does I/O.
+#[test]
+fn the_aggregators_core_imports_nothing_above_it() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let edges = edges(&root.join("aggregator/src"));
+    let core = |m: &Module| m.first().is_some_and(|s| s == "machine");
+    let up: Vec<String> = (edges.iter())
+        .filter(|(from, to)| core(from) && !core(to))
+        .map(|(from, to)| format!("{} -> {}", from.join("::"), to.join("::")))
+        .collect();
+    assert!(
+        edges.iter().any(|(from, _)| core(from)),
+        "the core's edges are found"
+    );
+    assert!(up.is_empty(), "the core imports from above it:\n{}", up.join("\n"));
+}

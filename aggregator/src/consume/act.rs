@@ -8,10 +8,11 @@ use rdkafka::{Offset, TopicPartitionList};
 use tally_kafka::Start;
 use tokio::task::JoinHandle;
 
-use crate::batch::Pace;
-use crate::fence::{self, Resume};
-use crate::flush::FlushOutcome;
-use crate::partition::Action;
+use crate::fence;
+use crate::machine::batch::Pace;
+use crate::machine::outcome::FlushOutcome;
+use crate::machine::ownership::Resume;
+use crate::machine::partition::Action;
 use crate::sink::Sink;
 use tally_kafka::backoff::Backoff;
 

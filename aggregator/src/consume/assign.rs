@@ -12,8 +12,9 @@ use tokio::task::{JoinHandle, JoinSet};
 use tokio_util::sync::CancellationToken;
 
 use crate::config::Delivery;
-use crate::flush::{FlushOutcome, Flusher, Standing};
-use crate::partition::{Drain, NotDrained, Partition};
+use crate::flush::Flusher;
+use crate::machine::outcome::{FlushOutcome, Standing};
+use crate::machine::partition::{Drain, NotDrained, Partition};
 use crate::sink::Sink;
 
 use super::{Drained, Shared, Slot, Task, lock};

@@ -4,7 +4,7 @@
 //! assignment and the revoke, called by `crate::rebalance`'s callbacks) and the drain that
 //! revokes and shutdown share.
 //!
-//! Decisions are the state machine's (`crate::partition`); this module does the I/O. A flush
+//! Decisions are the state machine's (`crate::machine::partition`); this module does the I/O. A flush
 //! runs as its own task, so that polling goes on while Redis is slow or down: the consumer keeps
 //! its group membership (`max.poll.interval.ms` never expires).
 //!
@@ -34,13 +34,14 @@ use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-use crate::batch::Limits;
 use crate::config::Delivery;
-use crate::fence::{Owner, Resume};
-use crate::flush::{FlushOutcome, Flusher, Standing};
+use crate::flush::Flusher;
 use crate::idempotency::{RecentIds, WarmUp};
+use crate::machine::batch::Limits;
+use crate::machine::outcome::{FlushOutcome, Standing};
+use crate::machine::ownership::{Owner, Resume};
+use crate::machine::partition::Partition;
 use crate::metrics::Metrics;
-use crate::partition::Partition;
 use crate::sink::Sink;
 
 mod act;

@@ -9,9 +9,9 @@ use tally_common::window::Placement;
 use tally_common::{DeadLetterReason, codec};
 use tally_kafka::{Chunk, Fetched, Item};
 
-use crate::dead_letter::DeadLetter;
 use crate::idempotency;
-use crate::partition::{Entry, Handled};
+use crate::machine::letter::DeadLetter;
+use crate::machine::partition::{Entry, Handled};
 use crate::sink::Sink;
 
 use super::{MAX_UNREADABLE_BYTES, Message, Partitions, Shared, Slot, lock};

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use tally_common::window::Bucket;
 
-use crate::dead_letter::DeadLetter;
+use super::letter::DeadLetter;
 
 /// How much a batch may hold before it must be flushed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

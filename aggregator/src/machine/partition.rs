@@ -19,10 +19,10 @@ use std::time::{Duration, Instant, SystemTime};
 
 use tally_common::window::Bucket;
 
-use crate::batch::{Batch, FlushClock, Limits, Pace, SealedBatch};
-use crate::dead_letter::DeadLetter;
-use crate::fence::{Owner, Resume};
-use crate::flush::{FlushOutcome, Standing};
+use super::batch::{Batch, FlushClock, Limits, Pace, SealedBatch};
+use super::letter::DeadLetter;
+use super::outcome::{FlushOutcome, Standing};
+use super::ownership::{Owner, Resume};
 
 /// Where a partition's ownership stands.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -619,7 +619,7 @@ impl Draining {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::batch::Size;
+    use crate::machine::batch::Size;
 
     const INTERVAL: Duration = Duration::from_millis(1_000);
 
@@ -644,7 +644,7 @@ mod tests {
             home: 0,
             epoch: 7,
             ledgers,
-            spread: crate::fence::Spread::uniform(1),
+            spread: tally_common::keyspace::Spread::uniform(1),
         }
     }
 

@@ -1,0 +1,16 @@
+//! The core: one partition's state machine, its buffer, what an owner knows, and what became of
+//! its work, with no I/O (no Kafka, no store, no clock but the instants it is given), so that
+//! every decision is unit-tested. The rest of the aggregator tells it what happened and carries
+//! out what it answers.
+//!
+//! - [`partition`]: one partition as a state machine: what to flush, commit, pause, acquire.
+//! - [`batch`]: one partition's buffer, the flush triggers, and a sealed batch per group.
+//! - [`ownership`]: an exactly-once owner's epoch and ledgers, and where a partition resumes.
+//! - [`outcome`]: how a flush or a check ended.
+//! - [`letter`]: a message bound for the dead-letter topic.
+
+pub mod batch;
+pub mod letter;
+pub mod outcome;
+pub mod ownership;
+pub mod partition;
