@@ -331,5 +331,9 @@ fn the_aggregators_core_imports_nothing_above_it() {
         edges.iter().any(|(from, _)| core(from)),
         "the core's edges are found"
     );
-    assert!(up.is_empty(), "the core imports from above it:\n{}", up.join("\n"));
+    assert!(
+        up.is_empty(),
+        "the core imports from above it:\n{}",
+        up.join("\n")
+    );
 }

@@ -128,13 +128,29 @@ pub async fn create_topic(topic: &str, partitions: i32) {
 /// Creates `topic` with `partitions` partitions (replication factor 1) on the Kafka at
 /// `bootstrap`; fails loudly if it is not reachable.
 pub async fn create_topic_on(bootstrap: &str, topic: &str, partitions: i32) {
+    create_replicated_topic(bootstrap, topic, partitions, 1, &[]).await;
+}
+
+/// Creates `topic` with `partitions` partitions, `replicas` replicas each and the topic
+/// `configs`, on the Kafka at `bootstrap`; fails loudly if it cannot.
+pub async fn create_replicated_topic(
+    bootstrap: &str,
+    topic: &str,
+    partitions: i32,
+    replicas: i32,
+    configs: &[(&str, &str)],
+) {
     let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
         .set("bootstrap.servers", bootstrap)
         .create()
         .expect("admin client");
+    let mut new = NewTopic::new(topic, partitions, TopicReplication::Fixed(replicas));
+    for (key, value) in configs {
+        new = new.set(key, value);
+    }
     let results = admin
         .create_topics(
-            &[NewTopic::new(topic, partitions, TopicReplication::Fixed(1))],
+            &[new],
             &AdminOptions::new().request_timeout(Some(Duration::from_secs(20))),
         )
         .await

@@ -36,9 +36,18 @@ impl KafkaCluster {
         brokers.join(",")
     }
 
-    /// Creates `topic` with `partitions` partitions, replication factor 3, min ISR 2.
+    /// Creates `topic` with `partitions` partitions, replication factor 3, min ISR 2, through
+    /// the admin API (a JVM tool took seconds to start); call it inside `block_in_place`.
     pub fn topic(&self, topic: &str, partitions: i32) {
-        self.script(&["topic", topic, &partitions.to_string()]);
+        let bootstrap = self.bootstrap();
+        let create = crate::kafka::create_replicated_topic(
+            &bootstrap,
+            topic,
+            partitions,
+            3,
+            &[("min.insync.replicas", "2")],
+        );
+        tokio::runtime::Handle::current().block_on(create);
     }
 
     /// SIGKILLs node `i` (1-3).
