@@ -10,10 +10,10 @@ use std::future::Future;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use crate::machine::batch::WindowDelta;
-use crate::sink::{Applied, GroupWrite, Rejection, Sink, SinkError, Stamp};
-use crate::transactions::{
+use crate::machine::verdict::{
     Current, MemberState, flush_verdict, next_epoch_after, stamp_refusal, watermark_refusal,
 };
+use crate::sink::{Applied, GroupWrite, Rejection, Sink, SinkError, Stamp};
 
 /// Everything the store holds, per shard group and key.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]

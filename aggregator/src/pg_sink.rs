@@ -7,7 +7,7 @@
 //!
 //! Each exactly-once flush into a group is one transaction: it locks the partition's fence and
 //! ledger row in that group and the batch's share rows (in counter order, so two flushes never
-//! deadlock), decides exactly as the Redis script does (`crate::transactions::flush_verdict`:
+//! deadlock), decides exactly as the Redis script does (`crate::machine::verdict::flush_verdict`:
 //! fenced, already applied, rolled back, or a delta that would overflow 64 bits), then clears
 //! the group's part of each reset (the counter's share row here and the `members` rows whose
 //! like it holds), applies the deltas as one multi-row upsert (`INSERT … ON CONFLICT … DO
@@ -28,12 +28,12 @@ use std::future::Future;
 use deadpool_postgres::{Pool, PoolError};
 
 use crate::machine::batch::WindowDelta;
-use crate::sink::{Applied, GroupWrite, Refused, Rejection, Sink, SinkError, Stamp};
-use crate::store_error::{ErrorClass, pg_class};
-use crate::transactions::{
+use crate::machine::verdict::{
     Current, MemberState, flush_verdict, next_epoch_after, rejections, stamp_refusal,
     watermark_refusal,
 };
+use crate::sink::{Applied, GroupWrite, Refused, Rejection, Sink, SinkError, Stamp};
+use crate::store_error::{ErrorClass, pg_class};
 use tally_common::pg::Schema;
 
 /// Classifies a PostgreSQL error by its SQLSTATE (`crate::store_error::pg_class`).

@@ -3,7 +3,7 @@
 //! bits) runs through `scripts/flush.lua` on a real redis-server, the `WATCH`/`MULTI`/`EXEC`
 //! transactions path on the same server, and the PostgreSQL store on a real PostgreSQL. Each
 //! must give the verdict the table states, write exactly when it says `Written`, and so agree
-//! with the others. (`transactions::flush_verdict` is what the transactions path, the
+//! with the others. (`machine::verdict::flush_verdict` is what the transactions path, the
 //! PostgreSQL store and the in-memory sink share; the script is the one written apart.)
 
 use tally_aggregator::RedisSink;

@@ -8,9 +8,13 @@
 //! - [`ownership`]: an exactly-once owner's epoch and ledgers, and where a partition resumes.
 //! - [`outcome`]: how a flush or a check ended.
 //! - [`letter`]: a message bound for the dead-letter topic.
+//! - [`write`]: one write into a shard group as the stores take it, and what they answer.
+//! - [`verdict`]: the exactly-once decisions every store makes before it writes.
 
 pub mod batch;
 pub mod letter;
 pub mod outcome;
 pub mod ownership;
 pub mod partition;
+pub mod verdict;
+pub mod write;
