@@ -502,6 +502,24 @@ async fn direct_writes_go_to_random_shard_rows_and_likes_count_once() {
     );
 }
 
+/// A client of the PostgreSQL at `url`, and the value it gave `big:1`'s share in group 0 of
+/// the deployment `prefix`: 10 below `i64::MAX`, so that +100 would overflow it.
+async fn near_full_share(url: &str, prefix: &str) -> (tokio_postgres::Client, i64) {
+    let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)
+        .await
+        .expect("connects");
+    tokio::spawn(connection);
+    let near_max = i64::MAX - 10;
+    client
+        .execute(
+            &format!("INSERT INTO \"{prefix}\".shares VALUES ('big:1', 0, $1)"),
+            &[&near_max],
+        )
+        .await
+        .expect("near-full share");
+    (client, near_max)
+}
+
 /// Bad input with this store, as with Redis: a share that would pass 64 bits is refused, not
 /// wrapped (its deltas dead-lettered as `overflow`), an undecodable message is dead-lettered,
 /// and every other total is exact.
@@ -520,21 +538,7 @@ async fn overflow_is_refused_and_bad_messages_dead_lettered_with_postgres() {
     aggregator
         .wait_metric("tally_assigned_partitions", 1.0, Duration::from_secs(60))
         .await;
-    let (client, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
-        .await
-        .expect("connects");
-    tokio::spawn(connection);
-    let near_max = i64::MAX - 10;
-    client
-        .execute(
-            &format!(
-                "INSERT INTO \"{}\".shares VALUES ('big:1', 0, $1)",
-                setup.key_prefix
-            ),
-            &[&near_max],
-        )
-        .await
-        .expect("near-full share");
+    let (client, near_max) = near_full_share(&url, &setup.key_prefix).await;
 
     let plain: FutureProducer = ClientConfig::new()
         .set("bootstrap.servers", tally_tests::brokers())
@@ -616,19 +620,8 @@ async fn at_least_once_into_postgres_counts_every_event() {
         .wait_metric("tally_assigned_partitions", 4.0, Duration::from_secs(60))
         .await;
     // Partition 0 writes to shard group 0, where the near-full share is put.
-    let (client, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
-        .await
-        .expect("connects");
-    tokio::spawn(connection);
-    let near_max = i64::MAX - 10;
+    let (client, near_max) = near_full_share(&url, &setup.key_prefix).await;
     let shares = format!("\"{}\".shares", setup.key_prefix);
-    client
-        .execute(
-            &format!("INSERT INTO {shares} VALUES ('big:1', 0, $1)"),
-            &[&near_max],
-        )
-        .await
-        .expect("near-full share");
 
     let load = start_load(&setup.topic, spec(50_000, 0, seed()));
     let plain: FutureProducer = ClientConfig::new()
