@@ -21,7 +21,7 @@ use crate::consume::{LoopSettings, Report, RunSummary, Shared};
 use crate::flush::Flusher;
 use crate::idempotency::WarmUp;
 use crate::rebalance::AggregatorContext;
-use crate::sink::Sink;
+use crate::store::sink::Sink;
 
 /// Most messages taken from librdkafka's queue in one go (one lock of the partitions, one
 /// trip through the loop).

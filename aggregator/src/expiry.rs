@@ -41,7 +41,7 @@ use tally_common::keyspace::partition_field;
 use tokio_util::sync::CancellationToken;
 
 use crate::consume::Shared;
-use crate::sink::Sink;
+use crate::store::sink::Sink;
 
 /// The most expiry records an expirer writes into one partition per round.
 pub const PAGE: usize = 1_000;

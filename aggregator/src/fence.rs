@@ -25,7 +25,7 @@ use tally_common::keyspace::partition_field;
 pub use tally_common::keyspace::{Spread, Watermark};
 
 use crate::machine::ownership::{Owner, Resume, resume_offset};
-use crate::sink::{Applied, Sink, SinkError, Stamp};
+use crate::store::sink::{Applied, Sink, SinkError, Stamp};
 
 /// Takes ownership of `partition`: a new epoch, stamped into every group's fence, and the resume
 /// offset. The owner spreads counters over `spread` groups from the first offset no group has

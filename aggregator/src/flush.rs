@@ -27,7 +27,7 @@ use crate::machine::letter::DeadLetter;
 use crate::machine::outcome::{FlushOutcome, Standing};
 use crate::machine::ownership::Owner;
 use crate::metrics::Metrics;
-use crate::sink::{
+use crate::store::sink::{
     Applied, GroupWrite, IdleWrite, Marked, Refused, Rejection, Sink, SinkError, SinkErrorKind,
 };
 use tally_kafka::backoff::Backoff;

@@ -37,16 +37,10 @@ pub mod flush;
 pub mod http;
 pub mod idempotency;
 pub mod machine;
-#[cfg(test)]
-mod memory_sink;
 pub mod metrics;
-pub mod pg_sink;
 pub mod rebalance;
-pub mod redis_sink;
 pub mod shard_monitor;
-pub mod sink;
-pub mod store_error;
-pub mod transactions;
+pub mod store;
 pub mod trending;
 
 use std::sync::Arc;
@@ -58,8 +52,8 @@ use tokio_util::sync::CancellationToken;
 pub use config::Config;
 pub use consume::{LoopSettings, RunSummary};
 pub use daemon::Aggregator;
-pub use redis_sink::RedisSink;
-pub use sink::Sink;
+pub use store::redis_sink::RedisSink;
+pub use store::sink::Sink;
 pub use tally_common::pg as pg_schema;
 
 /// Why the aggregator could not start.
@@ -227,7 +221,7 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<RunSumma
             consume(&config, &kafka, sink, parts, shutdown).await
         }
         Some((pool, schema)) => {
-            let sink = pg_sink::PgSink::new(pool, schema);
+            let sink = store::pg_sink::PgSink::new(pool, schema);
             consume(&config, &kafka, sink, parts, shutdown).await
         }
     };

@@ -11,7 +11,7 @@ use rdkafka::error::KafkaError;
 use rdkafka::statistics::Statistics;
 
 use crate::consume::Shared;
-use crate::sink::Sink;
+use crate::store::sink::Sink;
 
 /// The consumer's context: rebalance hooks, statistics, logs.
 pub struct AggregatorContext<S> {

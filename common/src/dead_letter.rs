@@ -1,6 +1,6 @@
 //! Why a message went to the dead-letter topic: one fixed label per cause, the same in the
 //! `tally-reason` header, the `reason` label of `tally_events_dead_lettered_total`, and the
-//! replies of the exactly-once scripts (`aggregator/src/scripts/flush.lua`).
+//! replies of the exactly-once scripts (`aggregator/src/store/scripts/flush.lua`).
 
 use std::fmt;
 use std::str::FromStr;

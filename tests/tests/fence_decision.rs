@@ -9,8 +9,8 @@
 use tally_aggregator::RedisSink;
 use tally_aggregator::config::Atomicity;
 use tally_aggregator::pg_schema::{self, Schema};
-use tally_aggregator::pg_sink::PgSink;
-use tally_aggregator::sink::{Applied, GroupWrite, Refused, Rejection, Sink};
+use tally_aggregator::store::pg_sink::PgSink;
+use tally_aggregator::store::sink::{Applied, GroupWrite, Refused, Rejection, Sink};
 use tally_common::{DeadLetterReason, Keyspace, RedisConn, RedisTarget};
 use tally_tests::postgres::PgServer;
 use tally_tests::{RedisServer, serial, unique};

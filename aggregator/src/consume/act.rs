@@ -13,7 +13,7 @@ use crate::machine::batch::Pace;
 use crate::machine::outcome::FlushOutcome;
 use crate::machine::ownership::Resume;
 use crate::machine::partition::Action;
-use crate::sink::Sink;
+use crate::store::sink::Sink;
 use tally_kafka::backoff::Backoff;
 
 use super::{Done, Report, Shared, Slot, Task, lock, warm_up_ids};

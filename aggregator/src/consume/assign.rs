@@ -15,7 +15,7 @@ use crate::config::Delivery;
 use crate::flush::Flusher;
 use crate::machine::outcome::{FlushOutcome, Standing};
 use crate::machine::partition::{Drain, NotDrained, Partition};
-use crate::sink::Sink;
+use crate::store::sink::Sink;
 
 use super::{Drained, Shared, Slot, Task, lock};
 

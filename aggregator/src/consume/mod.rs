@@ -42,7 +42,7 @@ use crate::machine::outcome::{FlushOutcome, Standing};
 use crate::machine::ownership::{Owner, Resume};
 use crate::machine::partition::Partition;
 use crate::metrics::Metrics;
-use crate::sink::Sink;
+use crate::store::sink::Sink;
 
 mod act;
 mod assign;

@@ -12,7 +12,7 @@ use tally_kafka::{Chunk, Fetched, Item};
 use crate::idempotency;
 use crate::machine::letter::DeadLetter;
 use crate::machine::partition::{Entry, Handled};
-use crate::sink::Sink;
+use crate::store::sink::Sink;
 
 use super::{MAX_UNREADABLE_BYTES, Message, Partitions, Shared, Slot, lock};
 

@@ -1,6 +1,6 @@
 //! One write into a shard group as the stores take it ([`GroupWrite`], [`IdleWrite`]), and
 //! what they answer ([`Applied`], [`Stamp`], [`Marked`], the [`Rejection`]s): the vocabulary
-//! of `crate::sink`'s seam, without the I/O.
+//! of `crate::store::sink`'s seam, without the I/O.
 
 use tally_common::DeadLetterReason;
 

@@ -18,7 +18,7 @@
 //! applied once, as with Redis.
 //!
 //! Connections come from a pool (deadpool-postgres). Errors are classified by their SQLSTATE
-//! (`crate::store_error`): a lost connection, a pool timeout, a shutdown, too many connections,
+//! (`crate::store::store_error`): a lost connection, a pool timeout, a shutdown, too many connections,
 //! a read-only transaction, a full disk, a serialization failure, a deadlock or a cancelled
 //! statement heal by themselves; the rest need an operator. Every one is retried, and none
 //! refuses a delta: only the overflow check on the locked shares does.
@@ -32,11 +32,11 @@ use crate::machine::verdict::{
     Current, MemberState, flush_verdict, next_epoch_after, rejections, stamp_refusal,
     watermark_refusal,
 };
-use crate::sink::{Applied, GroupWrite, Refused, Rejection, Sink, SinkError, Stamp};
-use crate::store_error::{ErrorClass, pg_class};
+use crate::store::sink::{Applied, GroupWrite, Refused, Rejection, Sink, SinkError, Stamp};
+use crate::store::store_error::{ErrorClass, pg_class};
 use tally_common::pg::Schema;
 
-/// Classifies a PostgreSQL error by its SQLSTATE (`crate::store_error::pg_class`).
+/// Classifies a PostgreSQL error by its SQLSTATE (`crate::store::store_error::pg_class`).
 fn classify(error: tokio_postgres::Error) -> SinkError {
     // Without a SQLSTATE, a closed connection or an I/O failure is the connection's; anything
     // else (a conversion or protocol error) is unknown. All are retried.

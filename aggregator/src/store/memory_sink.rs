@@ -1,7 +1,7 @@
 //! [`MemorySink`]: a [`Sink`] in memory, for unit tests of the flush, the fences and the
 //! partition state machine together, with faults on demand: failed writes, a newer owner, and a
 //! store that goes back to an older state. It decides every exactly-once operation with the same
-//! functions as the `WATCH`/`MULTI`/`EXEC` path (`crate::transactions`: `flush_verdict`,
+//! functions as the `WATCH`/`MULTI`/`EXEC` path (`crate::store::transactions`: `flush_verdict`,
 //! `next_epoch_after`, `stamp_refusal`, `watermark_refusal`), which mirror the Lua scripts. Evidence that tally works comes from the end-to-end tests against
 //! a real Redis; these tests pin down the rules, in milliseconds.
 
@@ -13,7 +13,7 @@ use crate::machine::batch::WindowDelta;
 use crate::machine::verdict::{
     Current, MemberState, flush_verdict, next_epoch_after, stamp_refusal, watermark_refusal,
 };
-use crate::sink::{Applied, GroupWrite, Rejection, Sink, SinkError, Stamp};
+use crate::store::sink::{Applied, GroupWrite, Rejection, Sink, SinkError, Stamp};
 
 /// Everything the store holds, per shard group and key.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -263,7 +263,7 @@ mod tests {
     use crate::machine::ownership::{Owner, Resume};
     use crate::machine::partition::{Action, Entry, Partition};
     use crate::metrics::Metrics;
-    use crate::sink::SinkErrorKind;
+    use crate::store::sink::SinkErrorKind;
 
     const TOPIC: &str = "events";
 

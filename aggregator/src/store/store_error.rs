@@ -4,7 +4,7 @@
 //! **No error refuses a delta.** A delta is refused (and its events dead-lettered) only by a
 //! check of the data itself: the flush script or the transaction reads the key and finds another
 //! type, a string that is not a 64-bit integer, or a sum past 64 bits (`scripts/flush.lua`,
-//! `crate::transactions`, `crate::pg_sink`, and at least once `crate::redis_sink`'s reading of
+//! `crate::store::transactions`, `crate::store::pg_sink`, and at least once `crate::store::redis_sink`'s reading of
 //! the transaction's per-command replies). Every error, whatever its class, fails the whole
 //! write with nothing of it applied (at least once, see `Sink::apply` for the one exception),
 //! and the flush retries it with capped backoff until the store takes it; its offsets do not

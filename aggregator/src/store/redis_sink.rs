@@ -5,7 +5,7 @@
 //!   recognises a write the group already applied, and writes all of it or, when Redis refuses a
 //!   counter, none of it (undoing what it wrote). The other scripts take epochs, stamp fences and store watermarks (see
 //!   `crate::fence`). For servers that refuse scripts the same operations run as optimistic
-//!   `WATCH`/`MULTI`/`EXEC` transactions (`crate::transactions`), chosen by the
+//!   `WATCH`/`MULTI`/`EXEC` transactions (`crate::store::transactions`), chosen by the
 //!   `redis_atomicity` setting: `auto` (the default) tries scripts and switches for good on the
 //!   first refusal (`NOPERM`, or an unknown `EVALSHA`).
 
@@ -18,12 +18,12 @@ use tally_common::{DeadLetterReason, Keyspace, RedisConn, RedisTarget};
 
 use crate::config::Atomicity;
 use crate::machine::batch::WindowDelta;
-use crate::sink::{
+use crate::store::sink::{
     Applied, GroupWrite, IdleWrite, Marked, Refused, Rejection, Sink, SinkError, SinkErrorKind,
     Stamp,
 };
-use crate::store_error::{ERR_NOT_AN_INTEGER, ERR_OVERFLOW, RedisReply};
-use crate::transactions::{Transactions, redis_integer};
+use crate::store::store_error::{ERR_NOT_AN_INTEGER, ERR_OVERFLOW, RedisReply};
+use crate::store::transactions::{Transactions, redis_integer};
 
 /// The Lua scripts, hashed once.
 #[derive(Debug)]

@@ -1,6 +1,6 @@
 //! Where flushed deltas go: the [`Sink`] seam, what a write is ([`GroupWrite`]) and what became
 //! of it ([`Applied`]), and how its errors are classified ([`SinkError`]). The Redis
-//! implementation is `crate::redis_sink`.
+//! implementation is `crate::store::redis_sink`.
 //!
 //! Every write goes to one shard group (see `tally_common::keyspace`), whose keys share a hash tag,
 //! so each operation is single-slot (valid on Redis Cluster) and lands all or nothing:
@@ -11,7 +11,7 @@
 //!   asked, the watermark, all or none: a counter Redis cannot take (type, 64-bit overflow)
 //!   comes back as a [`Rejection`] with nothing written.
 //!
-//! Errors are classified at this boundary (`crate::store_error`'s tables) as retryable
+//! Errors are classified at this boundary (`crate::store::store_error`'s tables) as retryable
 //! (connection, timeout, out of memory, read-only, busy, failing over) or needing an operator
 //! (a permission, the data, anything unknown); the flush loop retries both with capped backoff,
 //! because dropping a batch would lose counts, but only the former are expected to heal by
@@ -23,7 +23,7 @@ use crate::machine::batch::WindowDelta;
 pub use crate::machine::write::{
     Applied, GroupWrite, IdleWrite, Marked, Refused, Rejection, Stamp,
 };
-use crate::store_error::{ErrorClass, RedisReply, redis_error_class};
+use crate::store::store_error::{ErrorClass, RedisReply, redis_error_class};
 
 /// Why a sink write failed.
 #[derive(Debug, thiserror::Error)]
@@ -79,7 +79,7 @@ impl std::fmt::Display for SinkErrorKind {
 }
 
 impl SinkError {
-    /// An error of `class` (see `crate::store_error`): retryable if the store heals by itself,
+    /// An error of `class` (see `crate::store::store_error`): retryable if the store heals by itself,
     /// else one that needs an operator. Both are retried.
     pub fn of_class(
         class: ErrorClass,

@@ -26,7 +26,7 @@ use tally_common::{Keyspace, RedisTarget};
 use crate::machine::verdict::{
     Current, MemberState, flush_verdict, next_epoch_after, stamp_refusal, watermark_refusal,
 };
-use crate::sink::{Applied, GroupWrite, IdleWrite, Marked, SinkError, SinkErrorKind, Stamp};
+use crate::store::sink::{Applied, GroupWrite, IdleWrite, Marked, SinkError, SinkErrorKind, Stamp};
 
 /// How many times one operation starts over after a conflicting write before it reports a
 /// retryable error (the flush's own retry then backs off).

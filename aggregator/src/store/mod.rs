@@ -1,0 +1,20 @@
+//! The stores: the [`sink::Sink`] seam every write goes through, and its implementations.
+//!
+//! - [`sink`]: the seam, and [`sink::SinkError`] (retried; the class only words the log).
+//! - [`store_error`]: what a store's error says, one table per store (none refuses a delta).
+//! - [`redis_sink`]: [`redis_sink::RedisSink`], Redis through the Lua `scripts/`, or
+//! - [`transactions`]: the same operations as `WATCH`/`MULTI`/`EXEC`, for servers that refuse
+//!   scripts.
+//! - [`pg_sink`]: [`pg_sink::PgSink`], PostgreSQL as the store of record.
+//! - `memory_sink`: an in-memory sink for the unit tests of the loop.
+//!
+//! What a write is and what the stores decide before writing are the core's
+//! (`crate::machine::write`, `crate::machine::verdict`).
+
+#[cfg(test)]
+mod memory_sink;
+pub mod pg_sink;
+pub mod redis_sink;
+pub mod sink;
+pub mod store_error;
+pub mod transactions;
