@@ -283,11 +283,21 @@ fn the_checker_sees_a_cycle_when_there_is_one() {
 /// Most lines of production code in one file.
 const MAX_LINES: usize = 700;
 
-/// Lines before the file's first `#[cfg(test)]` line (all of them without one).
+/// Lines before the file's unit-test module (`#[cfg(test)]` then `mod tests`, at the top
+/// level), or all of them without one. A `#[cfg(test)]` on any other item counts as code.
 fn production_lines(text: &str) -> usize {
-    (text.lines())
-        .position(|line| line.trim_start().starts_with("#[cfg(test)]"))
-        .unwrap_or_else(|| text.lines().count())
+    let lines: Vec<&str> = text.lines().collect();
+    (lines.windows(2))
+        .position(|pair| pair[0] == "#[cfg(test)]" && pair[1].starts_with("mod tests"))
+        .unwrap_or(lines.len())
+}
+
+#[test]
+fn only_the_test_module_is_left_out_of_the_count() {
+    let code = "fn a() {}\n    #[cfg(test)]\n    fn helper() {}\nfn b() {}\n";
+    assert_eq!(production_lines(code), 4);
+    let with_tests = format!("{code}#[cfg(test)]\nmod tests {{\n}}\n");
+    assert_eq!(production_lines(&with_tests), 4);
 }
 
 #[test]
