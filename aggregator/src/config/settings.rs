@@ -3,8 +3,8 @@
 //! help. From that one declaration come [`Settings`] (what a file, the environment or flags
 //! gave: each field optional), the merge of one over another ([`Settings::overridden_by`]),
 //! [`Values`] (every default filled in), the `[default: ...]` of each flag's help
-//! ([`with_defaults_in_help`]), and [`Settings::defaults`], which a test holds
-//! `deploy/aggregator.example.toml` and the Kubernetes config to.
+//! ([`with_defaults_in_help`]), and [`Settings::defaults`] (with `Settings::names` in tests),
+//! which a test holds `deploy/aggregator.example.toml` and the Kubernetes config to.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -103,7 +103,8 @@ macro_rules! settings {
                 vec![ $( (stringify!($name), Shown::shown(&{ let d: $ty = $default; d })), )* ]
             }
 
-            /// Every setting's name, as the file spells it.
+            /// Every setting's name, as the file spells it (for the checks of the example file).
+            #[cfg(test)]
             pub fn names() -> Vec<&'static str> {
                 vec![ $( stringify!($name), )* $( stringify!($oname), )* ]
             }
