@@ -3,45 +3,24 @@
 //! offset only once everything before it is durable.
 //!
 //! # Layout
-//! - [`config`]: the typed [`Config`] and the command line that builds it.
-//!   Its errors, the credentials, shutdown on signals and reading a topic are `tally_ops`'s,
-//!   shared with `tally-server` and the `tally` command line.
-//! - [`daemon`]: the loop ([`Aggregator`]): shutdown, reports, ticks and messages, in one task.
-//! - [`partition`]: one partition as a state machine with no I/O: what to flush, commit, pause.
-//! - [`consume`]: the Kafka side of it: messages decoded and routed, actions carried out,
-//!   assignments, revokes and the drain they and shutdown share.
-//! - [`rebalance`]: the consumer's context: the rebalance callbacks, statistics and logs.
-//! - [`batch`]: one partition's buffer and the flush triggers.
-//! - [`flush`]: making a sealed batch durable, with retries.
-//! - [`fence`]: owning a partition in exactly-once mode (epochs, fences, ledgers, watermark).
-//! - [`sink`]: the [`Sink`] seam: what a write is and what became of it.
-//! - [`store_error`]: what a store's error says, one table per store (none refuses a delta).
-//! - [`redis_sink`]: [`RedisSink`], the Redis implementation (Lua scripts, or transactions).
-//! - [`trending`]: heavy-hitter sketches of the fastest-moving counters, and the cache warmer.
-//! - [`transactions`]: the exactly-once operations as `WATCH`/`MULTI`/`EXEC`, for servers that
-//!   refuse scripts.
-//! - [`dead_letter`]: the dead-letter topic for malformed messages.
-//! - [`metrics`] and [`http`]: Prometheus metrics on `/metrics`, `/healthz` and `/readyz`.
-//! - [`expiry`]: counters that expire: the idle index, expiry records and their decision.
-//! - [`compact`]: collapsing cold counters' shares into one key, crash-safe (`tally compact`).
-//! - [`shard_monitor`]: raises the shard counts of directly written counters that run hot.
+//! The folders follow the architecture, from the core up:
+//! - [`machine`]: the core, with no I/O: one partition as a state machine (what to flush,
+//!   commit, pause), its batch and flush triggers, what a write is, and the fence decisions.
+//! - [`store`]: the stores: the [`Sink`] seam, [`RedisSink`] (Lua scripts, or transactions),
+//!   PostgreSQL, what each store's errors say, the flush with its retries and owning a
+//!   partition in exactly-once mode (epochs, fences, ledgers, watermark).
+//! - [`consume`]: the Kafka side: the loop ([`Aggregator`]), the record source (librdkafka's
+//!   consumer or tally's fetcher), messages decoded and routed, actions carried out,
+//!   assignments, revokes and drains, the rebalance callbacks, dead letters and idempotency keys.
+//! - [`tasks`]: the side tasks: trending, expiry, the shard monitor, compaction.
+//! - [`operator`]: the operator's surface: configuration, metrics, and the HTTP endpoint.
+//!   Credentials and shutdown on signals are `tally_ops`'s.
 
-pub mod compact;
-pub mod config;
 pub mod consume;
-pub mod daemon;
-pub mod dead_letter;
-pub mod expiry;
-pub mod fence;
-pub mod flush;
-pub mod http;
-pub mod idempotency;
 pub mod machine;
-pub mod metrics;
-pub mod rebalance;
-pub mod shard_monitor;
+pub mod operator;
 pub mod store;
-pub mod trending;
+pub mod tasks;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -49,9 +28,14 @@ use std::time::Duration;
 use rdkafka::ClientConfig;
 use tokio_util::sync::CancellationToken;
 
-pub use config::Config;
+use consume::dead_letter;
+use operator::{config, http, metrics};
+use store::flush;
+use tasks::{shard_monitor, trending};
+
+pub use consume::daemon::Aggregator;
 pub use consume::{LoopSettings, RunSummary};
-pub use daemon::Aggregator;
+pub use operator::config::Config;
 pub use store::redis_sink::RedisSink;
 pub use store::sink::Sink;
 pub use tally_common::pg as pg_schema;

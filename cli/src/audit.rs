@@ -25,8 +25,8 @@ use std::time::{Duration, Instant};
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::error::KafkaError;
 use rdkafka::{ClientConfig, Message};
-use tally_aggregator::expiry;
-use tally_aggregator::idempotency::{self, RecentIds};
+use tally_aggregator::consume::idempotency::{self, RecentIds};
+use tally_aggregator::tasks::expiry;
 use tally_common::codec::Record;
 use tally_common::namespace::WritePath;
 use tally_common::window::format_duration;
@@ -258,7 +258,7 @@ impl<'a> Recount<'a> {
     }
 
     /// An expiry record of `counter` in `partition`: decided as the aggregator decides it
-    /// (`tally_aggregator::expiry::expires`), from the partition's events since the counter's
+    /// (`tally_aggregator::tasks::expiry::expires`), from the partition's events since the counter's
     /// last expiry.
     fn expire(&mut self, partition: i32, counter: &str, deadline_ms: i64) {
         let key = (partition, counter.to_owned());

@@ -21,7 +21,7 @@ use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::message::{BorrowedMessage, Headers};
 use rdkafka::producer::{BaseProducer, BaseRecord, Producer};
 use rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
-use tally_aggregator::dead_letter::headers;
+use tally_aggregator::consume::dead_letter::headers;
 use tally_ops::topic::{partition_logs, read_ranges};
 
 const KAFKA_TIMEOUT: Duration = Duration::from_secs(30);

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Parser;
-use tally_aggregator::compact::{CompactError, Compactor};
+use tally_aggregator::tasks::compact::{CompactError, Compactor};
 use tally_cli::load::{self, LoadSpec};
 use tally_cli::{audit, dead_letters, verify};
 use tally_common::{CachedReader, Reader, pg};

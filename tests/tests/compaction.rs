@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use rand::{Rng, SeedableRng};
-use tally_aggregator::compact::Compactor;
+use tally_aggregator::tasks::compact::Compactor;
 use tally_cli::load::LoadSpec;
 use tally_common::keyspace::CompactionKey;
 use tally_common::{Keyspace, Namespaces, RedisConn};

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use tally_aggregator::shard_monitor::ShardMonitor;
+use tally_aggregator::tasks::shard_monitor::ShardMonitor;
 use tally_common::{Keyspace, Namespaces, Reader, RedisConn};
 use tally_producer::DirectWriter;
 use tally_tests::{RedisServer, unique};

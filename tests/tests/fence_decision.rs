@@ -7,7 +7,7 @@
 //! PostgreSQL store and the in-memory sink share; the script is the one written apart.)
 
 use tally_aggregator::RedisSink;
-use tally_aggregator::config::Atomicity;
+use tally_aggregator::operator::config::Atomicity;
 use tally_aggregator::pg_schema::{self, Schema};
 use tally_aggregator::store::pg_sink::PgSink;
 use tally_aggregator::store::sink::{Applied, GroupWrite, Refused, Rejection, Sink};

@@ -401,7 +401,7 @@ async fn direct_writes_go_to_random_shard_rows_and_likes_count_once() {
     use std::sync::Arc;
     use std::sync::atomic::{AtomicU64, Ordering};
 
-    use tally_aggregator::shard_monitor::ShardMonitor;
+    use tally_aggregator::tasks::shard_monitor::ShardMonitor;
     use tally_common::{Keyspace, Namespaces, Reader, RedisConn, pg};
     use tally_producer::DirectWriter;
 

@@ -7,8 +7,8 @@
 
 use redis::AsyncCommands;
 use tally_aggregator::RedisSink;
-use tally_aggregator::config::Atomicity;
 use tally_aggregator::machine::batch::{Member, WindowDelta};
+use tally_aggregator::operator::config::Atomicity;
 use tally_aggregator::store::sink::{Applied, GroupWrite, Refused, Rejection, Sink, Stamp};
 use tally_common::{DeadLetterReason, Keyspace, RedisConn, RedisTarget};
 use tally_tests::{RedisServer, unique};

@@ -1,6 +1,6 @@
-//! `tally-aggregator`: the daemon. See `tally_aggregator::config` for its settings.
+//! `tally-aggregator`: the daemon. See `tally_aggregator::operator::config` for its settings.
 
-use tally_aggregator::config::{Cli, LogFormat};
+use tally_aggregator::operator::config::{Cli, LogFormat};
 
 fn init_logs(format: LogFormat) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()

@@ -1,18 +1,17 @@
 //! The state machines' actions carried out: ticks, task reports, flush and check tasks,
 //! acquisitions, seeks, pauses and offset commits.
 
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use rdkafka::consumer::{CommitMode, Consumer, ConsumerContext};
 use rdkafka::{Offset, TopicPartitionList};
-use tally_kafka::Start;
 use tokio::task::JoinHandle;
 
-use crate::fence;
 use crate::machine::batch::Pace;
 use crate::machine::outcome::FlushOutcome;
 use crate::machine::ownership::Resume;
 use crate::machine::partition::Action;
+use crate::store::fence;
 use crate::store::sink::Sink;
 use tally_kafka::backoff::Backoff;
 
@@ -135,32 +134,9 @@ impl<S: Sink> Shared<S> {
             Action::Resume => self.set_paused(consumer, partition, slot, false),
             Action::Acquire => slot.acquiring = Some(self.spawn_acquire(partition, generation)),
             Action::Seek(resume) => {
-                let sought = match &self.fetcher {
-                    Some(fetcher) => {
-                        let start = match resume {
-                            Resume::Beginning => Start::Earliest,
-                            Resume::At(offset) => Start::At(offset),
-                        };
-                        // Paused, as the partition is while it is acquired; the resume follows.
-                        slot.epoch = fetcher.seek(partition, start, true);
-                        true
-                    }
-                    None => {
-                        let offset = match resume {
-                            Resume::Beginning => Offset::Beginning,
-                            Resume::At(offset) => Offset::Offset(offset),
-                        };
-                        let topic = &self.settings.topic;
-                        let sought =
-                            consumer.seek(topic, partition, offset, Duration::from_secs(10));
-                        if let Err(error) = &sought {
-                            // Without the seek the position is unknown: stay paused and acquire
-                            // again.
-                            tracing::warn!(partition, %error, "seek failed; acquiring the partition again");
-                        }
-                        sought.is_ok()
-                    }
-                };
+                let topic = &self.settings.topic;
+                let sought =
+                    (self.source).seek(consumer, topic, partition, resume, &mut slot.epoch);
                 let next = slot.machine.on_seek(sought, Instant::now());
                 self.execute(consumer, partition, slot, next);
             }
@@ -278,26 +254,8 @@ impl<S: Sink> Shared<S> {
         slot: &mut Slot,
         pause: bool,
     ) {
-        if let Some(fetcher) = &self.fetcher {
-            match (pause, slot.machine.read_to()) {
-                // As librdkafka does: drop what was fetched past the last message read, and
-                // fetch from there once resumed, so a paused partition holds nothing more.
-                (true, Some(next)) => slot.epoch = fetcher.seek(partition, Start::At(next), true),
-                (true, None) => fetcher.pause(partition),
-                (false, _) => fetcher.resume(partition),
-            }
-            return;
-        }
-        let mut tpl = TopicPartitionList::new();
-        tpl.add_partition(&self.settings.topic, partition);
-        let result = if pause {
-            consumer.pause(&tpl)
-        } else {
-            consumer.resume(&tpl)
-        };
-        match result {
-            Ok(()) => tracing::debug!(partition, pause, "partition fetch paused/resumed"),
-            Err(error) => tracing::warn!(partition, pause, %error, "pause/resume failed"),
-        }
+        let read_to = slot.machine.read_to();
+        let topic = &self.settings.topic;
+        (self.source).set_paused(consumer, topic, partition, pause, read_to, &mut slot.epoch);
     }
 }

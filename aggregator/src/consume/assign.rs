@@ -2,19 +2,17 @@
 //! acquiring); revoked ones, and every one at shutdown, are drained: in-flight work awaited,
 //! buffers flushed, offsets committed, within a deadline.
 
-use std::collections::HashMap;
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Instant, SystemTime};
 
+use rdkafka::TopicPartitionList;
 use rdkafka::consumer::{CommitMode, Consumer, ConsumerContext};
-use rdkafka::{Offset, TopicPartitionList};
-use tally_kafka::{OffsetReset, Start};
 use tokio::task::{JoinHandle, JoinSet};
 use tokio_util::sync::CancellationToken;
 
-use crate::config::Delivery;
-use crate::flush::Flusher;
 use crate::machine::outcome::{FlushOutcome, Standing};
 use crate::machine::partition::{Drain, NotDrained, Partition};
+use crate::operator::config::Delivery;
+use crate::store::flush::Flusher;
 use crate::store::sink::Sink;
 
 use super::{Drained, Shared, Slot, Task, lock};
@@ -27,22 +25,10 @@ impl<S: Sink> Shared<S> {
         assigned: &TopicPartitionList,
     ) {
         let exactly_once = self.settings.delivery == Delivery::ExactlyOnce;
-        // librdkafka keeps an application pause across revoke and re-assign, so set it
-        // explicitly: at-least-once partitions start fetching; exactly-once ones wait, paused,
-        // until their fences are stamped and their position is known. With tally's fetcher,
-        // librdkafka fetches nothing: every partition stays paused there.
-        let paused = if exactly_once || self.fetcher.is_some() {
-            consumer.pause(assigned)
-        } else {
-            consumer.resume(assigned)
-        };
-        if let Err(error) = paused {
-            tracing::warn!(%error, "pausing/resuming newly assigned partitions failed");
-        }
-        let committed = match (&self.fetcher, exactly_once) {
-            (Some(_), false) => self.committed(consumer, assigned),
-            _ => HashMap::new(),
-        };
+        // Chunks of the partitions positioned here reach the loop after this returns, so the
+        // partitions have their slots by then.
+        let mut epochs =
+            (self.source).assigned(consumer, &self.settings.topic, assigned, exactly_once);
         let mut parts = lock(&self.partitions);
         for element in assigned.elements_for_topic(&self.settings.topic) {
             let partition = element.partition();
@@ -61,21 +47,10 @@ impl<S: Sink> Shared<S> {
                 task: None,
                 acquiring: None,
                 ids: None,
-                epoch: 0,
+                epoch: epochs.remove(&partition).unwrap_or(0),
             };
             if let Some(action) = action {
                 self.execute(consumer, partition, &mut slot, action);
-            }
-            if let (Some(fetcher), false) = (&self.fetcher, exactly_once) {
-                // At-least-once reads on from the group's committed offset.
-                let start = committed.get(&partition).copied().map_or(
-                    match fetcher.offset_reset() {
-                        OffsetReset::Latest => Start::Latest,
-                        OffsetReset::Earliest | OffsetReset::Error => Start::Earliest,
-                    },
-                    Start::At,
-                );
-                slot.epoch = fetcher.seek(partition, start, false);
             }
             parts.map.insert(partition, slot);
         }
@@ -83,28 +58,6 @@ impl<S: Sink> Shared<S> {
             partitions = ?parts.map.keys().collect::<Vec<_>>(),
             "partitions assigned"
         );
-    }
-
-    /// The group's committed offsets of `assigned` (at-least-once with tally's fetcher, which
-    /// starts there); a partition with none, or whose lookup failed, is read from where
-    /// `auto.offset.reset` says (its start unless it says `latest`), as librdkafka does.
-    pub(super) fn committed<X: ConsumerContext, K: Consumer<X>>(
-        &self,
-        consumer: &K,
-        assigned: &TopicPartitionList,
-    ) -> HashMap<i32, i64> {
-        match consumer.committed_offsets(assigned.clone(), Duration::from_secs(10)) {
-            Ok(tpl) => (tpl.elements_for_topic(&self.settings.topic).iter())
-                .filter_map(|e| match e.offset() {
-                    Offset::Offset(offset) => Some((e.partition(), offset)),
-                    _ => None,
-                })
-                .collect(),
-            Err(error) => {
-                tracing::warn!(%error, "reading the committed offsets failed; reading the partitions from their start");
-                HashMap::new()
-            }
-        }
     }
 
     /// The revoke callback's work: drain the revoked partitions and commit, before returning.
@@ -124,10 +77,9 @@ impl<S: Sink> Shared<S> {
         }
         for (partition, _) in &taken {
             self.metrics.released(*partition);
-            if let Some(fetcher) = &self.fetcher {
-                fetcher.remove(*partition);
-            }
         }
+        self.source
+            .released(taken.iter().map(|(partition, _)| *partition));
         let count = taken.len();
         let deadline = Instant::now() + self.settings.revoke_timeout;
         let durable =
@@ -147,11 +99,8 @@ impl<S: Sink> Shared<S> {
         consumer: &K,
     ) -> Drained {
         let taken: Vec<(i32, Slot)> = lock(&self.partitions).map.drain().collect();
-        if let Some(fetcher) = &self.fetcher {
-            for (partition, _) in &taken {
-                fetcher.remove(*partition);
-            }
-        }
+        self.source
+            .released(taken.iter().map(|(partition, _)| *partition));
         let deadline = Instant::now() + self.settings.shutdown_timeout;
         let drained = self.drain(taken, deadline).await;
         self.commit(consumer, &drained.commit, CommitMode::Sync);

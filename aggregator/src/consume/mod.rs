@@ -1,8 +1,17 @@
 //! The Kafka side of the partitions' state machines: messages decoded and routed into their
 //! partition's [`Partition`], ticks, task reports, and the [`Action`]s these return carried out
 //! (flush and check tasks, acquisitions, seeks, pauses, offset commits); rebalances (the
-//! assignment and the revoke, called by `crate::rebalance`'s callbacks) and the drain that
+//! assignment and the revoke, called by `crate::consume::rebalance`'s callbacks) and the drain that
 //! revokes and shutdown share.
+//!
+//! - [`daemon`]: the loop ([`daemon::Aggregator`]): shutdown, reports, ticks and messages, in
+//!   one task.
+//! - [`rebalance`]: the consumer's context: the rebalance callbacks, statistics and logs.
+//! - [`dead_letter`]: the dead-letter topic for malformed messages.
+//! - [`idempotency`]: idempotency keys, decided from the log and warmed up from it.
+//! - `source`: where records come from (librdkafka's consumer or tally's fetcher), the one
+//!   place that tells the two read paths apart.
+//! - `route`, `act`, `assign`: messages in, actions out, partitions assigned and revoked.
 //!
 //! Decisions are the state machine's (`crate::machine::partition`); this module does the I/O. A flush
 //! runs as its own task, so that polling goes on while Redis is slow or down: the consumer keeps
@@ -34,19 +43,25 @@ use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-use crate::config::Delivery;
-use crate::flush::Flusher;
-use crate::idempotency::{RecentIds, WarmUp};
+use crate::consume::idempotency::{RecentIds, WarmUp};
 use crate::machine::batch::Limits;
 use crate::machine::outcome::{FlushOutcome, Standing};
 use crate::machine::ownership::{Owner, Resume};
 use crate::machine::partition::Partition;
-use crate::metrics::Metrics;
+use crate::operator::config::Delivery;
+use crate::operator::metrics::Metrics;
+use crate::store::flush::Flusher;
 use crate::store::sink::Sink;
+use source::Source;
 
 mod act;
 mod assign;
+pub mod daemon;
+pub mod dead_letter;
+pub mod idempotency;
+pub mod rebalance;
 mod route;
+mod source;
 
 /// What the consume loop needs to know.
 #[derive(Debug, Clone)]
@@ -206,9 +221,8 @@ pub(crate) struct Shared<S> {
     runtime: tokio::runtime::Handle,
     /// Rebuilds recent ids on acquisition, when a namespace keeps an idempotency window.
     warm_up: Option<Arc<WarmUp>>,
-    /// tally's fetcher, when it reads the partitions (librdkafka's consumer then keeps every
-    /// partition paused and only runs the group).
-    pub(crate) fetcher: Option<Fetcher>,
+    /// Where the partitions' records come from: librdkafka's consumer or tally's fetcher.
+    pub(crate) source: Source,
 }
 
 /// A partition's recent ids as of `resume`, read from the log on a blocking thread.
@@ -260,7 +274,7 @@ impl<S: Sink> Shared<S> {
             hard_stop: CancellationToken::new(),
             runtime: tokio::runtime::Handle::current(),
             warm_up: warm_up.map(Arc::new),
-            fetcher,
+            source: Source::new(fetcher),
         });
         (shared, done_rx)
     }

@@ -9,7 +9,7 @@ use tally_common::window::Placement;
 use tally_common::{DeadLetterReason, codec};
 use tally_kafka::{Chunk, Fetched, Item};
 
-use crate::idempotency;
+use crate::consume::idempotency;
 use crate::machine::letter::DeadLetter;
 use crate::machine::partition::{Entry, Handled};
 use crate::store::sink::Sink;
@@ -177,7 +177,7 @@ impl<S: Sink> Shared<S> {
             offset,
         };
         let payload = payload.unwrap_or_default();
-        // An event, or an expiry record an expirer wrote into the partition (`crate::expiry`).
+        // An event, or an expiry record an expirer wrote into the partition (`crate::tasks::expiry`).
         let decoded = codec::decode_record(payload, self.settings.max_message_bytes);
         // Every message's Kafka timestamp (`kafka_ms`) is what windows, idempotency windows and
         // expiry go by.

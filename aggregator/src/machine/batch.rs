@@ -178,7 +178,7 @@ pub struct WindowDelta {
     pub delta: i64,
 }
 
-/// An expiry record met in a batch (see `crate::expiry`), waiting for the decision the flush
+/// An expiry record met in a batch (see `crate::tasks::expiry`), waiting for the decision the flush
 /// takes in the partition's home group.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PendingExpiry {

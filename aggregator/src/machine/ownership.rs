@@ -1,6 +1,6 @@
 //! What an exactly-once owner knows of its partition ([`Owner`]: epoch, ledgers, spread), and
 //! where a partition resumes ([`resume_offset`]) from its watermark and the groups' ledgers:
-//! decisions without I/O, which `crate::fence` acts on.
+//! decisions without I/O, which `crate::store::fence` acts on.
 
 use tally_common::keyspace::{Spread, Watermark};
 

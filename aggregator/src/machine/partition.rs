@@ -119,7 +119,7 @@ pub(crate) enum Entry<'a> {
         /// How many shard groups there are.
         groups: u32,
     },
-    /// An expiry record (`crate::expiry`): the counter is cleared in every group here if it has
+    /// An expiry record (`crate::tasks::expiry`): the counter is cleared in every group here if it has
     /// gone idle by `deadline_ms`.
     Expire {
         /// The counter.

@@ -32,7 +32,7 @@ pub struct GroupWrite<'a> {
     pub watermark: Option<&'a str>,
 }
 
-/// The expiry work of one flush, for the partition's home group (`crate::expiry`).
+/// The expiry work of one flush, for the partition's home group (`crate::tasks::expiry`).
 #[derive(Debug, Clone, Copy)]
 pub struct IdleWrite<'a> {
     /// The partition's home group.

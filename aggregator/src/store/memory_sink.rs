@@ -255,14 +255,14 @@ mod tests {
     use tokio_util::sync::CancellationToken;
 
     use super::*;
-    use crate::dead_letter::DeadLetterQueue;
-    use crate::fence::{self, Watermark};
-    use crate::flush::Flusher;
+    use crate::consume::dead_letter::DeadLetterQueue;
     use crate::machine::batch::{Limits, Size};
     use crate::machine::outcome::{FlushOutcome, Standing};
     use crate::machine::ownership::{Owner, Resume};
     use crate::machine::partition::{Action, Entry, Partition};
-    use crate::metrics::Metrics;
+    use crate::operator::metrics::Metrics;
+    use crate::store::fence::{self, Watermark};
+    use crate::store::flush::Flusher;
     use crate::store::sink::SinkErrorKind;
 
     const TOPIC: &str = "events";

@@ -4,7 +4,7 @@
 //! - exactly-once: one Lua script per group (`scripts/flush.lua`) that checks the writer's fence,
 //!   recognises a write the group already applied, and writes all of it or, when Redis refuses a
 //!   counter, none of it (undoing what it wrote). The other scripts take epochs, stamp fences and store watermarks (see
-//!   `crate::fence`). For servers that refuse scripts the same operations run as optimistic
+//!   `crate::store::fence`). For servers that refuse scripts the same operations run as optimistic
 //!   `WATCH`/`MULTI`/`EXEC` transactions (`crate::store::transactions`), chosen by the
 //!   `redis_atomicity` setting: `auto` (the default) tries scripts and switches for good on the
 //!   first refusal (`NOPERM`, or an unknown `EVALSHA`).
@@ -16,8 +16,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use redis::ErrorKind;
 use tally_common::{DeadLetterReason, Keyspace, RedisConn, RedisTarget};
 
-use crate::config::Atomicity;
 use crate::machine::batch::WindowDelta;
+use crate::operator::config::Atomicity;
 use crate::store::sink::{
     Applied, GroupWrite, IdleWrite, Marked, Refused, Rejection, Sink, SinkError, SinkErrorKind,
     Stamp,

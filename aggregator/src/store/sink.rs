@@ -175,7 +175,7 @@ pub trait Sink: Clone + Send + Sync + 'static {
     }
 
     /// Exactly-once, in the partition's home group before a batch's group writes: decides the
-    /// batch's expiry records and moves the partition's idle index (`crate::expiry`). A store
+    /// batch's expiry records and moves the partition's idle index (`crate::tasks::expiry`). A store
     /// that cannot expire counters refuses.
     fn mark_idle(
         &self,

@@ -442,7 +442,8 @@ impl Transactions {
                 let expired = match recorded.get(&e.offset) {
                     Some(d) => d == "1",
                     None => {
-                        let expired = crate::expiry::expires(last, e.held_deadline, e.deadline_ms);
+                        let expired =
+                            crate::tasks::expiry::expires(last, e.held_deadline, e.deadline_ms);
                         writes
                             .hset(&expired_key, e.offset, if expired { "1" } else { "0" })
                             .ignore();

@@ -17,10 +17,10 @@ use tokio_util::sync::CancellationToken;
 
 use tally_kafka::{Fetched, Fetcher};
 
+use crate::consume::idempotency::WarmUp;
+use crate::consume::rebalance::AggregatorContext;
 use crate::consume::{LoopSettings, Report, RunSummary, Shared};
-use crate::flush::Flusher;
-use crate::idempotency::WarmUp;
-use crate::rebalance::AggregatorContext;
+use crate::store::flush::Flusher;
 use crate::store::sink::Sink;
 
 /// Most messages taken from librdkafka's queue in one go (one lock of the partitions, one
@@ -156,8 +156,12 @@ impl<S: Sink> Aggregator<S> {
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
         let mut stream = self.consumer.stream();
         if let Some(shortest) = shared.settings.namespaces.shortest_expiry_ms() {
-            let every = crate::expiry::interval(shortest);
-            tokio::spawn(crate::expiry::run(shared.clone(), every, shutdown.clone()));
+            let every = crate::tasks::expiry::interval(shortest);
+            tokio::spawn(crate::tasks::expiry::run(
+                shared.clone(),
+                every,
+                shutdown.clone(),
+            ));
         }
         loop {
             tokio::select! {

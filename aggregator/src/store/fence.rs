@@ -90,7 +90,7 @@ pub async fn acquire<S: Sink>(
 
 /// Takes a new epoch for `field` (its counter lives in group `home`) and stamps it into the fence
 /// of each of the `groups` groups, reading each group's ledger entry for `field` as it stamps.
-/// Partitions ([`acquire`]) and the compactor (`crate::compact`) own their work this way.
+/// Partitions ([`acquire`]) and the compactor (`crate::tasks::compact`) own their work this way.
 pub async fn take_epoch<S: Sink>(
     sink: &S,
     groups: u32,

@@ -195,7 +195,7 @@ impl DeadLetterQueue {
         Ok(())
     }
 
-    /// Appends `records` (`(key, payload)`: expiry records, `crate::expiry`) to `partition` of
+    /// Appends `records` (`(key, payload)`: expiry records, `crate::tasks::expiry`) to `partition` of
     /// the consumed topic, all in flight at once, and waits for Kafka's acknowledgement of each;
     /// returns the offset of the last one.
     pub async fn append(

@@ -8,7 +8,7 @@
 //! commits nothing, so its messages are read again by whoever owns the partition next.
 //!
 //! In exactly-once mode (an [`Owner`] is given) each group write is fenced and deduplicated by the
-//! group's ledger (see [`crate::fence`]); after the last group the partition's watermark moves
+//! group's ledger (see [`crate::store::fence`]); after the last group the partition's watermark moves
 //! (in the same operation when the batch wrote only to the home group). A write refused by the
 //! fence ends the flush as [`FlushOutcome::Fenced`]: another aggregator owns the partition now.
 //! Counters that Redis cannot take (the sum would overflow 64 bits, or the key holds something
@@ -20,13 +20,13 @@ use std::time::{Duration, Instant};
 
 use tokio_util::sync::CancellationToken;
 
-use crate::dead_letter::DeadLetterQueue;
-use crate::fence::Watermark;
+use crate::consume::dead_letter::DeadLetterQueue;
 use crate::machine::batch::{GroupBatch, SealedBatch};
 use crate::machine::letter::DeadLetter;
 use crate::machine::outcome::{FlushOutcome, Standing};
 use crate::machine::ownership::Owner;
-use crate::metrics::Metrics;
+use crate::operator::metrics::Metrics;
+use crate::store::fence::Watermark;
 use crate::store::sink::{
     Applied, GroupWrite, IdleWrite, Marked, Refused, Rejection, Sink, SinkError, SinkErrorKind,
 };
@@ -46,7 +46,7 @@ pub struct Flusher<S> {
     /// Longest retry delay.
     pub retry_max: Duration,
     /// Trending sketches and the cache warmer, if on.
-    pub trending: Option<Arc<crate::trending::Trending>>,
+    pub trending: Option<Arc<crate::tasks::trending::Trending>>,
 }
 
 impl<S: Sink> Flusher<S> {
@@ -252,10 +252,10 @@ impl<S: Sink> Flusher<S> {
         }
     }
 
-    /// Checks an idle partition's standing in Redis ([`crate::fence::verify`]): a rollback found
+    /// Checks an idle partition's standing in Redis ([`crate::store::fence::verify`]): a rollback found
     /// here re-feeds the partition without waiting for its next event.
     pub async fn verify(&self, partition: i32, owner: &Owner) -> Standing {
-        match crate::fence::verify(&self.sink, owner).await {
+        match crate::store::fence::verify(&self.sink, owner).await {
             Ok(Applied::Written) => Standing::Held,
             Ok(Applied::Fenced) => {
                 self.fenced(partition, owner.home);

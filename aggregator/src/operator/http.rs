@@ -19,7 +19,7 @@ use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
-use crate::metrics::Metrics;
+use crate::operator::metrics::Metrics;
 
 /// How long `/readyz` waits for Redis to answer its `PING`.
 pub const READY_PING_TIMEOUT: Duration = Duration::from_secs(1);

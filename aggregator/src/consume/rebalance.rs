@@ -27,7 +27,7 @@ impl<S> std::fmt::Debug for AggregatorContext<S> {
 
 impl<S: Sink> ClientContext for AggregatorContext<S> {
     fn stats(&self, statistics: Statistics) {
-        if self.shared.fetcher.is_some() {
+        if self.shared.source.knows_lag() {
             // librdkafka fetches nothing: the partitions know their lag from the fetcher.
             self.shared.metrics.consumer_lag(self.shared.lags());
             return;

@@ -15,7 +15,7 @@ use redis::RedisResult;
 use tally_common::{Keyspace, RedisConn};
 use tokio_util::sync::CancellationToken;
 
-use crate::metrics::Metrics;
+use crate::operator::metrics::Metrics;
 
 /// What the monitor needs.
 #[derive(Debug, Clone)]

@@ -31,7 +31,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use tally_common::keyspace::CompactionKey;
 use tally_common::{Keyspace, Namespaces, RedisConn};
 
-use crate::fence::take_epoch;
+use crate::store::fence::take_epoch;
 use crate::store::redis_sink::RedisSink;
 use crate::store::sink::SinkError;
 
@@ -126,9 +126,9 @@ impl Compactor {
             namespaces,
             cold_after,
             epoch,
-            take: redis::Script::new(include_str!("store/scripts/compact_take.lua")),
-            give: redis::Script::new(include_str!("store/scripts/compact_give.lua")),
-            done: redis::Script::new(include_str!("store/scripts/compact_done.lua")),
+            take: redis::Script::new(include_str!("../store/scripts/compact_take.lua")),
+            give: redis::Script::new(include_str!("../store/scripts/compact_give.lua")),
+            done: redis::Script::new(include_str!("../store/scripts/compact_done.lua")),
             abort_after_takes: std::env::var("TALLY_FAILPOINT_COMPACT_ABORT_AFTER_TAKES")
                 .ok()
                 .and_then(|v| v.parse().ok()),

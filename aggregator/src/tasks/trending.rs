@@ -22,7 +22,7 @@ use tally_common::{Namespaces, Reader};
 use tokio_util::sync::CancellationToken;
 
 use crate::machine::batch::SealedBatch;
-use crate::metrics::Metrics;
+use crate::operator::metrics::Metrics;
 
 /// Entries per namespace sketch.
 pub const SKETCH_CAPACITY: usize = 64;

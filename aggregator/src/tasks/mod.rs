@@ -1,0 +1,11 @@
+//! The side tasks: work beside the consume loop, each with its own schedule.
+//!
+//! - [`trending`]: heavy-hitter sketches of the fastest-moving counters, and the cache warmer.
+//! - [`expiry`]: counters that expire: the idle index, expiry records and their decision.
+//! - [`shard_monitor`]: raises the shard counts of directly written counters that run hot.
+//! - [`compact`]: collapsing cold counters' shares into one key, crash-safe (`tally compact`).
+
+pub mod compact;
+pub mod expiry;
+pub mod shard_monitor;
+pub mod trending;
