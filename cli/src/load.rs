@@ -58,6 +58,9 @@ pub struct LoadSpec {
     /// librdkafka's per-message path, see `docs/performance/producer-profile.txt`); one for a
     /// paced load, whose draws then stay in the same order for the same seed.
     pub threads: usize,
+    /// Stops sending once set: the events sent before are flushed and reported (`events` is
+    /// then an upper bound), for a load that lasts as long as what it accompanies.
+    pub stop: Option<Arc<AtomicBool>>,
 }
 
 impl Default for LoadSpec {
@@ -77,6 +80,7 @@ impl Default for LoadSpec {
             distinct: false,
             event_ids: false,
             threads: 0,
+            stop: None,
         }
     }
 }
@@ -84,6 +88,8 @@ impl Default for LoadSpec {
 /// What was sent.
 #[derive(Debug, Default)]
 pub struct LoadReport {
+    /// Events sent (`LoadSpec::events`, unless the load was stopped).
+    pub sent: u64,
     /// Events Kafka acknowledged.
     pub acked: u64,
     /// Events that failed, with the first error.
@@ -175,6 +181,8 @@ fn untoken(token: usize) -> (CounterIndex, i64) {
 /// What the delivery callback has seen. Atomics, not a mutex: the callback runs once per event.
 #[derive(Debug, Default)]
 struct Acks {
+    /// Events sent.
+    sent: AtomicU64,
     /// Acknowledged events.
     acked: AtomicU64,
     /// The first failure.
@@ -304,7 +312,17 @@ impl Sender<'_> {
         let window = (spec.window / self.threads).max(1);
         let mut ts_ms = now_ms();
         let mut id = String::new();
+        let mut sent = 0;
         for (n, i) in (t as u64..spec.events).step_by(self.threads).enumerate() {
+            if n % 100 == 0
+                && spec
+                    .stop
+                    .as_ref()
+                    .is_some_and(|s| s.load(Ordering::Relaxed))
+            {
+                break;
+            }
+            sent += 1;
             // The event time, read once per 256 events: a clock read per event is a tenth of
             // the cost.
             if n % 256 == 0 {
@@ -344,6 +362,7 @@ impl Sender<'_> {
                 self.acks.fail(&e);
             }
         }
+        self.acks.sent.fetch_add(sent, Ordering::Relaxed);
         if let Err(e) = producer.flush(FLUSH_TIMEOUT) {
             self.acks.fail(&e);
         }
@@ -407,15 +426,17 @@ fn run_blocking(config: &ProducerConfig, spec: &LoadSpec) -> Result<LoadReport, 
         .map(|(index, (total, _))| (counters[index].clone(), total.load(Ordering::Relaxed)))
         .collect();
     let acked = acks.acked.load(Ordering::Relaxed);
+    let sent = acks.sent.load(Ordering::Relaxed);
     let first_error = acks
         .first_error
         .lock()
         .unwrap_or_else(PoisonError::into_inner)
         .take();
     Ok(LoadReport {
+        sent,
         acked,
         // Events refused, failed, or never reported before the flush gave up.
-        failed: spec.events - acked,
+        failed: sent - acked,
         first_error,
         elapsed,
         totals,

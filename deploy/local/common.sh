@@ -12,7 +12,7 @@ dlq_topic=${TALLY_DEAD_LETTER_TOPIC:-tally.events.dlq}
 partitions=${TALLY_PARTITIONS:-8}
 libs=$state/kafka-libs
 
-log() { printf '[tally-local] %s\n' "$*" >&2; }
+log() { printf '[tally-local %ss] %s\n' "$SECONDS" "$*" >&2; }
 
 # port_open PORT: true when something accepts TCP connections on 127.0.0.1:PORT.
 port_open() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }

@@ -2,6 +2,8 @@
 //! crate, and reading topics back (dead letters, what was sent).
 
 use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use rdkafka::ClientConfig;
@@ -292,6 +294,55 @@ pub async fn finish_load(
         report.first_error
     );
     report
+}
+
+/// A load that runs until it is stopped: a stream that lasts as long as what a test does to
+/// the pipeline meanwhile, no longer. Its `events` is only an upper bound.
+#[derive(Debug)]
+pub struct StoppableLoad {
+    /// The load's task (for [`kill_repeatedly`](crate::kill_repeatedly)'s check that it is
+    /// still running).
+    pub task: JoinHandle<Result<LoadReport, LoadError>>,
+    stop: Arc<AtomicBool>,
+}
+
+impl StoppableLoad {
+    /// Starts `spec` on `topic`.
+    pub fn start(topic: &str, spec: LoadSpec) -> Self {
+        Self::start_on(&brokers(), topic, spec)
+    }
+
+    /// Like [`StoppableLoad::start`], on the Kafka at `bootstrap`.
+    pub fn start_on(bootstrap: &str, topic: &str, spec: LoadSpec) -> Self {
+        let stop = Arc::new(AtomicBool::new(false));
+        let spec = LoadSpec {
+            stop: Some(stop.clone()),
+            ..spec
+        };
+        Self {
+            task: start_load_on(bootstrap, topic, spec),
+            stop,
+        }
+    }
+
+    /// Whether the load ended on its own (it sent all its `events`).
+    pub fn is_finished(&self) -> bool {
+        self.task.is_finished()
+    }
+
+    /// Stops the load: it sends nothing more, and every event it sent was acknowledged.
+    /// Returns what it sent.
+    pub async fn stop(self) -> LoadReport {
+        self.stop.store(true, Ordering::Relaxed);
+        let report = self.task.await.expect("load task").expect("load runs");
+        assert_eq!(
+            (report.acked, report.failed),
+            (report.sent, 0),
+            "every event sent was acknowledged: {:?}",
+            report.first_error
+        );
+        report
+    }
 }
 
 /// A message read back from a dead-letter topic.

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use tally_cli::load::LoadSpec;
 
-use crate::kafka::{finish_load, start_load};
+use crate::kafka::StoppableLoad;
 use crate::process::{AggregatorSetup, assert_no_crossslot, kill_repeatedly};
 use crate::store::{reader, wait_for_totals};
 use crate::support::{TempDir, seed, unique};
@@ -86,7 +86,8 @@ fn spec(events: u64, rate: u64, seed: u64) -> LoadSpec {
     }
 }
 
-/// `kills` SIGKILLs of the aggregator at random moments during `events` events. Static
+/// `kills` SIGKILLs of the aggregator at random moments during a load of at most `events`
+/// events, which runs on until the last incarnation has made three flushes durable. Static
 /// membership lets each new incarnation take its predecessor's partitions at once.
 pub async fn sigkill_storm<'a>(
     name: &str,
@@ -103,9 +104,12 @@ pub async fn sigkill_storm<'a>(
     let mut flags = vec!["--grouping", grouping, "--kafka-option", &member];
     flags.extend(store.flags());
     let first = setup.spawn(dir.path(), &flags);
-    let load = start_load(&setup.topic, spec(events, 20_000, seed));
-    let mut last = kill_repeatedly(&setup, dir.path(), &flags, first, kills, seed, &load).await;
-    let sent = finish_load(load, events).await;
+    let load = StoppableLoad::start(&setup.topic, spec(events, 20_000, seed));
+    let mut last =
+        kill_repeatedly(&setup, dir.path(), &flags, first, kills, seed, &load.task).await;
+    last.wait_metric("tally_flushes_total", 3.0, Duration::from_secs(60))
+        .await;
+    let sent = load.stop().await;
     wait_for_totals(
         &store.reader(setup.keyspace()).await,
         &sent.totals,
@@ -117,14 +121,15 @@ pub async fn sigkill_storm<'a>(
     (setup, sent.totals)
 }
 
-/// The group scales from one member to three and back to one during the load.
+/// The group scales from one member to three and back to one during a load, which runs on
+/// until the one member left has flushed every partition again.
 pub async fn scale_one_three_one(name: &str, redis_url: &str, grouping: &str) {
     let seed = seed();
     let dir = TempDir::new("tally-fault");
     let setup = AggregatorSetup::create(name, redis_url, 8).await;
     let flags = ["--grouping", grouping];
     let mut a = setup.spawn(dir.path(), &flags);
-    let load = start_load(&setup.topic, spec(200_000, 10_000, seed));
+    let load = StoppableLoad::start(&setup.topic, spec(200_000, 10_000, seed));
     a.wait_metric("tally_flushes_total", 5.0, Duration::from_secs(60))
         .await;
     let mut b = setup.spawn(dir.path(), &flags);
@@ -137,11 +142,12 @@ pub async fn scale_one_three_one(name: &str, redis_url: &str, grouping: &str) {
     assert!(!load.is_finished(), "the load ended before scaling back");
     b.stop_gracefully().await;
     c.stop_gracefully().await;
+    a.wait_more_flushes(8.0, Duration::from_secs(60)).await;
     assert!(
         !load.is_finished(),
         "the load ended before the group was back to one"
     );
-    let sent = finish_load(load, 200_000).await;
+    let sent = load.stop().await;
     wait_for_totals(
         &reader(redis_url, setup.keyspace()).await,
         &sent.totals,
@@ -172,7 +178,7 @@ pub async fn zombie_is_fenced_off<'a>(name: &str, store: impl Into<Store<'a>>, g
         ..setup.clone()
     };
     let mut zombie = slow.spawn(dir.path(), &flags);
-    let load = start_load(&setup.topic, spec(200_000, 10_000, seed));
+    let load = StoppableLoad::start(&setup.topic, spec(200_000, 10_000, seed));
     zombie
         .wait_metric("tally_flushes_total", 8.0, Duration::from_secs(60))
         .await;
@@ -197,7 +203,11 @@ pub async fn zombie_is_fenced_off<'a>(name: &str, store: impl Into<Store<'a>>, g
         .wait_metric("tally_fenced_writes_total", 1.0, Duration::from_secs(30))
         .await;
     eprintln!("the zombie's writes refused by fences: {fenced}");
-    let sent = finish_load(load, 200_000).await;
+    survivor
+        .wait_more_flushes(8.0, Duration::from_secs(30))
+        .await;
+    assert!(!load.is_finished(), "the load ended before the zombie woke");
+    let sent = load.stop().await;
     wait_for_totals(
         &store.reader(setup.keyspace()).await,
         &sent.totals,

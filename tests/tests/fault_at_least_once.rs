@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use tally_cli::load::LoadSpec;
 use tally_tests::{
-    AggregatorSetup, RedisServer, TempDir, below_and_above, finish_load, kill_repeatedly, seed,
-    start_load, unique, wait_committed_to_end,
+    AggregatorSetup, RedisServer, StoppableLoad, TempDir, below_and_above, kill_repeatedly, seed,
+    unique, wait_committed_to_end,
 };
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -28,9 +28,12 @@ async fn at_least_once_under_sigkills_never_loses_a_count() {
         seed,
         ..LoadSpec::default()
     };
-    let load = start_load(&setup.topic, spec);
-    let mut last = kill_repeatedly(&setup, dir.path(), &flags, first, 10, seed, &load).await;
-    let sent = finish_load(load, 500_000).await;
+    // At most 500,000 events: the load runs until the last incarnation made flushes durable.
+    let load = StoppableLoad::start(&setup.topic, spec);
+    let mut last = kill_repeatedly(&setup, dir.path(), &flags, first, 10, seed, &load.task).await;
+    last.wait_metric("tally_flushes_total", 3.0, Duration::from_secs(60))
+        .await;
+    let sent = load.stop().await;
     wait_committed_to_end(&setup.group, &setup.topic, 8, Duration::from_secs(120)).await;
     last.stop_gracefully().await;
 

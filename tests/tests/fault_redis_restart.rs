@@ -8,7 +8,8 @@ use std::time::Duration;
 
 use tally_cli::load::LoadSpec;
 use tally_tests::{
-    AggregatorSetup, RedisServer, TempDir, finish_load, seed, start_load, wait_for_totals,
+    AggregatorSetup, RedisServer, StoppableLoad, TempDir, finish_load, seed, start_load,
+    wait_for_totals,
 };
 
 fn spec(seed: u64) -> LoadSpec {
@@ -31,19 +32,19 @@ async fn redis_sigkilled_and_restarted_from_its_aof_mid_stream() {
     let mut redis = RedisServer::start_with_fsync("everysec").await;
     let setup = AggregatorSetup::create("redis-kill", &redis.url(), 8).await;
     let mut aggregator = setup.spawn(dir.path(), &[]);
-    let load = start_load(&setup.topic, spec(seed));
+    let load = StoppableLoad::start(&setup.topic, spec(seed));
 
     aggregator
         .wait_metric("tally_flushes_total", 10.0, Duration::from_secs(60))
         .await;
     redis.kill().await;
     redis.start_again().await;
-    assert!(
-        !load.is_finished(),
-        "the load ended before Redis was killed"
-    );
+    aggregator
+        .wait_more_flushes(16.0, Duration::from_secs(60))
+        .await;
+    assert!(!load.is_finished(), "the load ended before Redis was back");
 
-    let sent = finish_load(load, 150_000).await;
+    let sent = load.stop().await;
     let reader = redis.reader(setup.keyspace()).await;
     wait_for_totals(&reader, &sent.totals, Duration::from_secs(60)).await;
     assert!(aggregator.is_running(), "recovered without a restart");
@@ -58,7 +59,7 @@ async fn redis_back_with_an_older_state_is_re_fed_from_kafka() {
     let mut redis = RedisServer::start().await;
     let setup = AggregatorSetup::create("redis-rollback", &redis.url(), 8).await;
     let mut aggregator = setup.spawn(dir.path(), &[]);
-    let load = start_load(&setup.topic, spec(seed));
+    let load = StoppableLoad::start(&setup.topic, spec(seed));
 
     aggregator
         .wait_metric("tally_flushes_total", 10.0, Duration::from_secs(60))
@@ -69,9 +70,13 @@ async fn redis_back_with_an_older_state_is_re_fed_from_kafka() {
         .wait_more_flushes(16.0, Duration::from_secs(60))
         .await;
     redis.restore_snapshot().await;
+    // The rollback is noticed with the next flushes, which re-feed the lost range.
+    aggregator
+        .wait_more_flushes(16.0, Duration::from_secs(60))
+        .await;
     assert!(!load.is_finished(), "the load ended before the rollback");
 
-    let sent = finish_load(load, 150_000).await;
+    let sent = load.stop().await;
     let reader = redis.reader(setup.keyspace()).await;
     wait_for_totals(&reader, &sent.totals, Duration::from_secs(60)).await;
     let rollbacks = aggregator
