@@ -5,6 +5,7 @@
 //! - [`config`]: where counts are stored, the PostgreSQL store's settings, `key=value` flags,
 //!   TOML files.
 //! - [`error`]: [`ConfigError`], what a configuration and its credentials report.
+//! - [`http`]: the one HTTP server, every resource a client can make it hold bounded.
 //! - [`secrets`]: where credentials come from (environment, files) and where they are refused
 //!   (flags).
 //! - [`shutdown`]: signals into a cancellation token.
@@ -12,6 +13,7 @@
 
 pub mod config;
 pub mod error;
+pub mod http;
 pub mod secrets;
 pub mod shutdown;
 pub mod topic;

@@ -7,15 +7,21 @@
 //!   Redis answers a `PING` within [`READY_PING_TIMEOUT`]; otherwise 503 with the reason. It
 //!   turns 503 as soon as shutdown starts.
 //!
-//! Three fixed routes need no web framework: this reads one request line, answers, and closes.
-//! The server runs until its task is aborted, after the final drain.
+//! Served by the project's one HTTP server (`tally_ops::http`, axum on hyper) within its
+//! default limits: connections, header size, header and request timeouts. The server runs
+//! until its task is aborted, after the final drain.
 
 use std::net::SocketAddr;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
+use axum::Router;
+use axum::extract::State;
+use axum::http::{StatusCode, header};
+use axum::response::IntoResponse;
+use axum::routing::get;
 use tally_common::RedisConn;
-use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tally_ops::http::Limits;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
@@ -42,17 +48,20 @@ pub async fn serve(
 ) -> std::io::Result<(SocketAddr, tokio::task::JoinHandle<()>)> {
     let listener = TcpListener::bind(addr).await?;
     let bound = listener.local_addr()?;
-    let handle = tokio::spawn(async move {
-        loop {
-            let Ok((stream, _)) = listener.accept().await else {
-                continue;
-            };
-            let probes = probes.clone();
-            tokio::spawn(async move {
-                let _ = answer(stream, &probes).await;
-            });
-        }
-    });
+    let router = Router::new()
+        .route("/metrics", get(metrics))
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(ready))
+        .fallback(|| async { (StatusCode::NOT_FOUND, "not found\n") })
+        .with_state(probes);
+    // Aborted rather than cancelled: nothing is left to answer once the daemon has drained.
+    let never = CancellationToken::new();
+    let handle = tokio::spawn(tally_ops::http::serve(
+        listener,
+        router,
+        Limits::default(),
+        never,
+    ));
     Ok((bound, handle))
 }
 
@@ -96,35 +105,19 @@ async fn readiness(probes: &Probes) -> Result<(), String> {
     ping(probes).await
 }
 
-async fn answer(stream: tokio::net::TcpStream, probes: &Probes) -> std::io::Result<()> {
-    let mut reader = BufReader::new(stream);
-    let mut request_line = String::new();
-    reader.read_line(&mut request_line).await?;
-    // Drain the headers so the client sees a clean close.
-    let mut line = String::new();
-    while reader.read_line(&mut line).await? > 2 {
-        line.clear();
-    }
-    let path = request_line.split_whitespace().nth(1).unwrap_or("");
-    let (status, content_type, body) = match path {
-        "/metrics" => (
-            "200 OK",
+async fn metrics(State(probes): State<Arc<Probes>>) -> impl IntoResponse {
+    (
+        [(
+            header::CONTENT_TYPE,
             "text/plain; version=0.0.4; charset=utf-8",
-            probes.metrics.render(),
-        ),
-        "/healthz" => ("200 OK", "text/plain", "ok\n".to_owned()),
-        "/readyz" => match readiness(probes).await {
-            Ok(()) => ("200 OK", "text/plain", "ready\n".to_owned()),
-            Err(why) => ("503 Service Unavailable", "text/plain", format!("{why}\n")),
-        },
-        _ => ("404 Not Found", "text/plain", "not found\n".to_owned()),
-    };
-    let mut stream = reader.into_inner();
-    let head = format!(
-        "HTTP/1.1 {status}\r\ncontent-type: {content_type}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
-        body.len()
-    );
-    stream.write_all(head.as_bytes()).await?;
-    stream.write_all(body.as_bytes()).await?;
-    stream.shutdown().await
+        )],
+        probes.metrics.render(),
+    )
+}
+
+async fn ready(State(probes): State<Arc<Probes>>) -> (StatusCode, String) {
+    match readiness(&probes).await {
+        Ok(()) => (StatusCode::OK, "ready\n".to_owned()),
+        Err(why) => (StatusCode::SERVICE_UNAVAILABLE, format!("{why}\n")),
+    }
 }
