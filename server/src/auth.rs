@@ -7,13 +7,18 @@
 //! [[token]]
 //! name = "feed-service"          # who, for the logs
 //! sha256 = "9f86d081884c7d65..." # printf %s "$TOKEN" | sha256sum
-//! scopes = ["read"]              # "read", "write", or both
+//! scopes = ["read"]              # "read", "write", "reset": any of them
 //! ```
 //!
 //! A request to a `/v1/` route without `Authorization: Bearer <token>`, or with a token the file
 //! does not list, is answered 401 `unauthorized`; with a listed token lacking the route's scope,
-//! 403 `forbidden`. With no file configured every request is let through, and the server refuses
-//! to listen anywhere but loopback (see `main.rs`).
+//! 403 `forbidden`. Resetting a counter (an event with `"reset": true`) needs the `reset` scope
+//! on top of `write`: a service that counts need not be able to clear counts.
+//!
+//! With no file configured every request is let through, the server refuses to listen anywhere
+//! but loopback (see `main.rs`), and it answers only requests addressed to a loopback name
+//! ([`loopback_host`]): a web page the operator visits cannot reach it through DNS rebinding,
+//! because the browser then sends the attacker's host name.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -36,6 +41,8 @@ pub enum Scope {
     Read,
     /// Send events, like and unlike.
     Write,
+    /// Reset counters (with `write`, which sending the reset needs).
+    Reset,
 }
 
 impl Scope {
@@ -43,6 +50,7 @@ impl Scope {
         match self {
             Scope::Read => "read",
             Scope::Write => "write",
+            Scope::Reset => "reset",
         }
     }
 }
@@ -165,8 +173,8 @@ impl Tokens {
         self.by_digest.is_empty()
     }
 
-    /// Lets the request through if its bearer token has `scope`.
-    fn check(&self, authorization: Option<&str>, scope: Scope) -> Result<(), ApiError> {
+    /// Lets the request through if its bearer token has `scope`: what the token may do.
+    fn check(&self, authorization: Option<&str>, scope: Scope) -> Result<Granted, ApiError> {
         let unauthorized = |why: &str| {
             ApiError::new(
                 axum::http::StatusCode::UNAUTHORIZED,
@@ -184,6 +192,23 @@ impl Tokens {
             .ok_or_else(|| unauthorized("not a bearer token"))?;
         let grant =
             (self.by_digest.get(&digest(token))).ok_or_else(|| unauthorized("unknown token"))?;
+        let granted = Granted(Some(Arc::new(grant.clone())));
+        granted.allows(scope, "this route")?;
+        Ok(granted)
+    }
+}
+
+/// What the request's token may do, for handlers whose scope depends on the body (a reset);
+/// every request that passed [`require`] carries it.
+#[derive(Debug, Clone)]
+pub struct Granted(Option<Arc<Grant>>);
+
+impl Granted {
+    /// Whether `scope` is granted (always, without a token file), or 403 naming `what` needs it.
+    pub fn allows(&self, scope: Scope, what: &str) -> Result<(), ApiError> {
+        let Some(grant) = &self.0 else {
+            return Ok(());
+        };
         if grant.scopes.contains(&scope) {
             return Ok(());
         }
@@ -191,7 +216,7 @@ impl Tokens {
             axum::http::StatusCode::FORBIDDEN,
             "forbidden",
             format!(
-                "token {:?} lacks the {:?} scope this route needs",
+                "token {:?} lacks the {:?} scope {what} needs",
                 grant.name,
                 scope.as_str()
             ),
@@ -209,15 +234,56 @@ pub struct Guard {
 }
 
 /// The middleware: answers 401 or 403 unless the request may go on.
-pub async fn require(State(guard): State<Guard>, request: Request, next: Next) -> Response {
-    if let Some(tokens) = &guard.tokens {
-        let authorization =
-            (request.headers().get(header::AUTHORIZATION)).and_then(|v| v.to_str().ok());
-        if let Err(error) = tokens.check(authorization, guard.scope) {
-            return axum::response::IntoResponse::into_response(error);
+pub async fn require(State(guard): State<Guard>, mut request: Request, next: Next) -> Response {
+    let granted = match &guard.tokens {
+        None => Granted(None),
+        Some(tokens) => {
+            let authorization =
+                (request.headers().get(header::AUTHORIZATION)).and_then(|v| v.to_str().ok());
+            match tokens.check(authorization, guard.scope) {
+                Ok(granted) => granted,
+                Err(error) => return axum::response::IntoResponse::into_response(error),
+            }
         }
-    }
+    };
+    request.extensions_mut().insert(granted);
     next.run(request).await
+}
+
+/// Whether a `Host` header names this machine's loopback: `localhost`, `127.0.0.1` (or any
+/// `127.x.y.z`), `[::1]`, each with or without a port. A request without one (HTTP/1.0) is
+/// not a browser's, so it is let through.
+pub fn loopback_host(host: Option<&str>) -> bool {
+    let Some(host) = host else {
+        return true;
+    };
+    let name = match host.strip_prefix('[') {
+        // [v6]:port or [v6]
+        Some(rest) => match rest.split_once(']') {
+            Some((v6, port)) if port.is_empty() || port.starts_with(':') => v6,
+            _ => return false,
+        },
+        None => host.rsplit_once(':').map_or(host, |(name, _)| name),
+    };
+    if name.eq_ignore_ascii_case("localhost") {
+        return true;
+    }
+    name.parse::<std::net::IpAddr>()
+        .is_ok_and(|ip| ip.is_loopback())
+}
+
+/// The middleware for a server without tokens: 403 `forbidden_host` to a request addressed to
+/// anything but a loopback name.
+pub async fn loopback_only(request: Request, next: Next) -> Response {
+    let host = (request.headers().get(header::HOST)).map(|v| v.to_str().unwrap_or("\u{fffd}"));
+    if loopback_host(host) {
+        return next.run(request).await;
+    }
+    axum::response::IntoResponse::into_response(ApiError::new(
+        axum::http::StatusCode::FORBIDDEN,
+        "forbidden_host",
+        "without tokens this server answers only requests addressed to localhost, 127.0.0.1 or [::1]",
+    ))
 }
 
 #[cfg(test)]
@@ -251,6 +317,57 @@ mod tests {
             Some("unauthorized")
         );
         assert_eq!(code(None, Scope::Read), Some("unauthorized"));
+    }
+
+    #[test]
+    fn reset_is_its_own_scope() {
+        let text = format!(
+            "[[token]]\nname = \"writer\"\nsha256 = \"{}\"\nscopes = [\"write\"]\n\
+             [[token]]\nname = \"admin\"\nsha256 = \"{}\"\nscopes = [\"write\", \"reset\"]\n",
+            hex(digest("w")),
+            hex(digest("a")),
+        );
+        let tokens = Tokens::from_toml(&text).expect("a valid file");
+        let writer = tokens
+            .check(Some("Bearer w"), Scope::Write)
+            .expect("writes");
+        let refused = writer
+            .allows(Scope::Reset, "a reset")
+            .expect_err("no reset");
+        assert_eq!(refused.code(), "forbidden");
+        let admin = tokens
+            .check(Some("Bearer a"), Scope::Write)
+            .expect("writes");
+        assert!(admin.allows(Scope::Reset, "a reset").is_ok());
+        assert!(Granted(None).allows(Scope::Reset, "a reset").is_ok());
+    }
+
+    #[test]
+    fn only_loopback_names_are_loopback_hosts() {
+        for host in [
+            "localhost",
+            "LOCALHOST:8080",
+            "127.0.0.1",
+            "127.0.0.1:8080",
+            "127.9.9.9:1",
+            "[::1]",
+            "[::1]:8080",
+        ] {
+            assert!(loopback_host(Some(host)), "{host}");
+        }
+        for host in [
+            "attacker.example",
+            "attacker.example:8080",
+            "localhost.attacker.example",
+            "10.0.0.1:8080",
+            "[::2]:8080",
+            "[::1]x",
+            "",
+            "127.0.0.1.nip.io",
+        ] {
+            assert!(!loopback_host(Some(host)), "{host}");
+        }
+        assert!(loopback_host(None));
     }
 
     #[test]

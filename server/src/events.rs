@@ -5,7 +5,8 @@
 //! put it on the topic (`docs/wire-format.md`). Every event is checked before any is sent: one
 //! bad event refuses the whole body (400 `invalid_events`, with each bad one's index and
 //! reason), so a client never has to work out which half of a batch landed. An event without
-//! `ts_ms` gets the time the server received it.
+//! `ts_ms` gets the time the server received it. A body holding a reset needs a token with the
+//! `reset` scope (403 `forbidden` otherwise, and nothing is sent).
 //!
 //! If Kafka does not acknowledge every event within the produce timeout, the answer is 503
 //! `kafka_unavailable`, and its `details` say how many were acknowledged and which indexes were
@@ -14,9 +15,9 @@
 
 use std::sync::Arc;
 
-use axum::Json;
 use axum::extract::State;
 use axum::extract::rejection::JsonRejection;
+use axum::{Extension, Json};
 use serde::Serialize;
 use serde_json::{Value, json};
 use tally_common::CounterEvent;
@@ -24,6 +25,7 @@ use tally_common::codec::{self, DEFAULT_MAX_MESSAGE_BYTES};
 use tally_common::event::now_ms;
 use utoipa::ToSchema;
 
+use crate::auth::{Granted, Scope};
 use crate::error::{ApiError, ErrorBody};
 use crate::state::AppState;
 
@@ -136,10 +138,14 @@ fn parse(body: Value) -> Result<Vec<CounterEvent>, ApiError> {
 )]
 pub async fn post_events(
     State(state): State<Arc<AppState>>,
+    Extension(granted): Extension<Granted>,
     body: Result<Json<Value>, JsonRejection>,
 ) -> Result<Json<Accepted>, ApiError> {
     let Json(body) = body?;
     let events = parse(body)?;
+    if events.iter().any(CounterEvent::is_reset) {
+        granted.allows(Scope::Reset, "a reset")?;
+    }
     // All handed to librdkafka first (in order), then every acknowledgement awaited.
     let mut pending = Vec::with_capacity(events.len());
     for event in &events {

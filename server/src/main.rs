@@ -102,9 +102,7 @@ async fn main() -> anyhow::Result<()> {
         }
     }
     let shutdown = tally_ops::shutdown::on_signals()?;
-    axum::serve(listener, app)
-        .with_graceful_shutdown(async move { shutdown.cancelled().await })
-        .await?;
+    tally_ops::http::serve(listener, app, tally_ops::http::Limits::default(), shutdown).await;
     // Events handed to librdkafka by requests cut short by the shutdown still get their chance.
     producer.flush().await?;
     Ok(())

@@ -7,7 +7,10 @@ use axum::http::{StatusCode, header};
 use axum::middleware::from_fn_with_state;
 use axum::response::{Html, IntoResponse, Response};
 use axum::{Json, Router};
+use base64::Engine as _;
+use base64::engine::general_purpose::STANDARD as BASE64;
 use serde::Serialize;
+use sha2::Digest as _;
 use utoipa::ToSchema;
 use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa_axum::router::OpenApiRouter;
@@ -91,6 +94,11 @@ pub fn api(
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .layer(from_fn_with_state(metrics, metrics::track))
         .with_state(state);
+    // Without tokens, only requests addressed to loopback are answered (no DNS rebinding).
+    let router = match tokens {
+        Some(_) => router,
+        None => router.layer(axum::middleware::from_fn(auth::loopback_only)),
+    };
     (router, openapi)
 }
 
@@ -122,7 +130,44 @@ async fn readyz(State(state): State<Arc<AppState>>) -> Result<Json<Status>, ApiE
 }
 
 async fn console() -> Response {
-    ([(header::CACHE_CONTROL, "no-cache")], Html(CONSOLE)).into_response()
+    static POLICY: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    let policy = POLICY.get_or_init(|| console_policy(CONSOLE));
+    (
+        [
+            (header::CACHE_CONTROL, "no-cache"),
+            (header::CONTENT_SECURITY_POLICY, policy.as_str()),
+            (header::X_CONTENT_TYPE_OPTIONS, "nosniff"),
+            (header::X_FRAME_OPTIONS, "DENY"),
+            (header::REFERRER_POLICY, "no-referrer"),
+        ],
+        Html(CONSOLE),
+    )
+        .into_response()
+}
+
+/// The console's Content-Security-Policy: its inline scripts and styles run only by their
+/// SHA-256 (an id made of HTML that slipped into the page could not run), it talks only to
+/// this origin, and no other site may frame it.
+fn console_policy(page: &str) -> String {
+    let hashes = |tag: &str| -> String {
+        let (open, close) = (format!("<{tag}>"), format!("</{tag}>"));
+        let mut hashes = String::new();
+        let mut rest = page;
+        while let Some(start) = rest.find(&open) {
+            let body = &rest[start + open.len()..];
+            let Some(end) = body.find(&close) else { break };
+            let digest = sha2::Sha256::digest(&body.as_bytes()[..end]);
+            hashes.push_str(&format!(" 'sha256-{}'", BASE64.encode(digest)));
+            rest = &body[end..];
+        }
+        hashes
+    };
+    format!(
+        "default-src 'none'; script-src{}; style-src{}; connect-src 'self'; img-src 'self'; \
+         base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
+        hashes("script"),
+        hashes("style"),
+    )
 }
 
 async fn not_found() -> ApiError {
@@ -162,4 +207,34 @@ async fn pipeline(State(state): State<Arc<AppState>>) -> Result<Json<PipelineSta
 async fn metrics_text(State(state): State<Arc<AppState>>) -> Response {
     let body = state.metrics.render(state.counts.reader().stats());
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], body).into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_console_policy_allows_its_inline_code_by_hash_only() {
+        let page = "<style>p{}</style><script>go()</script><script>more()</script>";
+        let policy = console_policy(page);
+        let hash = |text: &str| BASE64.encode(sha2::Sha256::digest(text.as_bytes()));
+        assert!(
+            policy.contains(&format!(
+                "script-src 'sha256-{}' 'sha256-{}';",
+                hash("go()"),
+                hash("more()")
+            )),
+            "{policy}"
+        );
+        assert!(
+            policy.contains(&format!("style-src 'sha256-{}';", hash("p{}"))),
+            "{policy}"
+        );
+        assert!(policy.starts_with("default-src 'none';"), "{policy}");
+        assert!(policy.contains("frame-ancestors 'none'"), "{policy}");
+        assert!(!policy.contains("unsafe"), "{policy}");
+        // The real page: one script, one style, both hashed.
+        let real = console_policy(CONSOLE);
+        assert_eq!(real.matches("'sha256-").count(), 2, "{real}");
+    }
 }

@@ -42,7 +42,7 @@ pub struct HttpAnswer {
 }
 
 /// A one-shot HTTP/1.1 request on loopback (`connection: close`) with the given extra headers
-/// and body; `None` if nothing answers.
+/// (`host: localhost` unless they name another) and body; `None` if nothing answers.
 pub async fn http_call(
     port: u16,
     method: &str,
@@ -53,8 +53,13 @@ pub async fn http_call(
     let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port))
         .await
         .ok()?;
-    let mut request =
-        format!("{method} {path} HTTP/1.1\r\nhost: localhost\r\nconnection: close\r\n");
+    let mut request = format!("{method} {path} HTTP/1.1\r\nconnection: close\r\n");
+    if !headers
+        .iter()
+        .any(|(name, _)| name.eq_ignore_ascii_case("host"))
+    {
+        request.push_str("host: localhost\r\n");
+    }
     for (name, value) in headers {
         request.push_str(&format!("{name}: {value}\r\n"));
     }

@@ -307,6 +307,11 @@ impl AggregatorSetup {
 }
 
 impl AggregatorProcess {
+    /// Its process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     /// The port serving its /metrics, /healthz and /readyz.
     pub fn metrics_port(&self) -> u16 {
         self.metrics_port

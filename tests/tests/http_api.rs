@@ -339,9 +339,10 @@ async fn tokens_are_enforced_by_scope_and_loopback_is_required_without_them() {
     std::fs::write(
         &tokens,
         format!(
-            "[[token]]\nname = \"reader\"\nsha256 = \"{}\"\nscopes = [\"read\"]\n\n[[token]]\nname = \"writer\"\nsha256 = \"{}\"\nscopes = [\"read\", \"write\"]\n",
+            "[[token]]\nname = \"reader\"\nsha256 = \"{}\"\nscopes = [\"read\"]\n\n[[token]]\nname = \"writer\"\nsha256 = \"{}\"\nscopes = [\"read\", \"write\"]\n\n[[token]]\nname = \"admin\"\nsha256 = \"{}\"\nscopes = [\"write\", \"reset\"]\n",
             sha256_hex("read-secret"),
-            sha256_hex("write-secret")
+            sha256_hex("write-secret"),
+            sha256_hex("admin-secret")
         ),
     )
     .expect("written");
@@ -360,7 +361,9 @@ async fn tokens_are_enforced_by_scope_and_loopback_is_required_without_them() {
     )
     .await;
     let event = r#"{"counter": "views:video:1"}"#;
-    let cases: [Case; 7] = [
+    // A reset needs the reset scope: write alone may count, not clear.
+    let reset = r#"[{"counter": "views:video:1"}, {"counter": "views:video:1", "reset": true}]"#;
+    let cases: [Case; 9] = [
         (
             "GET",
             "/v1/counters/views:video:1",
@@ -409,6 +412,22 @@ async fn tokens_are_enforced_by_scope_and_loopback_is_required_without_them() {
             None,
             403,
             "forbidden",
+        ),
+        (
+            "POST",
+            "/v1/events",
+            Some("Bearer write-secret"),
+            Some(reset),
+            403,
+            "forbidden",
+        ),
+        (
+            "POST",
+            "/v1/events",
+            Some("Bearer admin-secret"),
+            Some(reset),
+            200,
+            "",
         ),
     ];
     for (method, path, auth, body, want_status, want_code) in cases {
