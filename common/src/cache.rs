@@ -14,7 +14,10 @@
 //!   that finds the lock taken serves the shared entry's last value instead of reading shards.
 //!
 //! So when a hot counter's cached total expires under thousands of readers in many processes,
-//! about one shard read per counter happens per TTL. [`CacheStats`] counts what each level did.
+//! about one shard read per counter happens per TTL. A counter with nothing cached anywhere is
+//! read without the lock, and a total of 0 is not stored unless an entry existed: reading
+//! counters that were never written writes nothing to Redis (each process still keeps their
+//! zeros in its own map for the TTL). [`CacheStats`] counts what each level did.
 //! [`CachedReader::get_exact`] bypasses both levels.
 
 use std::collections::HashMap;
@@ -40,8 +43,28 @@ const SHARED_KEEP_TTLS: u64 = 20;
 const MIN_SHARED_KEEP_MS: u64 = 60_000;
 /// What trending ranks by in a namespace with windows: the last minute.
 const TRENDING_SPAN_MS: i64 = 60_000;
-/// Entries kept in the process before expired ones are swept out.
+/// Most entries kept in the process: past it, expired ones are swept out, then others until
+/// half are left. A counter id is at most 256 bytes, so the map holds at most about 35 MB.
 const MAX_LOCAL_ENTRIES: usize = 100_000;
+
+/// Brings the process's map from past [`MAX_LOCAL_ENTRIES`] down to half of it at most: expired
+/// entries go first, then any not being refreshed (their counters are read again when asked;
+/// a namespace that keeps its display from going down may then show a smaller count once).
+/// Each sweep is linear, and the next comes only after half the bound of new counters, so
+/// reads stay fast at the bound.
+fn shrink(local: &mut HashMap<String, Entry>, now: Instant) {
+    local.retain(|_, e| e.fresh_until > now || e.is_refreshing());
+    let mut excess = local.len().saturating_sub(MAX_LOCAL_ENTRIES / 2);
+    if excess > 0 {
+        local.retain(|_, e| {
+            if excess > 0 && !e.is_refreshing() {
+                excess -= 1;
+                return false;
+            }
+            true
+        });
+    }
+}
 
 /// What the cache did, since the reader was created. Shared by clones of the reader.
 #[derive(Debug, Default)]
@@ -225,6 +248,12 @@ impl CachedReader {
                 None => plans.push((plan, vec![i])),
             }
         }
+        let cells: i64 = (plans.iter())
+            .map(|((_, buckets), indexes)| buckets.saturating_mul(indexes.len() as i64))
+            .fold(0, i64::saturating_add);
+        if cells > crate::window::MAX_WINDOW_CELLS {
+            return Err(ReadError::WindowTooLarge { cells });
+        }
         let mut sums = vec![0; counters.len()];
         for ((window, buckets), indexes) in plans {
             let names: Vec<&str> = indexes.iter().map(|i| counters[*i].as_ref()).collect();
@@ -286,7 +315,7 @@ impl CachedReader {
         {
             let mut local = self.lock();
             if local.len() > MAX_LOCAL_ENTRIES {
-                local.retain(|_, e| e.fresh_until > now || e.is_refreshing());
+                shrink(&mut local, now);
             }
             for (i, counter) in counters.iter().enumerate() {
                 let counter = counter.as_ref();
@@ -465,6 +494,12 @@ impl Refresh<'_> {
         stale: Vec<(usize, Option<i64>)>,
     ) -> Result<(Vec<usize>, Vec<(usize, bool)>), ReadError> {
         let ks = self.cache.reader.keyspace();
+        // Nothing cached anywhere: read unlocked, so that a counter never written costs no
+        // write (a lock would be one); a hot new counter costs one shard read per process.
+        let (stale, unlocked): (Vec<_>, Vec<_>) =
+            stale.into_iter().partition(|(_, last)| last.is_some());
+        let mut unlocked: Vec<(usize, bool)> =
+            unlocked.into_iter().map(|(i, _)| (i, false)).collect();
         let locks = (stale.iter())
             .map(|(i, _)| {
                 let mut cmd = Cmd::new();
@@ -478,7 +513,7 @@ impl Refresh<'_> {
             })
             .collect();
         let taken: Vec<Option<String>> = query_each(self.cache.reader.conn(), locks).await?;
-        let (mut ours, mut unlocked) = (Vec::new(), Vec::new());
+        let mut ours = Vec::new();
         for ((i, last), lock) in stale.into_iter().zip(taken) {
             match (lock, last) {
                 (None, Some(value)) => {
@@ -535,13 +570,17 @@ impl Refresh<'_> {
         let wall = now_ms();
         let mut writes = Vec::new();
         for ((i, locked), total) in to_read.iter().zip(&totals) {
-            writes.push(store_shared(
-                ks,
-                self.counters[*i],
-                *total,
-                wall,
-                self.ttls[*i],
-            ));
+            // A zero with nothing cached before is most likely a counter never written: no
+            // entry is created for it (a locked one had an entry, which is brought up to date).
+            if *total != 0 || *locked {
+                writes.push(store_shared(
+                    ks,
+                    self.counters[*i],
+                    *total,
+                    wall,
+                    self.ttls[*i],
+                ));
+            }
             if *locked {
                 let mut del = Cmd::new();
                 del.arg("DEL").arg(ks.refresh_lock_key(self.counters[*i]));
@@ -606,6 +645,38 @@ fn no_plan(windows: &Windows, span_ms: i64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_process_map_is_bounded_and_keeps_refreshes_in_flight() {
+        let now = Instant::now();
+        let entry = |fresh: bool, refreshing: Option<watch::Receiver<Option<i64>>>| Entry {
+            value: Some(1),
+            fresh_until: if fresh {
+                now + Duration::from_secs(60)
+            } else {
+                now
+            },
+            refreshing,
+            shown: 0,
+        };
+        let mut local = HashMap::new();
+        let (_refresh, rx) = watch::channel(None);
+        local.insert("in-flight".to_owned(), entry(false, Some(rx)));
+        for i in 0..MAX_LOCAL_ENTRIES {
+            local.insert(format!("fresh{i}"), entry(true, None));
+        }
+        assert!(local.len() > MAX_LOCAL_ENTRIES);
+        shrink(&mut local, now);
+        assert!(local.len() <= MAX_LOCAL_ENTRIES / 2, "{}", local.len());
+        assert!(local.contains_key("in-flight"));
+        // Expired ones go first.
+        let mut local: HashMap<String, Entry> = (0..MAX_LOCAL_ENTRIES + 1)
+            .map(|i| (format!("c{i}"), entry(i % 4 != 0, None)))
+            .collect();
+        shrink(&mut local, now);
+        assert!(local.values().all(|e| e.fresh_until > now));
+        assert!(local.len() <= MAX_LOCAL_ENTRIES / 2);
+    }
 
     #[test]
     fn shared_entries_hold_a_total_and_a_time() {

@@ -103,14 +103,15 @@ impl RedisTarget {
         self.scheme.ends_with("+cluster")
     }
 
-    /// Whether the URL holds a password.
+    /// Whether the URL holds a password (in its user information, or as the `pass` or
+    /// `password` query parameter a `redis+unix://` URL takes).
     pub fn has_password(&self) -> bool {
-        self.password.is_some()
+        self.password.is_some() || self.hosts.iter().any(|h| query_secret(h))
     }
 
     /// Whether the URL holds credentials (a user name or a password).
     pub fn has_credentials(&self) -> bool {
-        self.username.is_some() || self.password.is_some()
+        self.username.is_some() || self.has_password() || self.hosts.iter().any(|h| query_user(h))
     }
 
     /// The same target with these credentials (already percent-encoded); on a cluster they apply
@@ -153,14 +154,51 @@ impl RedisTarget {
     }
 }
 
+/// The query parameters that carry a password in a Redis URL (`redis+unix:///s?pass=...`).
+const SECRET_PARAMETERS: [&str; 2] = ["pass", "password"];
+
+/// The query parameters of `host` (`path?query`), if it has a query.
+fn query_pairs(host: &str) -> impl Iterator<Item = (&str, &str)> {
+    (host.split_once('?').map(|(_, query)| query).into_iter())
+        .flat_map(|query| query.split('&'))
+        .map(|pair| pair.split_once('=').unwrap_or((pair, "")))
+}
+
+/// Whether `host`'s query holds a password.
+fn query_secret(host: &str) -> bool {
+    query_pairs(host).any(|(name, value)| SECRET_PARAMETERS.contains(&name) && !value.is_empty())
+}
+
+/// Whether `host`'s query names a user (`user=`).
+fn query_user(host: &str) -> bool {
+    query_pairs(host).any(|(name, value)| name == "user" && !value.is_empty())
+}
+
+/// `host` with the value of every secret query parameter as `***`.
+fn redact_query(host: &str) -> String {
+    let Some((path, query)) = host.split_once('?') else {
+        return host.to_owned();
+    };
+    let pairs: Vec<String> = (query.split('&'))
+        .map(|pair| match pair.split_once('=') {
+            Some((name, value)) if SECRET_PARAMETERS.contains(&name) && !value.is_empty() => {
+                format!("{name}=***")
+            }
+            _ => pair.to_owned(),
+        })
+        .collect();
+    format!("{path}?{}", pairs.join("&"))
+}
+
 impl std::fmt::Display for RedisTarget {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let hosts: Vec<String> = self.hosts.iter().map(|h| redact_query(h)).collect();
         write!(
             f,
             "{}://{}{}",
             self.scheme,
             self.userinfo(true),
-            self.hosts.join(",")
+            hosts.join(",")
         )
     }
 }
@@ -317,6 +355,29 @@ mod tests {
             .expect("plain")
             .with_credentials(Some("u".to_owned()), Some("p".to_owned()));
         assert_eq!(with.url(), "redis://u:p@h:1");
+        let unix =
+            RedisTarget::parse("redis+unix:///run/redis.sock?db=2&pass=hunter2&x=1").expect("unix");
+        assert!(unix.has_password() && unix.has_credentials());
+        assert_eq!(
+            unix.to_string(),
+            "redis+unix:///run/redis.sock?db=2&pass=***&x=1"
+        );
+        assert!(
+            unix.url().contains("hunter2"),
+            "the URL to connect with keeps it"
+        );
+        let both = RedisTarget::parse("redis+unix:///s?password=a&user=u&pass=b").expect("unix");
+        assert_eq!(
+            format!("{both:?}"),
+            "RedisTarget(redis+unix:///s?password=***&user=u&pass=***)"
+        );
+        let plain = RedisTarget::parse("redis+unix:///s?db=1").expect("unix");
+        assert!(!plain.has_credentials());
+        assert!(
+            RedisTarget::parse("redis+unix:///s?user=u")
+                .expect("unix")
+                .has_credentials()
+        );
         assert!(RedisTarget::parse("h:6379").is_err());
         assert!(RedisTarget::parse("http://h:1").is_err());
         assert!(RedisTarget::parse("redis+cluster://,").is_err());

@@ -51,6 +51,13 @@ pub enum ReadError {
         /// Why, with the windows the namespace keeps.
         why: String,
     },
+    /// A window read of more (counter, bucket) pairs than
+    /// [`crate::window::MAX_WINDOW_CELLS`].
+    #[error("the read sums {cells} (counter, bucket) pairs; at most {max} per read: ask for fewer counters or a shorter span", max = crate::window::MAX_WINDOW_CELLS)]
+    WindowTooLarge {
+        /// The pairs it would sum.
+        cells: i64,
+    },
     /// The store of record (PostgreSQL) failed or timed out.
     #[error("the store of record: {0}")]
     Store(#[source] Box<dyn std::error::Error + Send + Sync>),

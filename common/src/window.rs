@@ -116,6 +116,12 @@ impl Placement {
     }
 }
 
+/// The most (counter, bucket) pairs one window read may sum: each is a key in every shard
+/// group, so a read's cost is this times the groups. A read of more is refused
+/// ([`crate::ReadError::WindowTooLarge`]); a window that alone could need more (its retention
+/// over its width, plus one) is refused when the namespace file is loaded.
+pub const MAX_WINDOW_CELLS: i64 = 100_000;
+
 /// A window as written in the namespace file: `"1h"`, or `{ width = "1h", retention = "7d" }`.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(untagged)]
@@ -153,6 +159,16 @@ impl Windows {
                     return Err(format!(
                         "window width {} is under 1s",
                         format_duration(width)
+                    ));
+                }
+                let buckets = retention / width + 1;
+                if buckets > MAX_WINDOW_CELLS {
+                    return Err(format!(
+                        "window {}: a retention of {} keeps {buckets} buckets, more than the \
+                         {MAX_WINDOW_CELLS} one read may sum (widen the window or shorten its \
+                         retention)",
+                        format_duration(width),
+                        format_duration(retention)
                     ));
                 }
                 Ok(Window {
@@ -302,6 +318,21 @@ mod tests {
             ],
             MIN,
         )
+    }
+
+    #[test]
+    fn a_window_one_read_could_not_sum_is_refused_when_loaded() {
+        let full = |width: &str, retention: &str| WindowEntry::Full {
+            width: width.to_owned(),
+            retention: retention.to_owned(),
+        };
+        // 2 days of 1 s buckets: 172,801 buckets.
+        let refused = Windows::from_entries(&[full("1s", "2d")], 0).expect_err("refused");
+        assert!(refused.contains("172801 buckets"), "{refused}");
+        // A day of 1 s buckets (86,401) is within the cap; a year of minutes (524,161) is not.
+        assert!(Windows::from_entries(&[full("1s", "1d")], 0).is_ok());
+        assert!(Windows::from_entries(&[full("1m", "52w")], 0).is_err());
+        assert!(Windows::from_entries(&[full("1h", "52w")], 0).is_ok());
     }
 
     #[test]

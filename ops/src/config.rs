@@ -38,7 +38,7 @@ pub struct PostgresTarget {
 impl std::fmt::Debug for PostgresTarget {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("PostgresTarget")
-            .field("url", &self.url)
+            .field("url", &crate::secrets::masked_postgres_url(&self.url))
             .field("password", &self.password.as_ref().map(|_| "***"))
             .field("pool_size", &self.pool_size)
             .field("statement_timeout", &self.statement_timeout)

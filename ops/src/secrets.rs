@@ -154,6 +154,66 @@ pub fn percent_encode(text: &str) -> String {
         .collect()
 }
 
+/// A PostgreSQL connection string fit to print: the password of a URL's user information, a
+/// URL's `password` query parameter, and a key=value string's `password` each as `***`.
+pub fn masked_postgres_url(url: &str) -> String {
+    if let Some((scheme, rest)) = url.split_once("://") {
+        let authority_end = rest.find(['/', '?']).unwrap_or(rest.len());
+        let (authority, tail) = rest.split_at(authority_end);
+        let authority = match authority.rsplit_once('@') {
+            Some((userinfo, hosts)) => match userinfo.split_once(':') {
+                Some((user, _)) => format!("{user}:***@{hosts}"),
+                None => format!("{userinfo}@{hosts}"),
+            },
+            None => authority.to_owned(),
+        };
+        let tail = match tail.split_once('?') {
+            Some((path, query)) => {
+                let pairs: Vec<String> = (query.split('&'))
+                    .map(|pair| match pair.split_once('=') {
+                        Some(("password", _)) => "password=***".to_owned(),
+                        _ => pair.to_owned(),
+                    })
+                    .collect();
+                format!("{path}?{}", pairs.join("&"))
+            }
+            None => tail.to_owned(),
+        };
+        return format!("{scheme}://{authority}{tail}");
+    }
+    // key=value pairs, a value maybe quoted with single quotes (and \' inside).
+    let mut out = String::with_capacity(url.len());
+    let mut rest = url;
+    while let Some(at) = rest.find("password") {
+        let (before, from) = rest.split_at(at);
+        out.push_str(before);
+        let after_key = from["password".len()..].trim_start();
+        let starts_word = before.is_empty() || before.ends_with(char::is_whitespace);
+        let Some(value) = after_key.strip_prefix('=').filter(|_| starts_word) else {
+            out.push_str("password");
+            rest = &from["password".len()..];
+            continue;
+        };
+        let value = value.trim_start();
+        let end = match value.strip_prefix('\'') {
+            Some(quoted) => {
+                let mut escaped = false;
+                let close = quoted.char_indices().find_map(|(i, c)| {
+                    let closes = c == '\'' && !escaped;
+                    escaped = c == '\\' && !escaped;
+                    closes.then_some(i)
+                });
+                close.map_or(value.len(), |i| i + 2)
+            }
+            None => value.find(char::is_whitespace).unwrap_or(value.len()),
+        };
+        out.push_str("password=***");
+        rest = &value[end..];
+    }
+    out.push_str(rest);
+    out
+}
+
 /// Whether a PostgreSQL connection string holds a password.
 pub fn postgres_url_has_password(url: &str) -> bool {
     <tokio_postgres::Config as std::str::FromStr>::from_str(url)
@@ -203,6 +263,33 @@ pub fn refuse_secret_flags(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn postgres_urls_print_without_their_passwords() {
+        for (url, printed) in [
+            (
+                "postgres://app:hunter2@db:5432/tally",
+                "postgres://app:***@db:5432/tally",
+            ),
+            ("postgresql://app@db/tally", "postgresql://app@db/tally"),
+            (
+                "postgres://db/tally?user=app&password=hunter2&sslmode=require",
+                "postgres://db/tally?user=app&password=***&sslmode=require",
+            ),
+            ("postgres://a:b:c@h1,h2/x", "postgres://a:***@h1,h2/x"),
+            (
+                "host=db user=app password=hunter2 dbname=tally",
+                "host=db user=app password=*** dbname=tally",
+            ),
+            (
+                "host=db password = 'hun ter\\'2' dbname=tally",
+                "host=db password=*** dbname=tally",
+            ),
+            ("host=db mypassword=x", "host=db mypassword=x"),
+        ] {
+            assert_eq!(masked_postgres_url(url), printed, "{url}");
+        }
+    }
 
     fn lookup(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
         let map: BTreeMap<String, String> = pairs

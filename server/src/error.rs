@@ -8,6 +8,7 @@
 //! | `invalid_events` | 400 | `POST /v1/events` with a bad event: `details` gives each one's index and reason |
 //! | `not_deduplicated` | 400 | a like route on a namespace that does not count once per actor |
 //! | `invalid_window`, `no_such_window` | 400 | `?window=` that is not a duration, or that no window of the counter's namespace can sum |
+//! | `window_too_large` | 400 | a window read of more (counter, bucket) pairs than `tally_common::window::MAX_WINDOW_CELLS` (100,000) |
 //! | `unauthorized` | 401 | no bearer token, or an unknown one |
 //! | `forbidden` | 403 | a token without the route's scope |
 //! | `not_found`, `method_not_allowed` | 404, 405 | no such route, or not with that method |
@@ -15,6 +16,11 @@
 //! | `unsupported_media_type` | 415 | a body not sent as `application/json` |
 //! | `corrupt_counter` | 500 | a key under tally's prefix holds something that is not a count |
 //! | `redis_unavailable`, `kafka_unavailable`, `store_unavailable` | 503 | Redis, Kafka or the PostgreSQL store did not answer in time |
+//! | `forbidden_host` | 403 | without tokens, a request addressed to a name that is not loopback |
+//!
+//! A 5xx answer says what failed in general terms and carries a `request_id`; the error's own
+//! text (which may name hosts, keys or a store's internals) goes only to the server's log, under
+//! the same id.
 
 use axum::Json;
 use axum::extract::rejection::{JsonRejection, PathRejection, QueryRejection};
@@ -45,6 +51,9 @@ pub struct ErrorDetail {
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schema(value_type = Option<Object>)]
     pub details: Option<serde_json::Value>,
+    /// 5xx answers: the id under which the server logged what happened.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub request_id: Option<String>,
 }
 
 /// An error answer: its HTTP status, a stable code and a message.
@@ -63,6 +72,7 @@ impl ApiError {
                 code,
                 message: message.into(),
                 details: None,
+                request_id: None,
             },
         }
     }
@@ -94,8 +104,48 @@ impl ApiError {
     }
 }
 
+/// What a 5xx answer says, by code: general terms only.
+fn general_terms(code: &str) -> &'static str {
+    match code {
+        "redis_unavailable" => "Redis did not answer in time",
+        "kafka_unavailable" => "Kafka did not acknowledge the events in time",
+        "store_unavailable" => "the store of record did not answer in time",
+        "corrupt_counter" => "a key under tally's prefix holds something that is not a count",
+        _ => "the server could not answer",
+    }
+}
+
+/// A new request id: 16 hex digits, unique within the process and unlikely to repeat across
+/// restarts.
+fn request_id() -> String {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    static SEED: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    let seed = *SEED.get_or_init(|| {
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH);
+        now.map_or(0, |d| d.as_nanos() as u64) ^ u64::from(std::process::id()).rotate_left(32)
+    });
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    format!("{:016x}", seed ^ n.wrapping_mul(0x9e37_79b9_7f4a_7c15))
+}
+
 impl IntoResponse for ApiError {
-    fn into_response(self) -> Response {
+    fn into_response(mut self) -> Response {
+        if self.status.is_server_error() {
+            let id = request_id();
+            tracing::warn!(
+                request_id = %id,
+                status = self.status.as_u16(),
+                code = self.detail.code,
+                error = %self.detail.message,
+                "request failed"
+            );
+            self.detail.message = format!(
+                "{} (request {id}: the server's log has the detail)",
+                general_terms(self.detail.code)
+            );
+            self.detail.request_id = Some(id);
+        }
         let unauthorized = self.status == StatusCode::UNAUTHORIZED;
         let mut response = (self.status, Json(ErrorBody { error: self.detail })).into_response();
         if unauthorized {
@@ -113,6 +163,9 @@ impl From<ReadError> for ApiError {
         match error {
             ReadError::InvalidCounter(e) => Self::bad_request("invalid_counter", e.to_string()),
             e @ ReadError::Window { .. } => Self::bad_request("no_such_window", e.to_string()),
+            e @ ReadError::WindowTooLarge { .. } => {
+                Self::bad_request("window_too_large", e.to_string())
+            }
             ReadError::Redis(e) => Self::redis(e),
             ReadError::Store(e) => Self::new(
                 StatusCode::SERVICE_UNAVAILABLE,
@@ -176,5 +229,46 @@ impl From<QueryRejection> for ApiError {
 impl From<PathRejection> for ApiError {
     fn from(rejection: PathRejection) -> Self {
         Self::bad_request("invalid_counter", rejection.body_text())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_5xx_says_what_failed_in_general_terms_with_a_request_id() {
+        let raw = "redis://:hunter2@10.0.0.7:6379: connection refused";
+        let response = ApiError::redis(raw).into_response();
+        assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+        let body = axum::body::to_bytes(response.into_body(), 4096)
+            .await
+            .expect("a body");
+        let body: serde_json::Value = serde_json::from_slice(&body).expect("JSON");
+        let text = body.to_string();
+        assert!(
+            !text.contains("hunter2") && !text.contains("10.0.0.7"),
+            "{text}"
+        );
+        assert_eq!(body["error"]["code"], "redis_unavailable");
+        let id = body["error"]["request_id"].as_str().expect("a request id");
+        assert_eq!(id.len(), 16, "{id}");
+        let message = body["error"]["message"].as_str().expect("a message");
+        assert!(
+            message.starts_with("Redis did not answer in time"),
+            "{message}"
+        );
+        assert!(message.contains(id), "{message}");
+
+        // A 4xx keeps its message: it is about the caller's input.
+        let response = ApiError::bad_request("bad_query", "no such field x").into_response();
+        let body = axum::body::to_bytes(response.into_body(), 4096)
+            .await
+            .expect("a body");
+        let text = String::from_utf8_lossy(&body).into_owned();
+        assert!(
+            text.contains("no such field x") && !text.contains("request_id"),
+            "{text}"
+        );
     }
 }

@@ -216,3 +216,40 @@ async fn a_namespace_can_keep_its_displayed_count_from_going_down() {
         "10.4K"
     );
 }
+
+async fn dbsize(conn: &mut RedisConn) -> u64 {
+    redis::cmd("DBSIZE")
+        .query_async(conn)
+        .await
+        .expect("DBSIZE")
+}
+
+/// Reading counters that were never written writes nothing to Redis: no cache entry, no lock
+/// left behind, however many are asked for, and after their TTL too; a counter written later
+/// is cached as before.
+#[tokio::test]
+async fn reading_counters_never_written_writes_nothing() {
+    let redis = RedisServer::start().await;
+    let keyspace = Keyspace::new(unique("never"), 4).expect("keyspace");
+    let reader = cached(&redis, &keyspace, ttl(200)).await;
+    let mut conn = RedisConn::connect(&redis.url()).await.expect("redis");
+    let before = dbsize(&mut conn).await;
+    let missing: Vec<String> = (0..1_000).map(|i| format!("likes:post:ghost{i}")).collect();
+    for _ in 0..2 {
+        let totals = reader.get_many(&missing).await.expect("read");
+        assert!(totals.iter().all(|t| *t == 0));
+        assert_eq!(reader.get("likes:post:ghost-one").await.expect("read"), 0);
+        // Past the TTL, so the second round refreshes.
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    assert_eq!(dbsize(&mut conn).await, before, "keys written by reads");
+
+    // A written counter is cached as before: one entry, shared by every reader.
+    add(&mut conn, &keyspace, 1, "likes:post:real", 3).await;
+    assert_eq!(reader.get("likes:post:real").await.expect("read"), 3);
+    assert_eq!(
+        dbsize(&mut conn).await,
+        before + 2,
+        "the share and its cache entry"
+    );
+}

@@ -152,6 +152,17 @@ async fn totals_batches_and_every_bad_input_answer_json() {
         (503, "redis_unavailable"),
         "{answer}"
     );
+    // In general terms, with the id under which the log has Redis's own words.
+    let id = answer["error"]["request_id"]
+        .as_str()
+        .expect("a request id");
+    let message = answer["error"]["message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains(id) && !message.contains("127.0.0.1"),
+        "{answer}"
+    );
+    let log = std::fs::read_to_string(dir.path().join("server.log")).unwrap_or_default();
+    assert!(log.contains(id), "the log names request {id}");
     let (status, answer) = server.call("GET", "/readyz", None).await;
     assert_eq!(
         (status, code(&answer)),
