@@ -10,7 +10,8 @@
 //! | time to answer one request, body read included | [`Limits::request_timeout`] | `503`, closed |
 //! | accept errors (out of file descriptors) | backoff from 10 ms to 1 s | no busy loop |
 //!
-//! Bodies are bounded by each router (axum's `DefaultBodyLimit`).
+//! Bodies are bounded by each router (axum's `DefaultBodyLimit`). With a [`Tls`] acceptor the
+//! server speaks HTTPS only; the TLS handshake must end within the header timeout.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -60,12 +61,29 @@ content-length: 25\r\nconnection: close\r\n\r\ntoo many open connections";
 /// How long the busy answer may take to write before the connection is dropped anyway.
 const BUSY_WRITE_TIMEOUT: Duration = Duration::from_secs(1);
 
-/// Serves `router` on `listener` within `limits` until `shutdown` fires; then stops accepting
-/// and waits for the requests in flight (each bounded by the request timeout).
+/// A TLS server identity, for HTTPS.
+pub type Tls = tokio_native_tls::TlsAcceptor;
+
+/// The TLS identity of a certificate chain and its private key, both PEM (the key PKCS#8,
+/// `-----BEGIN PRIVATE KEY-----`, as `openssl req -newkey ... -nodes` writes it).
+pub fn tls_identity(certificate_pem: &[u8], key_pem: &[u8]) -> Result<Tls, String> {
+    let identity = native_tls::Identity::from_pkcs8(certificate_pem, key_pem)
+        .map_err(|e| format!("the certificate or key is not usable: {e}"))?;
+    let acceptor = native_tls::TlsAcceptor::builder(identity)
+        .min_protocol_version(Some(native_tls::Protocol::Tlsv12))
+        .build()
+        .map_err(|e| format!("no TLS server from the certificate and key: {e}"))?;
+    Ok(acceptor.into())
+}
+
+/// Serves `router` on `listener` within `limits` until `shutdown` fires, over HTTPS when `tls`
+/// is given; then stops accepting and waits for the requests in flight (each bounded by the
+/// request timeout).
 pub async fn serve(
     listener: TcpListener,
     router: Router,
     limits: Limits,
+    tls: Option<Tls>,
     shutdown: CancellationToken,
 ) {
     let router = router.layer(axum::middleware::from_fn_with_state(
@@ -100,23 +118,46 @@ pub async fn serve(
             tokio::spawn(refuse(stream, peer));
             continue;
         };
-        let mut builder = hyper::server::conn::http1::Builder::new();
-        builder
-            .timer(TokioTimer::new())
-            .header_read_timeout(limits.header_timeout)
-            .max_buf_size(limits.max_header_bytes.max(8192));
-        let service =
-            TowerToHyperService::new(router.clone().into_service::<hyper::body::Incoming>());
-        let connection = builder.serve_connection(TokioIo::new(stream), service);
-        let connection = graceful.watch(connection);
+        let (router, watcher) = (router.clone(), graceful.watcher());
+        let tls = tls.clone();
         tokio::spawn(async move {
-            if let Err(error) = connection.await {
+            let ended = match tls {
+                None => connection(stream, router, limits, watcher).await,
+                Some(tls) => {
+                    match tokio::time::timeout(limits.header_timeout, tls.accept(stream)).await {
+                        Ok(Ok(stream)) => connection(stream, router, limits, watcher).await,
+                        Ok(Err(error)) => Err(format!("TLS handshake: {error}")),
+                        Err(_) => Err("TLS handshake: timed out".to_owned()),
+                    }
+                }
+            };
+            if let Err(error) = ended {
                 tracing::debug!(%peer, %error, "connection ended with an error");
             }
             drop(permit);
         });
     }
     graceful.shutdown().await;
+}
+
+/// Serves one connection's requests until it closes, or shutdown closes it once idle.
+async fn connection<S>(
+    stream: S,
+    router: Router,
+    limits: Limits,
+    watcher: hyper_util::server::graceful::Watcher,
+) -> Result<(), String>
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let mut builder = hyper::server::conn::http1::Builder::new();
+    builder
+        .timer(TokioTimer::new())
+        .header_read_timeout(limits.header_timeout)
+        .max_buf_size(limits.max_header_bytes.max(8192));
+    let service = TowerToHyperService::new(router.into_service::<hyper::body::Incoming>());
+    let served = builder.serve_connection(TokioIo::new(stream), service);
+    watcher.watch(served).await.map_err(|e| e.to_string())
 }
 
 /// The first wait after an accept error.

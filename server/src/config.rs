@@ -38,6 +38,12 @@ pub struct Settings {
     /// TOML file of API tokens (their SHA-256) and scopes; without one, only loopback [default: none]
     #[arg(long, env = "TALLY_TOKENS")]
     pub tokens: Option<PathBuf>,
+    /// PEM certificate chain: serve HTTPS (with --tls-key) [default: none, plain HTTP]
+    #[arg(long, env = "TALLY_TLS_CERT", requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+    /// PEM private key (PKCS#8) of --tls-cert [default: none]
+    #[arg(long, env = "TALLY_TLS_KEY", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
     /// Redis URL (a password only through TALLY_REDIS_URL, TALLY_REDIS_PASSWORD or the file) [default: redis://127.0.0.1:6379]
     #[arg(long, env = "TALLY_REDIS_URL", hide_env_values = true)]
     pub redis_url: Option<String>,
@@ -101,6 +107,8 @@ pub struct Config {
     pub listen: SocketAddr,
     /// The token file, if any.
     pub tokens: Option<PathBuf>,
+    /// HTTPS: the certificate chain's file and its key's, if any.
+    pub tls: Option<(PathBuf, PathBuf)>,
     /// Redis, credentials included.
     pub redis: RedisTarget,
     /// The key prefix.
@@ -128,6 +136,7 @@ impl std::fmt::Debug for Config {
         f.debug_struct("Config")
             .field("listen", &self.listen)
             .field("tokens", &self.tokens)
+            .field("tls", &self.tls)
             .field("redis", &self.redis)
             .field("key_prefix", &self.key_prefix)
             .field("shard_groups", &self.shard_groups)
@@ -156,6 +165,8 @@ impl Settings {
         take!(
             listen,
             tokens,
+            tls_cert,
+            tls_key,
             redis_url,
             key_prefix,
             shard_groups,
@@ -195,8 +206,19 @@ impl Settings {
             default::POSTGRES_POOL_SIZE,
             default::POSTGRES_STATEMENT_TIMEOUT_MS,
         )?;
+        let tls = match (self.tls_cert, self.tls_key) {
+            (Some(cert), Some(key)) => Some((cert, key)),
+            (None, None) => None,
+            (Some(_), None) | (None, Some(_)) => {
+                return Err(ConfigError::Invalid {
+                    name: "tls_cert",
+                    why: "HTTPS needs both tls_cert and tls_key".to_owned(),
+                });
+            }
+        };
         Ok(Config {
             postgres,
+            tls,
             listen: self
                 .listen
                 .unwrap_or_else(|| default::LISTEN.parse().expect("a valid address")),

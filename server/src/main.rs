@@ -89,20 +89,40 @@ async fn main() -> anyhow::Result<()> {
         metrics: Metrics::new(),
     });
     let app = router(state, tokens.clone());
+    let tls = match &config.tls {
+        None => None,
+        Some((cert, key)) => {
+            let read = |path: &std::path::PathBuf| {
+                std::fs::read(path).with_context(|| format!("reading {}", path.display()))
+            };
+            let identity = tally_ops::http::tls_identity(&read(cert)?, &read(key)?)
+                .map_err(anyhow::Error::msg)
+                .with_context(|| format!("HTTPS with {} and {}", cert.display(), key.display()))?;
+            Some(identity)
+        }
+    };
+    let scheme = if tls.is_some() { "https" } else { "http" };
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
         .with_context(|| format!("listening on {}", config.listen))?;
     let addr = listener.local_addr()?;
     match &tokens {
         Some(tokens) => {
-            tracing::info!(%addr, redis = %config.redis, brokers = %config.brokers, topic = %config.topic, tokens = tokens.len(), "serving the tally API: every /v1/ route needs a bearer token")
+            tracing::info!(%addr, scheme, redis = %config.redis, brokers = %config.brokers, topic = %config.topic, tokens = tokens.len(), "serving the tally API: every /v1/ route needs a bearer token")
         }
         None => {
-            tracing::warn!(%addr, redis = %config.redis, brokers = %config.brokers, topic = %config.topic, "serving the tally API on loopback only, without tokens: every local process may read and write counts")
+            tracing::warn!(%addr, scheme, redis = %config.redis, brokers = %config.brokers, topic = %config.topic, "serving the tally API on loopback only, without tokens: every local process may read and write counts")
         }
     }
     let shutdown = tally_ops::shutdown::on_signals()?;
-    tally_ops::http::serve(listener, app, tally_ops::http::Limits::default(), shutdown).await;
+    tally_ops::http::serve(
+        listener,
+        app,
+        tally_ops::http::Limits::default(),
+        tls,
+        shutdown,
+    )
+    .await;
     // Events handed to librdkafka by requests cut short by the shutdown still get their chance.
     producer.flush().await?;
     Ok(())

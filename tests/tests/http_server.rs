@@ -170,3 +170,78 @@ async fn totals_batches_and_every_bad_input_answer_json() {
         "{answer}"
     );
 }
+
+/// `curl` over HTTPS to `port` trusting `ca`: its exit code and what it printed.
+fn curl_https(ca: &std::path::Path, port: u16, path: &str) -> (i32, String) {
+    let out = std::process::Command::new("curl")
+        .args(["-sS", "--max-time", "5", "--cacert"])
+        .arg(ca)
+        .arg(format!("https://localhost:{port}{path}"))
+        .output()
+        .expect("curl runs");
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    (out.status.code().unwrap_or(-1), text)
+}
+
+/// With a certificate and key, `tally-server` speaks HTTPS itself, to a real client (curl,
+/// verifying the certificate): reads answer as over HTTP; a plain HTTP request gets no answer;
+/// a client that does not trust the certificate refuses it.
+#[tokio::test]
+async fn https_with_a_certificate_and_key() {
+    let redis = RedisServer::start().await;
+    let dir = TempDir::new("tally-https");
+    let (cert, key) = (dir.path().join("cert.pem"), dir.path().join("key.pem"));
+    let made = std::process::Command::new("openssl")
+        .args([
+            "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+        ])
+        .args(["-subj", "/CN=localhost"])
+        .args(["-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"])
+        .arg("-keyout")
+        .arg(&key)
+        .arg("-out")
+        .arg(&cert)
+        .output()
+        .expect("openssl runs");
+    assert!(made.status.success(), "{made:?}");
+    let port = tally_tests::free_port();
+    let log = std::fs::File::create(dir.path().join("server.log")).expect("log");
+    let mut server = std::process::Command::new(tally_tests::binary("tally-server"))
+        .args(["--listen", &format!("127.0.0.1:{port}")])
+        .arg("--tls-cert")
+        .arg(&cert)
+        .arg("--tls-key")
+        .arg(&key)
+        .env("TALLY_REDIS_URL", redis.url())
+        .stdout(log.try_clone().expect("log"))
+        .stderr(log)
+        .spawn()
+        .expect("tally-server starts");
+    let ready = tally_tests::eventually(
+        std::time::Duration::from_secs(20),
+        "tally-server answers over HTTPS",
+        || async {
+            let (status, text) = curl_https(&cert, port, "/healthz");
+            (status == 0).then_some(text)
+        },
+    )
+    .await;
+    assert!(ready.contains("ok"), "{ready}");
+    let (status, text) = curl_https(&cert, port, "/v1/counters/likes:post:1");
+    assert_eq!(status, 0, "{text}");
+    assert_eq!(json(&text), json!({"counter": "likes:post:1", "total": 0}));
+
+    // Plain HTTP to the HTTPS port: no HTTP answer.
+    let plain = tally_tests::http_call(port, "GET", "/healthz", &[], None).await;
+    assert!(plain.as_ref().is_none_or(|a| a.status != 200), "{plain:?}");
+    // A client that does not trust the certificate refuses it (curl: 60, cannot verify).
+    let untrusted = std::process::Command::new("curl")
+        .args(["-sS", "--max-time", "5"])
+        .arg(format!("https://localhost:{port}/healthz"))
+        .output()
+        .expect("curl runs");
+    assert_eq!(untrusted.status.code(), Some(60), "{untrusted:?}");
+    let _ = server.kill();
+    let _ = server.wait();
+}

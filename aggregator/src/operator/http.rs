@@ -60,6 +60,7 @@ pub async fn serve(
         listener,
         router,
         Limits::default(),
+        None,
         never,
     ));
     Ok((bound, handle))
