@@ -344,6 +344,23 @@ pub fn namespace_of(counter: &str) -> &str {
 mod tests {
     use super::*;
 
+    proptest::proptest! {
+        /// A namespace file of generated lines (valid keys with odd values, unknown keys,
+        /// broken syntax): loaded or refused with a reason, never a panic.
+        #[test]
+        fn any_namespace_file_is_loaded_or_refused(lines in proptest::collection::vec(
+            proptest::prop_oneof![
+                proptest::strategy::Just("[namespaces.likes]".to_owned()),
+                proptest::strategy::Just("[namespaces.\"a b\"]".to_owned()),
+                "(dedup|cache_ttl_ms|shards|windows|window_grace|grouping|display|expire_after|idempotency_window|x) = [-a-z0-9\"\\[\\]{},=. ]{0,30}",
+                "[ -~]{0,40}",
+            ],
+            0..12,
+        )) {
+            let _ = Namespaces::from_toml(&lines.join("\n"));
+        }
+    }
+
     const EXAMPLE: &str = r#"
 [defaults]
 cache_ttl_ms = 30000

@@ -41,6 +41,12 @@ pub enum DecompressError {
     /// A codec this reader does not decompress.
     #[error("record batches compressed with {0:?} are not supported")]
     Unsupported(Compression),
+    /// The data decompresses to more than [`MAX_DECOMPRESSED_BYTES`].
+    #[error("{codec:?} data decompresses to more than {MAX_DECOMPRESSED_BYTES} bytes")]
+    TooLarge {
+        /// The codec.
+        codec: Compression,
+    },
     /// The data did not decompress.
     #[error("{codec:?} decompression failed: {message}")]
     Corrupt {
@@ -55,8 +61,35 @@ pub enum DecompressError {
 /// `int32` length and raw snappy data.
 const XERIAL_MAGIC: &[u8] = b"\x82SNAPPY\x00";
 
+/// The most one records section may decompress to: 256 MiB, far above what Kafka's limits let
+/// a producer compress into one batch of JSON events (a 1 MiB batch at 20:1), yet a bound on
+/// what a decompression bomb can make the reader hold.
+pub const MAX_DECOMPRESSED_BYTES: usize = 256 * 1024 * 1024;
+
+/// Reads `reader` to its end into `out`, refusing to grow `out` past `limit` bytes.
+fn read_capped(
+    reader: impl Read,
+    out: &mut Vec<u8>,
+    limit: usize,
+    codec: Compression,
+) -> Result<(), DecompressError> {
+    let room = limit.saturating_sub(out.len()) as u64;
+    reader
+        .take(room + 1)
+        .read_to_end(out)
+        .map_err(|e| DecompressError::Corrupt {
+            codec,
+            message: e.to_string(),
+        })?;
+    if out.len() > limit {
+        return Err(DecompressError::TooLarge { codec });
+    }
+    Ok(())
+}
+
 /// Decompresses `input`, compressed with `codec`, appending to `out` (on an error, `out` may
-/// hold part of it: truncate it back).
+/// hold part of it: truncate it back), at most [`MAX_DECOMPRESSED_BYTES`] of it: no length
+/// read from `input` sizes an allocation beyond that.
 pub fn decompress(
     codec: Compression,
     input: &[u8],
@@ -66,20 +99,27 @@ pub fn decompress(
         codec,
         message: e.to_string(),
     };
+    let limit = out.len().saturating_add(MAX_DECOMPRESSED_BYTES);
+    // A snappy block says how long it decompresses to: checked before the buffer grows to it.
+    let snappy_len = |block: &[u8], out: &Vec<u8>| {
+        let size = snap::raw::decompress_len(block).map_err(|e| corrupt(&e))?;
+        match out.len().checked_add(size) {
+            Some(end) if end <= limit => Ok(size),
+            _ => Err(DecompressError::TooLarge { codec }),
+        }
+    };
     match codec {
         Compression::None => out.extend_from_slice(input),
         Compression::Gzip => {
-            flate2::read::MultiGzDecoder::new(input)
-                .read_to_end(out)
-                .map_err(|e| corrupt(&e))?;
+            read_capped(flate2::read::MultiGzDecoder::new(input), out, limit, codec)?
         }
         Compression::Lz4 => {
-            lz4_flex::frame::FrameDecoder::new(input)
-                .read_to_end(out)
-                .map_err(|e| corrupt(&e))?;
+            read_capped(lz4_flex::frame::FrameDecoder::new(input), out, limit, codec)?;
         }
         Compression::Snappy if input.starts_with(XERIAL_MAGIC) => {
-            let mut blocks = &input[XERIAL_MAGIC.len() + 8..];
+            let mut blocks = input
+                .get(XERIAL_MAGIC.len() + 8..)
+                .ok_or_else(|| corrupt(&"a cut-off xerial header"))?;
             let mut decoder = snap::raw::Decoder::new();
             while !blocks.is_empty() {
                 if blocks.len() < 4 {
@@ -92,7 +132,7 @@ pub fn decompress(
                 }
                 let (block, rest) = rest.split_at(len);
                 let start = out.len();
-                let size = snap::raw::decompress_len(block).map_err(|e| corrupt(&e))?;
+                let size = snappy_len(block, out)?;
                 out.resize(start + size, 0);
                 decoder
                     .decompress(block, &mut out[start..])
@@ -102,7 +142,7 @@ pub fn decompress(
         }
         Compression::Snappy => {
             let start = out.len();
-            let size = snap::raw::decompress_len(input).map_err(|e| corrupt(&e))?;
+            let size = snappy_len(input, out)?;
             out.resize(start + size, 0);
             snap::raw::Decoder::new()
                 .decompress(input, &mut out[start..])
@@ -111,9 +151,9 @@ pub fn decompress(
         Compression::Zstd => {
             let mut frames = input;
             while !frames.is_empty() {
-                let mut decoder = ruzstd::decoding::StreamingDecoder::new(&mut frames)
+                let decoder = ruzstd::decoding::StreamingDecoder::new(&mut frames)
                     .map_err(|e| corrupt(&e))?;
-                decoder.read_to_end(out).map_err(|e| corrupt(&e))?;
+                read_capped(decoder, out, limit, codec)?;
             }
         }
         Compression::Unknown(_) => return Err(DecompressError::Unsupported(codec)),

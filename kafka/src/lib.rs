@@ -34,6 +34,9 @@ pub mod records;
 pub mod sasl;
 pub mod wire;
 
+#[cfg(test)]
+mod fuzz;
+
 pub use append::{AppendError, Appender, Completion};
 pub use config::{AppendConfig, FetchConfig, OffsetReset, Unsupported};
 pub use fetcher::{Chunk, Fetched, Fetcher, Item, Start};

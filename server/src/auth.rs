@@ -290,6 +290,21 @@ pub async fn loopback_only(request: Request, next: Next) -> Response {
 mod tests {
     use super::*;
 
+    proptest::proptest! {
+        /// A token file of generated lines: read or refused with a reason, never a panic.
+        #[test]
+        fn any_token_file_is_read_or_refused(lines in proptest::collection::vec(
+            proptest::prop_oneof![
+                proptest::strategy::Just("[[token]]".to_owned()),
+                "(name|sha256|scopes|x) = [-a-f0-9\"\\[\\], ]{0,70}",
+                "[ -~]{0,40}",
+            ],
+            0..12,
+        )) {
+            let _ = Tokens::from_toml(&lines.join("\n"));
+        }
+    }
+
     fn hex(bytes: [u8; 32]) -> String {
         bytes.iter().map(|b| format!("{b:02x}")).collect()
     }

@@ -212,6 +212,16 @@ impl Browser {
             .to_owned()
     }
 
+    /// Runs `script` (a function body) in the page and returns what it returns.
+    pub async fn script(&self, script: &str) -> Value {
+        self.command(
+            "POST",
+            "/execute/sync",
+            json!({"script": script, "args": []}),
+        )
+        .await
+    }
+
     /// The page's visible text.
     pub async fn page_text(&self) -> String {
         self.text("body").await

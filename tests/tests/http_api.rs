@@ -451,6 +451,47 @@ async fn tokens_are_enforced_by_scope_and_loopback_is_required_without_them() {
             );
         }
     }
+    // Every /v1 route the document lists: 401 without a token, 403 with a token lacking the
+    // scope its document names.
+    let document = json(&server.request("GET", "/openapi.json", &[], None).await.body);
+    let paths = document["paths"].as_object().expect("paths");
+    let mut checked = 0;
+    for (path, operations) in paths.iter().filter(|(p, _)| p.starts_with("/v1/")) {
+        let concrete = path
+            .replace("{id}", "likes:post:1")
+            .replace("{actor}", "u1")
+            .replace("{ns}", "likes");
+        for (method, operation) in operations.as_object().expect("operations") {
+            let method = method.to_uppercase();
+            let scopes: Vec<&str> = operation["security"][0]["bearer"]
+                .as_array()
+                .unwrap_or_else(|| panic!("{method} {path} names its scope"))
+                .iter()
+                .filter_map(|s| s.as_str())
+                .collect();
+            // The reader lacks write; the admin (write, reset) lacks read.
+            let lacking = if scopes.contains(&"read") {
+                "Bearer admin-secret"
+            } else {
+                "Bearer read-secret"
+            };
+            let body = (method == "POST" || method == "PUT").then_some("{}");
+            let json_type = [("content-type", "application/json")];
+            for (auth, want) in [(None, 401), (Some(lacking), 403)] {
+                let mut headers = json_type.to_vec();
+                headers.extend(auth.map(|a| ("authorization", a)));
+                let answer = server.request(&method, &concrete, &headers, body).await;
+                assert_eq!(
+                    answer.status, want,
+                    "{method} {path} with {auth:?} (scopes {scopes:?}): {}",
+                    answer.body
+                );
+            }
+            checked += 1;
+        }
+    }
+    assert!(checked >= 10, "{checked} routes checked");
+
     // Health, readiness, metrics and the document need no token.
     for path in ["/healthz", "/readyz", "/metrics", "/openapi.json", "/"] {
         assert_eq!(

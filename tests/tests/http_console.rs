@@ -10,6 +10,9 @@ use serde_json::json;
 use tally_tests::browser::Browser;
 use tally_tests::{Stack, eventually, serial};
 
+/// A valid counter id (no whitespace, braces or control characters) that is also HTML.
+const HTML_ID: &str = "views:<img/src=x/onerror=document.title='pwned'>";
+
 const NAMESPACES: &str =
     "[namespaces.likes]\ndedup = true\n\n[namespaces.views]\ncache_ttl_ms = 60000\n";
 
@@ -25,6 +28,8 @@ async fn a_person_looks_a_counter_up_in_the_console() {
         .collect();
     events.push(json!({"counter": "views:video:7", "delta": 34}));
     events.push(json!({"counter": "views:video:8", "delta": 5}));
+    // A counter id made of HTML: shown as text, never run.
+    events.push(json!({"counter": HTML_ID, "delta": 3}));
     let (status, body) = server
         .call("POST", "/v1/events", Some(&json!(events).to_string()))
         .await;
@@ -42,10 +47,10 @@ async fn a_person_looks_a_counter_up_in_the_console() {
     let exact = stack.reader().await;
     eventually(Duration::from_secs(60), "totals flushed", || async {
         let totals = exact
-            .get_many(&["views:video:7", "likes:post:7"])
+            .get_many(&["views:video:7", "likes:post:7", HTML_ID])
             .await
             .ok()?;
-        (totals == [1234, 2]).then_some(())
+        (totals == [1234, 2, 3]).then_some(())
     })
     .await;
     // A reader has cached the total, as a feed would.
@@ -88,6 +93,19 @@ async fn a_person_looks_a_counter_up_in_the_console() {
     browser.click("#lookup").await;
     assert_eq!(browser.text("#result[data-state='done'] #total").await, "2");
     assert_eq!(browser.text("#liked").await, "u7 has liked it");
+
+    browser.clear("#counter").await;
+    browser.clear("#actor").await;
+    browser.type_into("#counter", HTML_ID).await;
+    browser.click("#lookup").await;
+    assert_eq!(browser.text("#result[data-state='done'] #total").await, "3");
+    let shown = browser.text("#result").await;
+    assert!(shown.contains(HTML_ID), "the id shown as text: {shown}");
+    let ran = browser
+        .script("return [document.querySelectorAll('img').length, document.title];")
+        .await;
+    assert_eq!(ran[0], 0, "no element made from the id: {ran}");
+    assert_ne!(ran[1], "pwned", "no script run from the id: {ran}");
 
     // The top counters and the pipeline, as the page refreshes them.
     let seen = eventually(

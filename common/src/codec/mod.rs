@@ -14,6 +14,8 @@
 //! else through serde_json); bincode is used only inside this module, so it can be swapped for another
 //! encoding behind a new envelope version. The format is documented in `docs/wire-format.md`.
 
+#[cfg(test)]
+mod fuzz;
 mod json;
 
 use std::borrow::Cow;
