@@ -21,7 +21,8 @@ use tally_tests::{
 
 const COUNTERS: u64 = 5;
 const ACTORS: u64 = 10_000;
-const EVENTS: u64 = 200_000;
+/// The storm sends at least this many, and on until the last kill.
+const EVENTS: u64 = 60_000;
 const RATE: u64 = 12_000;
 
 /// What the storm left true: per counter, the actors whose last acknowledged action was a like.

@@ -7,6 +7,7 @@
 //! |---|---|
 //! | 64 MiB without a newline | the connection is closed after the header limit (16 KiB) |
 //! | 300 connections sending a header byte every 2 s, at each endpoint | each closed by the header timeout (10 s) |
+//! | a kept-alive connection left idle after an answer | closed by the same timeout |
 //! | 520 idle connections at once | those past the cap (512) answered 503 at once |
 //! | 3,000 requests with made-up methods | one `other` series, not 3,000 |
 //! | a 64 KiB header | 431 |
@@ -117,6 +118,33 @@ async fn slow_headers(port: u16, count: usize) -> Duration {
     longest
 }
 
+/// Sends one whole request on a kept-alive connection, reads the answer, then sends nothing:
+/// returns how long the server kept the idle connection open after answering.
+async fn idle_after_an_answer(port: u16) -> Duration {
+    let mut stream = TcpStream::connect(("127.0.0.1", port))
+        .await
+        .expect("connects");
+    stream
+        .write_all(b"GET /healthz HTTP/1.1\r\nhost: localhost\r\n\r\n")
+        .await
+        .expect("request sent");
+    let mut answer = Vec::new();
+    let mut buf = [0_u8; 4096];
+    while !String::from_utf8_lossy(&answer).contains("\r\n\r\n") {
+        let n = stream.read(&mut buf).await.expect("an answer");
+        assert!(n > 0, ":{port} closed before answering");
+        answer.extend_from_slice(&buf[..n]);
+    }
+    let answered = Instant::now();
+    let closed = tokio::time::timeout(HEADER_TIMEOUT * 3, async {
+        // The rest of the body, then the end of the stream.
+        while stream.read(&mut buf).await.is_ok_and(|n| n > 0) {}
+    })
+    .await;
+    assert!(closed.is_ok(), ":{port} kept an idle connection for 30 s");
+    answered.elapsed()
+}
+
 /// Opens `count` connections at once, sending nothing; returns how many were answered 503
 /// at once (past the server's cap), and keeps the rest open until dropped.
 async fn idle_connections(port: u16, count: usize) -> (usize, Vec<TcpStream>) {
@@ -184,6 +212,8 @@ async fn both_endpoints_stay_up_and_bounded_under_hostile_clients() {
     // 300 slow headers at each endpoint, with normal requests answered meanwhile.
     let slow_agg = tokio::spawn(slow_headers(agg_port, 300));
     let slow_api = tokio::spawn(slow_headers(api_port, 300));
+    let idle_agg = tokio::spawn(idle_after_an_answer(agg_port));
+    let idle_api = tokio::spawn(idle_after_an_answer(api_port));
     tokio::time::sleep(Duration::from_secs(3)).await;
     answered_promptly(agg_port, "/metrics").await;
     answered_promptly(api_port, "/v1/counters/likes:post:1").await;
@@ -193,6 +223,15 @@ async fn both_endpoints_stay_up_and_bounded_under_hostile_clients() {
         assert!(
             longest <= HEADER_TIMEOUT + SLACK,
             ":{port} held a slow header for {longest:?}"
+        );
+    }
+
+    for (port, idle) in [(agg_port, idle_agg), (api_port, idle_api)] {
+        let held = idle.await.expect("idle client");
+        eprintln!(":{port} closed an idle kept-alive connection after {held:?}");
+        assert!(
+            held <= HEADER_TIMEOUT + SLACK,
+            ":{port} kept an idle connection {held:?}"
         );
     }
 

@@ -1,11 +1,14 @@
-//! Idempotency keys end to end: 200,000 events with ids, of which about 10% are sent again with
-//! the same id (at once, a few seconds later, and after the last of 5 aggregator SIGKILLs), in a
+//! Idempotency keys end to end: up to 200,000 events with ids (the stream runs until the last of
+//! 5 aggregator SIGKILLs is over and flushed), of which about 10% are sent again with the same
+//! id (at once, a few seconds later, and after the last SIGKILL), in a
 //! namespace with a 10-minute idempotency window, grouped by partition and by actor. Every total
 //! equals the sum over distinct ids, and `tally audit` agrees. Then the window itself, with
 //! explicit Kafka timestamps: a repeat 30 s after the first counts nothing, one 61 s after counts
 //! again (a 1-minute window), and one 30 s after that repeats the second.
 
 use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use rand::{Rng, SeedableRng};
@@ -30,19 +33,24 @@ idempotency_window = "1m"
 
 /// What was sent: every distinct id's delta, and the resends kept for after the kills.
 struct Sent {
+    events: u64,
     totals: HashMap<String, i64>,
     later: Vec<CounterEvent>,
     repeats: u64,
 }
 
-async fn send(topic: String, seed: u64) -> Sent {
+async fn send(topic: String, seed: u64, stop: Arc<AtomicBool>) -> Sent {
     let mut sender = PacedSender::new(&topic, RATE);
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let mut totals: HashMap<String, i64> = HashMap::new();
     let mut soon: Vec<(u64, CounterEvent)> = Vec::new();
     let mut later = Vec::new();
     let mut repeats = 0;
+    let mut events = 0;
     for i in 0..EVENTS {
+        if stop.load(Ordering::Relaxed) {
+            break;
+        }
         let counter = format!("views:video:{}", rng.random_range(0..1_000));
         let delta = rng.random_range(1..=5);
         let event = CounterEvent::new(counter.clone(), delta)
@@ -51,6 +59,7 @@ async fn send(topic: String, seed: u64) -> Sent {
             .expect("valid");
         *totals.entry(counter).or_default() += delta;
         sender.send(&event).await;
+        events += 1;
         if rng.random_bool(0.1) {
             repeats += 1;
             match rng.random_range(0..3) {
@@ -71,6 +80,7 @@ async fn send(topic: String, seed: u64) -> Sent {
     }
     sender.finish().await;
     Sent {
+        events,
         totals,
         later,
         repeats,
@@ -83,8 +93,12 @@ async fn repeats_count_once(name: &str, grouping: &str) {
     let (redis, dir, setup) = (&run.redis, &run.dir, &run.setup);
     let flags = run.flags(&["--grouping", grouping]);
     let first = setup.spawn(dir.path(), &flags);
-    let load = tokio::spawn(send(setup.topic.clone(), seed));
+    let stop = Arc::new(AtomicBool::new(false));
+    let load = tokio::spawn(send(setup.topic.clone(), seed, stop.clone()));
     let mut last = kill_repeatedly(setup, dir.path(), &flags, first, 5, seed, &load).await;
+    last.wait_metric("tally_flushes_total", 3.0, Duration::from_secs(60))
+        .await;
+    stop.store(true, Ordering::Relaxed);
     let sent = load.await.expect("load task");
     // After the last kill: the rest of the repeats.
     let producer = Producer::new(&ProducerConfig::new(brokers(), &setup.topic)).expect("producer");
@@ -97,7 +111,8 @@ async fn repeats_count_once(name: &str, grouping: &str) {
         ack.acked().await.expect("sent again");
     }
     eprintln!(
-        "{EVENTS} events, {} sent again ({} after the kills)",
+        "{} events, {} sent again ({} after the kills)",
+        sent.events,
         sent.repeats,
         sent.later.len()
     );

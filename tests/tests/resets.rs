@@ -1,6 +1,7 @@
-//! Resets through the stream, end to end: 150,000 increments over 200 counters with about 1,500
+//! Resets through the stream, end to end: up to 150,000 increments over 200 counters with 1% of
 //! resets interleaved (routed by counter, so each reset is ordered with its counter's
-//! increments), while the aggregator is SIGKILLed 5 times, grouped by partition and by actor.
+//! increments), while the aggregator is SIGKILLed 5 times (the stream runs until the last kill
+//! is over and flushed), grouped by partition and by actor.
 //! Every total equals what was sent after its counter's last reset; `tally audit` agrees. In a
 //! namespace that counts one per actor, a reset also clears the member set: a like sent before it
 //! by an actor who likes again after it counts once, and one not repeated is gone. The same with
@@ -8,6 +9,8 @@
 //! only the members whose likes its share holds.
 
 use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use rand::{Rng, SeedableRng};
@@ -23,12 +26,20 @@ const RATE: u64 = 10_000;
 
 /// Sends the storm of `events` in order from one task; returns each counter's total since its
 /// last reset.
-async fn send(topic: String, events: u64, seed: u64) -> (HashMap<String, i64>, u64) {
+async fn send(
+    topic: String,
+    events: u64,
+    seed: u64,
+    stop: Arc<AtomicBool>,
+) -> (HashMap<String, i64>, u64) {
     let mut sender = PacedSender::new(&topic, RATE);
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let mut truth: HashMap<String, i64> = HashMap::new();
     let mut resets = 0;
     for _ in 0..events {
+        if stop.load(Ordering::Relaxed) {
+            break;
+        }
         let counter = format!("views:video:{}", rng.random_range(0..200));
         let event = if rng.random_bool(0.01) {
             resets += 1;
@@ -68,10 +79,14 @@ async fn resets_clear_what_came_before(name: &str, grouping: &str, postgres: Opt
     extra.extend(store.flags());
     let flags = run.flags(&extra);
     let first = setup.spawn(dir.path(), &flags);
-    let load = tokio::spawn(send(setup.topic.clone(), events, seed));
+    let stop = Arc::new(AtomicBool::new(false));
+    let load = tokio::spawn(send(setup.topic.clone(), events, seed, stop.clone()));
     let mut last = kill_repeatedly(setup, dir.path(), &flags, first, 5, seed, &load).await;
+    last.wait_metric("tally_flushes_total", 3.0, Duration::from_secs(60))
+        .await;
+    stop.store(true, Ordering::Relaxed);
     let (mut truth, resets) = load.await.expect("load task");
-    eprintln!("{events} events, {resets} of them resets");
+    eprintln!("up to {events} events, {resets} of them resets");
 
     // Likes: u0..u7 like (their member sets spread over the groups), u0 and u1 unlike, a
     // reset, then u2 and u3 like again and u4 unlikes (no longer a member: nothing).

@@ -1,8 +1,8 @@
-//! Windowed counts end to end: 120,000 events of a namespace keeping 1-minute and 1-hour windows
-//! (grace 30 s), produced with explicit Kafka timestamps spread over the last 20 minutes and
+//! Windowed counts end to end: up to 120,000 events of a namespace keeping 1-minute and 1-hour
+//! windows (grace 30 s), produced with explicit Kafka timestamps spread over the last 20 minutes and
 //! event times that are on time, late for the minute (a client that held them 2 to 5 minutes),
 //! missing (the Kafka timestamp is their time) or from the future, while the aggregator is
-//! SIGKILLed 5 times. Every total and every bucket ends exactly at what the rules say, computed
+//! SIGKILLed 5 times (the stream runs until the last kill is over and flushed). Every total and every bucket ends exactly at what the rules say, computed
 //! here from what was sent; sliding sums read through the reader and `tally get --window`; a
 //! bucket kept 20 s is seen, then expires by itself; `tally audit` recounts totals and buckets
 //! with no drift (from the start, and from ten minutes ago: the buckets wholly after that), and
@@ -10,6 +10,8 @@
 //! and again as a Redis user that may not run scripts (`WATCH`/`MULTI`/`EXEC`).
 
 use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use rand::{Rng, SeedableRng};
@@ -72,7 +74,7 @@ impl Truth {
 }
 
 /// Sends the events, each with an explicit Kafka timestamp, and records those acknowledged.
-async fn send(topic: String, seed: u64, now: i64) -> Truth {
+async fn send(topic: String, seed: u64, now: i64, stop: Arc<AtomicBool>) -> Truth {
     let producer: FutureProducer = ClientConfig::new()
         .set("bootstrap.servers", brokers())
         .set("linger.ms", "5")
@@ -83,6 +85,9 @@ async fn send(topic: String, seed: u64, now: i64) -> Truth {
     let started = tokio::time::Instant::now();
     let mut pending = Vec::new();
     for i in 0..EVENTS {
+        if stop.load(Ordering::Relaxed) {
+            break;
+        }
         let counter = format!("views:video:{}", rng.random_range(0..COUNTERS));
         let delta = if rng.random_bool(0.2) {
             -1
@@ -178,11 +183,17 @@ async fn windows_scenario(name: &str, redis: &RedisServer, redis_url: &str) {
     let flags = ["--namespaces", ns_path, "--kafka-option", &member];
     let first = setup.spawn(dir.path(), &flags);
     let now = tally_common::event::now_ms();
-    let load = tokio::spawn(send(setup.topic.clone(), seed, now));
+    // At most EVENTS: the stream runs until the last kill is over and flushed.
+    let stop = Arc::new(AtomicBool::new(false));
+    let load = tokio::spawn(send(setup.topic.clone(), seed, now, stop.clone()));
     let last = kill_repeatedly(&setup, dir.path(), &flags, first, 5, seed, &load).await;
+    last.wait_metric("tally_flushes_total", 3.0, Duration::from_secs(60))
+        .await;
+    stop.store(true, Ordering::Relaxed);
     let truth = load.await.expect("load task");
     eprintln!(
-        "{EVENTS} events, {} buckets; {} windows missed as late, {} events from the future",
+        "{} counters, {} buckets; {} windows missed as late, {} events from the future",
+        truth.totals.len(),
         truth.buckets.len(),
         truth.late,
         truth.future
