@@ -2,7 +2,7 @@
 //! "processes" (each its own `CachedReader` and connection) on one hot counter costs about one
 //! shard read per TTL; a feed of 1,000 counters is served from the cache within the TTL and
 //! refreshed after it; `get_exact` bypasses the cache; a namespace can keep its displayed count
-//! from going down.
+//! from going down; reading counters never written writes nothing to Redis.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;

@@ -1,5 +1,5 @@
-//! Fault: the aggregator SIGKILLed at random moments, ten times, during a load of 500,000 events,
-//! in exactly-once mode, with deltas grouped by partition (a partition's counters spread over 4
+//! Fault: the aggregator SIGKILLed at random moments, ten times, during a load (at most 500,000
+//! events, on until the last incarnation has flushed), in exactly-once mode, with deltas grouped by partition (a partition's counters spread over 4
 //! groups) and by actor (over all 16): flushes span several shard groups, so a crash can fall
 //! between two groups' writes of one flush.
 //! Every counter ends exactly at the ground truth: nothing lost, nothing applied twice, and

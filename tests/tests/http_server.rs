@@ -1,7 +1,9 @@
 //! `tally-server` against a real `redis-server`, through a real HTTP/1.1 connection: totals
 //! (cached and exact) equal the sum of a counter's shares, batches answer in order, and bad
 //! input of every kind gets a JSON error with its stable code, never a 500 or a dropped
-//! connection; with Redis gone, reads answer 503 and readiness fails.
+//! connection; with Redis gone, reads answer 503 (in general terms, with a request id the log
+//! has the detail under) and readiness fails. With a certificate and key it serves HTTPS, to
+//! curl verifying it.
 
 use serde_json::json;
 use tally_common::Keyspace;
