@@ -66,12 +66,26 @@ pub enum StartError {
     },
 }
 
-/// The Kafka client settings shared by the consumer and the dead-letter producer.
+/// How long the group waits for a silent member before moving its partitions, unless
+/// `session.timeout.ms` says otherwise: 10 s, not librdkafka's 45 s, so that a dead aggregator's
+/// partitions are counted again within about 15 s (`docs/operations.md`, Failover). A false
+/// alarm (a member cut off for longer) costs a rebalance, never a count: its late writes are
+/// fenced off.
+pub const SESSION_TIMEOUT_MS: &str = "10000";
+
+/// How often a member heartbeats, unless `heartbeat.interval.ms` says otherwise: 1 s (a tenth
+/// of the session), which is also how soon members hear that a rebalance began.
+pub const HEARTBEAT_INTERVAL_MS: &str = "1000";
+
+/// The Kafka client settings shared by the consumer and the dead-letter producer: tally's
+/// group timing defaults, then every option given (which override them).
 pub fn kafka_client_config(config: &Config) -> ClientConfig {
     let mut kafka = ClientConfig::new();
     kafka
         .set("bootstrap.servers", &config.brokers)
-        .set("group.id", &config.group);
+        .set("group.id", &config.group)
+        .set("session.timeout.ms", SESSION_TIMEOUT_MS)
+        .set("heartbeat.interval.ms", HEARTBEAT_INTERVAL_MS);
     for (k, v) in &config.kafka {
         kafka.set(k, v);
     }

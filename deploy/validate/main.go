@@ -95,6 +95,8 @@ func kubernetes(path string) error {
 			object = &corev1.Service{}
 		case "apps/v1/Deployment":
 			object = &appsv1.Deployment{}
+		case "apps/v1/StatefulSet":
+			object = &appsv1.StatefulSet{}
 		case "policy/v1/PodDisruptionBudget":
 			object = &policyv1.PodDisruptionBudget{}
 		default:

@@ -71,6 +71,9 @@ pub struct AggregatorSetup {
     /// The cap on a failed flush's retry delay: 500 ms, so that tests recover fast; the
     /// aggregator's default is 2,000.
     pub retry_max_backoff_ms: u64,
+    /// The group's session timeout: 6 s (the broker's minimum, with 1 s heartbeats), so that a
+    /// crashed member's partitions move fast; `None` leaves the aggregator's defaults.
+    pub session_timeout_ms: Option<u64>,
 }
 
 impl AggregatorSetup {
@@ -95,6 +98,7 @@ impl AggregatorSetup {
             key_prefix: unique(name),
             flush_interval_ms: 200,
             retry_max_backoff_ms: 500,
+            session_timeout_ms: Some(6_000),
         }
     }
 
@@ -153,6 +157,15 @@ impl AggregatorSetup {
         log: PathBuf,
     ) -> AggregatorProcess {
         let metrics_port = free_port();
+        let session: Vec<String> = match self.session_timeout_ms {
+            Some(ms) => vec![
+                "--kafka-option".to_owned(),
+                format!("session.timeout.ms={ms}"),
+                "--kafka-option".to_owned(),
+                "heartbeat.interval.ms=1000".to_owned(),
+            ],
+            None => Vec::new(),
+        };
         let child = Command::new(binary("tally-aggregator"))
             .args(["--brokers", &self.brokers])
             .args(["--topic", &self.topic])
@@ -167,9 +180,7 @@ impl AggregatorSetup {
                 "--retry-max-backoff-ms",
                 &self.retry_max_backoff_ms.to_string(),
             ])
-            // A crashed member's partitions move after 6 s (the broker's minimum), not 45 s.
-            .args(["--kafka-option", "session.timeout.ms=6000"])
-            .args(["--kafka-option", "heartbeat.interval.ms=1000"])
+            .args(&session)
             .args(extra)
             .env("RUST_LOG", "info")
             .envs(env.iter().copied())
