@@ -496,11 +496,15 @@ impl Refresh<'_> {
         let ks = self.cache.reader.keyspace();
         // Nothing cached anywhere: read unlocked, so that a counter never written costs no
         // write (a lock would be one); a hot new counter costs one shard read per process.
-        let (stale, unlocked): (Vec<_>, Vec<_>) =
-            stale.into_iter().partition(|(_, last)| last.is_some());
-        let mut unlocked: Vec<(usize, bool)> =
-            unlocked.into_iter().map(|(i, _)| (i, false)).collect();
-        let locks = (stale.iter())
+        let mut unlocked = Vec::new();
+        let mut cached = Vec::new();
+        for (i, last) in stale {
+            match last {
+                Some(value) => cached.push((i, value)),
+                None => unlocked.push((i, false)),
+            }
+        }
+        let locks = (cached.iter())
             .map(|(i, _)| {
                 let mut cmd = Cmd::new();
                 cmd.arg("SET")
@@ -514,19 +518,18 @@ impl Refresh<'_> {
             .collect();
         let taken: Vec<Option<String>> = query_each(self.cache.reader.conn(), locks).await?;
         let mut ours = Vec::new();
-        for ((i, last), lock) in stale.into_iter().zip(taken) {
-            match (lock, last) {
-                (None, Some(value)) => {
-                    let again = (self.ttls[i] / 10).clamp(10, 250);
-                    self.out[i] = Some(Refreshed {
-                        value,
-                        fresh_until: self.now + Duration::from_millis(again),
-                    });
-                    CacheStats::add(&self.cache.stats.stale_served, 1);
-                }
-                (Some(_), _) => ours.push(i),
-                (None, None) => unlocked.push((i, false)),
+        for ((i, value), lock) in cached.into_iter().zip(taken) {
+            if lock.is_some() {
+                ours.push(i);
+                continue;
             }
+            // Another process refreshes it: serve the last value meanwhile.
+            let again = (self.ttls[i] / 10).clamp(10, 250);
+            self.out[i] = Some(Refreshed {
+                value,
+                fresh_until: self.now + Duration::from_millis(again),
+            });
+            CacheStats::add(&self.cache.stats.stale_served, 1);
         }
         Ok((ours, unlocked))
     }

@@ -81,7 +81,7 @@ struct Grant {
 /// The tokens the server accepts, by their SHA-256.
 #[derive(Debug, Clone, Default)]
 pub struct Tokens {
-    by_digest: HashMap<[u8; 32], Grant>,
+    by_digest: HashMap<[u8; 32], Arc<Grant>>,
 }
 
 /// Why the token file is unusable.
@@ -156,7 +156,7 @@ impl Tokens {
                 name: entry.name.clone(),
                 scopes: entry.scopes,
             };
-            if by_digest.insert(digest, grant).is_some() {
+            if by_digest.insert(digest, Arc::new(grant)).is_some() {
                 return Err(format!("token {:?} is listed twice", entry.name));
             }
         }
@@ -192,7 +192,7 @@ impl Tokens {
             .ok_or_else(|| unauthorized("not a bearer token"))?;
         let grant =
             (self.by_digest.get(&digest(token))).ok_or_else(|| unauthorized("unknown token"))?;
-        let granted = Granted(Some(Arc::new(grant.clone())));
+        let granted = Granted(Some(grant.clone()));
         granted.allows(scope, "this route")?;
         Ok(granted)
     }

@@ -472,9 +472,11 @@ impl Drop for AggregatorProcess {
 }
 
 /// SIGKILLs the aggregator `kills` times while `load` is running, restarting it each time with
-/// `extra` flags; returns the last one, running. Each incarnation is killed at a random moment
-/// (0 to 800 ms, from `seed`) after it has made its first flush durable, so every kill lands on
-/// an aggregator that is consuming and flushing. Panics if the load ends before the last kill.
+/// `extra` flags; returns the last one, running, once it has made three flushes durable (so a
+/// load that lasts as long as the kills can stop then). Each incarnation is killed at a random
+/// moment (0 to 800 ms, from `seed`) after it has made its first flush durable, so every kill
+/// lands on an aggregator that is consuming and flushing. Panics if the load ends before the
+/// last kill.
 pub async fn kill_repeatedly<T>(
     setup: &AggregatorSetup,
     log_dir: &Path,
@@ -501,5 +503,8 @@ pub async fn kill_repeatedly<T>(
         eprintln!("SIGKILL {kill}/{kills}, {wait:?} after its first durable flush");
         aggregator = setup.spawn(log_dir, extra);
     }
+    aggregator
+        .wait_metric("tally_flushes_total", 3.0, Duration::from_secs(60))
+        .await;
     aggregator
 }

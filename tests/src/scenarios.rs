@@ -107,8 +107,6 @@ pub async fn sigkill_storm<'a>(
     let load = StoppableLoad::start(&setup.topic, spec(events, 20_000, seed));
     let mut last =
         kill_repeatedly(&setup, dir.path(), &flags, first, kills, seed, &load.task).await;
-    last.wait_metric("tally_flushes_total", 3.0, Duration::from_secs(60))
-        .await;
     let sent = load.stop().await;
     wait_for_totals(
         &store.reader(setup.keyspace()).await,

@@ -31,8 +31,6 @@ async fn at_least_once_under_sigkills_never_loses_a_count() {
     // At most 500,000 events: the load runs until the last incarnation made flushes durable.
     let load = StoppableLoad::start(&setup.topic, spec);
     let mut last = kill_repeatedly(&setup, dir.path(), &flags, first, 10, seed, &load.task).await;
-    last.wait_metric("tally_flushes_total", 3.0, Duration::from_secs(60))
-        .await;
     let sent = load.stop().await;
     wait_committed_to_end(&setup.group, &setup.topic, 8, Duration::from_secs(120)).await;
     last.stop_gracefully().await;

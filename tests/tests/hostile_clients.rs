@@ -17,7 +17,8 @@
 use std::time::{Duration, Instant};
 
 use tally_tests::{
-    AggregatorSetup, ApiServer, RedisServer, TempDir, brokers, error_code, http_call, json,
+    AggregatorSetup, ApiServer, RedisServer, TempDir, brokers, error_code, eventually, http_call,
+    json,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -145,9 +146,9 @@ async fn idle_after_an_answer(port: u16) -> Duration {
     answered.elapsed()
 }
 
-/// Opens `count` connections at once, sending nothing; returns how many were answered 503
-/// at once (past the server's cap), and keeps the rest open until dropped.
-async fn idle_connections(port: u16, count: usize) -> (usize, Vec<TcpStream>) {
+/// Opens `count` connections at once, sending nothing, and holds them for a second: returns
+/// how many were answered 503 (past the server's cap) meanwhile. All are closed on return.
+async fn idle_connections(port: u16, count: usize) -> usize {
     let mut open = Vec::new();
     for _ in 0..count {
         open.push(
@@ -156,17 +157,20 @@ async fn idle_connections(port: u16, count: usize) -> (usize, Vec<TcpStream>) {
                 .expect("connects"),
         );
     }
+    // Every connection is open before any is read: the reads run together, each until its
+    // answer or the second is over.
+    let reads = open.into_iter().map(|mut stream| {
+        tokio::spawn(async move {
+            let mut buf = [0_u8; 256];
+            let read = tokio::time::timeout(Duration::from_secs(1), stream.read(&mut buf)).await;
+            matches!(read, Ok(Ok(n)) if String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 503"))
+        })
+    });
     let mut refused = 0;
-    for stream in &mut open {
-        let mut buf = [0_u8; 256];
-        if let Ok(Ok(n)) =
-            tokio::time::timeout(Duration::from_millis(20), stream.read(&mut buf)).await
-            && String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 503")
-        {
-            refused += 1;
-        }
+    for read in reads.collect::<Vec<_>>() {
+        refused += usize::from(read.await.expect("reader"));
     }
-    (refused, open)
+    refused
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -200,13 +204,21 @@ async fn both_endpoints_stay_up_and_bounded_under_hostile_clients() {
     }
 
     // Past the connection cap: 503 at once, and the server is itself again once they go.
-    let (refused, open) = idle_connections(agg_port, 520).await;
+    let refused = idle_connections(agg_port, 520).await;
     assert!(
         (8..=10).contains(&refused),
         "520 idle connections against a cap of 512: {refused} answered 503"
     );
-    drop(open);
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // Once the server has seen them close, it answers again.
+    eventually(
+        Duration::from_secs(5),
+        "an answer after the idle connections",
+        || async {
+            let answer = http_call(agg_port, "GET", "/healthz", &[], None).await?;
+            (answer.status == 200).then_some(())
+        },
+    )
+    .await;
     answered_promptly(agg_port, "/metrics").await;
 
     // 300 slow headers at each endpoint, with normal requests answered meanwhile.

@@ -187,8 +187,6 @@ async fn windows_scenario(name: &str, redis: &RedisServer, redis_url: &str) {
     let stop = Arc::new(AtomicBool::new(false));
     let load = tokio::spawn(send(setup.topic.clone(), seed, now, stop.clone()));
     let last = kill_repeatedly(&setup, dir.path(), &flags, first, 5, seed, &load).await;
-    last.wait_metric("tally_flushes_total", 3.0, Duration::from_secs(60))
-        .await;
     stop.store(true, Ordering::Relaxed);
     let truth = load.await.expect("load task");
     eprintln!(

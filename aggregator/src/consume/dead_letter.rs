@@ -155,6 +155,7 @@ impl DeadLetterQueue {
             "enable.auto.offset.store",
             "partition.assignment.strategy",
             "session.timeout.ms",
+            "heartbeat.interval.ms",
             "max.poll.interval.ms",
             "queued.min.messages",
             "fetch.max.bytes",
