@@ -77,15 +77,28 @@ pub const SESSION_TIMEOUT_MS: &str = "10000";
 /// of the session), which is also how soon members hear that a rebalance began.
 pub const HEARTBEAT_INTERVAL_MS: &str = "1000";
 
+/// How partitions are assigned, unless `partition.assignment.strategy` says otherwise:
+/// incrementally (KIP-429), so a rebalance revokes only the partitions that move and the
+/// others never stop.
+pub const ASSIGNMENT_STRATEGY: &str = "cooperative-sticky";
+
 /// The Kafka client settings shared by the consumer and the dead-letter producer: tally's
-/// group timing defaults, then every option given (which override them).
+/// group defaults, then every option given (which override them). With the broker-side group
+/// protocol (`group.protocol=consumer`, KIP-848) the broker owns the session, the heartbeats
+/// and the assignment, and librdkafka refuses those options: tally sets none of them then.
 pub fn kafka_client_config(config: &Config) -> ClientConfig {
     let mut kafka = ClientConfig::new();
     kafka
         .set("bootstrap.servers", &config.brokers)
-        .set("group.id", &config.group)
-        .set("session.timeout.ms", SESSION_TIMEOUT_MS)
-        .set("heartbeat.interval.ms", HEARTBEAT_INTERVAL_MS);
+        .set("group.id", &config.group);
+    let broker_side = (config.kafka.iter())
+        .any(|(k, v)| k == "group.protocol" && v.eq_ignore_ascii_case("consumer"));
+    if !broker_side {
+        kafka
+            .set("session.timeout.ms", SESSION_TIMEOUT_MS)
+            .set("heartbeat.interval.ms", HEARTBEAT_INTERVAL_MS)
+            .set("partition.assignment.strategy", ASSIGNMENT_STRATEGY);
+    }
     for (k, v) in &config.kafka {
         kafka.set(k, v);
     }
@@ -313,4 +326,60 @@ async fn consume<S: Sink>(
         "aggregator started"
     );
     Ok(aggregator.run(shutdown).await)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use config::Cli;
+
+    fn client_config(args: &[&str]) -> ClientConfig {
+        let matches = <Cli as clap::CommandFactory>::command()
+            .try_get_matches_from(args)
+            .expect("parses");
+        let config = (Cli::from_matches(&matches).and_then(Cli::into_config))
+            .expect("a valid configuration");
+        kafka_client_config(&config)
+    }
+
+    #[test]
+    fn the_group_is_incremental_with_a_short_session_unless_told_otherwise() {
+        let defaults = client_config(&["tally-aggregator"]);
+        assert_eq!(
+            defaults.get("partition.assignment.strategy"),
+            Some(ASSIGNMENT_STRATEGY)
+        );
+        assert_eq!(defaults.get("session.timeout.ms"), Some(SESSION_TIMEOUT_MS));
+        assert_eq!(
+            defaults.get("heartbeat.interval.ms"),
+            Some(HEARTBEAT_INTERVAL_MS)
+        );
+
+        let given = client_config(&[
+            "tally-aggregator",
+            "--kafka-option",
+            "partition.assignment.strategy=range",
+            "--kafka-option",
+            "session.timeout.ms=30000",
+        ]);
+        assert_eq!(given.get("partition.assignment.strategy"), Some("range"));
+        assert_eq!(given.get("session.timeout.ms"), Some("30000"));
+
+        // The broker-side protocol: librdkafka refuses the classic group options with it.
+        let broker_side = client_config(&[
+            "tally-aggregator",
+            "--kafka-option",
+            "group.protocol=consumer",
+        ]);
+        for key in [
+            "partition.assignment.strategy",
+            "session.timeout.ms",
+            "heartbeat.interval.ms",
+        ] {
+            assert_eq!(broker_side.get(key), None, "{key}");
+        }
+        broker_side
+            .create::<rdkafka::consumer::BaseConsumer>()
+            .expect("librdkafka takes the configuration");
+    }
 }

@@ -13,6 +13,7 @@ pub mod browser;
 pub mod http;
 pub mod kafka;
 pub mod kafka_cluster;
+pub mod pauses;
 pub mod postgres;
 pub mod process;
 pub mod prometheus;
@@ -24,6 +25,7 @@ pub mod support;
 
 pub use http::*;
 pub use kafka::*;
+pub use pauses::{Group, PauseWatch, Rebalanced, assignments_seen, revokes_seen};
 pub use process::*;
 pub use server::*;
 pub use store::*;
