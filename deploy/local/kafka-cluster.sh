@@ -59,6 +59,10 @@ share.coordinator.state.topic.replication.factor=3
 share.coordinator.state.topic.min.isr=2
 unclean.leader.election.enable=false
 group.initial.rebalance.delay.ms=0
+group.consumer.session.timeout.ms=10000
+group.consumer.min.session.timeout.ms=6000
+group.consumer.heartbeat.interval.ms=1000
+group.consumer.min.heartbeat.interval.ms=1000
 auto.create.topics.enable=false
 log.retention.hours=168
 PROPS

@@ -212,10 +212,15 @@ pub fn uncommitted(group: &str, topic: &str, partitions: i32) -> Vec<(i32, Optio
 
 /// The end (high watermark) of each partition of `topic`, `0..partitions`.
 pub async fn end_offsets(topic: &str, partitions: i32) -> Vec<i64> {
-    let topic = topic.to_owned();
+    end_offsets_on(&brokers(), topic, partitions).await
+}
+
+/// [`end_offsets`] on the Kafka at `bootstrap`.
+pub async fn end_offsets_on(bootstrap: &str, topic: &str, partitions: i32) -> Vec<i64> {
+    let (bootstrap, topic) = (bootstrap.to_owned(), topic.to_owned());
     tokio::task::spawn_blocking(move || {
         let consumer: BaseConsumer = ClientConfig::new()
-            .set("bootstrap.servers", brokers())
+            .set("bootstrap.servers", &bootstrap)
             .create()
             .expect("consumer");
         (0..partitions)

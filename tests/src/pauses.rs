@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use tally_aggregator::operator::pauses::{DurableHistory, durable_offsets};
 use tokio::task::JoinHandle;
 
-use crate::{AggregatorProcess, AggregatorSetup, end_offsets, http_get, unique};
+use crate::{AggregatorProcess, AggregatorSetup, end_offsets_on, http_get, unique};
 
 /// Samples the members' durable offsets until dropped.
 #[derive(Debug)]
@@ -216,7 +216,7 @@ impl<'a> Group<'a> {
         partitions: i32,
         each: usize,
     ) -> Rebalanced {
-        let sent = end_offsets(&self.setup.topic, partitions).await;
+        let sent = end_offsets_on(&self.setup.brokers, &self.setup.topic, partitions).await;
         let timeout = Duration::from_secs(60);
         let after = (self.watch)
             .wait_owned(members, partitions as usize, each, timeout)

@@ -1,15 +1,16 @@
 //! On a real 3-broker KRaft cluster (replication factor 3, `min.insync.replicas=2`): a broker
 //! SIGKILLed under load and later restarted, and then a rolling restart of all three, lose
 //! no acknowledged event and count none twice, and the aggregator rides through both without
-//! being restarted.
+//! being restarted. On the same cluster, a group on the broker-side protocol (KIP-848) rebalances
+//! incrementally: a member joins and one dies under load, and only the partitions that move stop.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tally_cli::load::LoadSpec;
 use tally_tests::kafka_cluster::KafkaCluster;
 use tally_tests::{
-    AggregatorProcess, AggregatorSetup, RedisServer, StoppableLoad, TempDir, finish_load, serial,
-    start_load_on, wait_for_totals,
+    AggregatorProcess, AggregatorSetup, Group, RedisServer, StoppableLoad, TempDir, finish_load,
+    revokes_seen, serial, start_load_on, wait_for_totals,
 };
 
 const EVENTS: u64 = 150_000;
@@ -43,15 +44,18 @@ async fn flushed(aggregator: &AggregatorProcess, events: u64) {
         .await;
 }
 
-/// One cluster for both faults (starting three brokers takes seconds of two busy cores): a
-/// broker SIGKILLed under load and started again, then a rolling restart of every broker.
+/// One cluster for every case (starting three brokers takes seconds of two busy cores): a
+/// broker SIGKILLed under load and started again, a rolling restart of every broker, and a
+/// group on the broker-side protocol.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_broker_killed_then_a_rolling_restart_lose_and_repeat_nothing() {
+async fn broker_faults_lose_and_repeat_nothing_and_the_new_group_protocol_rebalances_incrementally()
+{
     let _serial = serial().await;
     let cluster = tokio::task::block_in_place(KafkaCluster::start);
     let redis = RedisServer::start().await;
     a_broker_killed_under_load(&cluster, &redis).await;
     a_rolling_restart_of_every_broker(&cluster, &redis).await;
+    the_broker_side_group_protocol(&cluster, &redis).await;
 }
 
 async fn a_broker_killed_under_load(cluster: &KafkaCluster, redis: &RedisServer) {
@@ -108,4 +112,84 @@ async fn a_rolling_restart_of_every_broker(cluster: &KafkaCluster, redis: &Redis
     .await;
     assert!(aggregator.is_running(), "the aggregator must ride through");
     aggregator.stop_gracefully().await;
+}
+
+/// `group.protocol=consumer` (KIP-848): the brokers assign the partitions and keep the session
+/// (10 s, heartbeats every 1 s, as `deploy/local/kafka-cluster.sh` configures them). A third
+/// member joins, then one of the first two is SIGKILLed: nobody revokes a partition it keeps,
+/// those that stay put go at most 5 s without a durable flush, the dead member's are counted
+/// again within 15 s, and every total is exact.
+async fn the_broker_side_group_protocol(cluster: &KafkaCluster, redis: &RedisServer) {
+    const PARTITIONS: i32 = 8;
+    let dir = TempDir::new("tally-cluster-kip848");
+    let setup = AggregatorSetup {
+        // The broker owns the session: librdkafka refuses session.timeout.ms with this protocol.
+        session_timeout_ms: None,
+        ..tokio::task::block_in_place(|| setup_on(cluster, "cluster-kip848", &redis.url()))
+    };
+    let mut group = Group::new(
+        &setup,
+        dir.path(),
+        &["--kafka-option", "group.protocol=consumer"],
+    );
+    let mut a = group.spawn("a");
+    let mut b = group.spawn("b");
+    let spec = LoadSpec {
+        events: 10_000_000,
+        ..spec(4_000, 63)
+    };
+    let load = StoppableLoad::start_on(&cluster.bootstrap(), &setup.topic, spec);
+    let before = (group.watch)
+        .wait_owned(&["a", "b"], PARTITIONS as usize, 4, Duration::from_secs(60))
+        .await;
+
+    let revokes = revokes_seen(&a) + revokes_seen(&b);
+    let mut c = group.spawn("c");
+    let joined = group
+        .rebalanced(Instant::now(), before, &["a", "b", "c"], PARTITIONS, 2)
+        .await;
+    eprintln!("KIP-848 join: {joined:?}");
+    assert!(
+        joined.kept.len() >= PARTITIONS as usize - 3,
+        "only the partitions the new member takes move: {joined:?}"
+    );
+    assert!(
+        joined.pause.1 <= Duration::from_secs(5),
+        "a partition that stayed put paused during a join: {joined:?}"
+    );
+    assert!(
+        revokes_seen(&a) + revokes_seen(&b) > revokes,
+        "the partitions that moved were revoked (drained) by their owners first"
+    );
+
+    let revokes = [revokes_seen(&b), revokes_seen(&c)];
+    group.kill("a", &mut a);
+    let died = group
+        .rebalanced(Instant::now(), joined.after, &["b", "c"], PARTITIONS, 1)
+        .await;
+    eprintln!("KIP-848 SIGKILL: {died:?}");
+    assert_eq!(
+        [revokes_seen(&b), revokes_seen(&c)],
+        revokes,
+        "the survivors revoked partitions when a member died"
+    );
+    assert!(
+        died.settled <= Duration::from_secs(15),
+        "a dead member's partitions were counted again only after {:?}",
+        died.settled
+    );
+    assert!(
+        died.pause.1 <= Duration::from_secs(3),
+        "a partition that stayed with a survivor paused: {died:?}"
+    );
+
+    let report = load.stop().await;
+    wait_for_totals(
+        &redis.reader(setup.keyspace()).await,
+        &report.totals,
+        Duration::from_secs(120),
+    )
+    .await;
+    b.stop_gracefully().await;
+    c.stop_gracefully().await;
 }
