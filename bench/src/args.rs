@@ -64,7 +64,8 @@ pub struct Args {
     #[arg(long, default_value = "postgres://tally@127.0.0.1:5433/postgres")]
     pub postgres_url: String,
     /// Run only these scenarios (producer, catch-up, json, postgres, windows, expiry, idempotency,
-    /// partitions, naive, yardsticks, steady, hot, cardinality, reads, micro); all when empty.
+    /// partitions, rebalance, naive, yardsticks, steady, hot, cardinality, reads, micro); all
+    /// when empty.
     #[arg(long, value_delimiter = ',')]
     pub only: Vec<String>,
 }

@@ -125,6 +125,20 @@ impl Env<'_> {
         port: u16,
         extra: &[&str],
     ) -> anyhow::Result<std::process::Child> {
+        self.aggregator_logged(topic, id, dlq, port, extra, id)
+    }
+
+    /// [`Env::aggregator`], logging to `aggregator-<log>.log` (members of one group each have
+    /// their own).
+    pub(crate) fn aggregator_logged(
+        &self,
+        topic: &str,
+        id: &str,
+        dlq: &str,
+        port: u16,
+        extra: &[&str],
+        log: &str,
+    ) -> anyhow::Result<std::process::Child> {
         let metrics = format!("127.0.0.1:{port}");
         Command::new(self.bin("tally-aggregator"))
             .args(["--brokers", &self.args.brokers, "--topic", topic])
@@ -152,7 +166,7 @@ impl Env<'_> {
                     .unwrap_or_else(|_| "info,tally_aggregator::store::flush=debug".into()),
             )
             .stderr(std::fs::File::create(
-                self.args.out.join(format!("aggregator-{id}.log")),
+                self.args.out.join(format!("aggregator-{log}.log")),
             )?)
             .spawn()
             .context("tally-aggregator (build the release binaries: deploy/local/bench.sh)")

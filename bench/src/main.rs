@@ -7,7 +7,8 @@
 //! `INCRBY`s over random keys, and `tally-naive` (one `INCRBY` and one commit per event).
 //! Scenarios: catch-up (both delivery modes, and the naive consumer), catch-up of JSON written
 //! by an independent producer (`kcat -P -K`), producer (each routing),
-//! steady state with end-to-end latency, a hot counter, a million distinct counters, reads.
+//! steady state with end-to-end latency, rebalances under a steady stream (a member SIGKILLed,
+//! one joining, a rolling restart), a hot counter, a million distinct counters, reads.
 //! Every figure comes with its ratio to a yardstick where one applies. Output: `results.json`,
 //! `results.md` and SVG plots in `--out`.
 //!

@@ -387,6 +387,25 @@ pub fn markdown(args: &Args, r: &Results) -> String {
         catch_up_rows(&mut out, "cardinality (1 event per counter)", c);
     }
     command_breakdown(&mut out, r);
+    if !r.rebalance.is_empty() {
+        let _ = writeln!(
+            out,
+            "\n## Rebalances under a steady stream\n\nThree aggregators (default group settings: `cooperative-sticky`, 10 s session, 1 s heartbeats; each with a stable `group.instance.id`) count 6,000 events/s in 12 partitions; every partition's `tally_durable_offset` sampled every 100 ms. Gaps are the longest time a partition went without a durable flush, from the event on (the flush interval, 1 s by default, is the floor: a gap of about 1 s is no pause at all); a restart's moved partitions are the restarted member's own.\n\n| event | kept | longest gap, kept (s) | moved | longest gap, moved (s) | all owned again (s) | all durable again (s) |\n|---|---|---|---|---|---|---|"
+        );
+        for e in &r.rebalance {
+            let _ = writeln!(
+                out,
+                "| {} | {} | {:.2} | {} | {:.2} | {:.2} | {:.2} |",
+                e.event,
+                e.kept,
+                e.kept_longest_gap_s,
+                e.moved,
+                e.moved_longest_gap_s,
+                e.owned_again_s,
+                e.durable_again_s
+            );
+        }
+    }
     if let Some(n) = &r.new_partitions {
         let delays: Vec<String> = (n.delays_s.iter())
             .map(|(p, d)| format!("{p}: {d:.1} s"))

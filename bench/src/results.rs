@@ -163,6 +163,25 @@ pub struct IdempotencyRun {
     pub catch_up: CatchUp,
 }
 
+/// One rebalance under a steady stream (`scenarios::rebalance`).
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct RebalanceEvent {
+    /// What happened.
+    pub event: String,
+    /// Partitions that stayed with their member.
+    pub kept: usize,
+    /// The longest gap between durable flushes among those, from the event on, seconds.
+    pub kept_longest_gap_s: f64,
+    /// Partitions that moved (in a restart: the restarted member's own).
+    pub moved: usize,
+    /// The longest gap among those, seconds.
+    pub moved_longest_gap_s: f64,
+    /// From the event until every partition was owned again, seconds.
+    pub owned_again_s: f64,
+    /// From the event until everything sent before it was durable, seconds.
+    pub durable_again_s: f64,
+}
+
 /// Everything measured.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct Results {
@@ -214,6 +233,8 @@ pub struct Results {
     pub micro: Vec<(String, f64)>,
     /// Partitions added to a live topic.
     pub new_partitions: Option<NewPartitions>,
+    /// Rebalances under a steady stream.
+    pub rebalance: Vec<RebalanceEvent>,
 }
 
 /// Partitions added to a live topic: how soon their events are counted.

@@ -25,7 +25,7 @@ pub mod support;
 
 pub use http::*;
 pub use kafka::*;
-pub use pauses::{Group, PauseWatch, Rebalanced, assignments_seen, revokes_seen};
+pub use pauses::{Group, Rebalanced, assignments_seen, revokes_seen};
 pub use process::*;
 pub use server::*;
 pub use store::*;

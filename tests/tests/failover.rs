@@ -41,14 +41,7 @@ async fn failover_and_scale_out_stop_only_the_partitions_that_move() {
         ..LoadSpec::default()
     };
     let load = StoppableLoad::start(&setup.topic, spec);
-    let before = (group.watch)
-        .wait_owned(
-            &["a", "b", "c"],
-            PARTITIONS as usize,
-            4,
-            Duration::from_secs(60),
-        )
-        .await;
+    let before = group.wait_owned(&["a", "b", "c"], PARTITIONS, 4).await;
     eprintln!("three members: {before:?}");
 
     // 1. A member dies.

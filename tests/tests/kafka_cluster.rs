@@ -139,9 +139,7 @@ async fn the_broker_side_group_protocol(cluster: &KafkaCluster, redis: &RedisSer
         ..spec(4_000, 63)
     };
     let load = StoppableLoad::start_on(&cluster.bootstrap(), &setup.topic, spec);
-    let before = (group.watch)
-        .wait_owned(&["a", "b"], PARTITIONS as usize, 4, Duration::from_secs(60))
-        .await;
+    let before = group.wait_owned(&["a", "b"], PARTITIONS, 4).await;
 
     let revokes = revokes_seen(&a) + revokes_seen(&b);
     let mut c = group.spawn("c");

@@ -1,9 +1,14 @@
 //! How long each partition went without a durable flush, from samples of the aggregators'
 //! `tally_durable_offset`: what a rebalance costs, as the bench's rebalance scenario and the
-//! failover tests measure it. Pure: the caller scrapes the members and hands each sample in.
+//! failover tests measure it. [`DurableHistory`] is the arithmetic, pure; [`Watch`] samples
+//! every member every 100 ms into one, through the caller's scrape of `/metrics`.
 
 use std::collections::{BTreeMap, HashMap};
-use std::time::Instant;
+use std::future::Future;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
+
+use tokio::task::JoinHandle;
 
 /// Every `tally_durable_offset` series in a Prometheus text exposition: (partition, offset).
 pub fn durable_offsets(exposition: &str) -> Vec<(i32, i64)> {
@@ -66,11 +71,11 @@ impl DurableHistory {
     /// The longest time `partition` went without its durable offset rising between `from` and
     /// `to`, counting from its last rise before `from` (or `from`, if it had none) and up to
     /// `to` after its last rise.
-    pub fn longest_pause(&self, partition: i32, from: Instant, to: Instant) -> std::time::Duration {
+    pub fn longest_pause(&self, partition: i32, from: Instant, to: Instant) -> Duration {
         let rises = self.advances.get(&partition).map_or(&[][..], |(_, r)| r);
         let before = rises.iter().rev().find(|t| **t <= from).copied();
         let mut last = before.unwrap_or(from);
-        let mut longest = std::time::Duration::ZERO;
+        let mut longest = Duration::ZERO;
         for &rise in rises.iter().filter(|t| **t > from && **t <= to) {
             longest = longest.max(rise - last);
             last = rise;
@@ -84,17 +89,151 @@ impl DurableHistory {
         partitions: &[i32],
         from: Instant,
         to: Instant,
-    ) -> Option<(i32, std::time::Duration)> {
+    ) -> Option<(i32, Duration)> {
         (partitions.iter())
             .map(|p| (*p, self.longest_pause(*p, from, to)))
             .max_by_key(|(_, pause)| *pause)
     }
 }
 
+/// Who owns which partitions: (member, its partitions), per member.
+pub type Owned = Vec<(String, Vec<i32>)>;
+
+/// Samples the members' durable offsets every 100 ms until dropped.
+#[derive(Debug)]
+pub struct Watch {
+    members: Arc<Mutex<Vec<(String, u16)>>>,
+    history: Arc<Mutex<DurableHistory>>,
+    task: JoinHandle<()>,
+}
+
+impl Watch {
+    /// Starts sampling through `scrape` (a member's metrics port to its `/metrics` text, or
+    /// `None` if it does not answer); members are added with [`Watch::add`].
+    pub fn start<F, Fut>(scrape: F) -> Self
+    where
+        F: Fn(u16) -> Fut + Send + 'static,
+        Fut: Future<Output = Option<String>> + Send,
+    {
+        let members: Arc<Mutex<Vec<(String, u16)>>> = Arc::default();
+        let history: Arc<Mutex<DurableHistory>> = Arc::default();
+        let task = tokio::spawn({
+            let (members, history) = (members.clone(), history.clone());
+            async move {
+                loop {
+                    let now: Vec<(String, u16)> = lock(&members).clone();
+                    for (name, port) in now {
+                        // A member that does not answer (killed, not up yet) reports nothing.
+                        if let Some(text) = scrape(port).await {
+                            let offsets = durable_offsets(&text);
+                            lock(&history).record(&name, Instant::now(), &offsets);
+                        }
+                    }
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            }
+        });
+        Self {
+            members,
+            history,
+            task,
+        }
+    }
+
+    /// Samples the member serving metrics on `port` from now on, under `name`; a name given
+    /// again replaces its process (a restart).
+    pub fn add(&self, name: &str, port: u16) {
+        let mut members = lock(&self.members);
+        members.retain(|(n, _)| n != name);
+        members.push((name.to_owned(), port));
+    }
+
+    /// Stops sampling `name` (killed, stopped), so its last sample no longer claims partitions.
+    pub fn remove(&self, name: &str) {
+        lock(&self.members).retain(|(n, _)| n != name);
+        lock(&self.history).record(name, Instant::now(), &[]);
+    }
+
+    /// The partitions `name` reported in its latest sample.
+    pub fn owned_by(&self, name: &str) -> Vec<i32> {
+        lock(&self.history).owned_by(name)
+    }
+
+    /// What each of `names` owns now.
+    pub fn owned(&self, names: &[&str]) -> Owned {
+        (names.iter())
+            .map(|n| ((*n).to_owned(), self.owned_by(n)))
+            .collect()
+    }
+
+    /// The longest pause among `partitions` between `from` and now, and whose it was.
+    pub fn longest_pause(&self, partitions: &[i32], from: Instant) -> (i32, Duration) {
+        (lock(&self.history).longest_among(partitions, from, Instant::now()))
+            .unwrap_or((-1, Duration::ZERO))
+    }
+
+    /// Waits until `names` report `partitions` partitions between them, each at least `each`:
+    /// what each owns then, or on timeout what each owned last.
+    pub async fn wait_owned(
+        &self,
+        names: &[&str],
+        partitions: usize,
+        each: usize,
+        timeout: Duration,
+    ) -> Result<Owned, Owned> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let owned = self.owned(names);
+            let total: usize = owned.iter().map(|(_, o)| o.len()).sum();
+            if total == partitions && owned.iter().all(|(_, o)| o.len() >= each) {
+                return Ok(owned);
+            }
+            if Instant::now() >= deadline {
+                return Err(owned);
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Waits until every partition `p` is durable up to `ends[p]`, whoever owns it: how long
+    /// that took, or on timeout those behind (partition, end, durable).
+    pub async fn wait_durable(
+        &self,
+        ends: &[i64],
+        timeout: Duration,
+    ) -> Result<Duration, Vec<(usize, i64, Option<i64>)>> {
+        let started = Instant::now();
+        loop {
+            let behind: Vec<(usize, i64, Option<i64>)> = {
+                let history = lock(&self.history);
+                (ends.iter().enumerate())
+                    .map(|(p, end)| (p, *end, history.durable(p as i32)))
+                    .filter(|(_, end, durable)| durable.is_none_or(|d| d < *end))
+                    .collect()
+            };
+            if behind.is_empty() {
+                return Ok(started.elapsed());
+            }
+            if started.elapsed() >= timeout {
+                return Err(behind);
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+impl Drop for Watch {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
 #[cfg(test)]
 mod tests {
-    use std::time::Duration;
-
     use super::*;
 
     #[test]

@@ -9,6 +9,7 @@ mod naive;
 mod partitions;
 mod postgres;
 mod reads;
+mod rebalance;
 mod steady;
 mod windows;
 mod yardsticks;
@@ -25,6 +26,7 @@ use naive::naive;
 use partitions::new_partitions;
 use postgres::{postgres_catch_up, postgres_reads};
 use reads::reads;
+use rebalance::rebalance;
 use steady::steady;
 use windows::windows;
 use yardsticks::{kcat_consume, kcat_produce, micro, redis_benchmark};
@@ -151,6 +153,9 @@ pub async fn run_all(args: &Args) -> anyhow::Result<Results> {
     }
     if args.runs("partitions") {
         results.new_partitions = Some(new_partitions(&mut env).await?);
+    }
+    if args.runs("rebalance") {
+        results.rebalance = rebalance(&mut env).await?;
     }
     if args.runs("naive") {
         println!("catch-up: the naive consumer, for {} s", args.naive_seconds);
