@@ -56,6 +56,10 @@ transaction.state.log.min.isr=1
 share.coordinator.state.topic.replication.factor=1
 share.coordinator.state.topic.min.isr=1
 group.initial.rebalance.delay.ms=0
+group.consumer.session.timeout.ms=10000
+group.consumer.min.session.timeout.ms=6000
+group.consumer.heartbeat.interval.ms=1000
+group.consumer.min.heartbeat.interval.ms=1000
 auto.create.topics.enable=false
 log.retention.hours=168
 PROPS
