@@ -283,12 +283,17 @@ fn the_checker_sees_a_cycle_when_there_is_one() {
 /// Most lines of production code in one file.
 const MAX_LINES: usize = 700;
 
-/// Lines before the file's unit-test module (`#[cfg(test)]` then `mod tests`, at the top
-/// level), or all of them without one. A `#[cfg(test)]` on any other item counts as code.
+/// Lines before the file's unit-test module (`#[cfg(test)]` then `mod tests`, or
+/// `pub(crate) mod tests` when other modules' tests share its helpers, at the top level), or
+/// all of them without one. A `#[cfg(test)]` on any other item counts as code.
 fn production_lines(text: &str) -> usize {
     let lines: Vec<&str> = text.lines().collect();
+    let test_module = |line: &str| {
+        let line = line.strip_prefix("pub(crate) ").unwrap_or(line);
+        line.starts_with("mod tests")
+    };
     (lines.windows(2))
-        .position(|pair| pair[0] == "#[cfg(test)]" && pair[1].starts_with("mod tests"))
+        .position(|pair| pair[0] == "#[cfg(test)]" && test_module(pair[1]))
         .unwrap_or(lines.len())
 }
 
@@ -298,6 +303,10 @@ fn only_the_test_module_is_left_out_of_the_count() {
     assert_eq!(production_lines(code), 4);
     let with_tests = format!("{code}#[cfg(test)]\nmod tests {{\n}}\n");
     assert_eq!(production_lines(&with_tests), 4);
+    let shared = format!("{code}#[cfg(test)]\npub(crate) mod tests {{\n}}\n");
+    assert_eq!(production_lines(&shared), 4);
+    let public = format!("{code}#[cfg(test)]\npub mod tests {{\n}}\n");
+    assert_eq!(production_lines(&public), 7, "a public module is an API");
 }
 
 #[test]

@@ -7,7 +7,10 @@ use std::time::{Duration, Instant};
 
 use tally_aggregator::operator::pauses::{Owned, Watch};
 
-use crate::{AggregatorProcess, AggregatorSetup, end_offsets_on, http_get, unique};
+use crate::http::http_get;
+use crate::kafka::end_offsets_on;
+use crate::process::{AggregatorProcess, AggregatorSetup};
+use crate::support::unique;
 
 /// Aggregators of one group, each with a stable `group.instance.id` and a name, watched by a
 /// [`PauseWatch`].
