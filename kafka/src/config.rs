@@ -8,7 +8,7 @@
 
 use std::time::Duration;
 
-use crate::protocol::FetchLimits;
+use crate::protocol::{FetchLimits, Isolation};
 
 /// How connections are secured.
 #[derive(Clone, Default, PartialEq, Eq)]
@@ -139,6 +139,11 @@ pub struct FetchConfig {
     pub max_buffered_bytes: usize,
     /// `auto.offset.reset`.
     pub offset_reset: OffsetReset,
+    /// `check.crcs`: verify each batch's CRC-32C; a batch that does not match is never handed
+    /// out, nor read past.
+    pub check_crcs: bool,
+    /// `isolation.level`: read_committed (librdkafka's default) or read_uncommitted.
+    pub isolation: Isolation,
 }
 
 /// Defaults: what librdkafka does, but a 100 ms fetch wait (a paused partition resumed while a
@@ -174,9 +179,6 @@ const IGNORED: &[&str] = &[
     "api.version",
     "broker.version",
     "allow.auto",
-    "check.crcs",
-    "isolation.level",
-    "client.rack",
     "connections.max",
     "message.max",
     "receive.message",
@@ -415,6 +417,8 @@ const FETCH_KEYS: &[&str] = &[
     "queued.max.messages",
     "fetch.message.max.bytes",
     "auto.offset.reset",
+    "check.crcs",
+    "isolation.level",
 ];
 
 impl FetchConfig {
@@ -443,12 +447,19 @@ impl FetchConfig {
             Some(other) => return Err(unsupported("auto.offset.reset", other)),
         };
         let queued_kb = o.int("queued.max.messages.kbytes", 64 * 1024)?.max(1);
+        let isolation = match o.get("isolation.level") {
+            None | Some("read_committed") => Isolation::ReadCommitted,
+            Some("read_uncommitted") => Isolation::ReadUncommitted,
+            Some(other) => return Err(unsupported("isolation.level", other)),
+        };
         Ok(Self {
             client,
             topic: topic.to_owned(),
             limits,
             max_buffered_bytes: usize::try_from(queued_kb).unwrap_or(usize::MAX / 1024) * 1024,
             offset_reset,
+            check_crcs: o.truthy("check.crcs", false)?,
+            isolation,
         })
     }
 }
@@ -584,6 +595,27 @@ mod tests {
         assert_eq!(c.limits.partition_max_bytes, 2 << 20);
         assert_eq!(c.limits.max_wait_ms, DEFAULT_LIMITS.max_wait_ms);
         assert_eq!(c.offset_reset, OffsetReset::Earliest);
+        assert!(!c.check_crcs, "librdkafka's default");
+        let checked = FetchConfig::from_options(
+            "t",
+            [
+                ("bootstrap.servers", "b:1"),
+                ("check.crcs", "true"),
+                ("isolation.level", "read_committed"),
+            ],
+        )
+        .expect("as written");
+        assert!(checked.check_crcs);
+        assert_eq!(checked.isolation, Isolation::ReadCommitted);
+        let uncommitted = FetchConfig::from_options(
+            "t",
+            [
+                ("bootstrap.servers", "b:1"),
+                ("isolation.level", "read_uncommitted"),
+            ],
+        )
+        .expect("as written");
+        assert_eq!(uncommitted.isolation, Isolation::ReadUncommitted);
         let reset = |v| {
             FetchConfig::from_options(
                 "t",
@@ -670,6 +702,13 @@ mod tests {
             refused(&[("some.future.option", "x")]),
             "some.future.option"
         );
+        // Not read by the fetcher (`--fetch auto` falls back to librdkafka), or not a value.
+        assert_eq!(
+            refused(&[("isolation.level", "read_whatever")]),
+            "isolation.level"
+        );
+        assert_eq!(refused(&[("client.rack", "eu-1a")]), "client.rack");
+        assert_eq!(refused(&[("check.crcs", "sometimes")]), "check.crcs");
         let no_brokers = FetchConfig::from_options("t", [("group.id", "g")]).expect_err("an error");
         assert_eq!(no_brokers.key, "bootstrap.servers");
     }

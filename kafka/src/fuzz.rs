@@ -26,7 +26,10 @@ const CODECS: [Compression; 6] = [
 /// whatever it is, but it comes back.
 fn read_all(set: &[u8]) {
     for raw in records::batches(set).take(10_000) {
-        let Ok(RawBatch::V2 { header, records }) = raw else {
+        let Ok(RawBatch::V2 {
+            header, records, ..
+        }) = raw
+        else {
             continue;
         };
         let mut plain = Vec::new();
@@ -95,7 +98,7 @@ proptest! {
         // Intact, it reads back whole.
         let mut read = 0;
         for raw in records::batches(&set) {
-            let Ok(RawBatch::V2 { header, records }) = raw else { panic!("a v2 batch") };
+            let Ok(RawBatch::V2 { header, records, .. }) = raw else { panic!("a v2 batch") };
             let mut plain = Vec::new();
             let section = match header.compression() {
                 Compression::None => records,

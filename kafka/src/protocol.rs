@@ -361,13 +361,32 @@ pub struct FetchLimits {
     pub partition_max_bytes: i32,
 }
 
-/// `Fetch` request (read_committed, no fetch session) for `(partition, offset)` pairs of `topic`.
-pub fn fetch_request(w: &mut Writer, topic: &str, partitions: &[(i32, i64)], limits: FetchLimits) {
+/// Which records a fetch returns (`isolation.level`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Isolation {
+    /// Up to the last stable offset, with the aborted transactions listed (to leave out).
+    #[default]
+    ReadCommitted,
+    /// Up to the high watermark, aborted transactions included.
+    ReadUncommitted,
+}
+
+/// `Fetch` request (no fetch session) for `(partition, offset)` pairs of `topic`.
+pub fn fetch_request(
+    w: &mut Writer,
+    topic: &str,
+    partitions: &[(i32, i64)],
+    limits: FetchLimits,
+    isolation: Isolation,
+) {
     w.i32(-1)
         .i32(limits.max_wait_ms)
         .i32(limits.min_bytes)
         .i32(limits.max_bytes)
-        .i8(1)
+        .i8(match isolation {
+            Isolation::ReadCommitted => 1,
+            Isolation::ReadUncommitted => 0,
+        })
         .i32(0)
         .i32(-1)
         .array_len(1)
@@ -403,9 +422,10 @@ pub struct FetchPartition<'a> {
 }
 
 impl FetchPartition<'_> {
-    /// Where a read_committed reader's log ends: the last stable offset, or the high watermark.
-    pub fn log_end(&self) -> i64 {
-        if self.last_stable_offset >= 0 {
+    /// Where a reader's log ends: for read_committed the last stable offset (or the high
+    /// watermark where that is unknown), for read_uncommitted the high watermark.
+    pub fn log_end(&self, isolation: Isolation) -> i64 {
+        if isolation == Isolation::ReadCommitted && self.last_stable_offset >= 0 {
             self.last_stable_offset
         } else {
             self.high_watermark
@@ -574,7 +594,7 @@ mod tests {
             max_bytes: 1 << 20,
             partition_max_bytes: 1 << 16,
         };
-        fetch_request(&mut w, "t", &[(3, 42)], limits);
+        fetch_request(&mut w, "t", &[(3, 42)], limits, Isolation::ReadCommitted);
         let mut expected = Writer::default();
         expected
             .i32(-1)
@@ -588,6 +608,17 @@ mod tests {
         expected.i32(3).i32(-1).i64(42).i64(-1).i32(1 << 16);
         expected.array_len(0).string("");
         assert_eq!(w.buf, expected.buf);
+
+        let mut uncommitted = Writer::default();
+        fetch_request(
+            &mut uncommitted,
+            "t",
+            &[(3, 42)],
+            limits,
+            Isolation::ReadUncommitted,
+        );
+        assert_eq!(uncommitted.buf[16], 0, "isolation_level read_uncommitted");
+        assert_eq!(w.buf[16], 1, "isolation_level read_committed");
     }
 
     #[test]
@@ -614,7 +645,8 @@ mod tests {
                 records: b"record-set",
             }]
         );
-        assert_eq!(parts[0].log_end(), 90);
+        assert_eq!(parts[0].log_end(Isolation::ReadCommitted), 90);
+        assert_eq!(parts[0].log_end(Isolation::ReadUncommitted), 100);
     }
 
     #[test]

@@ -22,6 +22,15 @@ pub const BATCH_HEADER_LEN: usize = 61;
 /// The bytes of `baseOffset` and `batchLength`, which `batchLength` does not count.
 const LOG_OVERHEAD: usize = 12;
 
+/// Where a v2 batch's CRC-32C field ends: it covers everything after it.
+const CRC_END: usize = 21;
+
+/// Whether a v2 batch's bytes match its CRC (`check.crcs`): a mismatch is a batch corrupted on
+/// a disk or the wire.
+pub fn crc_matches(header: &BatchHeader, covered: &[u8]) -> bool {
+    crc32c::crc32c(covered) == header.crc
+}
+
 /// How a batch's records section is compressed (`attributes & 7`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Compression {
@@ -71,6 +80,8 @@ pub struct BatchHeader {
     pub producer_id: i64,
     /// How many records the batch holds.
     pub record_count: i32,
+    /// The CRC-32C the batch carries, of everything from `attributes` on.
+    pub crc: u32,
 }
 
 impl BatchHeader {
@@ -111,6 +122,8 @@ pub enum RawBatch<'a> {
         header: BatchHeader,
         /// Its records section.
         records: &'a [u8],
+        /// The bytes its CRC covers: from `attributes` to its end.
+        covered: &'a [u8],
     },
     /// An entry in message format v0 or v1, at `offset` (for a compressed wrapper, its last
     /// inner offset), with all its bytes.
@@ -172,7 +185,7 @@ impl<'a> Iterator for Batches<'a> {
                 return Err(r.malformed("a record batch of a known format"));
             }
             let mut h = Reader::new(&bytes[17..BATCH_HEADER_LEN]);
-            let _crc = h.u32("crc")?;
+            let crc = h.u32("crc")?;
             let attributes = h.i16("attributes")?;
             let last_offset_delta = h.i32("lastOffsetDelta")?;
             let base_timestamp = h.i64("baseTimestamp")?;
@@ -190,9 +203,18 @@ impl<'a> Iterator for Batches<'a> {
                 max_timestamp,
                 producer_id,
                 record_count,
+                crc,
             };
             let records = &bytes[BATCH_HEADER_LEN..];
-            Ok(Some((RawBatch::V2 { header, records }, total)))
+            let covered = &bytes[CRC_END..];
+            Ok(Some((
+                RawBatch::V2 {
+                    header,
+                    records,
+                    covered,
+                },
+                total,
+            )))
         })();
         match parsed {
             Ok(Some((batch, total))) => {
@@ -482,6 +504,8 @@ pub(crate) mod tests {
             .i32(0)
             .i32(header.record_count);
         w.buf.extend_from_slice(section);
+        let crc = crc32c::crc32c(&w.buf[CRC_END..]);
+        w.buf[CRC_END - 4..CRC_END].copy_from_slice(&crc.to_be_bytes());
         w.buf
     }
 
@@ -495,6 +519,7 @@ pub(crate) mod tests {
             max_timestamp: 9_999,
             producer_id: -1,
             record_count: count,
+            crc: 0,
         }
     }
 
@@ -511,11 +536,12 @@ pub(crate) mod tests {
         let Some(Ok(RawBatch::V2 {
             header: got,
             records,
+            ..
         })) = it.next()
         else {
             panic!("one v2 batch");
         };
-        assert_eq!(got, h);
+        assert_eq!(got, BatchHeader { crc: got.crc, ..h });
         assert!(it.next().is_none());
         let read: Vec<Record<'_>> = Records::new(got, records).map(Result::unwrap).collect();
         assert_eq!(
@@ -622,9 +648,20 @@ pub(crate) mod tests {
             &section,
         );
         let batches: Vec<_> = batches(&set).collect();
-        let [Ok(RawBatch::V2 { header, records })] = batches.as_slice() else {
+        let [
+            Ok(RawBatch::V2 {
+                header,
+                records,
+                covered,
+            }),
+        ] = batches.as_slice()
+        else {
             panic!("one batch: {batches:?}");
         };
+        assert!(crc_matches(header, covered), "the CRC checks out");
+        let mut corrupt = covered.to_vec();
+        corrupt[40] ^= 0x01;
+        assert!(!crc_matches(header, &corrupt), "one flipped bit is caught");
         assert_eq!(
             (
                 header.record_count,

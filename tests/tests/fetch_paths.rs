@@ -1,10 +1,12 @@
 //! End to end: what an independent producer may put in the log, read by tally's own fetcher and
 //! by librdkafka's. Transactions: a producer's aborted transaction never counts, its committed
-//! ones do, whichever path reads them. Compression: batches compressed with every codec Kafka
+//! ones do, whichever path reads them; with `isolation.level=read_uncommitted` (as asked) the
+//! aborted one counts too. Compression: batches compressed with every codec Kafka
 //! defines (gzip, Snappy, LZ4 from librdkafka producers, Zstandard from `kcat`) count exactly
 //! with tally's fetcher. Retention: a resuming partition whose position was deleted moves as
 //! `auto.offset.reset` says (stays unread with `error`, goes on from the log's start by
-//! default), counted and logged.
+//! default), counted and logged. Corruption: with `check.crcs=true`, a batch corrupted in the
+//! broker's own segment file is never counted nor read past, and is counted and logged.
 
 use std::collections::HashMap;
 use std::io::Write;
@@ -26,13 +28,14 @@ fn json(counter: &str, delta: i64) -> String {
 }
 
 /// One transaction of `events` events over [`COUNTERS`] counters, committed or aborted; adds
-/// what it sends to `sent` if it commits.
+/// what it sends to `sent` if it is to be counted.
 async fn transaction(
     producer: &FutureProducer,
     topic: &str,
     events: i64,
     delta: i64,
     commit: bool,
+    counted: bool,
     sent: &mut HashMap<String, i64>,
 ) {
     producer.begin_transaction().expect("begin");
@@ -44,7 +47,7 @@ async fn transaction(
             producer,
             FutureRecord::to(topic).key(&counter).payload(&payload),
         ));
-        if commit {
+        if counted {
             *sent.entry(counter).or_default() += delta;
         }
     }
@@ -61,11 +64,17 @@ async fn transaction(
     }
 }
 
-async fn aborted_transactions_never_count(fetch: &str) {
+/// Transactions read with `fetch`: with read_committed (the default) the aborted one never
+/// counts, with `read_uncommitted` it does.
+async fn transactions_count_as_the_isolation_level_says(fetch: &str, read_uncommitted: bool) {
     let dir = TempDir::new("tally-e2e");
     let redis = RedisServer::start().await;
     let setup = AggregatorSetup::create(&format!("txn-{fetch}"), &redis.url(), 4).await;
-    let mut aggregator = setup.spawn(dir.path(), &["--fetch", fetch]);
+    let mut flags = vec!["--fetch", fetch];
+    if read_uncommitted {
+        flags.extend(["--kafka-option", "isolation.level=read_uncommitted"]);
+    }
+    let mut aggregator = setup.spawn(dir.path(), &flags);
     let transactional: FutureProducer = ClientConfig::new()
         .set("bootstrap.servers", brokers())
         .set("transactional.id", unique("tally-txn"))
@@ -84,7 +93,16 @@ async fn aborted_transactions_never_count(fetch: &str) {
     // events alone was read past the aborted ones without counting them. Plain events between
     // the transactions count too.
     let mut sent = HashMap::new();
-    transaction(&transactional, &setup.topic, 2_000, 1, true, &mut sent).await;
+    transaction(
+        &transactional,
+        &setup.topic,
+        2_000,
+        1,
+        true,
+        true,
+        &mut sent,
+    )
+    .await;
     let mut deliveries = Vec::new();
     for i in 0..COUNTERS {
         let counter = format!("orders:shop:{i}");
@@ -98,16 +116,36 @@ async fn aborted_transactions_never_count(fetch: &str) {
         *sent.entry(counter).or_default() += 100;
     }
     assert_delivered(deliveries).await;
-    transaction(&transactional, &setup.topic, 3_000, 1_000, false, &mut sent).await;
-    transaction(&transactional, &setup.topic, 1_000, 3, true, &mut sent).await;
+    let (events, delta) = (3_000, 1_000);
+    transaction(
+        &transactional,
+        &setup.topic,
+        events,
+        delta,
+        false,
+        read_uncommitted,
+        &mut sent,
+    )
+    .await;
+    transaction(
+        &transactional,
+        &setup.topic,
+        1_000,
+        3,
+        true,
+        true,
+        &mut sent,
+    )
+    .await;
 
     let reader = redis.reader(setup.keyspace()).await;
     wait_for_totals(&reader, &sent, Duration::from_secs(60)).await;
-    // The committed and plain events were all that was read: the aborted ones and the
-    // transactions' markers are not events.
+    // The committed and plain events were all that was read (read_committed), or those and the
+    // aborted ones (read_uncommitted): the transactions' markers are not events.
+    let read = if read_uncommitted { 6_040.0 } else { 3_040.0 };
     assert_eq!(
         aggregator.metric("tally_events_consumed_total").await,
-        Some(3_040.0)
+        Some(read)
     );
     let metrics = http_get(aggregator.metrics_port(), "/metrics")
         .await
@@ -122,12 +160,17 @@ async fn aborted_transactions_never_count(fetch: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn aborted_transactions_never_count_with_tallys_fetcher() {
-    aborted_transactions_never_count("direct").await;
+    transactions_count_as_the_isolation_level_says("direct", false).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn aborted_transactions_never_count_with_librdkafka() {
-    aborted_transactions_never_count("librdkafka").await;
+    transactions_count_as_the_isolation_level_says("librdkafka", false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn read_uncommitted_counts_aborted_transactions_with_tallys_fetcher() {
+    transactions_count_as_the_isolation_level_says("direct", true).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -309,4 +352,87 @@ async fn a_position_deleted_by_retention_moves_as_auto_offset_reset_says() {
     );
     next.stop_gracefully().await;
     assert_committed_to_end(&setup.group, &setup.topic, 1);
+}
+
+/// The local broker's data directory (`deploy/local/start.sh`), whose segment files the
+/// corruption test edits.
+fn local_kafka_data() -> std::path::PathBuf {
+    let state = std::env::var_os("TALLY_LOCAL_DIR").map_or_else(
+        || std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../.local"),
+        std::path::PathBuf::from,
+    );
+    state.join("kafka-data")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_check_crcs_a_batch_corrupted_on_the_brokers_disk_is_never_read_past() {
+    let dir = TempDir::new("tally-e2e");
+    let redis = RedisServer::start().await;
+    let setup = AggregatorSetup::create("corrupt", &redis.url(), 1).await;
+    let reader = redis.reader(setup.keyspace()).await;
+    // Three producers one after the other: their batches hold one counter each.
+    append(&setup.topic, "crc:before", 500).await;
+    append(&setup.topic, "crc:corrupt", 500).await;
+    append(&setup.topic, "crc:after", 500).await;
+
+    // One byte of the first batch holding `crc:corrupt` changed in the segment file the broker
+    // serves from: `crc:corrupt` becomes `Crc:corrupt`, still a valid event, which only the
+    // batch's CRC can tell from the one written.
+    let segment = local_kafka_data()
+        .join(format!("{}-0", setup.topic))
+        .join("00000000000000000000.log");
+    let mut bytes = std::fs::read(&segment).unwrap_or_else(|e| {
+        panic!(
+            "{}: {e} (this test corrupts the local broker's segment: run it against deploy/local/start.sh's Kafka)",
+            segment.display()
+        )
+    });
+    let at = (bytes.windows(11))
+        .position(|w| w == b"crc:corrupt")
+        .expect("the event in the segment");
+    bytes[at] = b'C';
+    {
+        use std::io::{Seek, SeekFrom};
+        let mut file = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&segment)
+            .expect("segment");
+        file.seek(SeekFrom::Start(at as u64)).expect("seek");
+        file.write_all(&bytes[at..=at]).expect("one byte written");
+    }
+
+    let aggregator = setup.spawn(
+        dir.path(),
+        &["--fetch", "direct", "--kafka-option", "check.crcs=true"],
+    );
+    aggregator
+        .wait_metric("tally_corrupt_batches_total", 1.0, Duration::from_secs(30))
+        .await;
+    wait_for_totals(
+        &reader,
+        &[("crc:before".to_owned(), 500)].into(),
+        Duration::from_secs(30),
+    )
+    .await;
+    // Another fetch of the same batch (5 s later) fails the same way: still nothing past it.
+    aggregator
+        .wait_metric("tally_corrupt_batches_total", 2.0, Duration::from_secs(30))
+        .await;
+    for counter in ["crc:corrupt", "Crc:corrupt", "crc:after"] {
+        assert_eq!(reader.get(counter).await.expect("read"), 0, "{counter}");
+    }
+    assert_eq!(
+        aggregator
+            .series("tally_durable_offset", "partition=\"0\"")
+            .await,
+        Some(500.0),
+        "durable up to the corrupt batch, never past it"
+    );
+    assert!(
+        aggregator.log().contains("does not match its CRC-32C"),
+        "the corruption is logged: {}",
+        aggregator.log_tail(10)
+    );
+    let mut aggregator = aggregator;
+    aggregator.stop_gracefully().await;
 }

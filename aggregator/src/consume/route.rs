@@ -71,6 +71,20 @@ impl<S: Sink> Shared<S> {
                 }
                 return;
             }
+            Fetched::Corrupt {
+                partition,
+                offset,
+                reason,
+            } => {
+                self.metrics.corrupt_batch();
+                tracing::error!(
+                    partition,
+                    offset,
+                    %reason,
+                    "a corrupt record batch: the partition is not read past it, and it is fetched again in 5 s (move the partition's leadership to a clean replica if it persists)"
+                );
+                return;
+            }
             Fetched::Failed { error } => {
                 tracing::error!(%error, "reading the topic fails; retrying");
                 return;

@@ -25,6 +25,8 @@ pub struct Metrics {
     repeated_ids: IntCounter,
     /// Partitions whose position was outside their log and moved to its start.
     offset_resets: IntCounter,
+    /// Fetched batches that did not match their CRC-32C (`check.crcs`).
+    corrupt_batches: IntCounter,
     expiry_records: IntCounter,
     expired: IntCounter,
     /// Events left out of a window's bucket, by reason (`late`, `future`).
@@ -136,6 +138,10 @@ impl Metrics {
             offset_resets: r.counter(
                 "tally_offset_resets_total",
                 "Times a partition's position was no longer in its log (retention deleted it before it was read) and reading moved to the log's start: the events in between were never counted.",
+            ),
+            corrupt_batches: r.counter(
+                "tally_corrupt_batches_total",
+                "Fetched record batches that did not match their CRC-32C (check.crcs=true): the partition is not read past them, and they are fetched again every 5 s.",
             ),
             expiry_records: r.counter(
                 "tally_expiry_records_total",
@@ -260,6 +266,11 @@ impl Metrics {
     /// A partition's position was outside its log and moved to its start.
     pub fn offset_reset(&self) {
         self.offset_resets.inc();
+    }
+
+    /// A fetched batch did not match its CRC.
+    pub fn corrupt_batch(&self) {
+        self.corrupt_batches.inc();
     }
 
     /// A malformed message is safely in the dead-letter topic.

@@ -460,6 +460,7 @@ mod tests {
             let Some(Ok(records::RawBatch::V2 {
                 header,
                 records: section,
+                ..
             })) = records::batches(&encoded).next()
             else {
                 panic!("a batch");

@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use tokio::sync::Notify;
 
 use crate::compression;
-use crate::protocol::FetchPartition;
+use crate::protocol::{FetchPartition, Isolation};
 use crate::records::{self, BatchHeader, Control, RawBatch, Record, Records};
 
 /// Something a chunk holds.
@@ -288,16 +288,30 @@ impl Budget {
 pub(super) struct Built {
     pub(super) chunk: Option<Chunk>,
     pub(super) next: i64,
+    /// With `check.crcs`, a batch whose bytes do not match its CRC: why. Reading stopped before
+    /// it (`next` is where it starts), so nothing of it or after it was handed out.
+    pub(super) corrupt: Option<String>,
+}
+
+/// How records are read: the options that change it.
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct Reading {
+    /// `check.crcs`.
+    pub(super) check_crcs: bool,
+    /// `isolation.level`.
+    pub(super) isolation: Isolation,
 }
 
 /// Turns one partition's record set into a chunk: decompresses each batch, leaves out control
-/// batches and the batches of aborted transactions, and notes what cannot be read.
+/// batches and the batches of aborted transactions, and notes what cannot be read. With
+/// `check_crcs`, a batch that does not match its CRC ends the chunk before it.
 pub(super) fn chunk(
     budget: &Arc<Budget>,
     partition: i32,
     epoch: u64,
     start: i64,
     part: &FetchPartition<'_>,
+    reading: Reading,
     scratch: &mut Vec<u8>,
 ) -> Built {
     let (mut data, mut located) = budget.buffers();
@@ -308,6 +322,7 @@ pub(super) fn chunk(
     let mut aborted: Vec<(i64, i64)> = part.aborted.clone();
     aborted.sort_unstable_by_key(|(_, first)| std::cmp::Reverse(*first));
     let mut aborting: HashSet<i64> = HashSet::new();
+    let mut corrupt = None;
     for batch in records::batches(part.records) {
         let batch = match batch {
             Ok(b) => b,
@@ -328,8 +343,12 @@ pub(super) fn chunk(
                 break;
             }
         };
-        let (header, section) = match batch {
-            RawBatch::V2 { header, records } => (header, records),
+        let (header, section, covered) = match batch {
+            RawBatch::V2 {
+                header,
+                records,
+                covered,
+            } => (header, records, covered),
             RawBatch::Legacy {
                 offset,
                 magic,
@@ -352,6 +371,15 @@ pub(super) fn chunk(
         let last = header.last_offset();
         if last < start {
             continue;
+        }
+        if reading.check_crcs && !records::crc_matches(&header, covered) {
+            corrupt = Some(format!(
+                "the batch of offsets {}..={last} does not match its CRC-32C ({:#010x} carried, {:#010x} computed): corrupted on a disk or the wire",
+                header.base_offset,
+                header.crc,
+                crc32c::crc32c(covered)
+            ));
+            break;
         }
         next = next.max(last + 1);
         while let Some(&(producer, first)) = aborted.last() {
@@ -425,13 +453,17 @@ pub(super) fn chunk(
     }
     if pieces.is_empty() {
         budget.recycle(data, located);
-        return Built { chunk: None, next };
+        return Built {
+            chunk: None,
+            next,
+            corrupt,
+        };
     }
     budget.hold(held(&data, &located));
     let chunk = Chunk {
         partition,
         epoch,
-        log_end: part.log_end(),
+        log_end: part.log_end(reading.isolation),
         start,
         pieces,
         data,
@@ -441,6 +473,7 @@ pub(super) fn chunk(
     Built {
         chunk: Some(chunk),
         next,
+        corrupt,
     }
 }
 
@@ -499,13 +532,63 @@ mod tests {
     fn records_before_the_fetch_offset_are_not_items() {
         let s = budget();
         let set = [plain_batch(10, 5, 0, -1), plain_batch(15, 2, 0, -1)].concat();
-        let built = chunk(&s, 0, 1, 12, &part(&set, vec![]), &mut Vec::new());
+        let built = chunk(
+            &s,
+            0,
+            1,
+            12,
+            &part(&set, vec![]),
+            Reading::default(),
+            &mut Vec::new(),
+        );
         let c = built.chunk.expect("as written");
         assert_eq!(offsets(&c), [12, 13, 14, 15, 16]);
         assert_eq!(built.next, 17);
         assert_eq!(s.held(), c.len_bytes());
         drop(c);
         assert_eq!(s.held(), 0, "a dropped chunk gives its bytes back");
+    }
+
+    const CHECKED: Reading = Reading {
+        check_crcs: true,
+        isolation: Isolation::ReadCommitted,
+    };
+
+    #[test]
+    fn with_check_crcs_a_corrupt_batch_ends_the_chunk_before_it() {
+        let s = budget();
+        let mut second = plain_batch(3, 3, 0, -1);
+        let last = second.len() - 1;
+        second[last] ^= 0x40;
+        let set = [plain_batch(0, 3, 0, -1), second, plain_batch(6, 2, 0, -1)].concat();
+
+        let built = chunk(&s, 0, 1, 0, &part(&set, vec![]), CHECKED, &mut Vec::new());
+        let c = built.chunk.expect("the batch before it");
+        assert_eq!(offsets(&c), [0, 1, 2]);
+        assert_eq!(
+            built.next, 3,
+            "read again from the corrupt batch, never past it"
+        );
+        let reason = built.corrupt.expect("the corruption is reported");
+        assert!(reason.contains("offsets 3..=5"), "{reason}");
+
+        // From the corrupt batch itself: nothing to hand out, and no progress.
+        let built = chunk(&s, 0, 1, 3, &part(&set, vec![]), CHECKED, &mut Vec::new());
+        assert!(built.chunk.is_none());
+        assert_eq!((built.next, built.corrupt.is_some()), (3, true));
+
+        // Without the check the batch is read as it came (librdkafka's default).
+        let built = chunk(
+            &s,
+            0,
+            1,
+            0,
+            &part(&set, vec![]),
+            Reading::default(),
+            &mut Vec::new(),
+        );
+        assert_eq!(built.next, 8);
+        assert!(built.corrupt.is_none());
     }
 
     #[test]
@@ -521,7 +604,15 @@ mod tests {
             plain_batch(6, 1, 0, -1),
         ]
         .concat();
-        let built = chunk(&s, 0, 1, 0, &part(&set, vec![(7, 0)]), &mut Vec::new());
+        let built = chunk(
+            &s,
+            0,
+            1,
+            0,
+            &part(&set, vec![(7, 0)]),
+            Reading::default(),
+            &mut Vec::new(),
+        );
         assert_eq!(offsets(&built.chunk.expect("as written")), [3, 4, 6]);
         assert_eq!(built.next, 7);
     }
@@ -532,7 +623,15 @@ mod tests {
         let recs = records_section(&[(0, 0, None, Some(b"v"))]);
         let zstd = batch(&header(4, 1, 4), &recs);
         let set = [plain_batch(3, 1, 0, -1), zstd, plain_batch(5, 1, 0, -1)].concat();
-        let built = chunk(&s, 0, 1, 3, &part(&set, vec![]), &mut Vec::new());
+        let built = chunk(
+            &s,
+            0,
+            1,
+            3,
+            &part(&set, vec![]),
+            Reading::default(),
+            &mut Vec::new(),
+        );
         assert_eq!(offsets(&built.chunk.expect("as written")), [3, -4, 5]);
         assert_eq!(built.next, 6);
     }
@@ -548,7 +647,15 @@ mod tests {
         // The header says four records; the section holds three and a cut-off fourth.
         let cut = [good.as_slice(), &[0x40]].concat();
         let set = [batch(&header(20, 4, 0), &cut), plain_batch(24, 1, 0, -1)].concat();
-        let built = chunk(&s, 0, 1, 20, &part(&set, vec![]), &mut Vec::new());
+        let built = chunk(
+            &s,
+            0,
+            1,
+            20,
+            &part(&set, vec![]),
+            Reading::default(),
+            &mut Vec::new(),
+        );
         let c = built.chunk.expect("as written");
         let items: Vec<_> = c
             .items()
@@ -588,7 +695,15 @@ mod tests {
         let mut lz = lz4_flex::frame::FrameEncoder::new(Vec::new());
         lz.write_all(&section).expect("as written");
         let set = batch(&header(100, 50, 3), &lz.finish().expect("as written"));
-        let built = chunk(&s, 0, 1, 100, &part(&set, vec![]), &mut Vec::new());
+        let built = chunk(
+            &s,
+            0,
+            1,
+            100,
+            &part(&set, vec![]),
+            Reading::default(),
+            &mut Vec::new(),
+        );
         let c = built.chunk.expect("as written");
         assert_eq!(offsets(&c), (100..150).collect::<Vec<_>>());
         let Some(Item::Record(r)) = c.items().nth(7) else {

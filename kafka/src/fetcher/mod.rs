@@ -35,7 +35,7 @@ use crate::protocol::{self, ErrorCode, FetchPartition, LogEnd};
 
 mod chunk;
 
-use chunk::{Budget, chunk};
+use chunk::{Budget, Reading, chunk};
 pub use chunk::{Chunk, Item, Items};
 
 /// Shortest and longest wait before trying a failed connection or metadata request again.
@@ -50,6 +50,9 @@ const METADATA_SPACING: Duration = Duration::from_millis(100);
 /// How long a partition whose fetch failed waits before it is fetched again (librdkafka's
 /// `fetch.error.backoff.ms`).
 const FETCH_ERROR_BACKOFF: Duration = Duration::from_millis(500);
+
+/// How long a partition whose batch did not match its CRC waits before it is fetched again.
+pub const CORRUPT_BACKOFF: Duration = Duration::from_secs(5);
 
 /// Wanted offsets meaning "where the log starts" and "where it ends", resolved by the leader
 /// before fetching (Kafka's own sentinels in `ListOffsets`).
@@ -83,6 +86,18 @@ pub enum Fetched {
         from: i64,
         /// Where reading goes on, if it does.
         to: Option<i64>,
+    },
+    /// With `check.crcs`, a batch did not match its CRC-32C: the partition is read up to it and
+    /// no further, and fetched again from it every [`CORRUPT_BACKOFF`] (a batch corrupted on
+    /// the wire reads clean the next time; one corrupted on the leader's disk stays, until the
+    /// operator moves leadership to a clean replica).
+    Corrupt {
+        /// The partition.
+        partition: i32,
+        /// Where the corrupt batch starts.
+        offset: i64,
+        /// What did not match.
+        reason: String,
     },
     /// Something failed that retrying may not cure (credentials, authorization, versions); the
     /// fetcher keeps trying with backoff.
@@ -393,7 +408,15 @@ async fn broker_task(shared: Arc<Shared>, node: i32) {
             let wait = Duration::from_millis(config.limits.max_wait_ms as u64);
             c.request_waiting(
                 protocol::FETCH,
-                |w| protocol::fetch_request(w, &config.topic, &pairs, config.limits),
+                |w| {
+                    protocol::fetch_request(
+                        w,
+                        &config.topic,
+                        &pairs,
+                        config.limits,
+                        config.isolation,
+                    )
+                },
                 &mut response,
                 wait,
             )
@@ -515,7 +538,19 @@ async fn handle_response(
         };
         match part.error {
             ErrorCode::NONE => {
-                let chunk = chunk(&shared.budget, partition, epoch, offset, &part, scratch);
+                let reading = Reading {
+                    check_crcs: shared.config.check_crcs,
+                    isolation: shared.config.isolation,
+                };
+                let built = chunk(
+                    &shared.budget,
+                    partition,
+                    epoch,
+                    offset,
+                    &part,
+                    reading,
+                    scratch,
+                );
                 let mut state = shared.lock();
                 let Some(w) = state.wanted.get_mut(&partition) else {
                     continue;
@@ -523,12 +558,20 @@ async fn handle_response(
                 if w.epoch != epoch {
                     continue;
                 }
-                if chunk.next > w.offset {
-                    w.offset = chunk.next;
+                if built.next > w.offset {
+                    w.offset = built.next;
                 }
-                if let Some(chunk) = chunk.chunk {
+                if let Some(chunk) = built.chunk {
                     // Queued before the partition can be fetched again: chunks stay in order.
                     let _ = shared.out.send(Fetched::Chunk(chunk));
+                }
+                if let Some(reason) = built.corrupt {
+                    w.not_before = Some(std::time::Instant::now() + CORRUPT_BACKOFF);
+                    let _ = shared.out.send(Fetched::Corrupt {
+                        partition,
+                        offset: built.next,
+                        reason,
+                    });
                 }
             }
             ErrorCode::OFFSET_OUT_OF_RANGE => out_of_range.push((partition, offset, epoch)),
