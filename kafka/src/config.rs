@@ -176,8 +176,9 @@ const IGNORED: &[&str] = &[
     "retries",
     "log",
     "debug",
-    "api.version",
     "broker.version",
+    "api.version.fallback",
+    "api.version.request.timeout",
     "allow.auto",
     "connections.max",
     "message.max",
@@ -189,15 +190,7 @@ const IGNORED: &[&str] = &[
     "plugin.",
     "interceptor",
     "enable.metrics",
-    "ssl.engine",
-    "ssl_engine",
-    "ssl.providers",
-    "ssl.sigalgs",
-    "ssl.curves",
-    "ssl.cipher",
-    "client.dns",
     "resolve.",
-    "broker.address",
     "open_cb",
     "closesocket",
     "topic.metadata.propagation",
@@ -212,6 +205,15 @@ const IGNORED: &[&str] = &[
     "enable.random.seed",
     "topic.metadata",
     "default.topic",
+];
+
+/// Options that change how a client connects, taken only at librdkafka's default, which is
+/// what tally's client does: any other value is for librdkafka to honour. (TLS ciphers, curves,
+/// signature algorithms, engines and providers are not taken at all.)
+const AS_THEIR_DEFAULT: &[(&str, &str)] = &[
+    ("api.version.request", "true"),
+    ("broker.address.family", "any"),
+    ("client.dns.lookup", "use_all_dns_ips"),
 ];
 
 /// The options the client settings read.
@@ -282,13 +284,15 @@ impl<'a> Options<'a> {
     /// appender (either one ignores the other's: one `[kafka]` table configures the
     /// aggregator's consumer and its dead-letter producer alike).
     fn known_only(&self) -> Result<(), Unsupported> {
-        let known = |key: &str| {
+        let known = |key: &str, value: &str| {
             IGNORED.iter().any(|p| key.starts_with(p))
                 || CLIENT_KEYS.contains(&key)
                 || FETCH_KEYS.contains(&key)
                 || APPEND_KEYS.contains(&key)
+                || (AS_THEIR_DEFAULT.iter())
+                    .any(|(k, v)| *k == key && value.eq_ignore_ascii_case(v))
         };
-        match self.0.iter().find(|(k, _)| !known(k)) {
+        match self.0.iter().find(|(k, v)| !known(k, v)) {
             Some((key, value)) => Err(unsupported(key, value)),
             None => Ok(()),
         }
@@ -708,6 +712,29 @@ mod tests {
             "isolation.level"
         );
         assert_eq!(refused(&[("client.rack", "eu-1a")]), "client.rack");
+        assert_eq!(
+            refused(&[("ssl.cipher.suites", "ECDHE-RSA-AES256-GCM-SHA384")]),
+            "ssl.cipher.suites"
+        );
+        assert_eq!(
+            refused(&[("broker.address.family", "v6")]),
+            "broker.address.family"
+        );
+        assert_eq!(
+            refused(&[("api.version.request", "false")]),
+            "api.version.request"
+        );
+        // At librdkafka's default, what tally's client does anyway.
+        let defaults = FetchConfig::from_options(
+            "t",
+            [
+                ("bootstrap.servers", "b:1"),
+                ("api.version.request", "true"),
+                ("broker.address.family", "any"),
+                ("client.dns.lookup", "use_all_dns_ips"),
+            ],
+        );
+        assert!(defaults.is_ok(), "{defaults:?}");
         assert_eq!(refused(&[("check.crcs", "sometimes")]), "check.crcs");
         let no_brokers = FetchConfig::from_options("t", [("group.id", "g")]).expect_err("an error");
         assert_eq!(no_brokers.key, "bootstrap.servers");
