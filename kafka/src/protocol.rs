@@ -433,6 +433,16 @@ impl FetchPartition<'_> {
     }
 }
 
+/// How long a response asks its client to wait before its next request to that broker, under
+/// a quota (`throttle_time_ms`, the first field of every response version this client reads;
+/// KIP-219): 0 if none, or if the response is too short to say.
+pub fn throttle_time_ms(body: &[u8]) -> u32 {
+    match body.first_chunk::<4>() {
+        Some(bytes) => i32::from_be_bytes(*bytes).max(0) as u32,
+        None => 0,
+    }
+}
+
 /// `Fetch` response: its top-level error, and every partition of `topic`.
 pub fn parse_fetch<'a>(
     body: &'a [u8],
@@ -647,6 +657,11 @@ mod tests {
         );
         assert_eq!(parts[0].log_end(Isolation::ReadCommitted), 90);
         assert_eq!(parts[0].log_end(Isolation::ReadUncommitted), 100);
+        assert_eq!(throttle_time_ms(&w.buf), 0);
+        let mut throttled = w.buf.clone();
+        throttled[..4].copy_from_slice(&1_500i32.to_be_bytes());
+        assert_eq!(throttle_time_ms(&throttled), 1_500);
+        assert_eq!(throttle_time_ms(&[0, 0]), 0, "too short to say");
     }
 
     #[test]

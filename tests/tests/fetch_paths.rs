@@ -5,7 +5,8 @@
 //! defines (gzip, Snappy, LZ4 from librdkafka producers, Zstandard from `kcat`) count exactly
 //! with tally's fetcher. Retention: a resuming partition whose position was deleted moves as
 //! `auto.offset.reset` says (stays unread with `error`, goes on from the log's start by
-//! default), counted and logged. Corruption: with `check.crcs=true`, a batch corrupted in the
+//! default), counted and logged. Quotas: under a broker's consumer byte-rate quota, tally's
+//! fetcher waits out each throttle and the catch-up runs at about the quota. Corruption: with `check.crcs=true`, a batch corrupted in the
 //! broker's own segment file is never counted nor read past, and is counted and logged.
 
 use std::collections::HashMap;
@@ -354,14 +355,108 @@ async fn a_position_deleted_by_retention_moves_as_auto_offset_reset_says() {
     assert_committed_to_end(&setup.group, &setup.topic, 1);
 }
 
-/// The local broker's data directory (`deploy/local/start.sh`), whose segment files the
-/// corruption test edits.
-fn local_kafka_data() -> std::path::PathBuf {
-    let state = std::env::var_os("TALLY_LOCAL_DIR").map_or_else(
+/// The local stack's state directory (`deploy/local/start.sh`): the broker's data, whose
+/// segment files the corruption test edits, and Kafka's jars, whose tools set a quota.
+fn local_state() -> std::path::PathBuf {
+    std::env::var_os("TALLY_LOCAL_DIR").map_or_else(
         || std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../.local"),
         std::path::PathBuf::from,
+    )
+}
+
+fn local_kafka_data() -> std::path::PathBuf {
+    local_state().join("kafka-data")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_quota_is_waited_out_and_the_catch_up_runs_at_about_it() {
+    const QUOTA: u64 = 256 << 10;
+    // The broker measures a client's rate over up to 11 one-second samples (its
+    // quota.window.num and quota.window.size.seconds defaults), so a client's first bytes pass
+    // unthrottled until they exceed what the quota allows over that window.
+    const BURST: u64 = 11 * QUOTA;
+    let dir = TempDir::new("tally-e2e");
+    let redis = RedisServer::start().await;
+    let setup = AggregatorSetup::create("quota", &redis.url(), 1).await;
+    append(
+        &setup.topic,
+        "quota:views:with-a-longer-name-for-bytes",
+        75_000,
+    )
+    .await;
+    let segment = local_kafka_data()
+        .join(format!("{}-0", setup.topic))
+        .join("00000000000000000000.log");
+    let bytes = std::fs::metadata(&segment)
+        .unwrap_or_else(|e| {
+            panic!(
+                "{}: {e} (run against deploy/local/start.sh's Kafka)",
+                segment.display()
+            )
+        })
+        .len();
+
+    assert!(
+        bytes > BURST * 3 / 2,
+        "{bytes} bytes: more than the quota lets through at once"
     );
-    state.join("kafka-data")
+
+    // A consumer byte-rate quota of 256 KiB/s on the aggregator's client id, set with Kafka's
+    // own tool.
+    let client = unique("tally-quota");
+    let libs = local_state().join("kafka-libs");
+    let status = Command::new("java")
+        .arg("-cp")
+        .arg(format!("{}/*", libs.display()))
+        .arg("kafka.admin.ConfigCommand")
+        .args(["--bootstrap-server", &brokers(), "--alter"])
+        .args(["--add-config", &format!("consumer_byte_rate={QUOTA}")])
+        .args(["--entity-type", "clients", "--entity-name", &client])
+        .stdout(Stdio::null())
+        .status()
+        .expect("java runs Kafka's ConfigCommand");
+    assert!(status.success(), "the quota is set");
+
+    let started = std::time::Instant::now();
+    let client_id = format!("client.id={client}");
+    let mut aggregator = setup.spawn(
+        dir.path(),
+        &[
+            "--fetch",
+            "direct",
+            "--kafka-option",
+            &client_id,
+            // Fetches of 256 KiB, so that the quota is met many times over.
+            "--kafka-option",
+            "max.partition.fetch.bytes=262144",
+        ],
+    );
+    let reader = redis.reader(setup.keyspace()).await;
+    let expected = [(
+        "quota:views:with-a-longer-name-for-bytes".to_owned(),
+        75_000,
+    )]
+    .into();
+    wait_for_totals(&reader, &expected, Duration::from_secs(120)).await;
+    let took = started.elapsed();
+    let at_quota = Duration::from_secs_f64((bytes - BURST) as f64 / QUOTA as f64);
+    let throttled = aggregator
+        .metric("tally_fetch_throttled_seconds_total")
+        .await
+        .unwrap_or(0.0);
+    eprintln!(
+        "{bytes} bytes read in {took:?} ({:.0} KiB/s; the quota is 256 KiB/s, {at_quota:?} past the first window's), throttled {throttled:.1} s",
+        bytes as f64 / took.as_secs_f64() / 1024.0
+    );
+    assert!(
+        took >= at_quota.mul_f64(0.6),
+        "{bytes} bytes in {took:?}: faster than the quota allows"
+    );
+    assert!(
+        throttled >= at_quota.as_secs_f64() * 0.5,
+        "the throttles were waited out: {throttled} s"
+    );
+    aggregator.stop_gracefully().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -85,6 +85,11 @@ impl<S: Sink> Shared<S> {
                 );
                 return;
             }
+            Fetched::Throttled { node, ms } => {
+                self.metrics.fetch_throttled(ms);
+                tracing::debug!(node, ms, "fetches throttled by a broker quota");
+                return;
+            }
             Fetched::Failed { error } => {
                 tracing::error!(%error, "reading the topic fails; retrying");
                 return;

@@ -27,6 +27,8 @@ pub struct Metrics {
     offset_resets: IntCounter,
     /// Fetched batches that did not match their CRC-32C (`check.crcs`).
     corrupt_batches: IntCounter,
+    /// Time tally's fetcher waited out brokers' quota throttles.
+    fetch_throttled: prometheus::Counter,
     expiry_records: IntCounter,
     expired: IntCounter,
     /// Events left out of a window's bucket, by reason (`late`, `future`).
@@ -97,6 +99,10 @@ impl Register {
         self.add(IntCounter::new(name, help))
     }
 
+    fn float_counter(&self, name: &str, help: &str) -> prometheus::Counter {
+        self.add(prometheus::Counter::new(name, help))
+    }
+
     fn gauge(&self, name: &str, help: &str) -> IntGauge {
         self.add(IntGauge::new(name, help))
     }
@@ -142,6 +148,10 @@ impl Metrics {
             corrupt_batches: r.counter(
                 "tally_corrupt_batches_total",
                 "Fetched record batches that did not match their CRC-32C (check.crcs=true): the partition is not read past them, and they are fetched again every 5 s.",
+            ),
+            fetch_throttled: r.float_counter(
+                "tally_fetch_throttled_seconds_total",
+                "Time tally's fetcher sent a broker nothing because its quota throttled the last fetch (throttle_time_ms, KIP-219).",
             ),
             expiry_records: r.counter(
                 "tally_expiry_records_total",
@@ -271,6 +281,11 @@ impl Metrics {
     /// A fetched batch did not match its CRC.
     pub fn corrupt_batch(&self) {
         self.corrupt_batches.inc();
+    }
+
+    /// A broker's quota throttled a fetch for `ms` milliseconds.
+    pub fn fetch_throttled(&self, ms: u32) {
+        self.fetch_throttled.inc_by(f64::from(ms) / 1000.0);
     }
 
     /// A malformed message is safely in the dead-letter topic.

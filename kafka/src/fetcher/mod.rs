@@ -99,6 +99,14 @@ pub enum Fetched {
         /// What did not match.
         reason: String,
     },
+    /// A broker asked for a pause before the next request (a quota, KIP-219); the fetcher
+    /// sends that broker nothing until it is over.
+    Throttled {
+        /// The broker.
+        node: i32,
+        /// How long, in milliseconds.
+        ms: u32,
+    },
     /// Something failed that retrying may not cure (credentials, authorization, versions); the
     /// fetcher keeps trying with backoff.
     Failed {
@@ -424,6 +432,12 @@ async fn broker_task(shared: Arc<Shared>, node: i32) {
             .map_err(Some)
         }
         .await;
+        // A throttled response is handled, then the broker gets nothing more until the
+        // throttle is over: a request sent sooner would only wait on its muted connection.
+        let throttle = match outcome {
+            Ok(()) => protocol::throttle_time_ms(&response),
+            Err(_) => 0,
+        };
         match outcome {
             Ok(()) => match protocol::parse_fetch(&response, &config.topic) {
                 Ok((error, partitions)) if !error.is_error() => {
@@ -439,6 +453,10 @@ async fn broker_task(shared: Arc<Shared>, node: i32) {
                     .await;
                     if stale {
                         shared.stale.notify_one();
+                    }
+                    if throttle > 0 {
+                        let _ = shared.out.send(Fetched::Throttled { node, ms: throttle });
+                        tokio::time::sleep(Duration::from_millis(u64::from(throttle))).await;
                     }
                     continue;
                 }
