@@ -144,6 +144,27 @@ pub struct FetchConfig {
     pub check_crcs: bool,
     /// `isolation.level`: read_committed (librdkafka's default) or read_uncommitted.
     pub isolation: Isolation,
+    /// How long it waits before trying again.
+    pub waits: Waits,
+}
+
+/// How long the fetcher waits before trying again: librdkafka's options where given, tally's
+/// own defaults otherwise (shorter than librdkafka's, so that a broker back from a restart is
+/// read again within about 2 s).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Waits {
+    /// First wait before connecting again to a broker, or asking for metadata again, after a
+    /// failure (`reconnect.backoff.ms`; tally's default 50 ms, librdkafka's 100 ms); it doubles
+    /// up to `reconnect_max`.
+    pub reconnect: Duration,
+    /// `reconnect.backoff.max.ms` (tally's default 2 s, librdkafka's 10 s).
+    pub reconnect_max: Duration,
+    /// How long a partition whose fetch failed waits (`fetch.error.backoff.ms`, 500 ms).
+    pub fetch_error: Duration,
+    /// How often metadata is asked for when nothing asks for it
+    /// (`topic.metadata.refresh.interval.ms`; tally's default 60 s, librdkafka's 300 s; -1:
+    /// never).
+    pub metadata_refresh: Duration,
 }
 
 /// Defaults: what librdkafka does, but a 100 ms fetch wait (a paused partition resumed while a
@@ -154,6 +175,9 @@ pub const DEFAULT_LIMITS: FetchLimits = FetchLimits {
     max_bytes: 64 << 20,
     partition_max_bytes: 4 << 20,
 };
+
+/// A wait that never ends in practice: a metadata refresh turned off.
+const NEVER: Duration = Duration::from_secs(365 * 24 * 3600);
 
 /// Options that change nothing about how a client connects, or that its role honours itself or
 /// does not need: the consumer group's, librdkafka's internals.
@@ -168,10 +192,9 @@ const IGNORED: &[&str] = &[
     "metadata.max",
     "queued.min",
     "fetch.queue",
-    "fetch.error",
     "enable.partition",
     "socket.",
-    "reconnect.",
+    "reconnect.backoff.jitter",
     "retry.",
     "retries",
     "log",
@@ -423,6 +446,9 @@ const FETCH_KEYS: &[&str] = &[
     "auto.offset.reset",
     "check.crcs",
     "isolation.level",
+    "reconnect.backoff.ms",
+    "reconnect.backoff.max.ms",
+    "fetch.error.backoff.ms",
 ];
 
 impl FetchConfig {
@@ -456,6 +482,19 @@ impl FetchConfig {
             Some("read_uncommitted") => Isolation::ReadUncommitted,
             Some(other) => return Err(unsupported("isolation.level", other)),
         };
+        let ms = |key: &str, default: i64| -> Result<Duration, Unsupported> {
+            Ok(Duration::from_millis(o.int(key, default)?.max(0) as u64))
+        };
+        let refresh = o.int("topic.metadata.refresh.interval.ms", 60_000)?;
+        let waits = Waits {
+            reconnect: ms("reconnect.backoff.ms", 50)?,
+            reconnect_max: ms("reconnect.backoff.max.ms", 2_000)?,
+            fetch_error: ms("fetch.error.backoff.ms", 500)?,
+            metadata_refresh: match u64::try_from(refresh) {
+                Ok(ms) if ms > 0 => Duration::from_millis(ms),
+                _ => NEVER,
+            },
+        };
         Ok(Self {
             client,
             topic: topic.to_owned(),
@@ -464,6 +503,7 @@ impl FetchConfig {
             offset_reset,
             check_crcs: o.truthy("check.crcs", false)?,
             isolation,
+            waits,
         })
     }
 }
@@ -610,6 +650,28 @@ mod tests {
         )
         .expect("as written");
         assert!(checked.check_crcs);
+        assert_eq!(c.waits.fetch_error, Duration::from_millis(500));
+        let waits = FetchConfig::from_options(
+            "t",
+            [
+                ("bootstrap.servers", "b:1"),
+                ("reconnect.backoff.ms", "100"),
+                ("reconnect.backoff.max.ms", "10000"),
+                ("fetch.error.backoff.ms", "250"),
+                ("topic.metadata.refresh.interval.ms", "-1"),
+            ],
+        )
+        .expect("as written")
+        .waits;
+        assert_eq!(
+            waits,
+            Waits {
+                reconnect: Duration::from_millis(100),
+                reconnect_max: Duration::from_secs(10),
+                fetch_error: Duration::from_millis(250),
+                metadata_refresh: NEVER,
+            }
+        );
         assert_eq!(checked.isolation, Isolation::ReadCommitted);
         let uncommitted = FetchConfig::from_options(
             "t",

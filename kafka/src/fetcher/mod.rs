@@ -38,18 +38,8 @@ mod chunk;
 use chunk::{Budget, Reading, chunk};
 pub use chunk::{Chunk, Item, Items};
 
-/// Shortest and longest wait before trying a failed connection or metadata request again.
-const BACKOFF: (Duration, Duration) = (Duration::from_millis(50), Duration::from_secs(2));
-
-/// How often metadata is asked for when nothing asks for it.
-const METADATA_REFRESH: Duration = Duration::from_secs(60);
-
 /// Shortest time between two metadata requests, however often fetches find leadership stale.
 const METADATA_SPACING: Duration = Duration::from_millis(100);
-
-/// How long a partition whose fetch failed waits before it is fetched again (librdkafka's
-/// `fetch.error.backoff.ms`).
-const FETCH_ERROR_BACKOFF: Duration = Duration::from_millis(500);
 
 /// How long a partition whose batch did not match its CRC waits before it is fetched again.
 pub const CORRUPT_BACKOFF: Duration = Duration::from_secs(5);
@@ -270,11 +260,12 @@ fn lock_tasks(tasks: &Mutex<JoinSet<()>>) -> MutexGuard<'_, JoinSet<()>> {
 }
 
 /// Keeps the partitions' leaders known: asks when a broker task or a seek says they are stale,
-/// and every [`METADATA_REFRESH`]; starts a fetch task for each broker that leads a partition.
+/// and every `topic.metadata.refresh.interval.ms` ([`crate::config::Waits`]); starts a fetch task for each broker that leads a partition.
 async fn metadata_task(shared: Arc<Shared>, tasks: Arc<Mutex<JoinSet<()>>>) {
     let config = &shared.config;
     let mut connection: Option<Connection> = None;
-    let mut backoff = Backoff::new(BACKOFF.0, BACKOFF.1);
+    let waits = shared.config.waits;
+    let mut backoff = Backoff::new(waits.reconnect, waits.reconnect_max);
     let mut last_failure: Option<String> = None;
     loop {
         let metadata = async {
@@ -340,7 +331,7 @@ async fn metadata_task(shared: Arc<Shared>, tasks: Arc<Mutex<JoinSet<()>>>) {
         }
         // However often fetches find leadership stale, at most one request per spacing.
         tokio::time::sleep(METADATA_SPACING).await;
-        let _ = tokio::time::timeout(METADATA_REFRESH, shared.stale.notified()).await;
+        let _ = tokio::time::timeout(waits.metadata_refresh, shared.stale.notified()).await;
     }
 }
 
@@ -380,7 +371,8 @@ fn fetchable(state: &mut State, node: i32) -> Fetchable {
 async fn broker_task(shared: Arc<Shared>, node: i32) {
     let config = &shared.config;
     let mut connection: Option<Connection> = None;
-    let mut backoff = Backoff::new(BACKOFF.0, BACKOFF.1);
+    let waits = shared.config.waits;
+    let mut backoff = Backoff::new(waits.reconnect, waits.reconnect_max);
     let mut response = Vec::new();
     let mut scratch = Vec::new();
     loop {
@@ -620,10 +612,10 @@ async fn handle_response(
     stale
 }
 
-/// Keeps `partition` from being fetched for [`FETCH_ERROR_BACKOFF`].
+/// Keeps `partition` from being fetched for `fetch.error.backoff.ms`.
 fn back_off(shared: &Shared, partition: i32) {
     if let Some(w) = shared.lock().wanted.get_mut(&partition) {
-        w.not_before = Some(std::time::Instant::now() + FETCH_ERROR_BACKOFF);
+        w.not_before = Some(std::time::Instant::now() + shared.config.waits.fetch_error);
     }
 }
 
