@@ -5,7 +5,7 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use tally_aggregator::operator::pauses::{Owned, Watch};
+use tally_aggregator::operator::pauses::{Owned, Watch, stayed_put};
 
 use crate::http::http_get;
 use crate::kafka::end_offsets_on;
@@ -88,8 +88,9 @@ impl<'a> Group<'a> {
             })
     }
 
-    /// After a fault at `fault` (a kill, a join): waits until `members` own all `partitions`,
-    /// each at least `each`, and everything sent before the fault is durable; what it cost.
+    /// After a fault at `fault` (a kill, a join, a restart): waits until `members` own all
+    /// `partitions`, each at least `each`, and everything sent before the fault is durable;
+    /// what it cost.
     pub async fn rebalanced(
         &self,
         fault: Instant,
@@ -99,24 +100,11 @@ impl<'a> Group<'a> {
         each: usize,
     ) -> Rebalanced {
         let sent = end_offsets_on(&self.setup.brokers, &self.setup.topic, partitions).await;
-        let timeout = Duration::from_secs(60);
-        let after = self.wait_owned(members, partitions, each).await;
-        let moved = fault.elapsed();
-        if let Err(behind) = self.watch.wait_durable(&sent, timeout).await {
-            panic!(
-                "after {timeout:?}, partitions not yet durable to the end (partition, end, durable): {behind:?}"
-            );
-        }
-        let settled = fault.elapsed();
-        let kept: Vec<i32> = (before.iter())
-            .flat_map(|(name, owned)| {
-                let now = after.iter().find(|(n, _)| n == name).map(|(_, o)| o);
-                owned
-                    .iter()
-                    .filter(move |p| now.is_some_and(|o| o.contains(p)))
-            })
-            .copied()
-            .collect();
+        let (after, moved, settled) = (self.watch)
+            .settle(fault, members, each, &sent, Duration::from_secs(60))
+            .await
+            .unwrap_or_else(|missing| panic!("after 60 s, {missing}"));
+        let (kept, _) = stayed_put(&before, &after, None);
         let pause = self.watch.longest_pause(&kept, fault);
         Rebalanced {
             before,

@@ -48,11 +48,6 @@ impl DurableHistory {
         }
     }
 
-    /// Which member reports each partition now.
-    pub fn owners(&self) -> &HashMap<i32, String> {
-        &self.owners
-    }
-
     /// The partitions `member` reports now.
     pub fn owned_by(&self, member: &str) -> Vec<i32> {
         let mut owned: Vec<i32> = (self.owners.iter())
@@ -98,6 +93,22 @@ impl DurableHistory {
 
 /// Who owns which partitions: (member, its partitions), per member.
 pub type Owned = Vec<(String, Vec<i32>)>;
+
+/// The partitions of `before` still with the same member in `after` (kept), and the others
+/// (moved). `restarted`'s partitions count as moved even if it took them back: they stopped.
+pub fn stayed_put(before: &Owned, after: &Owned, restarted: Option<&str>) -> (Vec<i32>, Vec<i32>) {
+    let (mut kept, mut moved) = (Vec::new(), Vec::new());
+    for (name, owned) in before {
+        let now = (after.iter()).find(|(n, _)| n == name && restarted != Some(name.as_str()));
+        for &partition in owned {
+            match now {
+                Some((_, o)) if o.contains(&partition) => kept.push(partition),
+                _ => moved.push(partition),
+            }
+        }
+    }
+    (kept, moved)
+}
 
 /// Samples the members' durable offsets every 100 ms until dropped.
 #[derive(Debug)]
@@ -195,6 +206,26 @@ impl Watch {
         }
     }
 
+    /// After a fault at `fault` (a kill, a join, a restart): waits until `members` own every
+    /// partition of `sent`, each at least `each`, then until everything sent before the fault
+    /// is durable (`sent[p]`: partition `p`'s end, read once the fault was made). What each owns
+    /// then, and how long after the fault each wait ended; on timeout, what was missing.
+    pub async fn settle(
+        &self,
+        fault: Instant,
+        members: &[&str],
+        each: usize,
+        sent: &[i64],
+        timeout: Duration,
+    ) -> Result<(Owned, Duration, Duration), String> {
+        let after = (self.wait_owned(members, sent.len(), each, timeout).await)
+            .map_err(|owned| format!("not all {} partitions owned again: {owned:?}", sent.len()))?;
+        let owned_again = fault.elapsed();
+        (self.wait_durable(sent, timeout).await)
+            .map_err(|behind| format!("not durable again (partition, end, durable): {behind:?}"))?;
+        Ok((after, owned_again, fault.elapsed()))
+    }
+
     /// Waits until every partition `p` is durable up to `ends[p]`, whoever owns it: how long
     /// that took, or on timeout those behind (partition, end, durable).
     pub async fn wait_durable(
@@ -267,6 +298,24 @@ mod tests {
         assert_eq!(
             history.longest_pause(9, at(0), at(500)),
             Duration::from_millis(500)
+        );
+    }
+
+    #[test]
+    fn what_stayed_put_is_what_the_same_member_still_owns() {
+        let owned = |pairs: &[(&str, &[i32])]| -> Owned {
+            (pairs.iter())
+                .map(|(n, p)| ((*n).to_owned(), p.to_vec()))
+                .collect()
+        };
+        let before = owned(&[("a", &[0, 1]), ("b", &[2, 3])]);
+        let after = owned(&[("a", &[0, 1, 3]), ("c", &[2])]);
+        assert_eq!(stayed_put(&before, &after, None), (vec![0, 1], vec![2, 3]));
+        // A member restarted in place stopped, even though it has its partitions back.
+        let back = owned(&[("a", &[0, 1]), ("b", &[2, 3])]);
+        assert_eq!(
+            stayed_put(&before, &back, Some("a")),
+            (vec![2, 3], vec![0, 1])
         );
     }
 

@@ -11,7 +11,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, anyhow};
-use tally_aggregator::operator::pauses::{Owned, Watch};
+use tally_aggregator::operator::pauses::{Owned, Watch, stayed_put};
 
 use crate::env::{Env, free_port, stop};
 use crate::probe;
@@ -85,29 +85,11 @@ impl Run<'_, '_> {
         restarted: Option<&str>,
     ) -> anyhow::Result<(RebalanceEvent, Owned)> {
         let sent = self.end_offsets().await?;
-        let after = (self
-            .watch
-            .wait_owned(members, PARTITIONS as usize, each, TIMEOUT))
-        .await
-        .map_err(|owned| anyhow!("{event}: partitions not all owned again: {owned:?}"))?;
-        let owned_again_s = at.elapsed().as_secs_f64();
-        (self.watch.wait_durable(&sent, TIMEOUT).await)
-            .map_err(|behind| anyhow!("{event}: not durable again: {behind:?}"))?;
-        let durable_again_s = at.elapsed().as_secs_f64();
-        let stays = |p: &i32, name: &str| {
-            restarted != Some(name)
-                && (after.iter()).any(|(n, owned)| n == name && owned.contains(p))
-        };
-        let (mut kept, mut moved) = (Vec::new(), Vec::new());
-        for (name, owned) in before {
-            for p in owned {
-                if stays(p, name) {
-                    kept.push(*p);
-                } else {
-                    moved.push(*p);
-                }
-            }
-        }
+        let (after, owned_again, durable_again) = (self.watch)
+            .settle(at, members, each, &sent, TIMEOUT)
+            .await
+            .map_err(|missing| anyhow!("{event}: {missing}"))?;
+        let (kept, moved) = stayed_put(before, &after, restarted);
         let gap = |partitions: &[i32]| self.watch.longest_pause(partitions, at).1.as_secs_f64();
         let result = RebalanceEvent {
             event: event.to_owned(),
@@ -115,8 +97,8 @@ impl Run<'_, '_> {
             kept_longest_gap_s: gap(&kept),
             moved: moved.len(),
             moved_longest_gap_s: gap(&moved),
-            owned_again_s,
-            durable_again_s,
+            owned_again_s: owned_again.as_secs_f64(),
+            durable_again_s: durable_again.as_secs_f64(),
         };
         println!(
             "  {event}: {} kept (longest gap {:.2} s), {} moved (longest gap {:.2} s), durable again at {:.2} s",
