@@ -25,10 +25,10 @@ const LOG_OVERHEAD: usize = 12;
 /// Where a v2 batch's CRC-32C field ends: it covers everything after it.
 const CRC_END: usize = 21;
 
-/// Whether a v2 batch's bytes match its CRC (`check.crcs`): a mismatch is a batch corrupted on
-/// a disk or the wire.
-pub fn crc_matches(header: &BatchHeader, covered: &[u8]) -> bool {
-    crc32c::crc32c(covered) == header.crc
+/// The CRC-32C a v2 batch's bytes have, if it is not the one the batch carries
+/// (`check.crcs`): a batch corrupted on a disk or the wire.
+pub fn crc_mismatch(header: &BatchHeader, covered: &[u8]) -> Option<u32> {
+    Some(crc32c::crc32c(covered)).filter(|computed| *computed != header.crc)
 }
 
 /// How a batch's records section is compressed (`attributes & 7`).
@@ -658,10 +658,14 @@ pub(crate) mod tests {
         else {
             panic!("one batch: {batches:?}");
         };
-        assert!(crc_matches(header, covered), "the CRC checks out");
+        assert_eq!(crc_mismatch(header, covered), None, "the CRC checks out");
         let mut corrupt = covered.to_vec();
         corrupt[40] ^= 0x01;
-        assert!(!crc_matches(header, &corrupt), "one flipped bit is caught");
+        assert_eq!(
+            crc_mismatch(header, &corrupt),
+            Some(crc32c::crc32c(&corrupt)),
+            "one flipped bit is caught"
+        );
         assert_eq!(
             (
                 header.record_count,

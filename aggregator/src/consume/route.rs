@@ -81,7 +81,8 @@ impl<S: Sink> Shared<S> {
                     partition,
                     offset,
                     %reason,
-                    "a corrupt record batch: the partition is not read past it, and it is fetched again in 5 s (move the partition's leadership to a clean replica if it persists)"
+                    retry_in = ?tally_kafka::fetcher::CORRUPT_BACKOFF,
+                    "a corrupt record batch: the partition is not read past it, and it is fetched again (move the partition's leadership to a clean replica if it persists)"
                 );
                 return;
             }

@@ -372,12 +372,13 @@ pub(super) fn chunk(
         if last < start {
             continue;
         }
-        if reading.check_crcs && !records::crc_matches(&header, covered) {
+        if let Some(computed) = (reading.check_crcs)
+            .then(|| records::crc_mismatch(&header, covered))
+            .flatten()
+        {
             corrupt = Some(format!(
-                "the batch of offsets {}..={last} does not match its CRC-32C ({:#010x} carried, {:#010x} computed): corrupted on a disk or the wire",
-                header.base_offset,
-                header.crc,
-                crc32c::crc32c(covered)
+                "the batch of offsets {}..={last} does not match its CRC-32C ({:#010x} carried, {computed:#010x} computed): corrupted on a disk or the wire",
+                header.base_offset, header.crc,
             ));
             break;
         }

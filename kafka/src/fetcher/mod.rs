@@ -260,7 +260,8 @@ fn lock_tasks(tasks: &Mutex<JoinSet<()>>) -> MutexGuard<'_, JoinSet<()>> {
 }
 
 /// Keeps the partitions' leaders known: asks when a broker task or a seek says they are stale,
-/// and every `topic.metadata.refresh.interval.ms` ([`crate::config::Waits`]); starts a fetch task for each broker that leads a partition.
+/// and every `topic.metadata.refresh.interval.ms` ([`crate::config::Waits`]); starts a fetch
+/// task for each broker that leads a partition.
 async fn metadata_task(shared: Arc<Shared>, tasks: Arc<Mutex<JoinSet<()>>>) {
     let config = &shared.config;
     let mut connection: Option<Connection> = None;
@@ -424,12 +425,6 @@ async fn broker_task(shared: Arc<Shared>, node: i32) {
             .map_err(Some)
         }
         .await;
-        // A throttled response is handled, then the broker gets nothing more until the
-        // throttle is over: a request sent sooner would only wait on its muted connection.
-        let throttle = match outcome {
-            Ok(()) => protocol::throttle_time_ms(&response),
-            Err(_) => 0,
-        };
         match outcome {
             Ok(()) => match protocol::parse_fetch(&response, &config.topic) {
                 Ok((error, partitions)) if !error.is_error() => {
@@ -446,6 +441,10 @@ async fn broker_task(shared: Arc<Shared>, node: i32) {
                     if stale {
                         shared.stale.notify_one();
                     }
+                    // A throttled response is handled, then the broker gets nothing more until
+                    // the throttle is over: a request sent sooner would only wait on its muted
+                    // connection.
+                    let throttle = protocol::throttle_time_ms(&response);
                     if throttle > 0 {
                         let _ = shared.out.send(Fetched::Throttled { node, ms: throttle });
                         tokio::time::sleep(Duration::from_millis(u64::from(throttle))).await;
