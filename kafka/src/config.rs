@@ -226,7 +226,8 @@ const IGNORED: &[&str] = &[
     "auto.commit",
     "consume.callback",
     "enable.random.seed",
-    "topic.metadata",
+    "topic.metadata.refresh.fast",
+    "topic.metadata.refresh.sparse",
     "default.topic",
 ];
 
@@ -283,6 +284,21 @@ impl<'a> Options<'a> {
             None => Ok(default),
             Some(v) => v.trim().parse().map_err(|_| unsupported(key, v)),
         }
+    }
+
+    /// A duration in milliseconds (a negative one is zero).
+    fn millis(&self, key: &str, default: i64) -> Result<Duration, Unsupported> {
+        Ok(Duration::from_millis(self.int(key, default)?.max(0) as u64))
+    }
+
+    /// `topic.metadata.refresh.interval.ms`: how often metadata is asked for unasked; -1 (or
+    /// 0) turns that off, as in librdkafka.
+    fn metadata_refresh(&self, default: i64) -> Result<Duration, Unsupported> {
+        let ms = self.int("topic.metadata.refresh.interval.ms", default)?;
+        Ok(match u64::try_from(ms) {
+            Ok(ms) if ms > 0 => Duration::from_millis(ms),
+            _ => NEVER,
+        })
     }
 
     /// A non-negative value that fits an `int32`.
@@ -449,6 +465,7 @@ const FETCH_KEYS: &[&str] = &[
     "reconnect.backoff.ms",
     "reconnect.backoff.max.ms",
     "fetch.error.backoff.ms",
+    "topic.metadata.refresh.interval.ms",
 ];
 
 impl FetchConfig {
@@ -482,18 +499,11 @@ impl FetchConfig {
             Some("read_uncommitted") => Isolation::ReadUncommitted,
             Some(other) => return Err(unsupported("isolation.level", other)),
         };
-        let ms = |key: &str, default: i64| -> Result<Duration, Unsupported> {
-            Ok(Duration::from_millis(o.int(key, default)?.max(0) as u64))
-        };
-        let refresh = o.int("topic.metadata.refresh.interval.ms", 60_000)?;
         let waits = Waits {
-            reconnect: ms("reconnect.backoff.ms", 50)?,
-            reconnect_max: ms("reconnect.backoff.max.ms", 2_000)?,
-            fetch_error: ms("fetch.error.backoff.ms", 500)?,
-            metadata_refresh: match u64::try_from(refresh) {
-                Ok(ms) if ms > 0 => Duration::from_millis(ms),
-                _ => NEVER,
-            },
+            reconnect: o.millis("reconnect.backoff.ms", 50)?,
+            reconnect_max: o.millis("reconnect.backoff.max.ms", 2_000)?,
+            fetch_error: o.millis("fetch.error.backoff.ms", 500)?,
+            metadata_refresh: o.metadata_refresh(60_000)?,
         };
         Ok(Self {
             client,
@@ -592,10 +602,7 @@ impl AppendConfig {
             Some("gzip") => Codec::Gzip,
             Some(other) => return Err(unsupported("compression.type", other)),
         };
-        let ms = |key: &str, alias: &str, default: i64| -> Result<Duration, Unsupported> {
-            let v = o.int(key, o.int(alias, default)?)?.max(0);
-            Ok(Duration::from_millis(v as u64))
-        };
+        let ms = |key: &str, alias: &str, default: i64| o.millis(key, o.int(alias, default)?);
         let count = |key: &str, default: i64| -> Result<usize, Unsupported> {
             Ok(usize::try_from(o.int(key, default)?.max(1)).unwrap_or(usize::MAX))
         };
@@ -608,11 +615,7 @@ impl AppendConfig {
             max_queued: count("queue.buffering.max.messages", 100_000)?,
             codec,
             delivery_timeout: ms("message.timeout.ms", "delivery.timeout.ms", 300_000)?,
-            metadata_refresh: ms(
-                "topic.metadata.refresh.interval.ms",
-                "topic.metadata.refresh.interval.ms",
-                300_000,
-            )?,
+            metadata_refresh: o.millis("topic.metadata.refresh.interval.ms", 300_000)?,
         })
     }
 }
@@ -640,6 +643,8 @@ mod tests {
         assert_eq!(c.limits.max_wait_ms, DEFAULT_LIMITS.max_wait_ms);
         assert_eq!(c.offset_reset, OffsetReset::Earliest);
         assert!(!c.check_crcs, "librdkafka's default");
+        assert_eq!(c.waits.fetch_error, Duration::from_millis(500));
+        assert_eq!(c.waits.metadata_refresh, Duration::from_secs(60));
         let checked = FetchConfig::from_options(
             "t",
             [
@@ -650,7 +655,7 @@ mod tests {
         )
         .expect("as written");
         assert!(checked.check_crcs);
-        assert_eq!(c.waits.fetch_error, Duration::from_millis(500));
+        assert_eq!(checked.isolation, Isolation::ReadCommitted);
         let waits = FetchConfig::from_options(
             "t",
             [
@@ -672,7 +677,6 @@ mod tests {
                 metadata_refresh: NEVER,
             }
         );
-        assert_eq!(checked.isolation, Isolation::ReadCommitted);
         let uncommitted = FetchConfig::from_options(
             "t",
             [
