@@ -615,7 +615,7 @@ impl AppendConfig {
             max_queued: count("queue.buffering.max.messages", 100_000)?,
             codec,
             delivery_timeout: ms("message.timeout.ms", "delivery.timeout.ms", 300_000)?,
-            metadata_refresh: o.millis("topic.metadata.refresh.interval.ms", 300_000)?,
+            metadata_refresh: o.metadata_refresh(300_000)?,
         })
     }
 }
@@ -686,6 +686,21 @@ mod tests {
         )
         .expect("as written");
         assert_eq!(uncommitted.isolation, Isolation::ReadUncommitted);
+        // The appender reads the same refresh the same way: -1 turns it off rather than
+        // asking for metadata in a loop.
+        let append = |v| {
+            AppendConfig::from_options(
+                "t",
+                [
+                    ("bootstrap.servers", "b:1"),
+                    ("topic.metadata.refresh.interval.ms", v),
+                ],
+            )
+            .expect("as written")
+            .metadata_refresh
+        };
+        assert_eq!(append("-1"), NEVER);
+        assert_eq!(append("1000"), Duration::from_secs(1));
         let reset = |v| {
             FetchConfig::from_options(
                 "t",
