@@ -14,10 +14,11 @@ use rdkafka::message::ToBytes;
 use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord};
 use rdkafka::{Offset, TopicPartitionList};
 use tally_cli::load::{self, LoadError, LoadReport, LoadSpec};
-use tally_common::CounterEvent;
+use tally_common::{CounterEvent, Reader};
 use tally_producer::{Pending, Producer, ProducerConfig};
 use tokio::task::JoinHandle;
 
+use crate::store::wait_for_totals;
 use crate::support::{eventually, unique};
 
 /// The Kafka brokers the tests use.
@@ -346,6 +347,14 @@ impl StoppableLoad {
             "every event sent was acknowledged: {:?}",
             report.first_error
         );
+        report
+    }
+
+    /// Stops the load ([`StoppableLoad::stop`]) and waits until every total it sent is what
+    /// `reader` reads, exactly; returns what it sent.
+    pub async fn stop_and_wait_totals(self, reader: &Reader, timeout: Duration) -> LoadReport {
+        let report = self.stop().await;
+        wait_for_totals(reader, &report.totals, timeout).await;
         report
     }
 }

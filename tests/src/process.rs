@@ -71,8 +71,8 @@ pub struct AggregatorSetup {
     /// The cap on a failed flush's retry delay: 500 ms, so that tests recover fast; the
     /// aggregator's default is 2,000.
     pub retry_max_backoff_ms: u64,
-    /// The group's session timeout: 6 s (the broker's minimum, with 1 s heartbeats), so that a
-    /// crashed member's partitions move fast; `None` leaves the aggregator's defaults.
+    /// The group's session timeout: 6 s (the broker's minimum; heartbeats are 1 s by default),
+    /// so that a crashed member's partitions move fast; `None` leaves the aggregator's 10 s.
     pub session_timeout_ms: Option<u64>,
 }
 
@@ -157,15 +157,14 @@ impl AggregatorSetup {
         log: PathBuf,
     ) -> AggregatorProcess {
         let metrics_port = free_port();
-        let session: Vec<String> = match self.session_timeout_ms {
-            Some(ms) => vec![
-                "--kafka-option".to_owned(),
-                format!("session.timeout.ms={ms}"),
-                "--kafka-option".to_owned(),
-                "heartbeat.interval.ms=1000".to_owned(),
-            ],
-            None => Vec::new(),
-        };
+        let session: Vec<String> = (self.session_timeout_ms.iter())
+            .flat_map(|ms| {
+                [
+                    "--kafka-option".to_owned(),
+                    format!("session.timeout.ms={ms}"),
+                ]
+            })
+            .collect();
         let child = Command::new(binary("tally-aggregator"))
             .args(["--brokers", &self.brokers])
             .args(["--topic", &self.topic])

@@ -11,7 +11,7 @@ use tally_cli::load::LoadSpec;
 
 use crate::kafka::StoppableLoad;
 use crate::process::{AggregatorSetup, assert_no_crossslot, kill_repeatedly};
-use crate::store::{reader, wait_for_totals};
+use crate::store::reader;
 use crate::support::{TempDir, seed, unique};
 
 /// Where the aggregators under test keep the counts.
@@ -107,13 +107,12 @@ pub async fn sigkill_storm<'a>(
     let load = StoppableLoad::start(&setup.topic, spec(events, 20_000, seed));
     let mut last =
         kill_repeatedly(&setup, dir.path(), &flags, first, kills, seed, &load.task).await;
-    let sent = load.stop().await;
-    wait_for_totals(
-        &store.reader(setup.keyspace()).await,
-        &sent.totals,
-        Duration::from_secs(120),
-    )
-    .await;
+    let sent = load
+        .stop_and_wait_totals(
+            &store.reader(setup.keyspace()).await,
+            Duration::from_secs(120),
+        )
+        .await;
     last.stop_gracefully().await;
     assert_no_crossslot(dir.path());
     (setup, sent.totals)
@@ -145,10 +144,8 @@ pub async fn scale_one_three_one(name: &str, redis_url: &str, grouping: &str) {
         !load.is_finished(),
         "the load ended before the group was back to one"
     );
-    let sent = load.stop().await;
-    wait_for_totals(
+    load.stop_and_wait_totals(
         &reader(redis_url, setup.keyspace()).await,
-        &sent.totals,
         Duration::from_secs(90),
     )
     .await;
@@ -205,10 +202,8 @@ pub async fn zombie_is_fenced_off<'a>(name: &str, store: impl Into<Store<'a>>, g
         .wait_more_flushes(8.0, Duration::from_secs(30))
         .await;
     assert!(!load.is_finished(), "the load ended before the zombie woke");
-    let sent = load.stop().await;
-    wait_for_totals(
+    load.stop_and_wait_totals(
         &store.reader(setup.keyspace()).await,
-        &sent.totals,
         Duration::from_secs(90),
     )
     .await;

@@ -16,7 +16,6 @@ use std::time::{Duration, Instant};
 use tally_cli::load::LoadSpec;
 use tally_tests::{
     AggregatorSetup, Group, RedisServer, StoppableLoad, TempDir, assignments_seen, revokes_seen,
-    wait_for_totals,
 };
 
 const PARTITIONS: i32 = 12;
@@ -125,10 +124,8 @@ async fn failover_and_scale_out_stop_only_the_partitions_that_move() {
         );
     }
 
-    let report = load.stop().await;
-    wait_for_totals(
+    load.stop_and_wait_totals(
         &redis.reader(setup.keyspace()).await,
-        &report.totals,
         Duration::from_secs(60),
     )
     .await;

@@ -44,9 +44,9 @@ async fn redis_sigkilled_and_restarted_from_its_aof_mid_stream() {
         .await;
     assert!(!load.is_finished(), "the load ended before Redis was back");
 
-    let sent = load.stop().await;
     let reader = redis.reader(setup.keyspace()).await;
-    wait_for_totals(&reader, &sent.totals, Duration::from_secs(60)).await;
+    load.stop_and_wait_totals(&reader, Duration::from_secs(60))
+        .await;
     assert!(aggregator.is_running(), "recovered without a restart");
     aggregator.stop_gracefully().await;
 }
@@ -76,9 +76,9 @@ async fn redis_back_with_an_older_state_is_re_fed_from_kafka() {
         .await;
     assert!(!load.is_finished(), "the load ended before the rollback");
 
-    let sent = load.stop().await;
     let reader = redis.reader(setup.keyspace()).await;
-    wait_for_totals(&reader, &sent.totals, Duration::from_secs(60)).await;
+    load.stop_and_wait_totals(&reader, Duration::from_secs(60))
+        .await;
     let rollbacks = aggregator
         .metric("tally_redis_rollbacks_total")
         .await

@@ -364,16 +364,19 @@ fn local_state() -> std::path::PathBuf {
     )
 }
 
-fn local_kafka_data() -> std::path::PathBuf {
-    local_state().join("kafka-data")
+/// The first segment file of partition 0 of `topic` on the local broker.
+fn first_segment(topic: &str) -> std::path::PathBuf {
+    (local_state().join("kafka-data"))
+        .join(format!("{topic}-0"))
+        .join("00000000000000000000.log")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_broker_quota_is_waited_out_and_the_catch_up_runs_at_about_it() {
     const QUOTA: u64 = 256 << 10;
     // The broker measures a client's rate over up to 11 one-second samples (its
-    // quota.window.num and quota.window.size.seconds defaults), so a client's first bytes pass
-    // unthrottled until they exceed what the quota allows over that window.
+    // quota.window.num and quota.window.size.seconds defaults): the bounds below grant the
+    // client that much unthrottled, though in the runs here throttling began at once.
     const BURST: u64 = 11 * QUOTA;
     let dir = TempDir::new("tally-e2e");
     let redis = RedisServer::start().await;
@@ -384,9 +387,7 @@ async fn a_broker_quota_is_waited_out_and_the_catch_up_runs_at_about_it() {
         75_000,
     )
     .await;
-    let segment = local_kafka_data()
-        .join(format!("{}-0", setup.topic))
-        .join("00000000000000000000.log");
+    let segment = first_segment(&setup.topic);
     let bytes = std::fs::metadata(&segment)
         .unwrap_or_else(|e| {
             panic!(
@@ -473,9 +474,7 @@ async fn with_check_crcs_a_batch_corrupted_on_the_brokers_disk_is_never_read_pas
     // One byte of the first batch holding `crc:corrupt` changed in the segment file the broker
     // serves from: `crc:corrupt` becomes `Crc:corrupt`, still a valid event, which only the
     // batch's CRC can tell from the one written.
-    let segment = local_kafka_data()
-        .join(format!("{}-0", setup.topic))
-        .join("00000000000000000000.log");
+    let segment = first_segment(&setup.topic);
     let mut bytes = std::fs::read(&segment).unwrap_or_else(|e| {
         panic!(
             "{}: {e} (this test corrupts the local broker's segment: run it against deploy/local/start.sh's Kafka)",

@@ -102,11 +102,8 @@ async fn a_rolling_restart_of_every_broker(cluster: &KafkaCluster, redis: &Redis
         .unwrap_or(0.0);
     flushed(&aggregator, flushed_after as u64 + 4_000).await;
     assert!(!load.is_finished(), "the load ended before the restarts");
-    let report = load.stop().await;
-
-    wait_for_totals(
+    load.stop_and_wait_totals(
         &redis.reader(setup.keyspace()).await,
-        &report.totals,
         Duration::from_secs(120),
     )
     .await;
@@ -181,10 +178,8 @@ async fn the_broker_side_group_protocol(cluster: &KafkaCluster, redis: &RedisSer
         "a partition that stayed with a survivor paused: {died:?}"
     );
 
-    let report = load.stop().await;
-    wait_for_totals(
+    load.stop_and_wait_totals(
         &redis.reader(setup.keyspace()).await,
-        &report.totals,
         Duration::from_secs(120),
     )
     .await;
