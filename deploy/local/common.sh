@@ -11,6 +11,9 @@ topic=${TALLY_TOPIC:-tally.events}
 dlq_topic=${TALLY_DEAD_LETTER_TOPIC:-tally.events.dlq}
 partitions=${TALLY_PARTITIONS:-8}
 libs=$state/kafka-libs
+# The Apache Kafka release the local brokers run (deploy/local/compat.sh runs the end-to-end
+# tests on several). Releases from 3.3 (KRaft without ZooKeeper) on start with these scripts.
+kafka_version=${TALLY_KAFKA_VERSION:-4.1.1}
 
 log() { printf '[tally-local %ss] %s\n' "$SECONDS" "$*" >&2; }
 
@@ -30,13 +33,29 @@ wait_for() {
   done
 }
 
+# Quiet broker and tool logs, for log4j 2 (Kafka 4) and log4j 1 (Kafka 3, through reload4j).
+kafka_logging=(-Dlog4j2.configurationFile="$root/deploy/kafka/log4j2.properties"
+  -Dlog4j.configuration="file:$root/deploy/kafka/log4j.properties")
+
 kafka_java() {
-  java -Xms128m -Xmx512m -Dlog4j2.configurationFile="$root/deploy/kafka/log4j2.properties" -cp "$libs/*" "$@"
+  java -Xms128m -Xmx512m "${kafka_logging[@]}" -cp "$libs/*" "$@"
+}
+
+# kafka_tool NAME ARGS...: runs one of Kafka's command-line tools (TopicCommand, ConfigCommand,
+# ...) from the package this release keeps it in: the tools moved from kafka.admin to
+# org.apache.kafka.tools between 3.3 and 4.4, one by one.
+kafka_tool() {
+  local name=$1 class
+  shift
+  class=$(grep -m1 -E "^(org/apache/kafka/tools|kafka/admin)/$name\.class$" "$libs/.classes") ||
+    { log "Kafka $kafka_version has no tool named $name"; return 2; }
+  class=${class%.class}
+  kafka_java "${class//\//.}" "$@"
 }
 
 # create_topic NAME PARTITIONS: creates a topic unless it exists.
 create_topic() {
-  kafka_java org.apache.kafka.tools.TopicCommand --bootstrap-server "127.0.0.1:$kafka_port" \
+  kafka_tool TopicCommand --bootstrap-server "127.0.0.1:$kafka_port" \
     --create --if-not-exists --topic "$1" --partitions "$2" --replication-factor 1
 }
 

@@ -32,11 +32,17 @@ if ((${#missing[@]})); then
   apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
 
-if [[ ! -f $libs/.complete ]]; then
-  log "resolving Apache Kafka's jars from Maven Central into $libs"
+# The jars of release $kafka_version; .complete names the release they are of, .classes lists
+# the classes of Kafka's own jars (for kafka_tool).
+if [[ $(cat "$libs/.complete" 2>/dev/null) != "$kafka_version" ]]; then
+  log "resolving Apache Kafka $kafka_version's jars from Maven Central into $libs"
   rm -rf "$libs"
   mkdir -p "$libs"
   mvn -q -B -f "$root/deploy/kafka/pom.xml" dependency:copy-dependencies \
-    -DincludeScope=runtime -DoutputDirectory="$libs"
-  touch "$libs/.complete"
+    -Dkafka.version="$kafka_version" -DincludeScope=runtime -DoutputDirectory="$libs"
+  python3 -c 'import sys, zipfile
+for jar in sys.argv[1:]:
+    print("\n".join(n for n in zipfile.ZipFile(jar).namelist() if n.endswith(".class")))' \
+    "$libs"/kafka*.jar >"$libs/.classes"
+  echo "$kafka_version" >"$libs/.complete"
 fi

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A 3-broker Apache Kafka 4.x cluster in KRaft mode on loopback, beside the single node of
+# A 3-broker Apache Kafka cluster (4.1.1, or TALLY_KAFKA_VERSION) in KRaft mode on loopback, beside the single node of
 # start.sh: three combined broker+controller nodes (a 3-voter quorum), replication factor 3 and
 # min.insync.replicas=2 by default, so one node can be down without losing an acknowledged write.
 #
@@ -69,7 +69,13 @@ PROPS
 }
 
 format_all() {
-  [[ -f $cluster_dir/cluster.id ]] && return
+  if [[ -f $cluster_dir/cluster.id ]]; then
+    local formatted_by
+    formatted_by=$(cat "$cluster_dir/kafka-version" 2>/dev/null || echo 4.1.1)
+    [[ $formatted_by == "$kafka_version" ]] && return
+    log "$cluster_dir was formatted by Kafka $formatted_by, not $kafka_version: stop the cluster and remove it"
+    exit 1
+  fi
   mkdir -p "$cluster_dir"
   local id
   id=$(kafka_java kafka.tools.StorageTool random-uuid)
@@ -78,6 +84,7 @@ format_all() {
     kafka_java kafka.tools.StorageTool format -t "$id" -c "$(node_dir "$i")/server.properties" >/dev/null
   done
   echo "$id" >"$cluster_dir/cluster.id"
+  echo "$kafka_version" >"$cluster_dir/kafka-version"
   log "formatted a 3-node KRaft cluster ($id) in $cluster_dir"
 }
 
@@ -91,7 +98,7 @@ start_node() {
   write_props "$i"
   log "starting node $i on 127.0.0.1:${broker_ports[$((i - 1))]}"
   nohup java -Xms128m -Xmx512m -XX:+UseG1GC \
-    -Dlog4j2.configurationFile="$root/deploy/kafka/log4j2.properties" -Dkafka.logs.dir="$dir" \
+    "${kafka_logging[@]}" -Dkafka.logs.dir="$dir" \
     -cp "$libs/*" kafka.Kafka "$dir/server.properties" >>"$dir/kafka.log" 2>&1 &
   echo $! >"$dir/kafka.pid"
 }
@@ -124,7 +131,7 @@ stop_nodes() {
   for pid in "${pids[@]}"; do kill -9 "$pid" 2>/dev/null || true; done
 }
 
-topics() { kafka_java org.apache.kafka.tools.TopicCommand --bootstrap-server "$bootstrap" "$@"; }
+topics() { kafka_tool TopicCommand --bootstrap-server "$bootstrap" "$@"; }
 
 # The cluster's metadata as a broker answers it, through kcat: the polls below run every half
 # second, and a JVM tool (TopicCommand) took 3-5 s to start on two busy cores.

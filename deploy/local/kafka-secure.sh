@@ -44,7 +44,7 @@ write_props() {
   cat >"$dir/server.properties" <<PROPS
 process.roles=broker,controller
 node.id=1
-controller.quorum.bootstrap.servers=127.0.0.1:$cport
+controller.quorum.voters=1@127.0.0.1:$cport
 listeners=SASL_SSL://127.0.0.1:$port,ADMIN://127.0.0.1:$admin_port,CONTROLLER://127.0.0.1:$cport
 advertised.listeners=SASL_SSL://127.0.0.1:$port,ADMIN://127.0.0.1:$admin_port
 controller.listener.names=CONTROLLER
@@ -81,17 +81,17 @@ case ${1:-} in
     make_certificates
     write_props
     if [[ ! -f $dir/data/meta.properties ]]; then
-      kafka_java kafka.tools.StorageTool format --standalone -t "$(kafka_java kafka.tools.StorageTool random-uuid)" \
+      kafka_java kafka.tools.StorageTool format -t "$(kafka_java kafka.tools.StorageTool random-uuid)" \
         -c "$dir/server.properties" \
         --add-scram "SCRAM-SHA-512=[name=$scram_user,password=$scram_password]" >/dev/null
     fi
     log "starting the secure broker: SASL_SSL 127.0.0.1:$port, admin PLAINTEXT 127.0.0.1:$admin_port"
     nohup java -Xms128m -Xmx512m -XX:+UseG1GC \
-      -Dlog4j2.configurationFile="$root/deploy/kafka/log4j2.properties" -Dkafka.logs.dir="$dir" \
+      "${kafka_logging[@]}" -Dkafka.logs.dir="$dir" \
       -cp "$libs/*" kafka.Kafka "$dir/server.properties" >>"$dir/kafka.log" 2>&1 &
     echo $! >"$dir/kafka.pid"
     wait_for 120 "the secure broker on $port" port_open "$port" || { tail -20 "$dir/kafka.log" >&2; exit 1; }
-    wait_for 60 "the secure broker's admin listener" kafka_java org.apache.kafka.tools.TopicCommand \
+    wait_for 60 "the secure broker's admin listener" kafka_tool TopicCommand \
       --bootstrap-server "127.0.0.1:$admin_port" --list
     log "ready: SASL_SSL 127.0.0.1:$port (CA $dir/ca.pem)"
     ;;

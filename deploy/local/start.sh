@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Starts, on loopback, a real single-node Apache Kafka 4.x (KRaft), a redis-server and a private
+# Starts, on loopback, a real single-node Apache Kafka (KRaft; 4.1.1, or the release
+# TALLY_KAFKA_VERSION names, 3.3 or later), a redis-server and a private
 # PostgreSQL server (for --store postgres: postgres://tally@127.0.0.1:5433/postgres), waits until
 # they answer, and creates the events topic and the dead-letter topic. Installs what is missing
 # first.
@@ -41,9 +42,9 @@ else
   cat >"$props" <<PROPS
 process.roles=broker,controller
 node.id=1
-controller.quorum.bootstrap.servers=127.0.0.1:$controller_port
+controller.quorum.voters=1@127.0.0.1:$controller_port
 listeners=PLAINTEXT://127.0.0.1:$kafka_port,CONTROLLER://127.0.0.1:$controller_port
-advertised.listeners=PLAINTEXT://127.0.0.1:$kafka_port,CONTROLLER://127.0.0.1:$controller_port
+advertised.listeners=PLAINTEXT://127.0.0.1:$kafka_port
 controller.listener.names=CONTROLLER
 inter.broker.listener.name=PLAINTEXT
 listener.security.protocol.map=CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT
@@ -63,14 +64,22 @@ group.consumer.min.heartbeat.interval.ms=1000
 auto.create.topics.enable=false
 log.retention.hours=168
 PROPS
-  if [[ ! -f $data/meta.properties ]]; then
-    log "formatting Kafka's storage in $data"
-    cluster_id=$(kafka_java kafka.tools.StorageTool random-uuid)
-    kafka_java kafka.tools.StorageTool format --standalone -t "$cluster_id" -c "$props" >/dev/null
+  # A log formatted by one release may not start under another (an older one refuses a newer
+  # metadata version): say so rather than let the broker fail.
+  formatted_by=$(cat "$data.version" 2>/dev/null || echo 4.1.1)
+  if [[ -f $data/meta.properties && $formatted_by != "$kafka_version" ]]; then
+    log "$data was formatted by Kafka $formatted_by, not $kafka_version: remove it, or choose another TALLY_LOCAL_DIR"
+    exit 1
   fi
-  log "starting Kafka on 127.0.0.1:$kafka_port (log: $state/kafka.log)"
+  if [[ ! -f $data/meta.properties ]]; then
+    log "formatting Kafka $kafka_version's storage in $data"
+    cluster_id=$(kafka_java kafka.tools.StorageTool random-uuid)
+    kafka_java kafka.tools.StorageTool format -t "$cluster_id" -c "$props" >/dev/null
+    echo "$kafka_version" >"$data.version"
+  fi
+  log "starting Kafka $kafka_version on 127.0.0.1:$kafka_port (log: $state/kafka.log)"
   nohup java -Xms256m -Xmx768m -XX:+UseG1GC \
-    -Dlog4j2.configurationFile="$root/deploy/kafka/log4j2.properties" -Dkafka.logs.dir="$state" \
+    "${kafka_logging[@]}" -Dkafka.logs.dir="$state" \
     -cp "$libs/*" kafka.Kafka "$props" >"$state/kafka.log" 2>&1 &
   echo $! >"$state/kafka.pid"
   wait_for 120 "Kafka on port $kafka_port" port_open "$kafka_port" || { tail -20 "$state/kafka.log" >&2; exit 1; }

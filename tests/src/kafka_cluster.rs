@@ -50,6 +50,19 @@ impl KafkaCluster {
         tokio::runtime::Handle::current().block_on(create);
     }
 
+    /// The Kafka release the nodes run, `(major, minor)`, as `kafka-cluster.sh` wrote it when
+    /// it formatted them.
+    pub fn release(&self) -> (u32, u32) {
+        let path = self.dir.path().join("kafka-version");
+        let version =
+            std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        let mut parts = version.trim().split('.').map(|p| p.parse().ok());
+        match (parts.next().flatten(), parts.next().flatten()) {
+            (Some(major), Some(minor)) => (major, minor),
+            _ => panic!("{}: not a Kafka release: {version:?}", path.display()),
+        }
+    }
+
     /// SIGKILLs node `i` (1-3).
     pub fn kill(&self, i: usize) {
         self.script(&["kill", &i.to_string()]);

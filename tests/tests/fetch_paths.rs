@@ -356,7 +356,7 @@ async fn a_position_deleted_by_retention_moves_as_auto_offset_reset_says() {
 }
 
 /// The local stack's state directory (`deploy/local/start.sh`): the broker's data, whose
-/// segment files the corruption test edits, and Kafka's jars, whose tools set a quota.
+/// segment files the corruption test edits.
 fn local_state() -> std::path::PathBuf {
     std::env::var_os("TALLY_LOCAL_DIR").map_or_else(
         || std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../.local"),
@@ -405,17 +405,16 @@ async fn a_broker_quota_is_waited_out_and_the_catch_up_runs_at_about_it() {
     // A consumer byte-rate quota of 256 KiB/s on the aggregator's client id, set with Kafka's
     // own tool.
     let client = unique("tally-quota");
-    let libs = local_state().join("kafka-libs");
-    let status = Command::new("java")
-        .arg("-cp")
-        .arg(format!("{}/*", libs.display()))
-        .arg("kafka.admin.ConfigCommand")
-        .args(["--bootstrap-server", &brokers(), "--alter"])
-        .args(["--add-config", &format!("consumer_byte_rate={QUOTA}")])
-        .args(["--entity-type", "clients", "--entity-name", &client])
-        .stdout(Stdio::null())
-        .status()
-        .expect("java runs Kafka's ConfigCommand");
+    let status = Command::new(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/local/kafka-tool.sh"),
+    )
+    .arg("ConfigCommand")
+    .args(["--bootstrap-server", &brokers(), "--alter"])
+    .args(["--add-config", &format!("consumer_byte_rate={QUOTA}")])
+    .args(["--entity-type", "clients", "--entity-name", &client])
+    .stdout(Stdio::null())
+    .status()
+    .expect("deploy/local/kafka-tool.sh runs Kafka's ConfigCommand");
     assert!(status.success(), "the quota is set");
 
     let started = std::time::Instant::now();
