@@ -1,7 +1,7 @@
 //! Captures a real broker's answers as fixtures for tally-kafka's tests: `ApiVersions`,
-//! `Metadata`, `ListOffsets` (the log's start and end) and a `Fetch` from offset 0, for
-//! partition 0 of a topic, each response's body written to `<out>/<name>.bin` as the broker
-//! sent it. `kafka/tests/fixtures/capture.sh` fills a topic and runs this.
+//! `Metadata`, `ListOffsets` (the log's start and end) and a `Fetch` from offset 0 in every
+//! version both tally and the broker implement (`fetch-v<N>.bin`), for partition 0 of a topic,
+//! each response's body written to `<out>/<name>.bin` as the broker sent it. `kafka/tests/fixtures/capture.sh` fills a topic and runs this.
 //!
 //! Usage: `capture_fixtures <bootstrap> <topic> <out dir>`.
 
@@ -52,14 +52,26 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         save(name, &body)?;
     }
     let limits = tally_kafka::config::DEFAULT_LIMITS;
-    connection
-        .request_waiting(
-            protocol::FETCH,
-            |w| protocol::fetch_request(w, topic, &[(0, 0)], limits, Isolation::ReadCommitted),
-            &mut body,
-            Duration::from_millis(limits.max_wait_ms as u64),
-        )
-        .await?;
-    save("fetch", &body)?;
+    let from = protocol::FetchPosition {
+        partition: 0,
+        offset: 0,
+        current_leader_epoch: -1,
+        last_fetched_epoch: -1,
+    };
+    for version in protocol::FETCH.oldest..=connection.version(protocol::FETCH) {
+        connection.speak(protocol::FETCH, version);
+        connection
+            .request_waiting(
+                protocol::FETCH,
+                |w| {
+                    let isolation = Isolation::ReadCommitted;
+                    protocol::fetch_request(w, version, topic, &[from], limits, isolation)
+                },
+                &mut body,
+                Duration::from_millis(limits.max_wait_ms as u64),
+            )
+            .await?;
+        save(&format!("fetch-v{version}"), &body)?;
+    }
     Ok(())
 }

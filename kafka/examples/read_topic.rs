@@ -14,13 +14,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().collect();
     let (brokers, topic) = (args[1].as_str(), args[2].as_str());
     let config = FetchConfig::from_options(topic, [("bootstrap.servers", brokers)])?;
-    let mut c = tally_kafka::connection::Connection::connect(
-        brokers,
-        &config.client.security,
-        "read_topic",
-        config.client.timeout,
-    )
-    .await?;
+    let mut c = tally_kafka::connection::Connection::open(brokers, &config.client).await?;
     let metadata = c.metadata(topic, false).await?;
     let ids: Vec<i32> = metadata.partitions.iter().map(|p| p.partition).collect();
     let starts = c.list_offsets(topic, &ids, LogEnd::Earliest).await?;

@@ -119,9 +119,34 @@ pub struct ClientSettings {
     pub client_id: String,
     /// How connections are secured.
     pub security: Security,
-    /// Longest wait for a connection, or for a response beyond a request's own wait
-    /// (`socket.timeout.ms`).
+    /// Longest wait for a response beyond a request's own wait (`socket.timeout.ms`).
     pub timeout: Duration,
+    /// Longest wait for a TCP connection and its TLS handshake
+    /// (`socket.connection.setup.timeout.ms`; tally's default 10 s, librdkafka's 30 s: a
+    /// broker that is down must not hold up finding its successor).
+    pub connect_timeout: Duration,
+    /// Longest wait for the `ApiVersions` answer that opens a connection
+    /// (`api.version.request.timeout.ms`, 10 s).
+    pub api_versions_timeout: Duration,
+    /// Largest response accepted (`receive.message.max.bytes`, 100,000,000 as in
+    /// librdkafka; at least `fetch.max.bytes` plus 512, which librdkafka demands too).
+    pub max_response: usize,
+    /// How its sockets are set up.
+    pub socket: SocketOptions,
+}
+
+/// Socket options, as librdkafka names them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SocketOptions {
+    /// `socket.keepalive.enable` (false).
+    pub keepalive: bool,
+    /// `socket.nagle.disable` (tally's default true: requests go out at once; librdkafka's
+    /// false).
+    pub nodelay: bool,
+    /// `socket.send.buffer.bytes` (0: the system's default).
+    pub send_buffer: u32,
+    /// `socket.receive.buffer.bytes` (0: the system's default).
+    pub receive_buffer: u32,
 }
 
 /// Everything the fetcher needs.
@@ -179,8 +204,12 @@ pub const DEFAULT_LIMITS: FetchLimits = FetchLimits {
 /// A wait that never ends in practice: a metadata refresh turned off.
 const NEVER: Duration = Duration::from_secs(365 * 24 * 3600);
 
-/// Options that change nothing about how a client connects, or that its role honours itself or
-/// does not need: the consumer group's, librdkafka's internals.
+/// Options that change nothing about how tally's fetcher or appender connect and read: the
+/// consumer group's (membership, commits, and the group client's statistics and logs, which
+/// librdkafka's consumer runs in every fetch mode), options that only matter at a value of
+/// another option refused elsewhere (`api.version.fallback.ms` without `api.version.request`),
+/// deprecated ones librdkafka ignores too, librdkafka's internals and callbacks, and a
+/// producer's options the appender has no use for.
 const IGNORED: &[&str] = &[
     "group.",
     "session.",
@@ -189,23 +218,18 @@ const IGNORED: &[&str] = &[
     "partition.assignment",
     "enable.auto",
     "statistics.",
-    "metadata.max",
     "queued.min",
     "fetch.queue",
     "enable.partition",
-    "socket.",
     "reconnect.backoff.jitter",
-    "retry.",
+    "socket.blocking.max.ms",
     "retries",
     "log",
     "debug",
     "broker.version",
     "api.version.fallback",
-    "api.version.request.timeout",
     "allow.auto",
-    "connections.max",
     "message.max",
-    "receive.message",
     "request.timeout",
     "coordinator.",
     "internal.",
@@ -238,6 +262,9 @@ const AS_THEIR_DEFAULT: &[(&str, &str)] = &[
     ("api.version.request", "true"),
     ("broker.address.family", "any"),
     ("client.dns.lookup", "use_all_dns_ips"),
+    // A connection is given up on at its first failed request, and kept however long idle.
+    ("socket.max.fails", "1"),
+    ("connections.max.idle.ms", "0"),
 ];
 
 /// The options the client settings read.
@@ -255,6 +282,14 @@ const CLIENT_KEYS: &[&str] = &[
     "ssl.key.location",
     "enable.ssl.certificate.verification",
     "ssl.endpoint.identification.algorithm",
+    "socket.timeout.ms",
+    "socket.connection.setup.timeout.ms",
+    "api.version.request.timeout.ms",
+    "receive.message.max.bytes",
+    "socket.keepalive.enable",
+    "socket.nagle.disable",
+    "socket.send.buffer.bytes",
+    "socket.receive.buffer.bytes",
 ];
 
 /// Options as librdkafka takes them, the last of a key winning.
@@ -292,13 +327,21 @@ impl<'a> Options<'a> {
     }
 
     /// `topic.metadata.refresh.interval.ms`: how often metadata is asked for unasked; -1 (or
-    /// 0) turns that off, as in librdkafka.
+    /// 0) turns that off, as in librdkafka. Metadata older than `metadata.max.age.ms` (if
+    /// given) is asked for again all the same.
     fn metadata_refresh(&self, default: i64) -> Result<Duration, Unsupported> {
         let ms = self.int("topic.metadata.refresh.interval.ms", default)?;
-        Ok(match u64::try_from(ms) {
+        let refresh = match u64::try_from(ms) {
             Ok(ms) if ms > 0 => Duration::from_millis(ms),
             _ => NEVER,
-        })
+        };
+        let max_age = match self.get("metadata.max.age.ms") {
+            Some(_) => self
+                .millis("metadata.max.age.ms", 0)?
+                .max(Duration::from_millis(1)),
+            None => NEVER,
+        };
+        Ok(refresh.min(max_age))
     }
 
     /// A non-negative value that fits an `int32`.
@@ -440,12 +483,33 @@ impl ClientSettings {
                 })
             })
             .transpose()?;
-        let timeout_ms = o.int("socket.timeout.ms", 60_000)?.max(1);
+        let max_response = o.int32("receive.message.max.bytes", 100_000_000)?;
+        let fetch_max = o.int32("fetch.max.bytes", DEFAULT_LIMITS.max_bytes)?;
+        if max_response < 1_000 || max_response < fetch_max.saturating_add(512) {
+            return Err(unsupported(
+                "receive.message.max.bytes",
+                &max_response.to_string(),
+            ));
+        }
+        let buffer = |key| -> Result<u32, Unsupported> { Ok(o.int32(key, 0)? as u32) };
         Ok(Self {
             bootstrap,
             client_id: o.get("client.id").unwrap_or("tally").to_owned(),
             security: Security { tls, sasl },
-            timeout: Duration::from_millis(timeout_ms as u64),
+            timeout: o
+                .millis("socket.timeout.ms", 60_000)?
+                .max(Duration::from_millis(1)),
+            connect_timeout: (o.millis("socket.connection.setup.timeout.ms", 10_000)?)
+                .max(Duration::from_millis(1)),
+            api_versions_timeout: (o.millis("api.version.request.timeout.ms", 10_000)?)
+                .max(Duration::from_millis(1)),
+            max_response: max_response as usize,
+            socket: SocketOptions {
+                keepalive: o.truthy("socket.keepalive.enable", false)?,
+                nodelay: o.truthy("socket.nagle.disable", true)?,
+                send_buffer: buffer("socket.send.buffer.bytes")?,
+                receive_buffer: buffer("socket.receive.buffer.bytes")?,
+            },
         })
     }
 }
@@ -466,6 +530,7 @@ const FETCH_KEYS: &[&str] = &[
     "reconnect.backoff.max.ms",
     "fetch.error.backoff.ms",
     "topic.metadata.refresh.interval.ms",
+    "metadata.max.age.ms",
 ];
 
 impl FetchConfig {
@@ -551,8 +616,12 @@ pub struct AppendConfig {
     /// reported failed (`message.timeout.ms` / `delivery.timeout.ms`).
     pub delivery_timeout: Duration,
     /// How often the topic's partitions are looked up again, so that partitions added to it are
-    /// written (`topic.metadata.refresh.interval.ms`).
+    /// written (`topic.metadata.refresh.interval.ms`, at most `metadata.max.age.ms`).
     pub metadata_refresh: Duration,
+    /// The first and the longest wait before a failed request is sent again, or a failed
+    /// connection made again (`retry.backoff.ms`, `retry.backoff.max.ms`; tally's defaults
+    /// 20 ms and 1 s, librdkafka's 100 ms and 1 s).
+    pub retry_backoff: (Duration, Duration),
 }
 
 /// The options the appender reads beyond the client's.
@@ -571,6 +640,8 @@ const APPEND_KEYS: &[&str] = &[
     "acks",
     "request.required.acks",
     "partitioner",
+    "retry.backoff.ms",
+    "retry.backoff.max.ms",
 ];
 
 impl AppendConfig {
@@ -616,6 +687,10 @@ impl AppendConfig {
             codec,
             delivery_timeout: ms("message.timeout.ms", "delivery.timeout.ms", 300_000)?,
             metadata_refresh: o.metadata_refresh(300_000)?,
+            retry_backoff: (
+                o.millis("retry.backoff.ms", 20)?,
+                o.millis("retry.backoff.max.ms", 1_000)?,
+            ),
         })
     }
 }
@@ -712,6 +787,79 @@ mod tests {
         assert_eq!(reset("latest"), Ok(OffsetReset::Latest));
         assert_eq!(reset("error"), Ok(OffsetReset::Error));
         assert!(reset("sideways").is_err());
+    }
+
+    #[test]
+    fn socket_timeout_and_size_options_are_read() {
+        let defaults = FetchConfig::from_options("t", [("bootstrap.servers", "b:1")])
+            .expect("as written")
+            .client;
+        assert_eq!(
+            (defaults.timeout, defaults.connect_timeout),
+            (Duration::from_secs(60), Duration::from_secs(10))
+        );
+        assert_eq!(defaults.api_versions_timeout, Duration::from_secs(10));
+        assert_eq!(defaults.max_response, 100_000_000);
+        assert_eq!(
+            defaults.socket,
+            SocketOptions {
+                keepalive: false,
+                nodelay: true,
+                send_buffer: 0,
+                receive_buffer: 0
+            }
+        );
+        let c = FetchConfig::from_options(
+            "t",
+            [
+                ("bootstrap.servers", "b:1"),
+                ("socket.timeout.ms", "5000"),
+                ("socket.connection.setup.timeout.ms", "2000"),
+                ("api.version.request.timeout.ms", "3000"),
+                ("fetch.max.bytes", "1000000"),
+                ("receive.message.max.bytes", "2000000"),
+                ("socket.keepalive.enable", "true"),
+                ("socket.nagle.disable", "false"),
+                ("socket.send.buffer.bytes", "65536"),
+                ("socket.receive.buffer.bytes", "131072"),
+                ("socket.max.fails", "1"),
+                ("connections.max.idle.ms", "0"),
+                ("metadata.max.age.ms", "30000"),
+            ],
+        )
+        .expect("as written");
+        let client = c.client;
+        assert_eq!(client.timeout, Duration::from_secs(5));
+        assert_eq!(client.connect_timeout, Duration::from_secs(2));
+        assert_eq!(client.api_versions_timeout, Duration::from_secs(3));
+        assert_eq!(client.max_response, 2_000_000);
+        assert_eq!(
+            client.socket,
+            SocketOptions {
+                keepalive: true,
+                nodelay: false,
+                send_buffer: 65_536,
+                receive_buffer: 131_072
+            }
+        );
+        // Metadata older than its maximum age is asked for again, however rare the refresh.
+        assert_eq!(c.waits.metadata_refresh, Duration::from_secs(30));
+        let appender = AppendConfig::from_options(
+            "t",
+            [
+                ("bootstrap.servers", "b:1"),
+                ("retry.backoff.ms", "100"),
+                ("retry.backoff.max.ms", "5000"),
+                ("topic.metadata.refresh.interval.ms", "-1"),
+                ("metadata.max.age.ms", "90000"),
+            ],
+        )
+        .expect("as written");
+        assert_eq!(
+            appender.retry_backoff,
+            (Duration::from_millis(100), Duration::from_secs(5))
+        );
+        assert_eq!(appender.metadata_refresh, Duration::from_secs(90));
     }
 
     #[test]
@@ -817,6 +965,16 @@ mod tests {
         );
         assert!(defaults.is_ok(), "{defaults:?}");
         assert_eq!(refused(&[("check.crcs", "sometimes")]), "check.crcs");
+        assert_eq!(refused(&[("socket.max.fails", "3")]), "socket.max.fails");
+        assert_eq!(
+            refused(&[("connections.max.idle.ms", "60000")]),
+            "connections.max.idle.ms"
+        );
+        // A response limit below what a fetch may return, as librdkafka refuses it.
+        assert_eq!(
+            refused(&[("receive.message.max.bytes", "1000000")]),
+            "receive.message.max.bytes"
+        );
         let no_brokers = FetchConfig::from_options("t", [("group.id", "g")]).expect_err("an error");
         assert_eq!(no_brokers.key, "bootstrap.servers");
     }

@@ -5,19 +5,12 @@
 use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
-use tokio::net::TcpStream;
+use tokio::net::{TcpSocket, TcpStream};
 
-use crate::config::{ClientSettings, Security, Tls};
+use crate::config::{ClientSettings, SocketOptions, Tls};
 use crate::protocol::{self, Api, ErrorCode};
 use crate::sasl;
 use crate::wire::{Malformed, Writer};
-
-/// Largest response accepted: far above any fetch response tally asks for.
-const MAX_RESPONSE: usize = 1 << 30;
-
-/// Longest wait for a TCP connection (and the TLS handshake), whatever the request timeout: a
-/// broker that is down must not hold up finding its successor.
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// What can go wrong on a connection. Every variant but [`Self::Auth`] and
 /// [`Self::Unsupported`] is passing: connect again (with backoff).
@@ -55,16 +48,16 @@ pub enum ConnectionError {
         /// Why (never the password).
         message: String,
     },
-    /// The broker does not speak a version tally needs.
-    #[error("{broker} does not support {api} v{version} (it supports {range})")]
+    /// The broker implements no version of an API tally needs that tally does.
+    #[error("{broker} supports {api} {range}, tally {ours}: none in common")]
     Unsupported {
         /// The broker's address.
         broker: String,
         /// The API.
         api: &'static str,
-        /// The version tally speaks.
-        version: i16,
-        /// What the broker supports.
+        /// The versions tally implements (`v11-v12`).
+        ours: String,
+        /// What the broker supports (`v0-v10`, or `not at all`).
         range: String,
     },
     /// A response tally could not read.
@@ -94,6 +87,10 @@ pub struct Connection {
     client_id: String,
     correlation_id: i32,
     timeout: Duration,
+    /// Largest response accepted (`receive.message.max.bytes`).
+    max_response: usize,
+    /// The version of each API agreed with the broker: `(key, version)`.
+    versions: Vec<(i16, i16)>,
 }
 
 impl std::fmt::Debug for Connection {
@@ -114,27 +111,24 @@ const NEEDED: [Api; 5] = [
 ];
 
 impl Connection {
-    /// Connects to `broker` (`host:port`), secures and authenticates the connection as
-    /// `security` says, and checks the broker speaks the versions tally sends.
-    pub async fn connect(
-        broker: &str,
-        security: &Security,
-        client_id: &str,
-        timeout: Duration,
-    ) -> Result<Self, ConnectionError> {
+    /// Connects to `broker` (`host:port`) with `client`'s socket options, secures and
+    /// authenticates the connection as its security says, and agrees with the broker on the
+    /// version of each API tally sends.
+    pub async fn open(broker: &str, client: &ClientSettings) -> Result<Self, ConnectionError> {
         let io = |source| ConnectionError::Io {
             broker: broker.to_owned(),
             source,
         };
-        let connect_timeout = timeout.min(CONNECT_TIMEOUT);
-        let tcp = tokio::time::timeout(connect_timeout, TcpStream::connect(broker))
+        let connect_timeout = client.connect_timeout;
+        let tcp = tokio::time::timeout(connect_timeout, tcp(broker, &client.socket))
             .await
             .map_err(|_| ConnectionError::Timeout {
                 broker: broker.to_owned(),
                 timeout: connect_timeout,
             })?
             .map_err(io)?;
-        tcp.set_nodelay(true).map_err(io)?;
+        tcp.set_nodelay(client.socket.nodelay).map_err(io)?;
+        let security = &client.security;
         let stream: Box<dyn Io> = match &security.tls {
             None => Box::new(tcp),
             Some(tls) => Box::new(secure(tcp, broker, tls, connect_timeout).await?),
@@ -142,41 +136,42 @@ impl Connection {
         let mut connection = Self {
             stream,
             broker: broker.to_owned(),
-            client_id: client_id.to_owned(),
+            client_id: client.client_id.clone(),
             correlation_id: 0,
-            timeout,
+            timeout: client.timeout,
+            max_response: client.max_response,
+            versions: Vec::new(),
         };
         let mut buf = Vec::new();
+        connection.timeout = client.api_versions_timeout;
         connection
             .request(protocol::API_VERSIONS, |_| {}, &mut buf)
             .await?;
+        connection.timeout = client.timeout;
         let (error, ranges) =
             protocol::parse_api_versions(&buf).map_err(|e| connection.malformed(e))?;
         if error.is_error() {
-            return Err(connection.unsupported(protocol::API_VERSIONS, error.to_string()));
+            return Err(ConnectionError::Unsupported {
+                broker: connection.broker.clone(),
+                api: protocol::API_VERSIONS.name,
+                ours: "v0 only".to_owned(),
+                range: format!("none ({error})"),
+            });
         }
         let mut needed = NEEDED.to_vec();
         if security.sasl.is_some() {
             needed.extend([protocol::SASL_HANDSHAKE, protocol::SASL_AUTHENTICATE]);
         }
         for api in needed {
-            match ranges.iter().find(|r| r.key == api.key) {
-                Some(r) if (r.min..=r.max).contains(&api.version) => {}
-                Some(r) => {
-                    return Err(connection.unsupported(api, format!("v{}-v{}", r.min, r.max)));
-                }
-                None => return Err(connection.unsupported(api, "none".to_owned())),
+            match api.negotiate(&ranges) {
+                Ok(version) => connection.versions.push((api.key, version)),
+                Err(range) => return Err(connection.unsupported(api, range)),
             }
         }
         if let Some(sasl) = &security.sasl {
             connection.authenticate(sasl).await?;
         }
         Ok(connection)
-    }
-
-    /// Connects to `broker` with `client`'s security, id and timeout.
-    pub async fn open(broker: &str, client: &ClientSettings) -> Result<Self, ConnectionError> {
-        Self::connect(broker, &client.security, &client.client_id, client.timeout).await
     }
 
     /// The connection in `slot`, made to `broker` first if there is none.
@@ -220,13 +215,32 @@ impl Connection {
         }
     }
 
-    fn unsupported(&self, api: Api, range: String) -> ConnectionError {
+    fn unsupported(&self, api: Api, range: Option<protocol::ApiRange>) -> ConnectionError {
+        let versions = |min, max| match (min, max) {
+            (min, max) if min == max => format!("v{min} only"),
+            (min, max) => format!("v{min}-v{max}"),
+        };
         ConnectionError::Unsupported {
             broker: self.broker.clone(),
             api: api.name,
-            version: api.version,
-            range,
+            ours: versions(api.oldest, api.newest),
+            range: range.map_or_else(|| "not at all".to_owned(), |r| versions(r.min, r.max)),
         }
+    }
+
+    /// Speaks `version` of `api` from now on, whatever was agreed (for captures and tests of
+    /// one version).
+    pub fn speak(&mut self, api: Api, version: i16) {
+        self.versions.retain(|(key, _)| *key != api.key);
+        self.versions.push((api.key, version));
+    }
+
+    /// The version of `api` this connection speaks: the newest both sides implement
+    /// (`ApiVersions` itself: v0, and an API the broker was not asked about: tally's oldest).
+    pub fn version(&self, api: Api) -> i16 {
+        (self.versions.iter())
+            .find(|(key, _)| *key == api.key)
+            .map_or(api.oldest, |&(_, version)| version)
     }
 
     async fn authenticate(&mut self, config: &crate::config::Sasl) -> Result<(), ConnectionError> {
@@ -287,11 +301,16 @@ impl Connection {
     ) -> Result<(), ConnectionError> {
         self.correlation_id = self.correlation_id.wrapping_add(1);
         let correlation_id = self.correlation_id;
-        let mut w = protocol::request_header(api, correlation_id, &self.client_id);
+        let version = self.version(api);
+        // A flexible response's header ends in tagged fields (none of which tally reads);
+        // `ApiVersions` keeps the classic header in every version.
+        let tagged_header = api.is_flexible(version) && api.key != protocol::API_VERSIONS.key;
+        let mut w = protocol::request_header(api, version, correlation_id, &self.client_id);
         body(&mut w);
         let size = i32::try_from(w.buf.len() - 4).unwrap_or(i32::MAX);
         w.buf[..4].copy_from_slice(&size.to_be_bytes());
         let timeout = self.timeout + extra;
+        let max_response = self.max_response;
         let broker = self.broker.clone();
         let exchange = async {
             self.stream.write_all(&w.buf).await?;
@@ -299,7 +318,7 @@ impl Connection {
             let len = self.stream.read_i32().await?;
             let len = usize::try_from(len)
                 .ok()
-                .filter(|n| (4..=MAX_RESPONSE).contains(n))
+                .filter(|n| (4..=max_response).contains(n))
                 .ok_or_else(|| {
                     std::io::Error::new(
                         std::io::ErrorKind::InvalidData,
@@ -313,13 +332,17 @@ impl Connection {
                     format!("a response to request {got}, waiting for {correlation_id}"),
                 ));
             }
+            let mut header = 4;
+            if tagged_header {
+                header += skip_tagged_fields(&mut self.stream, len - header).await?;
+            }
             response.clear();
-            response.reserve(len - 4);
+            response.reserve(len - header);
             let read = (&mut self.stream)
-                .take((len - 4) as u64)
+                .take((len - header) as u64)
                 .read_to_end(response)
                 .await?;
-            if read != len - 4 {
+            if read != len - header {
                 return Err(std::io::ErrorKind::UnexpectedEof.into());
             }
             Ok(())
@@ -392,6 +415,91 @@ impl Connection {
         .await?;
         protocol::parse_list_offsets(&buf).map_err(|e| self.malformed(e))
     }
+}
+
+/// A TCP connection to the first address of `broker` that accepts one, with `options` set.
+async fn tcp(broker: &str, options: &SocketOptions) -> std::io::Result<TcpStream> {
+    let mut last = None;
+    for address in tokio::net::lookup_host(broker).await? {
+        let socket = match address {
+            std::net::SocketAddr::V4(_) => TcpSocket::new_v4()?,
+            std::net::SocketAddr::V6(_) => TcpSocket::new_v6()?,
+        };
+        socket.set_keepalive(options.keepalive)?;
+        if options.send_buffer > 0 {
+            socket.set_send_buffer_size(options.send_buffer)?;
+        }
+        if options.receive_buffer > 0 {
+            socket.set_recv_buffer_size(options.receive_buffer)?;
+        }
+        match socket.connect(address).await {
+            Ok(stream) => return Ok(stream),
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(last.unwrap_or_else(|| {
+        std::io::Error::new(
+            std::io::ErrorKind::NotFound,
+            format!("{broker} resolves to no address"),
+        )
+    }))
+}
+
+/// Reads and drops the tagged fields of a response header from `stream`, within `left`
+/// bytes; returns how many bytes they took.
+async fn skip_tagged_fields(
+    stream: &mut (impl AsyncRead + Unpin),
+    left: usize,
+) -> std::io::Result<usize> {
+    let mut taken = 0;
+    let fields = read_uvarint(stream, &mut taken, left).await?;
+    for _ in 0..fields {
+        read_uvarint(stream, &mut taken, left).await?;
+        let size = read_uvarint(stream, &mut taken, left).await?;
+        let size = usize::try_from(size)
+            .ok()
+            .filter(|&n| n <= left - taken)
+            .ok_or_else(|| invalid_header("tagged field's size"))?;
+        let skipped = tokio::io::copy(
+            &mut (&mut *stream).take(size as u64),
+            &mut tokio::io::sink(),
+        )
+        .await?;
+        if skipped != size as u64 {
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+        taken += size;
+    }
+    Ok(taken)
+}
+
+/// An unsigned varint read from `stream`, byte by byte, counted in `taken`, past which no
+/// more than `left` bytes may be read.
+async fn read_uvarint(
+    stream: &mut (impl AsyncRead + Unpin),
+    taken: &mut usize,
+    left: usize,
+) -> std::io::Result<u64> {
+    let mut value = 0u64;
+    for shift in (0..64).step_by(7) {
+        if *taken >= left {
+            return Err(invalid_header("tagged fields"));
+        }
+        let byte = stream.read_u8().await?;
+        *taken += 1;
+        value |= u64::from(byte & 0x7f) << shift;
+        if byte < 0x80 {
+            return Ok(value);
+        }
+    }
+    Err(invalid_header("varint"))
+}
+
+fn invalid_header(what: &str) -> std::io::Error {
+    std::io::Error::new(
+        std::io::ErrorKind::InvalidData,
+        format!("a malformed response header ({what})"),
+    )
 }
 
 /// A client nonce: 24 random bytes, base64.

@@ -2,8 +2,10 @@
 //! strings, bytes and arrays. [`Reader`] reads them from a borrowed buffer without copying;
 //! [`Writer`] appends them to a request.
 //!
-//! Only the non-flexible encodings are here: every request tally sends uses a version from before
-//! its API's first flexible version (see `crate::protocol`).
+//! Both encodings are here: the classic one (`int16`/`int32` lengths) and the "compact" one of
+//! flexible versions (KIP-482: unsigned-varint lengths plus one, and tagged fields after each
+//! structure), which tally reads and writes where a broker and tally agree on one (see
+//! `crate::protocol`).
 
 /// A response or record set that ended early or held an impossible value.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -190,6 +192,75 @@ impl<'a> Reader<'a> {
     }
 }
 
+/// Reading the compact encoding of flexible versions.
+impl<'a> Reader<'a> {
+    /// A compact length (an unsigned varint, the length plus one; 0 is null).
+    fn compact_len(&mut self, what: &'static str) -> Result<Option<usize>, Malformed> {
+        match self.uvarint(what)? {
+            0 => Ok(None),
+            n => match usize::try_from(n - 1) {
+                Ok(n) if n <= self.remaining() => Ok(Some(n)),
+                _ => Err(self.malformed(what)),
+            },
+        }
+    }
+
+    /// A compact array's length (null reads as 0).
+    pub fn compact_array_len(&mut self, what: &'static str) -> Result<usize, Malformed> {
+        Ok(self.compact_len(what)?.unwrap_or(0))
+    }
+
+    /// Compact bytes, or null.
+    pub fn compact_nullable_bytes(
+        &mut self,
+        what: &'static str,
+    ) -> Result<Option<&'a [u8]>, Malformed> {
+        match self.compact_len(what)? {
+            None => Ok(None),
+            Some(n) => self.take(n, what).map(Some),
+        }
+    }
+
+    /// A compact string, or null.
+    pub fn compact_nullable_string(
+        &mut self,
+        what: &'static str,
+    ) -> Result<Option<&'a str>, Malformed> {
+        match self.compact_nullable_bytes(what)? {
+            None => Ok(None),
+            Some(bytes) => std::str::from_utf8(bytes)
+                .map(Some)
+                .map_err(|_| self.malformed(what)),
+        }
+    }
+
+    /// A non-null compact string.
+    pub fn compact_string(&mut self, what: &'static str) -> Result<&'a str, Malformed> {
+        self.compact_nullable_string(what)?
+            .ok_or_else(|| self.malformed(what))
+    }
+
+    /// A structure's tagged fields: `(tag, bytes)` for each, in order.
+    pub fn tagged_fields(
+        &mut self,
+        what: &'static str,
+        mut field: impl FnMut(u64, &'a [u8]) -> Result<(), Malformed>,
+    ) -> Result<(), Malformed> {
+        for _ in 0..self.uvarint(what)? {
+            let tag = self.uvarint(what)?;
+            let size = self.uvarint(what)?;
+            let size = usize::try_from(size).map_err(|_| self.malformed(what))?;
+            field(tag, self.take(size, what)?)?;
+        }
+        Ok(())
+    }
+
+    /// Skips a structure's tagged fields.
+    pub fn skip_tagged_fields(&mut self, what: &'static str) -> Result<(), Malformed> {
+        self.tagged_fields(what, |_, _| Ok(()))
+    }
+}
+
 /// Appends primitive types to a request body.
 #[derive(Debug, Default)]
 pub struct Writer {
@@ -272,6 +343,33 @@ impl Writer {
     pub fn varlong(&mut self, v: i64) -> &mut Self {
         self.uvarint(((v << 1) ^ (v >> 63)) as u64)
     }
+
+    /// A compact array's length.
+    pub fn compact_array_len(&mut self, n: usize) -> &mut Self {
+        self.uvarint(n as u64 + 1)
+    }
+
+    /// A compact string, or null.
+    pub fn compact_nullable_string(&mut self, v: Option<&str>) -> &mut Self {
+        match v {
+            None => self.uvarint(0),
+            Some(s) => {
+                self.uvarint(s.len() as u64 + 1);
+                self.buf.extend_from_slice(s.as_bytes());
+                self
+            }
+        }
+    }
+
+    /// A non-null compact string.
+    pub fn compact_string(&mut self, v: &str) -> &mut Self {
+        self.compact_nullable_string(Some(v))
+    }
+
+    /// An empty set of tagged fields.
+    pub fn no_tagged_fields(&mut self) -> &mut Self {
+        self.uvarint(0)
+    }
 }
 
 #[cfg(test)]
@@ -343,6 +441,42 @@ mod tests {
             (7, 8)
         );
         assert!(r.is_empty());
+    }
+
+    #[test]
+    fn compact_strings_arrays_and_tagged_fields_read_back() {
+        let mut w = Writer::default();
+        w.compact_string("tally")
+            .compact_nullable_string(None)
+            .compact_array_len(2)
+            .i8(1)
+            .i8(2);
+        // Two tagged fields: tag 0 with 2 bytes, tag 3 with none.
+        w.uvarint(2)
+            .uvarint(0)
+            .uvarint(2)
+            .i16(7)
+            .uvarint(3)
+            .uvarint(0);
+        let mut r = Reader::new(&w.buf);
+        assert_eq!(r.compact_string("s"), Ok("tally"));
+        assert_eq!(r.compact_nullable_string("s"), Ok(None));
+        assert_eq!(r.compact_array_len("a"), Ok(2));
+        r.skip(2, "elements").expect("as written");
+        let mut tags = Vec::new();
+        r.tagged_fields("tags", |tag, bytes| {
+            tags.push((tag, bytes.to_vec()));
+            Ok(())
+        })
+        .expect("as written");
+        assert_eq!(tags, [(0, vec![0, 7]), (3, vec![])]);
+        assert!(r.is_empty());
+        assert_eq!(w.buf[..6], [6, b't', b'a', b'l', b'l', b'y']);
+
+        // A length past the end, or a tagged field longer than what is left, is malformed.
+        assert!(Reader::new(&[9, b'x']).compact_string("s").is_err());
+        assert!(Reader::new(&[200, 1]).compact_array_len("a").is_err());
+        assert!(Reader::new(&[1, 0, 5, 1]).skip_tagged_fields("t").is_err());
     }
 
     #[test]

@@ -11,10 +11,6 @@ use crate::protocol;
 
 use super::state::{Part, Shared, complete, encode, expire, seal, settle, take_batches, wall_ms};
 
-/// Shortest and longest wait before trying a failed connection again.
-pub(super) const BACKOFF: (Duration, Duration) =
-    (Duration::from_millis(20), Duration::from_secs(1));
-
 /// The I/O thread's work: the clock, lingering batches, metadata, the producer id, and one task
 /// per broker.
 pub(super) async fn io_main(shared: Arc<Shared>) {
@@ -62,7 +58,7 @@ pub(super) async fn io_main(shared: Arc<Shared>) {
 pub(super) async fn metadata_loop(shared: Arc<Shared>) {
     let config = &shared.config;
     let mut connection: Option<Connection> = None;
-    let mut backoff = Backoff::new(BACKOFF.0, BACKOFF.1);
+    let mut backoff = Backoff::new(config.retry_backoff.0, config.retry_backoff.1);
     while !shared.stop.load(Ordering::Acquire) {
         let outcome = async {
             if connection.is_none() {
@@ -99,7 +95,7 @@ pub(super) async fn metadata_loop(shared: Arc<Shared>) {
                 let leaderless = apply_metadata(&shared, &metadata, producer);
                 shared.work.notify_waiters();
                 let wait = if leaderless {
-                    BACKOFF.1 / 4
+                    config.retry_backoff.1 / 4
                 } else {
                     config.metadata_refresh
                 };
@@ -160,7 +156,7 @@ pub(super) async fn broker_task(shared: Arc<Shared>, node: i32) {
     let config = &shared.config;
     let mut connection: Option<Connection> = None;
     let mut response = Vec::new();
-    let mut backoff = Backoff::new(BACKOFF.0, BACKOFF.1);
+    let mut backoff = Backoff::new(config.retry_backoff.0, config.retry_backoff.1);
     let timeout_ms = i32::try_from(config.client.timeout.as_millis())
         .unwrap_or(i32::MAX)
         .min(30_000);

@@ -497,6 +497,7 @@ mod tests {
             last_stable_offset: 100,
             log_start_offset: 0,
             aborted,
+            diverging: None,
             records,
         }
     }

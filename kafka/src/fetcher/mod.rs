@@ -31,12 +31,14 @@ use tokio::task::JoinSet;
 use crate::backoff::Backoff;
 use crate::config::{FetchConfig, OffsetReset};
 use crate::connection::Connection;
-use crate::protocol::{self, ErrorCode, FetchPartition, LogEnd};
+use crate::protocol::{self, ErrorCode, FetchPartition, FetchPosition};
 
 mod chunk;
+mod ends;
 
 use chunk::{Budget, Reading, chunk};
 pub use chunk::{Chunk, Item, Items};
+use ends::{reset_out_of_range, resolve_ends};
 
 /// Shortest time between two metadata requests, however often fetches find leadership stale.
 const METADATA_SPACING: Duration = Duration::from_millis(100);
@@ -127,6 +129,10 @@ struct State {
     wanted: HashMap<i32, Wanted>,
     /// Each partition's leader, by node id.
     leaders: HashMap<i32, i32>,
+    /// Each partition's leader epoch, as metadata last said: sent with every fetch (KIP-320),
+    /// so that a broker whose leadership is older or newer than ours says so
+    /// (`FENCED_LEADER_EPOCH`, `UNKNOWN_LEADER_EPOCH`) and leaders are asked for again.
+    leader_epochs: HashMap<i32, i32>,
     /// Each broker's address, by node id.
     brokers: HashMap<i32, String>,
     /// Brokers with a running fetch task.
@@ -287,10 +293,10 @@ async fn metadata_task(shared: Arc<Shared>, tasks: Arc<Mutex<JoinSet<()>>>) {
                     state.brokers = (metadata.brokers.iter())
                         .map(|b| (b.node_id, format!("{}:{}", b.host, b.port)))
                         .collect();
-                    state.leaders = (metadata.partitions.iter())
-                        .filter(|p| p.leader >= 0 && !p.error.is_error())
-                        .map(|p| (p.partition, p.leader))
-                        .collect();
+                    let led = (metadata.partitions.iter())
+                        .filter(|p| p.leader >= 0 && !p.error.is_error());
+                    state.leaders = led.clone().map(|p| (p.partition, p.leader)).collect();
+                    state.leader_epochs = led.map(|p| (p.partition, p.leader_epoch)).collect();
                     let leaders: HashSet<i32> = state.leaders.values().copied().collect();
                     for node in &leaders {
                         if state.running.insert(*node) {
@@ -340,12 +346,17 @@ async fn metadata_task(shared: Arc<Shared>, tasks: Arc<Mutex<JoinSet<()>>>) {
 /// flight and not backing off; and when the first of its partitions backing off may be fetched.
 struct Fetchable {
     request: Vec<(i32, i64, u64)>,
+    /// The leader epoch of each partition of `request`, in the same order (-1: unknown).
+    leader_epochs: Vec<i32>,
     wake: Option<std::time::Instant>,
 }
 
 fn fetchable(state: &mut State, node: i32) -> Fetchable {
     let State {
-        wanted, leaders, ..
+        wanted,
+        leaders,
+        leader_epochs,
+        ..
     } = state;
     let now = std::time::Instant::now();
     let mut wake: Option<std::time::Instant> = None;
@@ -365,7 +376,14 @@ fn fetchable(state: &mut State, node: i32) -> Fetchable {
         })
         .collect();
     request.sort_unstable_by_key(|(p, _, _)| *p);
-    Fetchable { request, wake }
+    let leader_epochs = (request.iter())
+        .map(|(p, _, _)| leader_epochs.get(p).copied().unwrap_or(-1))
+        .collect();
+    Fetchable {
+        request,
+        leader_epochs,
+        wake,
+    }
 }
 
 /// Fetches the partitions `node` leads, one request at a time, for as long as the fetcher runs.
@@ -378,14 +396,18 @@ async fn broker_task(shared: Arc<Shared>, node: i32) {
     let mut scratch = Vec::new();
     loop {
         shared.budget.room().await;
-        let (mut request, address) = loop {
+        let (mut request, leader_epochs, address) = loop {
             let work = shared.work.notified();
             let wake = {
                 let mut state = shared.lock();
-                let Fetchable { request, wake } = fetchable(&mut state, node);
+                let Fetchable {
+                    request,
+                    leader_epochs,
+                    wake,
+                } = fetchable(&mut state, node);
                 if !request.is_empty() {
                     let address = state.brokers.get(&node).cloned();
-                    break (request, address);
+                    break (request, leader_epochs, address);
                 }
                 wake
             };
@@ -405,15 +427,26 @@ async fn broker_task(shared: Arc<Shared>, node: i32) {
                 .await
                 .map_err(Some)?;
             resolve_ends(&shared, c, &mut request).await.map_err(Some)?;
-            let pairs: Vec<(i32, i64)> = request.iter().map(|&(p, o, _)| (p, o)).collect();
+            let positions: Vec<FetchPosition> = (request.iter().zip(&leader_epochs))
+                .map(
+                    |(&(partition, offset, _), &current_leader_epoch)| FetchPosition {
+                        partition,
+                        offset,
+                        current_leader_epoch,
+                        last_fetched_epoch: -1,
+                    },
+                )
+                .collect();
             let wait = Duration::from_millis(config.limits.max_wait_ms as u64);
+            let version = c.version(protocol::FETCH);
             c.request_waiting(
                 protocol::FETCH,
                 |w| {
                     protocol::fetch_request(
                         w,
+                        version,
                         &config.topic,
-                        &pairs,
+                        &positions,
                         config.limits,
                         config.isolation,
                     )
@@ -423,10 +456,11 @@ async fn broker_task(shared: Arc<Shared>, node: i32) {
             )
             .await
             .map_err(Some)
+            .map(|()| version)
         }
         .await;
         match outcome {
-            Ok(()) => match protocol::parse_fetch(&response, &config.topic) {
+            Ok(version) => match protocol::parse_fetch(&response, version, &config.topic) {
                 Ok((error, partitions)) if !error.is_error() => {
                     backoff.reset();
                     let stale = handle_response(
@@ -476,43 +510,6 @@ async fn broker_task(shared: Arc<Shared>, node: i32) {
         release(&shared, &request);
         backoff.wait().await;
     }
-}
-
-/// Turns the [`EARLIEST`] and [`LATEST`] offsets of `request` into where those logs start or
-/// end now, asking the leader.
-async fn resolve_ends(
-    shared: &Shared,
-    connection: &mut Connection,
-    request: &mut [(i32, i64, u64)],
-) -> Result<(), crate::connection::ConnectionError> {
-    for (sentinel, end) in [(EARLIEST, LogEnd::Earliest), (LATEST, LogEnd::Latest)] {
-        let unresolved: Vec<i32> = (request.iter())
-            .filter(|(_, offset, _)| *offset == sentinel)
-            .map(|(p, _, _)| *p)
-            .collect();
-        if unresolved.is_empty() {
-            continue;
-        }
-        let found = connection
-            .list_offsets(&shared.config.topic, &unresolved, end)
-            .await?;
-        let mut state = shared.lock();
-        for (partition, offset, epoch) in request.iter_mut() {
-            let Some(&(_, error, at)) = found.iter().find(|(p, _, _)| p == partition) else {
-                continue;
-            };
-            if *offset != sentinel || error.is_error() {
-                continue;
-            }
-            *offset = at;
-            if let Some(w) = state.wanted.get_mut(partition)
-                && w.epoch == *epoch
-            {
-                w.offset = at;
-            }
-        }
-    }
-    Ok(())
 }
 
 /// Clears the in-flight marks of `request`'s partitions.
@@ -587,7 +584,9 @@ async fn handle_response(
             error if error.is_stale_leadership() => {
                 tracing::debug!(node, partition, %error, "fetcher: leadership moved");
                 back_off(shared, partition);
-                shared.lock().leaders.remove(&partition);
+                let mut state = shared.lock();
+                state.leaders.remove(&partition);
+                state.leader_epochs.remove(&partition);
                 stale = true;
             }
             error => {
@@ -618,71 +617,6 @@ fn back_off(shared: &Shared, partition: i32) {
     }
 }
 
-/// Moves partitions whose offsets were out of range as `auto.offset.reset` says, and reports
-/// each; returns whether leadership looked stale.
-async fn reset_out_of_range(
-    shared: &Shared,
-    node: i32,
-    out_of_range: Vec<(i32, i64, u64)>,
-    connection: Option<&mut Connection>,
-) -> bool {
-    let report = |partition, epoch, from, to| {
-        let _ = shared.out.send(Fetched::OutOfRange {
-            partition,
-            epoch,
-            from,
-            to,
-        });
-    };
-    let end = match shared.config.offset_reset {
-        OffsetReset::Earliest => LogEnd::Earliest,
-        OffsetReset::Latest => LogEnd::Latest,
-        OffsetReset::Error => {
-            let mut state = shared.lock();
-            for (partition, from, epoch) in out_of_range {
-                if let Some(w) = state.wanted.get_mut(&partition)
-                    && w.epoch == epoch
-                {
-                    // Stays where it is, unfetched, until the owner seeks it.
-                    w.paused = true;
-                    report(partition, epoch, from, None);
-                }
-            }
-            return false;
-        }
-    };
-    let Some(c) = connection else {
-        return true;
-    };
-    let ids: Vec<i32> = out_of_range.iter().map(|(p, _, _)| *p).collect();
-    let found = match c.list_offsets(&shared.config.topic, &ids, end).await {
-        Ok(found) => found,
-        Err(error) => {
-            tracing::warn!(node, %error, "fetcher: could not find where the logs start or end");
-            return true;
-        }
-    };
-    let mut stale = false;
-    let mut state = shared.lock();
-    for (partition, from, epoch) in out_of_range {
-        let Some(&(_, error, to)) = found.iter().find(|(p, _, _)| *p == partition) else {
-            continue;
-        };
-        if error.is_error() {
-            stale = true;
-            continue;
-        }
-        if let Some(w) = state.wanted.get_mut(&partition)
-            && w.epoch == epoch
-            && w.offset == from
-        {
-            w.offset = to;
-            report(partition, epoch, from, Some(to));
-        }
-    }
-    stale
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -698,6 +632,7 @@ mod tests {
         };
         let mut state = State {
             leaders: [(0, 1), (1, 1), (2, 2), (3, 1)].into(),
+            leader_epochs: [(0, 7)].into(),
             wanted: [
                 (0, w(false, false)),
                 (1, w(true, false)),
@@ -707,7 +642,9 @@ mod tests {
             .into(),
             ..State::default()
         };
-        assert_eq!(fetchable(&mut state, 1).request, [(0, 5, 1)]);
+        let first = fetchable(&mut state, 1);
+        assert_eq!(first.request, [(0, 5, 1)]);
+        assert_eq!(first.leader_epochs, [7], "sent with the fetch");
         assert!(state.wanted[&0].in_flight);
         assert!(fetchable(&mut state, 1).request.is_empty(), "in flight now");
         // A partition whose fetch failed waits out its backoff.

@@ -1,8 +1,9 @@
 //! The few Kafka requests tally sends, and their responses: `ApiVersions` (v0), `Metadata` (v7),
-//! `ListOffsets` (v2), `Fetch` (v11), `SaslHandshake` (v1) and `SaslAuthenticate` (v1). Each
-//! version is the last before its API's flexible (tagged-field) encoding, and every broker from
-//! Kafka 2.3 on speaks it; a connection checks the broker's ranges with `ApiVersions` first
-//! (`crate::connection`).
+//! `ListOffsets` (v2), `Fetch` (v11-v12), `Produce` (v8), `InitProducerId` (v1), `SaslHandshake`
+//! (v1) and `SaslAuthenticate` (v1). Each [`Api`] names the versions tally implements; a
+//! connection asks the broker for its ranges with `ApiVersions` first and speaks, per API, the
+//! newest version both implement ([`Api::negotiate`], `crate::connection`). Every broker from
+//! Kafka 2.3 on implements at least the oldest of each; Kafka 4.0 removed nothing tally sends.
 //!
 //! Requests are built into a [`Writer`] after the request header; responses are parsed from the
 //! bytes after the response header. Record sets stay borrowed from the response
@@ -10,63 +11,111 @@
 
 use crate::wire::{Malformed, Reader, Writer};
 
-/// An API key and the one version of it tally speaks.
+mod fetch;
+
+pub use fetch::{
+    FetchLimits, FetchPartition, FetchPosition, Isolation, fetch_request, parse_fetch,
+    throttle_time_ms,
+};
+
+/// An API key and the versions of it tally implements.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Api {
     /// Kafka's key for the API.
     pub key: i16,
-    /// The version tally sends.
-    pub version: i16,
+    /// The oldest version tally implements.
+    pub oldest: i16,
+    /// The newest.
+    pub newest: i16,
+    /// The API's first flexible version (compact encodings, tagged fields; KIP-482).
+    pub flexible_from: i16,
     /// Its name, for errors.
     pub name: &'static str,
+}
+
+impl Api {
+    /// The newest version both tally and a broker with these `ranges` implement; the broker's
+    /// range for this API when there is none in common (`None`: it has none at all).
+    pub fn negotiate(self, ranges: &[ApiRange]) -> Result<i16, Option<ApiRange>> {
+        let range = *ranges.iter().find(|r| r.key == self.key).ok_or(None)?;
+        let newest = self.newest.min(range.max);
+        if newest >= self.oldest.max(range.min) {
+            Ok(newest)
+        } else {
+            Err(Some(range))
+        }
+    }
+
+    /// Whether `version` of this API is flexible. (`ApiVersions` answers with a classic
+    /// response header whatever its version, so that an old client can read it.)
+    pub fn is_flexible(self, version: i16) -> bool {
+        version >= self.flexible_from
+    }
 }
 
 /// `Produce` v8.
 pub const PRODUCE: Api = Api {
     key: 0,
-    version: 8,
+    oldest: 8,
+    newest: 8,
+    flexible_from: 9,
     name: "Produce",
 };
 /// `InitProducerId` v1.
 pub const INIT_PRODUCER_ID: Api = Api {
     key: 22,
-    version: 1,
+    oldest: 1,
+    newest: 1,
+    flexible_from: 2,
     name: "InitProducerId",
 };
-/// `Fetch` v11.
+/// `Fetch` v11 and v12 (flexible, with the partition's last fetched epoch and the broker's
+/// diverging epoch).
 pub const FETCH: Api = Api {
     key: 1,
-    version: 11,
+    oldest: 11,
+    newest: 12,
+    flexible_from: 12,
     name: "Fetch",
 };
 /// `ListOffsets` v2.
 pub const LIST_OFFSETS: Api = Api {
     key: 2,
-    version: 2,
+    oldest: 2,
+    newest: 2,
+    flexible_from: 6,
     name: "ListOffsets",
 };
 /// `Metadata` v7.
 pub const METADATA: Api = Api {
     key: 3,
-    version: 7,
+    oldest: 7,
+    newest: 7,
+    flexible_from: 9,
     name: "Metadata",
 };
 /// `SaslHandshake` v1.
 pub const SASL_HANDSHAKE: Api = Api {
     key: 17,
-    version: 1,
+    oldest: 1,
+    newest: 1,
+    flexible_from: i16::MAX,
     name: "SaslHandshake",
 };
-/// `ApiVersions` v0.
+/// `ApiVersions` v0: what every broker answers, whatever it implements.
 pub const API_VERSIONS: Api = Api {
     key: 18,
-    version: 0,
+    oldest: 0,
+    newest: 0,
+    flexible_from: 3,
     name: "ApiVersions",
 };
 /// `SaslAuthenticate` v1.
 pub const SASL_AUTHENTICATE: Api = Api {
     key: 36,
-    version: 1,
+    oldest: 1,
+    newest: 1,
+    flexible_from: 2,
     name: "SaslAuthenticate",
 };
 
@@ -173,15 +222,19 @@ impl std::fmt::Display for ErrorCode {
     }
 }
 
-/// A request's header (v1): its API, a correlation id, the client's id.
-pub fn request_header(api: Api, correlation_id: i32, client_id: &str) -> Writer {
+/// A request's header: its API and version, a correlation id, the client's id (v1), and for a
+/// flexible version no tagged fields (v2).
+pub fn request_header(api: Api, version: i16, correlation_id: i32, client_id: &str) -> Writer {
     let mut w = Writer::default();
     // Room for the size prefix, filled in by the connection.
     w.i32(0)
         .i16(api.key)
-        .i16(api.version)
+        .i16(version)
         .i32(correlation_id)
         .string(client_id);
+    if api.is_flexible(version) {
+        w.no_tagged_fields();
+    }
     w
 }
 
@@ -348,141 +401,6 @@ pub fn parse_list_offsets(body: &[u8]) -> Result<Vec<(i32, ErrorCode, i64)>, Mal
     Ok(out)
 }
 
-/// Limits of one fetch.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct FetchLimits {
-    /// Longest the broker may wait for `min_bytes` to arrive.
-    pub max_wait_ms: i32,
-    /// Bytes the broker waits for before answering.
-    pub min_bytes: i32,
-    /// Most bytes in the whole response (the first batch always comes whole).
-    pub max_bytes: i32,
-    /// Most bytes per partition.
-    pub partition_max_bytes: i32,
-}
-
-/// Which records a fetch returns (`isolation.level`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Isolation {
-    /// Up to the last stable offset, with the aborted transactions listed (to leave out).
-    #[default]
-    ReadCommitted,
-    /// Up to the high watermark, aborted transactions included.
-    ReadUncommitted,
-}
-
-/// `Fetch` request (no fetch session) for `(partition, offset)` pairs of `topic`.
-pub fn fetch_request(
-    w: &mut Writer,
-    topic: &str,
-    partitions: &[(i32, i64)],
-    limits: FetchLimits,
-    isolation: Isolation,
-) {
-    w.i32(-1)
-        .i32(limits.max_wait_ms)
-        .i32(limits.min_bytes)
-        .i32(limits.max_bytes)
-        .i8(match isolation {
-            Isolation::ReadCommitted => 1,
-            Isolation::ReadUncommitted => 0,
-        })
-        .i32(0)
-        .i32(-1)
-        .array_len(1)
-        .string(topic)
-        .array_len(partitions.len());
-    for &(partition, offset) in partitions {
-        w.i32(partition)
-            .i32(-1)
-            .i64(offset)
-            .i64(-1)
-            .i32(limits.partition_max_bytes);
-    }
-    w.array_len(0).string("");
-}
-
-/// One partition of a fetch response.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct FetchPartition<'a> {
-    /// Its index.
-    pub partition: i32,
-    /// Its error.
-    pub error: ErrorCode,
-    /// The offset after the last one replicated to every in-sync replica.
-    pub high_watermark: i64,
-    /// The last stable offset: what a read_committed reader can read up to (-1 if unknown).
-    pub last_stable_offset: i64,
-    /// The first offset still in the log (-1 if unknown).
-    pub log_start_offset: i64,
-    /// Aborted transactions overlapping this response: `(producer id, first offset)`.
-    pub aborted: Vec<(i64, i64)>,
-    /// The record set, borrowed from the response.
-    pub records: &'a [u8],
-}
-
-impl FetchPartition<'_> {
-    /// Where a reader's log ends: for read_committed the last stable offset (or the high
-    /// watermark where that is unknown), for read_uncommitted the high watermark.
-    pub fn log_end(&self, isolation: Isolation) -> i64 {
-        if isolation == Isolation::ReadCommitted && self.last_stable_offset >= 0 {
-            self.last_stable_offset
-        } else {
-            self.high_watermark
-        }
-    }
-}
-
-/// How long a response asks its client to wait before its next request to that broker, under
-/// a quota (`throttle_time_ms`, the first field of every response version this client reads;
-/// KIP-219): 0 if none, or if the response is too short to say.
-pub fn throttle_time_ms(body: &[u8]) -> u32 {
-    match body.first_chunk::<4>() {
-        Some(bytes) => i32::from_be_bytes(*bytes).max(0) as u32,
-        None => 0,
-    }
-}
-
-/// `Fetch` response: its top-level error, and every partition of `topic`.
-pub fn parse_fetch<'a>(
-    body: &'a [u8],
-    topic: &str,
-) -> Result<(ErrorCode, Vec<FetchPartition<'a>>), Malformed> {
-    let mut r = Reader::new(body);
-    r.i32("throttle_time_ms")?;
-    let error = ErrorCode(r.i16("error_code")?);
-    r.i32("session_id")?;
-    let mut out = Vec::new();
-    for _ in 0..r.array_len("responses")? {
-        let name = r.string("topic")?;
-        for _ in 0..r.array_len("partitions")? {
-            let partition = r.i32("partition_index")?;
-            let error = ErrorCode(r.i16("error_code")?);
-            let high_watermark = r.i64("high_watermark")?;
-            let last_stable_offset = r.i64("last_stable_offset")?;
-            let log_start_offset = r.i64("log_start_offset")?;
-            let mut aborted = Vec::new();
-            for _ in 0..r.array_len("aborted_transactions")? {
-                aborted.push((r.i64("producer_id")?, r.i64("first_offset")?));
-            }
-            r.i32("preferred_read_replica")?;
-            let records = r.nullable_bytes("records")?.unwrap_or_default();
-            if name == topic {
-                out.push(FetchPartition {
-                    partition,
-                    error,
-                    high_watermark,
-                    last_stable_offset,
-                    log_start_offset,
-                    aborted,
-                    records,
-                });
-            }
-        }
-    }
-    Ok((error, out))
-}
-
 /// `InitProducerId` request for an idempotent producer (no transactional id).
 pub fn init_producer_id_request(w: &mut Writer) {
     w.nullable_string(None).i32(60_000);
@@ -594,75 +512,6 @@ pub fn parse_sasl_authenticate(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn a_fetch_request_lays_out_v11() {
-        let mut w = Writer::default();
-        let limits = FetchLimits {
-            max_wait_ms: 500,
-            min_bytes: 1,
-            max_bytes: 1 << 20,
-            partition_max_bytes: 1 << 16,
-        };
-        fetch_request(&mut w, "t", &[(3, 42)], limits, Isolation::ReadCommitted);
-        let mut expected = Writer::default();
-        expected
-            .i32(-1)
-            .i32(500)
-            .i32(1)
-            .i32(1 << 20)
-            .i8(1)
-            .i32(0)
-            .i32(-1);
-        expected.array_len(1).string("t").array_len(1);
-        expected.i32(3).i32(-1).i64(42).i64(-1).i32(1 << 16);
-        expected.array_len(0).string("");
-        assert_eq!(w.buf, expected.buf);
-
-        let mut uncommitted = Writer::default();
-        fetch_request(
-            &mut uncommitted,
-            "t",
-            &[(3, 42)],
-            limits,
-            Isolation::ReadUncommitted,
-        );
-        assert_eq!(uncommitted.buf[16], 0, "isolation_level read_uncommitted");
-        assert_eq!(w.buf[16], 1, "isolation_level read_committed");
-    }
-
-    #[test]
-    fn a_fetch_response_keeps_its_records_borrowed() {
-        let mut w = Writer::default();
-        w.i32(0).i16(0).i32(0).array_len(2);
-        for topic in ["other", "t"] {
-            w.string(topic).array_len(1);
-            w.i32(5).i16(0).i64(100).i64(90).i64(7);
-            w.array_len(1).i64(4_000).i64(60);
-            w.i32(-1).bytes(b"record-set");
-        }
-        let (error, parts) = parse_fetch(&w.buf, "t").expect("as written");
-        assert_eq!(error, ErrorCode::NONE);
-        assert_eq!(
-            parts,
-            [FetchPartition {
-                partition: 5,
-                error: ErrorCode::NONE,
-                high_watermark: 100,
-                last_stable_offset: 90,
-                log_start_offset: 7,
-                aborted: vec![(4_000, 60)],
-                records: b"record-set",
-            }]
-        );
-        assert_eq!(parts[0].log_end(Isolation::ReadCommitted), 90);
-        assert_eq!(parts[0].log_end(Isolation::ReadUncommitted), 100);
-        assert_eq!(throttle_time_ms(&w.buf), 0);
-        let mut throttled = w.buf.clone();
-        throttled[..4].copy_from_slice(&1_500i32.to_be_bytes());
-        assert_eq!(throttle_time_ms(&throttled), 1_500);
-        assert_eq!(throttle_time_ms(&[0, 0]), 0, "too short to say");
-    }
 
     #[test]
     fn metadata_finds_the_topic_and_its_leaders() {
