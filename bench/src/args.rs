@@ -68,6 +68,10 @@ pub struct Args {
     /// when empty.
     #[arg(long, value_delimiter = ',')]
     pub only: Vec<String>,
+    /// Run nothing: read this `results.json` and write `capacity.md` (the sizing guide) into
+    /// `--out`.
+    #[arg(long)]
+    pub capacity_from: Option<PathBuf>,
 }
 
 impl Args {

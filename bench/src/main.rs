@@ -21,8 +21,10 @@
 //! - [`scenarios`]: each scenario and yardstick, one module per kind.
 //! - [`results`]: what was measured.
 //! - [`report`]: `results.json`, `results.md` and the plots ([`svg`]).
+//! - [`capacity`]: `capacity.md`, the sizing guide computed from the results.
 
 mod args;
+mod capacity;
 mod env;
 mod probe;
 mod report;
@@ -38,6 +40,13 @@ use crate::args::Args;
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     std::fs::create_dir_all(&args.out)?;
+    if let Some(path) = &args.capacity_from {
+        let results: results::Results = serde_json::from_slice(&std::fs::read(path)?)?;
+        let out = args.out.join("capacity.md");
+        std::fs::write(&out, capacity::markdown(&results))?;
+        println!("wrote {}", out.display());
+        return Ok(());
+    }
     let results = scenarios::run_all(&args).await?;
     report::write(&args, &results)?;
     println!(

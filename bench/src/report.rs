@@ -552,6 +552,7 @@ pub fn write(args: &Args, r: &Results) -> anyhow::Result<()> {
     )?;
     let md = markdown(args, r);
     std::fs::write(args.out.join("results.md"), &md)?;
+    std::fs::write(args.out.join("capacity.md"), crate::capacity::markdown(r))?;
     println!("{md}");
     let mut series: Vec<(String, Vec<(f64, f64)>)> = r
         .catch_up

@@ -1,12 +1,13 @@
 //! What the benchmark measured: throughputs, catch-ups, the steady state and reads, as
 //! written to `results.json` and read by the report.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::probe::ProcStats;
 
 /// A throughput measurement of one process.
-#[derive(Debug, Clone, Default, Serialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default)]
 pub struct Throughput {
     /// What ran.
     pub name: String,
@@ -39,7 +40,8 @@ impl Throughput {
 }
 
 /// An aggregator (or naive consumer) working through a preloaded topic.
-#[derive(Debug, Clone, Default, Serialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default)]
 pub struct CatchUp {
     /// Rate, CPU and memory, timed from the first event consumed to the last one flushed.
     pub run: Throughput,
@@ -86,7 +88,8 @@ pub struct CatchUp {
 }
 
 /// End-to-end latency under a steady load.
-#[derive(Debug, Clone, Default, Serialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default)]
 pub struct Steady {
     /// Background events per second asked of the producer.
     pub target_rate: f64,
@@ -107,7 +110,8 @@ pub struct Steady {
 }
 
 /// Latency of one kind of read.
-#[derive(Debug, Clone, Default, Serialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default)]
 pub struct ReadLatency {
     /// What was read.
     pub name: String,
@@ -118,7 +122,7 @@ pub struct ReadLatency {
 }
 
 /// The catch-up into the PostgreSQL store, and what it cost PostgreSQL.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct PostgresRun {
     /// The catch-up, as for Redis.
     pub catch_up: CatchUp,
@@ -133,7 +137,7 @@ pub struct PostgresRun {
 }
 
 /// The catch-up with a number of windows, and what it cost.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct WindowsRun {
     /// Windows the namespace keeps.
     pub windows: usize,
@@ -144,7 +148,7 @@ pub struct WindowsRun {
 }
 
 /// The catch-up with or without expiring counters.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ExpiryRun {
     /// The namespace's `expire_after` (`none`, `30d`).
     pub expire_after: String,
@@ -155,7 +159,7 @@ pub struct ExpiryRun {
 }
 
 /// The catch-up of events with ids, with or without an idempotency window.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct IdempotencyRun {
     /// The namespace's idempotency window (`none`, `10m`).
     pub window: String,
@@ -164,7 +168,8 @@ pub struct IdempotencyRun {
 }
 
 /// One rebalance under a steady stream (`scenarios::rebalance`).
-#[derive(Debug, Clone, Default, Serialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default)]
 pub struct RebalanceEvent {
     /// What happened.
     pub event: String,
@@ -183,7 +188,8 @@ pub struct RebalanceEvent {
 }
 
 /// Everything measured.
-#[derive(Debug, Clone, Default, Serialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default)]
 pub struct Results {
     /// When and where.
     pub machine: String,
@@ -238,7 +244,8 @@ pub struct Results {
 }
 
 /// Partitions added to a live topic: how soon their events are counted.
-#[derive(Debug, Clone, Default, Serialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default)]
 pub struct NewPartitions {
     /// Partitions before and after.
     pub from: i32,
