@@ -64,7 +64,12 @@ pub fn markdown(r: &Results) -> String {
         "\n## What an event costs\n\nCatch-ups of the same events from launch to the last \
          durable flush (Zipf-skewed over about {} counters). Aggregator CPU is its own \
          (user + system) per million events; Redis CPU is `redis-server`'s.\n",
-        r.exactly_once().map_or(0, |c| c.distinct_counters)
+        (r.catch_up.iter().map(|(_, c)| c))
+            .chain(r.windows.iter().map(|w| &w.catch_up))
+            .chain(r.dedup.iter().map(|d| &d.catch_up))
+            .map(|c| c.distinct_counters)
+            .max()
+            .unwrap_or(0)
     );
     let _ = writeln!(
         out,
@@ -85,6 +90,11 @@ pub fn markdown(r: &Results) -> String {
         let name = format!("windows: {}", w.windows);
         cost_row(&mut out, &name, &w.catch_up, baseline);
     }
+    let baseline = r.dedup.first().map(|d| &d.catch_up);
+    for d in &r.dedup {
+        let name = format!("dedup: {}", if d.dedup { "on" } else { "off" });
+        cost_row(&mut out, &name, &d.catch_up, baseline);
+    }
     let baseline = r.expiry.first().map(|e| &e.catch_up);
     for e in &r.expiry {
         let name = format!("expiry: {}", e.expire_after);
@@ -98,8 +108,13 @@ pub fn markdown(r: &Results) -> String {
     let _ = writeln!(
         out,
         "\n\"vs its baseline\" compares with the first run of its own kind (the bincode \
-         exactly-once catch-up for the first rows, no windows, no expiry, no idempotency window). \
-         Deduplication (one like per actor) is not measured by the bench yet."
+         exactly-once catch-up for the first rows, no windows, no deduplication, no expiry, no \
+         idempotency window).{}",
+        if r.dedup.is_empty() {
+            " Deduplication (one like per actor) was not measured in this run (`--only dedup`)."
+        } else {
+            ""
+        }
     );
 
     let _ = writeln!(
@@ -111,6 +126,15 @@ pub fn markdown(r: &Results) -> String {
             out,
             "| {} window(s) | {:.0} |",
             w.windows, w.memory_bytes_per_counter
+        );
+    }
+    for d in &r.dedup {
+        let _ = writeln!(
+            out,
+            "| dedup {} | {:.0} ({:.1} per event) |",
+            if d.dedup { "on" } else { "off" },
+            d.memory_bytes_per_counter,
+            d.memory_bytes_per_event
         );
     }
     for e in &r.expiry {

@@ -147,6 +147,19 @@ pub struct WindowsRun {
     pub memory_bytes_per_counter: f64,
 }
 
+/// The catch-up with or without deduplication (one like per actor).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct DedupRun {
+    /// Whether the namespace deduplicates.
+    pub dedup: bool,
+    /// The catch-up.
+    pub catch_up: CatchUp,
+    /// Redis memory added per distinct counter (`used_memory` after − before), bytes.
+    pub memory_bytes_per_counter: f64,
+    /// The same over the events, bytes.
+    pub memory_bytes_per_event: f64,
+}
+
 /// The catch-up with or without expiring counters.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ExpiryRun {
@@ -233,6 +246,8 @@ pub struct Results {
     pub windows: Vec<WindowsRun>,
     /// The catch-up without and with expiring counters.
     pub expiry: Vec<ExpiryRun>,
+    /// The catch-up without and with deduplication.
+    pub dedup: Vec<DedupRun>,
     /// The catch-up of events with ids, without and with an idempotency window.
     pub idempotency: Vec<IdempotencyRun>,
     /// Decode + aggregate on one core (criterion), events per second, per format.

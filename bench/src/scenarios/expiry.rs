@@ -5,7 +5,7 @@
 
 use crate::env::Env;
 use crate::results::ExpiryRun;
-use crate::scenarios::windows::catch_up_with_memory;
+use crate::scenarios::windows::likes_variants;
 
 /// The two catch-ups of `events` events on `topic` (`distinct` counters, all `likes:post:*`).
 pub(crate) async fn expiry(
@@ -14,16 +14,13 @@ pub(crate) async fn expiry(
     events: u64,
     distinct: u64,
 ) -> anyhow::Result<Vec<ExpiryRun>> {
-    let mut runs = Vec::new();
-    for (expire_after, entry) in [("none", ""), ("30d", "expire_after = \"30d\"\n")] {
-        println!("expiry: the aggregator, expire_after {expire_after}, over {events} events");
-        let namespaces = format!("[namespaces.likes]\n{entry}");
-        let (run, memory) = catch_up_with_memory(env, topic, events, distinct, &namespaces).await?;
-        runs.push(ExpiryRun {
+    let variants = [("none", ""), ("30d", "expire_after = \"30d\"\n")];
+    let runs = likes_variants(env, "expiry", (topic, events, distinct), &variants).await?;
+    Ok((runs.into_iter())
+        .map(|(expire_after, catch_up, memory)| ExpiryRun {
             expire_after: expire_after.to_owned(),
             memory_bytes_per_counter: memory,
-            catch_up: run,
-        });
-    }
-    Ok(runs)
+            catch_up,
+        })
+        .collect())
 }

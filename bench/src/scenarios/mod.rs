@@ -2,6 +2,7 @@
 //! with the release binaries, on topics and key prefixes of its own; [`run_all`] runs those
 //! the arguments ask for, in an order where each can use the figures before it.
 
+mod dedup;
 mod expiry;
 mod idempotency;
 mod json;
@@ -19,6 +20,7 @@ use anyhow::Context;
 use crate::args::Args;
 use crate::env::{Env, cleanup, machine, payload_bytes};
 use crate::results::Results;
+use dedup::dedup;
 use expiry::expiry;
 use idempotency::idempotency;
 use json::json_catch_up;
@@ -61,6 +63,7 @@ pub async fn run_all(args: &Args) -> anyhow::Result<Results> {
         "catch-up",
         "postgres",
         "windows",
+        "dedup",
         "naive",
         "yardsticks",
     ]
@@ -144,6 +147,10 @@ pub async fn run_all(args: &Args) -> anyhow::Result<Results> {
     if args.runs("expiry") {
         let distinct = results.producer.first().map_or(0, |p| p.distinct_counters);
         results.expiry = expiry(&mut env, &preloaded, args.events, distinct).await?;
+    }
+    if args.runs("dedup") {
+        let distinct = results.producer.first().map_or(0, |p| p.distinct_counters);
+        results.dedup = dedup(&mut env, &preloaded, args.events, distinct).await?;
     }
     if args.runs("idempotency") {
         results.idempotency = idempotency(&mut env).await?;

@@ -38,6 +38,25 @@ pub(crate) async fn catch_up_with_memory(
     Ok((run, (after - before) / distinct.max(1) as f64))
 }
 
+/// The exactly-once catch-up of `events` events on `topic` (`distinct` counters, all
+/// `likes:post:*`) once per variant of the `likes` namespace, `(label, its entries)`: each run
+/// with the Redis memory it added per distinct counter.
+pub(crate) async fn likes_variants<'v>(
+    env: &mut Env<'_>,
+    scenario: &str,
+    (topic, events, distinct): (&str, u64, u64),
+    variants: &[(&'v str, &str)],
+) -> anyhow::Result<Vec<(&'v str, CatchUp, f64)>> {
+    let mut runs = Vec::new();
+    for &(label, entries) in variants {
+        println!("{scenario}: the aggregator, {label}, over {events} events");
+        let namespaces = format!("[namespaces.likes]\n{entries}");
+        let (run, memory) = catch_up_with_memory(env, topic, events, distinct, &namespaces).await?;
+        runs.push((label, run, memory));
+    }
+    Ok(runs)
+}
+
 /// The catch-up of `events` events on `topic` (`distinct` counters, all `likes:post:*`) with
 /// 0, 1 and 3 windows.
 pub(crate) async fn windows(
@@ -46,20 +65,17 @@ pub(crate) async fn windows(
     events: u64,
     distinct: u64,
 ) -> anyhow::Result<Vec<WindowsRun>> {
-    let mut runs = Vec::new();
-    for (count, windows) in [
-        (0, ""),
-        (1, "windows = [\"1h\"]\n"),
-        (3, "windows = [\"1m\", \"1h\", \"1d\"]\n"),
-    ] {
-        println!("windows: the aggregator with {count} windows, over {events} events");
-        let namespaces = format!("[namespaces.likes]\n{windows}");
-        let (run, memory) = catch_up_with_memory(env, topic, events, distinct, &namespaces).await?;
-        runs.push(WindowsRun {
-            windows: count,
+    let variants = [
+        ("0 windows", ""),
+        ("1 window", "windows = [\"1h\"]\n"),
+        ("3 windows", "windows = [\"1m\", \"1h\", \"1d\"]\n"),
+    ];
+    let runs = likes_variants(env, "windows", (topic, events, distinct), &variants).await?;
+    Ok((runs.into_iter().zip([0, 1, 3]))
+        .map(|((_, catch_up, memory), windows)| WindowsRun {
+            windows,
             memory_bytes_per_counter: memory,
-            catch_up: run,
-        });
-    }
-    Ok(runs)
+            catch_up,
+        })
+        .collect())
 }
