@@ -1,11 +1,8 @@
-//! Kafka's primitive types on the wire: big-endian integers, zig-zag varints, length-prefixed
-//! strings, bytes and arrays. [`Reader`] reads them from a borrowed buffer without copying;
-//! [`Writer`] appends them to a request.
-//!
-//! Both encodings are here: the classic one (`int16`/`int32` lengths) and the "compact" one of
-//! flexible versions (KIP-482: unsigned-varint lengths plus one, and tagged fields after each
-//! structure), which tally reads and writes where a broker and tally agree on one (see
-//! `crate::protocol`).
+//! Kafka's primitive types on the wire, for what tally encodes and reads itself: record
+//! batches (big-endian integers, zig-zag varints), the request header and the response
+//! header's framing. [`Reader`] reads them from a borrowed buffer without copying; [`Writer`]
+//! appends them to a request. Request and response bodies are the `kafka-protocol` crate's
+//! (see `crate::protocol`).
 
 /// A response or record set that ended early or held an impossible value.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -98,11 +95,6 @@ impl<'a> Reader<'a> {
         Ok(i64::from_be_bytes(self.array(what)?))
     }
 
-    /// A boolean (one byte, non-zero is true).
-    pub fn bool(&mut self, what: &'static str) -> Result<bool, Malformed> {
-        Ok(self.i8(what)? != 0)
-    }
-
     /// An unsigned LEB128 varint of at most 64 bits.
     #[inline]
     pub fn uvarint(&mut self, what: &'static str) -> Result<u64, Malformed> {
@@ -144,120 +136,6 @@ impl<'a> Reader<'a> {
     pub fn varint(&mut self, what: &'static str) -> Result<i32, Malformed> {
         let value = self.varlong(what)?;
         i32::try_from(value).map_err(|_| self.malformed(what))
-    }
-
-    /// A length (`int32`, or -1 for null) and that many bytes.
-    pub fn nullable_bytes(&mut self, what: &'static str) -> Result<Option<&'a [u8]>, Malformed> {
-        match self.i32(what)? {
-            -1 => Ok(None),
-            n => {
-                let n = usize::try_from(n).map_err(|_| self.malformed(what))?;
-                self.take(n, what).map(Some)
-            }
-        }
-    }
-
-    /// A length (`int16`, or -1 for null) and that many bytes of UTF-8.
-    pub fn nullable_string(&mut self, what: &'static str) -> Result<Option<&'a str>, Malformed> {
-        match self.i16(what)? {
-            -1 => Ok(None),
-            n => {
-                let n = usize::try_from(n).map_err(|_| self.malformed(what))?;
-                let bytes = self.take(n, what)?;
-                std::str::from_utf8(bytes)
-                    .map(Some)
-                    .map_err(|_| self.malformed(what))
-            }
-        }
-    }
-
-    /// A non-null string.
-    pub fn string(&mut self, what: &'static str) -> Result<&'a str, Malformed> {
-        self.nullable_string(what)?
-            .ok_or_else(|| self.malformed(what))
-    }
-
-    /// An array's length (`int32`; -1, a null array, reads as 0).
-    pub fn array_len(&mut self, what: &'static str) -> Result<usize, Malformed> {
-        let n = self.i32(what)?;
-        if n < 0 {
-            return Ok(0);
-        }
-        let n = usize::try_from(n).map_err(|_| self.malformed(what))?;
-        // Every element takes at least one byte: a longer array cannot be in the buffer.
-        if n > self.remaining() {
-            return Err(self.malformed(what));
-        }
-        Ok(n)
-    }
-}
-
-/// Reading the compact encoding of flexible versions.
-impl<'a> Reader<'a> {
-    /// A compact length (an unsigned varint, the length plus one; 0 is null).
-    fn compact_len(&mut self, what: &'static str) -> Result<Option<usize>, Malformed> {
-        match self.uvarint(what)? {
-            0 => Ok(None),
-            n => match usize::try_from(n - 1) {
-                Ok(n) if n <= self.remaining() => Ok(Some(n)),
-                _ => Err(self.malformed(what)),
-            },
-        }
-    }
-
-    /// A compact array's length (null reads as 0).
-    pub fn compact_array_len(&mut self, what: &'static str) -> Result<usize, Malformed> {
-        Ok(self.compact_len(what)?.unwrap_or(0))
-    }
-
-    /// Compact bytes, or null.
-    pub fn compact_nullable_bytes(
-        &mut self,
-        what: &'static str,
-    ) -> Result<Option<&'a [u8]>, Malformed> {
-        match self.compact_len(what)? {
-            None => Ok(None),
-            Some(n) => self.take(n, what).map(Some),
-        }
-    }
-
-    /// A compact string, or null.
-    pub fn compact_nullable_string(
-        &mut self,
-        what: &'static str,
-    ) -> Result<Option<&'a str>, Malformed> {
-        match self.compact_nullable_bytes(what)? {
-            None => Ok(None),
-            Some(bytes) => std::str::from_utf8(bytes)
-                .map(Some)
-                .map_err(|_| self.malformed(what)),
-        }
-    }
-
-    /// A non-null compact string.
-    pub fn compact_string(&mut self, what: &'static str) -> Result<&'a str, Malformed> {
-        self.compact_nullable_string(what)?
-            .ok_or_else(|| self.malformed(what))
-    }
-
-    /// A structure's tagged fields: `(tag, bytes)` for each, in order.
-    pub fn tagged_fields(
-        &mut self,
-        what: &'static str,
-        mut field: impl FnMut(u64, &'a [u8]) -> Result<(), Malformed>,
-    ) -> Result<(), Malformed> {
-        for _ in 0..self.uvarint(what)? {
-            let tag = self.uvarint(what)?;
-            let size = self.uvarint(what)?;
-            let size = usize::try_from(size).map_err(|_| self.malformed(what))?;
-            field(tag, self.take(size, what)?)?;
-        }
-        Ok(())
-    }
-
-    /// Skips a structure's tagged fields.
-    pub fn skip_tagged_fields(&mut self, what: &'static str) -> Result<(), Malformed> {
-        self.tagged_fields(what, |_, _| Ok(()))
     }
 }
 
@@ -343,7 +221,11 @@ impl Writer {
     pub fn varlong(&mut self, v: i64) -> &mut Self {
         self.uvarint(((v << 1) ^ (v >> 63)) as u64)
     }
+}
 
+/// The compact encoding of flexible versions, for tests that lay out what a broker sends.
+#[cfg(test)]
+impl Writer {
     /// A compact array's length.
     pub fn compact_array_len(&mut self, n: usize) -> &mut Self {
         self.uvarint(n as u64 + 1)
@@ -414,78 +296,5 @@ mod tests {
             Err(Malformed { at: 2, what: "v" })
         );
         assert!(Reader::new(&[0xff; 11]).uvarint("v").is_err());
-    }
-
-    #[test]
-    fn strings_bytes_and_arrays_read_back() {
-        let mut w = Writer::default();
-        w.string("tally")
-            .nullable_string(None)
-            .bytes(b"xyz")
-            .array_len(2)
-            .i16(7)
-            .i16(8);
-        let mut r = Reader::new(&w.buf);
-        assert_eq!(r.string("s").expect("as written"), "tally");
-        assert_eq!(r.nullable_string("s").expect("as written"), None);
-        assert_eq!(
-            r.nullable_bytes("b").expect("as written"),
-            Some(&b"xyz"[..])
-        );
-        assert_eq!(r.array_len("a").expect("as written"), 2);
-        assert_eq!(
-            (
-                r.i16("x").expect("as written"),
-                r.i16("y").expect("as written")
-            ),
-            (7, 8)
-        );
-        assert!(r.is_empty());
-    }
-
-    #[test]
-    fn compact_strings_arrays_and_tagged_fields_read_back() {
-        let mut w = Writer::default();
-        w.compact_string("tally")
-            .compact_nullable_string(None)
-            .compact_array_len(2)
-            .i8(1)
-            .i8(2);
-        // Two tagged fields: tag 0 with 2 bytes, tag 3 with none.
-        w.uvarint(2)
-            .uvarint(0)
-            .uvarint(2)
-            .i16(7)
-            .uvarint(3)
-            .uvarint(0);
-        let mut r = Reader::new(&w.buf);
-        assert_eq!(r.compact_string("s"), Ok("tally"));
-        assert_eq!(r.compact_nullable_string("s"), Ok(None));
-        assert_eq!(r.compact_array_len("a"), Ok(2));
-        r.skip(2, "elements").expect("as written");
-        let mut tags = Vec::new();
-        r.tagged_fields("tags", |tag, bytes| {
-            tags.push((tag, bytes.to_vec()));
-            Ok(())
-        })
-        .expect("as written");
-        assert_eq!(tags, [(0, vec![0, 7]), (3, vec![])]);
-        assert!(r.is_empty());
-        assert_eq!(w.buf[..6], [6, b't', b'a', b'l', b'l', b'y']);
-
-        // A length past the end, or a tagged field longer than what is left, is malformed.
-        assert!(Reader::new(&[9, b'x']).compact_string("s").is_err());
-        assert!(Reader::new(&[200, 1]).compact_array_len("a").is_err());
-        assert!(Reader::new(&[1, 0, 5, 1]).skip_tagged_fields("t").is_err());
-    }
-
-    #[test]
-    fn a_length_past_the_end_is_malformed_not_a_panic() {
-        let mut w = Writer::default();
-        w.i32(1_000);
-        assert!(Reader::new(&w.buf).nullable_bytes("b").is_err());
-        assert!(Reader::new(&w.buf).array_len("a").is_err());
-        assert!(Reader::new(&[0, 5, b'a']).string("s").is_err());
-        assert!(Reader::new(&[0, 1, 0xff]).string("s").is_err());
     }
 }

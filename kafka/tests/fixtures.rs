@@ -7,7 +7,8 @@ use std::path::{Path, PathBuf};
 
 use tally_kafka::compression::decompress;
 use tally_kafka::protocol::{
-    self, ErrorCode, Isolation, parse_api_versions, parse_fetch, parse_list_offsets, parse_metadata,
+    self, ErrorCode, FetchResponse, Isolation, parse_api_versions, parse_list_offsets,
+    parse_metadata,
 };
 use tally_kafka::records::{Compression, RawBatch, Records, batches, crc_mismatch};
 
@@ -94,8 +95,10 @@ fn every_captured_response_parses_and_the_records_are_those_written() {
         for fetch_version in protocol::FETCH.oldest..=protocol::FETCH.newest {
             let fetch = read(&dir, &format!("fetch-v{fetch_version}.bin"));
             let version = format!("{version}, Fetch v{fetch_version}");
-            let (error, parts) = parse_fetch(&fetch, fetch_version, &topic).expect("parses");
-            assert_eq!(protocol::throttle_time_ms(&fetch), 0, "{version}");
+            let fetched = FetchResponse::decode(&mut bytes::Bytes::from(fetch), fetch_version)
+                .expect("decodes");
+            assert_eq!(fetched.throttle_time_ms(), 0, "{version}");
+            let (error, parts) = (fetched.error(), fetched.partitions(&topic));
             assert_eq!(error, ErrorCode::NONE, "{version}");
             let [part] = parts.as_slice() else {
                 panic!("{version}: one partition");

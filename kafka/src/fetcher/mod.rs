@@ -25,13 +25,14 @@ use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
+use bytes::Bytes;
 use tokio::sync::{Notify, mpsc};
 use tokio::task::JoinSet;
 
 use crate::backoff::Backoff;
 use crate::config::{FetchConfig, OffsetReset};
 use crate::connection::Connection;
-use crate::protocol::{self, ErrorCode, FetchPartition, FetchPosition};
+use crate::protocol::{self, ErrorCode, FetchPartition, FetchPosition, FetchResponse};
 
 mod chunk;
 mod ends;
@@ -460,40 +461,49 @@ async fn broker_task(shared: Arc<Shared>, node: i32) {
         }
         .await;
         match outcome {
-            Ok(version) => match protocol::parse_fetch(&response, version, &config.topic) {
-                Ok((error, partitions)) if !error.is_error() => {
-                    backoff.reset();
-                    let stale = handle_response(
-                        &shared,
-                        node,
-                        &request,
-                        partitions,
-                        &mut scratch,
-                        connection.as_mut(),
-                    )
-                    .await;
-                    if stale {
-                        shared.stale.notify_one();
+            Ok(version) => {
+                // The response's record sets are slices of its bytes: the buffer goes as
+                // `Bytes`, and comes back for the next response once they are dropped.
+                let body = Bytes::from(std::mem::take(&mut response));
+                let handled = match FetchResponse::decode(&mut body.clone(), version) {
+                    Ok(fetched) if !fetched.error().is_error() => {
+                        backoff.reset();
+                        let partitions = fetched.partitions(&config.topic);
+                        let stale = handle_response(
+                            &shared,
+                            node,
+                            &request,
+                            partitions,
+                            &mut scratch,
+                            connection.as_mut(),
+                        )
+                        .await;
+                        if stale {
+                            shared.stale.notify_one();
+                        }
+                        Ok(fetched.throttle_time_ms())
                     }
-                    // A throttled response is handled, then the broker gets nothing more until
-                    // the throttle is over: a request sent sooner would only wait on its muted
-                    // connection.
-                    let throttle = protocol::throttle_time_ms(&response);
-                    if throttle > 0 {
-                        let _ = shared.out.send(Fetched::Throttled { node, ms: throttle });
-                        tokio::time::sleep(Duration::from_millis(u64::from(throttle))).await;
+                    Ok(fetched) => Err(format!("fetch refused as a whole: {}", fetched.error())),
+                    Err(e) => Err(format!("a malformed fetch response: {e}")),
+                };
+                response = reclaim(body);
+                match handled {
+                    Ok(throttle) => {
+                        // A throttled response is handled, then the broker gets nothing more
+                        // until the throttle is over: a request sent sooner would only wait on
+                        // its muted connection.
+                        if throttle > 0 {
+                            let _ = shared.out.send(Fetched::Throttled { node, ms: throttle });
+                            tokio::time::sleep(Duration::from_millis(u64::from(throttle))).await;
+                        }
+                        continue;
                     }
-                    continue;
+                    Err(error) => {
+                        tracing::warn!(node, %error, "fetcher: a fetch response not used");
+                        connection = None;
+                    }
                 }
-                Ok((error, _)) => {
-                    tracing::warn!(node, %error, "fetcher: fetch refused as a whole");
-                    connection = None;
-                }
-                Err(e) => {
-                    tracing::warn!(node, error = %e, "fetcher: a malformed fetch response");
-                    connection = None;
-                }
-            },
+            }
             Err(error) => {
                 if let Some(error) = &error {
                     tracing::warn!(node, %error, "fetcher: fetch failed; finding the leaders again");
@@ -510,6 +520,12 @@ async fn broker_task(shared: Arc<Shared>, node: i32) {
         release(&shared, &request);
         backoff.wait().await;
     }
+}
+
+/// The buffer of a handled response, for the next one: its allocation is kept when nothing
+/// holds a slice of it any more (always, once the response's partitions are handled).
+fn reclaim(body: Bytes) -> Vec<u8> {
+    body.try_into_mut().map(Vec::from).unwrap_or_default()
 }
 
 /// Clears the in-flight marks of `request`'s partitions.
@@ -620,6 +636,19 @@ fn back_off(shared: &Shared, partition: i32) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_response_buffer_comes_back_with_its_allocation() {
+        let mut buffer = Vec::with_capacity(1 << 20);
+        buffer.extend_from_slice(&[7; 1000]);
+        let address = buffer.as_ptr();
+        let body = Bytes::from(buffer);
+        let slice = body.slice(10..20);
+        drop(slice);
+        let back = reclaim(body);
+        assert_eq!((back.as_ptr(), back.len()), (address, 1000));
+        assert!(back.capacity() >= 1 << 20, "{}", back.capacity());
+    }
 
     #[test]
     fn only_positioned_unpaused_idle_partitions_of_the_node_are_fetched() {

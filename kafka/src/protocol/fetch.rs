@@ -1,8 +1,12 @@
 //! `Fetch`, v11 and v12: the request for a topic's partitions and the response whose record
 //! sets stay borrowed.
 
-use super::{ErrorCode, FETCH};
-use crate::wire::{Malformed, Reader, Writer};
+use bytes::Bytes;
+use kafka_protocol::messages::fetch_request::{FetchPartition as Wanted, FetchTopic};
+use kafka_protocol::messages::{self, BrokerId, FetchRequest};
+
+use super::{ErrorCode, FETCH, decode_bytes, encode, topic_name};
+use crate::wire::{Malformed, Writer};
 
 /// Limits of one fetch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -51,42 +55,34 @@ pub fn fetch_request(
     limits: FetchLimits,
     isolation: Isolation,
 ) {
-    let flexible = FETCH.is_flexible(version);
-    w.i32(-1)
-        .i32(limits.max_wait_ms)
-        .i32(limits.min_bytes)
-        .i32(limits.max_bytes)
-        .i8(match isolation {
-            Isolation::ReadCommitted => 1,
-            Isolation::ReadUncommitted => 0,
+    let partitions = (positions.iter())
+        .map(|p| {
+            Wanted::default()
+                .with_partition(p.partition)
+                .with_current_leader_epoch(p.current_leader_epoch)
+                .with_fetch_offset(p.offset)
+                // A field the version lacks must keep its default, or encoding fails.
+                .with_last_fetched_epoch(if FETCH.is_flexible(version) {
+                    p.last_fetched_epoch
+                } else {
+                    -1
+                })
+                .with_partition_max_bytes(limits.partition_max_bytes)
         })
-        .i32(0)
-        .i32(-1);
-    if flexible {
-        w.compact_array_len(1).compact_string(topic);
-        w.compact_array_len(positions.len());
-    } else {
-        w.array_len(1).string(topic).array_len(positions.len());
-    }
-    for p in positions {
-        w.i32(p.partition).i32(p.current_leader_epoch).i64(p.offset);
-        if flexible {
-            w.i32(p.last_fetched_epoch);
-        }
-        w.i64(-1).i32(limits.partition_max_bytes);
-        if flexible {
-            w.no_tagged_fields();
-        }
-    }
-    if flexible {
-        // The topic's tagged fields, no forgotten topics, no rack, the request's tagged fields.
-        w.no_tagged_fields()
-            .compact_array_len(0)
-            .compact_string("")
-            .no_tagged_fields();
-    } else {
-        w.array_len(0).string("");
-    }
+        .collect();
+    let request = FetchRequest::default()
+        .with_replica_id(BrokerId(-1))
+        .with_max_wait_ms(limits.max_wait_ms)
+        .with_min_bytes(limits.min_bytes)
+        .with_max_bytes(limits.max_bytes)
+        .with_isolation_level(i8::from(isolation == Isolation::ReadCommitted))
+        .with_session_epoch(-1)
+        .with_topics(vec![
+            FetchTopic::default()
+                .with_topic(topic_name(topic))
+                .with_partitions(partitions),
+        ]);
+    encode(w, &request, version);
 }
 
 /// One partition of a fetch response.
@@ -123,99 +119,47 @@ impl FetchPartition<'_> {
     }
 }
 
-/// How long a response asks its client to wait before its next request to that broker, under
-/// a quota (`throttle_time_ms`, the first field of every response version this client reads;
-/// KIP-219): 0 if none, or if the response is too short to say.
-pub fn throttle_time_ms(body: &[u8]) -> u32 {
-    match body.first_chunk::<4>() {
-        Some(bytes) => i32::from_be_bytes(*bytes).max(0) as u32,
-        None => 0,
-    }
-}
+/// A decoded `Fetch` response. Its record sets are slices of the bytes it was decoded from.
+#[derive(Debug)]
+pub struct FetchResponse(messages::FetchResponse);
 
-/// `Fetch` response of `version` (v11 or v12): its top-level error, and every partition of
-/// `topic`.
-pub fn parse_fetch<'a>(
-    body: &'a [u8],
-    version: i16,
-    topic: &str,
-) -> Result<(ErrorCode, Vec<FetchPartition<'a>>), Malformed> {
-    let flexible = FETCH.is_flexible(version);
-    let mut r = Reader::new(body);
-    r.i32("throttle_time_ms")?;
-    let error = ErrorCode(r.i16("error_code")?);
-    r.i32("session_id")?;
-    let mut out = Vec::new();
-    let topics = if flexible {
-        r.compact_array_len("responses")?
-    } else {
-        r.array_len("responses")?
-    };
-    for _ in 0..topics {
-        let name = if flexible {
-            r.compact_string("topic")?
-        } else {
-            r.string("topic")?
-        };
-        let partitions = if flexible {
-            r.compact_array_len("partitions")?
-        } else {
-            r.array_len("partitions")?
-        };
-        for _ in 0..partitions {
-            let mut part = FetchPartition {
-                partition: r.i32("partition_index")?,
-                error: ErrorCode(r.i16("error_code")?),
-                high_watermark: r.i64("high_watermark")?,
-                last_stable_offset: r.i64("last_stable_offset")?,
-                log_start_offset: r.i64("log_start_offset")?,
-                aborted: Vec::new(),
-                diverging: None,
-                records: &[],
-            };
-            let aborted = if flexible {
-                r.compact_array_len("aborted_transactions")?
-            } else {
-                r.array_len("aborted_transactions")?
-            };
-            for _ in 0..aborted {
-                part.aborted
-                    .push((r.i64("producer_id")?, r.i64("first_offset")?));
-                if flexible {
-                    r.skip_tagged_fields("aborted transaction tagged fields")?;
-                }
-            }
-            r.i32("preferred_read_replica")?;
-            part.records = if flexible {
-                r.compact_nullable_bytes("records")?
-            } else {
-                r.nullable_bytes("records")?
-            }
-            .unwrap_or_default();
-            if flexible {
-                r.tagged_fields("partition tagged fields", |tag, field| {
-                    if tag == 0 {
-                        let mut f = Reader::new(field);
-                        part.diverging = Some((f.i32("epoch")?, f.i64("end_offset")?));
-                    }
-                    Ok(())
-                })?;
-            }
-            if name == topic {
-                out.push(part);
-            }
-        }
-        if flexible {
-            r.skip_tagged_fields("topic tagged fields")?;
-        }
+impl FetchResponse {
+    /// The response of `version` in `body`, which its record sets then share.
+    pub fn decode(body: &mut Bytes, version: i16) -> Result<Self, Malformed> {
+        decode_bytes(body, FETCH, version).map(Self)
     }
-    if flexible {
-        r.skip_tagged_fields("response tagged fields")?;
+
+    /// The response's own error (not its partitions').
+    pub fn error(&self) -> ErrorCode {
+        ErrorCode(self.0.error_code)
     }
-    if !r.is_empty() {
-        return Err(r.malformed("the end of the response"));
+
+    /// How long the broker asks its client to wait before its next request to it, under a
+    /// quota (`throttle_time_ms`, KIP-219); 0 if none.
+    pub fn throttle_time_ms(&self) -> u32 {
+        self.0.throttle_time_ms.max(0) as u32
     }
-    Ok((error, out))
+
+    /// Every partition of `topic` in the response.
+    pub fn partitions(&self, topic: &str) -> Vec<FetchPartition<'_>> {
+        (self.0.responses.iter())
+            .filter(|t| t.topic.as_str() == topic)
+            .flat_map(|t| &t.partitions)
+            .map(|p| FetchPartition {
+                partition: p.partition_index,
+                error: ErrorCode(p.error_code),
+                high_watermark: p.high_watermark,
+                last_stable_offset: p.last_stable_offset,
+                log_start_offset: p.log_start_offset,
+                aborted: (p.aborted_transactions.iter().flatten())
+                    .map(|a| (a.producer_id.0, a.first_offset))
+                    .collect(),
+                diverging: (p.diverging_epoch.epoch >= 0)
+                    .then_some((p.diverging_epoch.epoch, p.diverging_epoch.end_offset)),
+                records: p.records.as_deref().unwrap_or_default(),
+            })
+            .collect()
+    }
 }
 
 #[cfg(test)]
@@ -323,12 +267,17 @@ mod tests {
         w.buf
     }
 
+    fn parse(body: &[u8], version: i16) -> Result<FetchResponse, Malformed> {
+        FetchResponse::decode(&mut Bytes::copy_from_slice(body), version)
+    }
+
     #[test]
     fn a_fetch_response_keeps_its_records_borrowed_in_either_version() {
         for (version, diverging) in [(11, None), (12, None), (12, Some((4, 77)))] {
-            let body = response(version, diverging);
-            let (error, parts) = parse_fetch(&body, version, "t").expect("as written");
-            assert_eq!(error, ErrorCode::NONE);
+            let body = Bytes::from(response(version, diverging));
+            let fetched = FetchResponse::decode(&mut body.clone(), version).expect("as written");
+            assert_eq!(fetched.error(), ErrorCode::NONE);
+            let parts = fetched.partitions("t");
             assert_eq!(
                 parts,
                 [FetchPartition {
@@ -343,23 +292,31 @@ mod tests {
                 }],
                 "v{version}"
             );
+            // The records are a slice of the response's own bytes, not a copy.
+            let within = body.as_ptr_range();
+            assert!(within.contains(&parts[0].records.as_ptr()), "v{version}");
             assert_eq!(parts[0].log_end(Isolation::ReadCommitted), 90);
             assert_eq!(parts[0].log_end(Isolation::ReadUncommitted), 100);
             let other = if version == 11 { 12 } else { 11 };
             assert!(
-                parse_fetch(&body, other, "t").is_err(),
+                parse(&body, other).is_err(),
                 "v{version} read as v{other} is malformed"
             );
         }
     }
 
     #[test]
-    fn the_throttle_is_the_first_field() {
+    fn the_throttle_is_read() {
         let body = response(11, None);
-        assert_eq!(throttle_time_ms(&body), 0);
+        assert_eq!(parse(&body, 11).expect("as written").throttle_time_ms(), 0);
         let mut throttled = body.clone();
         throttled[..4].copy_from_slice(&1_500i32.to_be_bytes());
-        assert_eq!(throttle_time_ms(&throttled), 1_500);
-        assert_eq!(throttle_time_ms(&[0, 0]), 0, "too short to say");
+        assert_eq!(
+            parse(&throttled, 11)
+                .expect("as written")
+                .throttle_time_ms(),
+            1_500
+        );
+        assert!(parse(&[0, 0], 11).is_err(), "too short");
     }
 }
