@@ -85,25 +85,31 @@ pub fn markdown(r: &Results) -> String {
     if let Some(c) = &r.cardinality {
         cost_row(&mut out, "bincode, every event a new counter", c, eo);
     }
-    let baseline = r.windows.first().map(|w| &w.catch_up);
-    for w in &r.windows {
-        let name = format!("windows: {}", w.windows);
-        cost_row(&mut out, &name, &w.catch_up, baseline);
-    }
-    let baseline = r.dedup.first().map(|d| &d.catch_up);
-    for d in &r.dedup {
-        let name = format!("dedup: {}", if d.dedup { "on" } else { "off" });
-        cost_row(&mut out, &name, &d.catch_up, baseline);
-    }
-    let baseline = r.expiry.first().map(|e| &e.catch_up);
-    for e in &r.expiry {
-        let name = format!("expiry: {}", e.expire_after);
-        cost_row(&mut out, &name, &e.catch_up, baseline);
-    }
-    let baseline = r.idempotency.first().map(|i| &i.catch_up);
-    for i in &r.idempotency {
-        let name = format!("idempotency window: {}", i.window);
-        cost_row(&mut out, &name, &i.catch_up, baseline);
+    // Each feature against the first run of its own kind (the feature off).
+    let features: [Vec<(String, &CatchUp)>; 4] = [
+        (r.windows.iter())
+            .map(|w| (format!("windows: {}", w.windows), &w.catch_up))
+            .collect(),
+        (r.dedup.iter())
+            .map(|d| {
+                (
+                    format!("dedup: {}", if d.dedup { "on" } else { "off" }),
+                    &d.catch_up,
+                )
+            })
+            .collect(),
+        (r.expiry.iter())
+            .map(|e| (format!("expiry: {}", e.expire_after), &e.catch_up))
+            .collect(),
+        (r.idempotency.iter())
+            .map(|i| (format!("idempotency window: {}", i.window), &i.catch_up))
+            .collect(),
+    ];
+    for runs in &features {
+        let baseline = runs.first().map(|(_, c)| *c);
+        for (name, c) in runs {
+            cost_row(&mut out, name, c, baseline);
+        }
     }
     let _ = writeln!(
         out,

@@ -138,12 +138,12 @@ impl Connection {
             broker: broker.to_owned(),
             client_id: client.client_id.clone(),
             correlation_id: 0,
-            timeout: client.timeout,
+            // The first request's own timeout; every later one has `socket.timeout.ms`.
+            timeout: client.api_versions_timeout,
             max_response: client.max_response,
             versions: Vec::new(),
         };
         let mut buf = Vec::new();
-        connection.timeout = client.api_versions_timeout;
         connection
             .request(protocol::API_VERSIONS, |_| {}, &mut buf)
             .await?;
@@ -302,9 +302,8 @@ impl Connection {
         self.correlation_id = self.correlation_id.wrapping_add(1);
         let correlation_id = self.correlation_id;
         let version = self.version(api);
-        // A flexible response's header ends in tagged fields (none of which tally reads);
-        // `ApiVersions` keeps the classic header in every version.
-        let tagged_header = api.is_flexible(version) && api.key != protocol::API_VERSIONS.key;
+        // A response header of version 1 ends in tagged fields, none of which tally reads.
+        let tagged_header = (api.response_header)(version) >= 1;
         let mut w = protocol::request_header(api, version, correlation_id, &self.client_id);
         body(&mut w);
         let size = i32::try_from(w.buf.len() - 4).unwrap_or(i32::MAX);

@@ -10,11 +10,12 @@
 //! three quarters of `kcat -P`; see `docs/performance/` in the repository.
 //!
 //! # Layout
-//! - [`wire`]: Kafka's primitive types, read in place and written into requests.
+//! - [`wire`]: Kafka's primitive types for record batches and request headers, read in place.
 //! - [`records`]: record batches (message format v2) and their records.
 //! - [`compression`]: gzip, Snappy and LZ4 records sections.
 //! - [`protocol`]: the requests tally sends (`ApiVersions`, `Metadata`, `ListOffsets`, `Fetch`,
-//!   SASL) and their responses.
+//!   `Produce`, `InitProducerId`, SASL), their versions agreed per connection, their bodies
+//!   encoded and decoded by the `kafka-protocol` crate.
 //! - [`sasl`]: `PLAIN` and `SCRAM-SHA-256`/`-512`, client side.
 //! - [`config`]: [`FetchConfig`], read from librdkafka-style options.
 //! - [`connection`]: one broker connection: TCP, TLS, SASL, requests.

@@ -123,17 +123,22 @@ struct Wanted {
     not_before: Option<std::time::Instant>,
 }
 
+/// A partition's leader: its node, and its leader epoch, sent with every fetch (KIP-320) so
+/// that a broker whose leadership is older or newer than ours says so (`FENCED_LEADER_EPOCH`,
+/// `UNKNOWN_LEADER_EPOCH`) and leaders are asked for again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Leader {
+    node: i32,
+    epoch: i32,
+}
+
 /// State the tasks share.
 #[derive(Debug, Default)]
 struct State {
     /// Partitions being read, by index.
     wanted: HashMap<i32, Wanted>,
-    /// Each partition's leader, by node id.
-    leaders: HashMap<i32, i32>,
-    /// Each partition's leader epoch, as metadata last said: sent with every fetch (KIP-320),
-    /// so that a broker whose leadership is older or newer than ours says so
-    /// (`FENCED_LEADER_EPOCH`, `UNKNOWN_LEADER_EPOCH`) and leaders are asked for again.
-    leader_epochs: HashMap<i32, i32>,
+    /// Each partition's leader, as metadata last said.
+    leaders: HashMap<i32, Leader>,
     /// Each broker's address, by node id.
     brokers: HashMap<i32, String>,
     /// Brokers with a running fetch task.
@@ -294,11 +299,17 @@ async fn metadata_task(shared: Arc<Shared>, tasks: Arc<Mutex<JoinSet<()>>>) {
                     state.brokers = (metadata.brokers.iter())
                         .map(|b| (b.node_id, format!("{}:{}", b.host, b.port)))
                         .collect();
-                    let led = (metadata.partitions.iter())
-                        .filter(|p| p.leader >= 0 && !p.error.is_error());
-                    state.leaders = led.clone().map(|p| (p.partition, p.leader)).collect();
-                    state.leader_epochs = led.map(|p| (p.partition, p.leader_epoch)).collect();
-                    let leaders: HashSet<i32> = state.leaders.values().copied().collect();
+                    state.leaders = (metadata.partitions.iter())
+                        .filter(|p| p.leader >= 0 && !p.error.is_error())
+                        .map(|p| {
+                            let leader = Leader {
+                                node: p.leader,
+                                epoch: p.leader_epoch,
+                            };
+                            (p.partition, leader)
+                        })
+                        .collect();
+                    let leaders: HashSet<i32> = state.leaders.values().map(|l| l.node).collect();
                     for node in &leaders {
                         if state.running.insert(*node) {
                             lock_tasks(&tasks).spawn(broker_task(shared.clone(), *node));
@@ -354,16 +365,15 @@ struct Fetchable {
 
 fn fetchable(state: &mut State, node: i32) -> Fetchable {
     let State {
-        wanted,
-        leaders,
-        leader_epochs,
-        ..
+        wanted, leaders, ..
     } = state;
     let now = std::time::Instant::now();
     let mut wake: Option<std::time::Instant> = None;
     let mut request: Vec<(i32, i64, u64)> = wanted
         .iter_mut()
-        .filter(|(p, w)| !w.paused && !w.in_flight && leaders.get(p) == Some(&node))
+        .filter(|(p, w)| {
+            !w.paused && !w.in_flight && leaders.get(p).is_some_and(|l| l.node == node)
+        })
         .filter(|(_, w)| match w.not_before {
             Some(t) if t > now => {
                 wake = Some(wake.map_or(t, |first| first.min(t)));
@@ -378,7 +388,7 @@ fn fetchable(state: &mut State, node: i32) -> Fetchable {
         .collect();
     request.sort_unstable_by_key(|(p, _, _)| *p);
     let leader_epochs = (request.iter())
-        .map(|(p, _, _)| leader_epochs.get(p).copied().unwrap_or(-1))
+        .map(|(p, _, _)| leaders.get(p).map_or(-1, |l| l.epoch))
         .collect();
     Fetchable {
         request,
@@ -602,7 +612,6 @@ async fn handle_response(
                 back_off(shared, partition);
                 let mut state = shared.lock();
                 state.leaders.remove(&partition);
-                state.leader_epochs.remove(&partition);
                 stale = true;
             }
             error => {
@@ -660,8 +669,9 @@ mod tests {
             not_before: None,
         };
         let mut state = State {
-            leaders: [(0, 1), (1, 1), (2, 2), (3, 1)].into(),
-            leader_epochs: [(0, 7)].into(),
+            leaders: [(0, (1, 7)), (1, (1, 0)), (2, (2, 0)), (3, (1, 0))]
+                .map(|(p, (node, epoch))| (p, Leader { node, epoch }))
+                .into(),
             wanted: [
                 (0, w(false, false)),
                 (1, w(true, false)),
@@ -685,7 +695,7 @@ mod tests {
                 ..w(false, false)
             },
         );
-        state.leaders.insert(4, 1);
+        state.leaders.insert(4, Leader { node: 1, epoch: 0 });
         let backing_off = fetchable(&mut state, 1);
         assert!(backing_off.request.is_empty(), "backing off");
         assert_eq!(backing_off.wake, Some(soon), "woken when the backoff ends");

@@ -61,8 +61,9 @@ pub fn fetch_request(
                 .with_partition(p.partition)
                 .with_current_leader_epoch(p.current_leader_epoch)
                 .with_fetch_offset(p.offset)
-                // A field the version lacks must keep its default, or encoding fails.
-                .with_last_fetched_epoch(if FETCH.is_flexible(version) {
+                // From v12; a field the version lacks must keep its default, or encoding
+                // fails.
+                .with_last_fetched_epoch(if version >= 12 {
                     p.last_fetched_epoch
                 } else {
                     -1

@@ -17,12 +17,12 @@ use kafka_protocol::messages::list_offsets_request::{ListOffsetsPartition, ListO
 use kafka_protocol::messages::metadata_request::MetadataRequestTopic;
 use kafka_protocol::messages::produce_request::{PartitionProduceData, TopicProduceData};
 use kafka_protocol::messages::{
-    ApiVersionsResponse, BrokerId, InitProducerIdRequest, InitProducerIdResponse,
-    ListOffsetsRequest, ListOffsetsResponse, MetadataRequest, MetadataResponse, ProduceRequest,
-    ProduceResponse, SaslAuthenticateRequest, SaslAuthenticateResponse, SaslHandshakeRequest,
-    SaslHandshakeResponse, TopicName,
+    self, ApiVersionsRequest, ApiVersionsResponse, BrokerId, FetchRequest, InitProducerIdRequest,
+    InitProducerIdResponse, ListOffsetsRequest, ListOffsetsResponse, MetadataRequest,
+    MetadataResponse, ProduceRequest, ProduceResponse, SaslAuthenticateRequest,
+    SaslAuthenticateResponse, SaslHandshakeRequest, SaslHandshakeResponse, TopicName,
 };
-use kafka_protocol::protocol::{Decodable, Encodable, StrBytes};
+use kafka_protocol::protocol::{Decodable, Encodable, HeaderVersion, StrBytes};
 
 use crate::wire::{Malformed, Writer};
 
@@ -33,7 +33,7 @@ pub use fetch::{
 };
 
 /// An API key and the versions of it tally implements.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy)]
 pub struct Api {
     /// Kafka's key for the API.
     pub key: i16,
@@ -41,8 +41,12 @@ pub struct Api {
     pub oldest: i16,
     /// The newest.
     pub newest: i16,
-    /// The API's first flexible version (compact encodings, tagged fields; KIP-482).
-    pub flexible_from: i16,
+    /// The request header's version for each version of the API, from Kafka's schemas
+    /// (2: flexible, with tagged fields; KIP-482).
+    pub request_header: fn(i16) -> i16,
+    /// The response header's: 1 ends in tagged fields (`ApiVersions` answers with 0 in every
+    /// version, so that an old client can read it).
+    pub response_header: fn(i16) -> i16,
     /// Its name, for errors.
     pub name: &'static str,
     /// What a response that does not decode is called in its error.
@@ -62,10 +66,9 @@ impl Api {
         }
     }
 
-    /// Whether `version` of this API is flexible. (`ApiVersions` answers with a classic
-    /// response header whatever its version, so that an old client can read it.)
+    /// Whether `version` of this API is flexible (compact encodings, tagged fields).
     pub fn is_flexible(self, version: i16) -> bool {
-        version >= self.flexible_from
+        (self.request_header)(version) >= 2
     }
 }
 
@@ -74,7 +77,8 @@ pub const PRODUCE: Api = Api {
     key: 0,
     oldest: 8,
     newest: 8,
-    flexible_from: 9,
+    request_header: <ProduceRequest as HeaderVersion>::header_version,
+    response_header: <ProduceResponse as HeaderVersion>::header_version,
     name: "Produce",
     response_name: "a Produce response of the version asked for",
 };
@@ -83,7 +87,8 @@ pub const INIT_PRODUCER_ID: Api = Api {
     key: 22,
     oldest: 1,
     newest: 1,
-    flexible_from: 2,
+    request_header: <InitProducerIdRequest as HeaderVersion>::header_version,
+    response_header: <InitProducerIdResponse as HeaderVersion>::header_version,
     name: "InitProducerId",
     response_name: "an InitProducerId response of the version asked for",
 };
@@ -93,7 +98,8 @@ pub const FETCH: Api = Api {
     key: 1,
     oldest: 11,
     newest: 12,
-    flexible_from: 12,
+    request_header: <FetchRequest as HeaderVersion>::header_version,
+    response_header: <messages::FetchResponse as HeaderVersion>::header_version,
     name: "Fetch",
     response_name: "a Fetch response of the version asked for",
 };
@@ -102,7 +108,8 @@ pub const LIST_OFFSETS: Api = Api {
     key: 2,
     oldest: 2,
     newest: 2,
-    flexible_from: 6,
+    request_header: <ListOffsetsRequest as HeaderVersion>::header_version,
+    response_header: <ListOffsetsResponse as HeaderVersion>::header_version,
     name: "ListOffsets",
     response_name: "a ListOffsets response of the version asked for",
 };
@@ -111,7 +118,8 @@ pub const METADATA: Api = Api {
     key: 3,
     oldest: 7,
     newest: 7,
-    flexible_from: 9,
+    request_header: <MetadataRequest as HeaderVersion>::header_version,
+    response_header: <MetadataResponse as HeaderVersion>::header_version,
     name: "Metadata",
     response_name: "a Metadata response of the version asked for",
 };
@@ -120,7 +128,8 @@ pub const SASL_HANDSHAKE: Api = Api {
     key: 17,
     oldest: 1,
     newest: 1,
-    flexible_from: i16::MAX,
+    request_header: <SaslHandshakeRequest as HeaderVersion>::header_version,
+    response_header: <SaslHandshakeResponse as HeaderVersion>::header_version,
     name: "SaslHandshake",
     response_name: "a SaslHandshake response of the version asked for",
 };
@@ -129,7 +138,8 @@ pub const API_VERSIONS: Api = Api {
     key: 18,
     oldest: 0,
     newest: 0,
-    flexible_from: 3,
+    request_header: <ApiVersionsRequest as HeaderVersion>::header_version,
+    response_header: <ApiVersionsResponse as HeaderVersion>::header_version,
     name: "ApiVersions",
     response_name: "a ApiVersions response of the version asked for",
 };
@@ -138,7 +148,8 @@ pub const SASL_AUTHENTICATE: Api = Api {
     key: 36,
     oldest: 1,
     newest: 1,
-    flexible_from: 2,
+    request_header: <SaslAuthenticateRequest as HeaderVersion>::header_version,
+    response_header: <SaslAuthenticateResponse as HeaderVersion>::header_version,
     name: "SaslAuthenticate",
     response_name: "a SaslAuthenticate response of the version asked for",
 };
@@ -590,6 +601,18 @@ mod tests {
                 w.bytes(b"\0u\0p");
             })
         );
+    }
+
+    #[test]
+    fn header_versions_come_from_kafkas_schemas() {
+        assert!(!FETCH.is_flexible(11) && FETCH.is_flexible(12));
+        assert_eq!(
+            ((FETCH.response_header)(11), (FETCH.response_header)(12)),
+            (0, 1)
+        );
+        // An ApiVersions answer keeps the classic header even in its flexible versions.
+        assert!(API_VERSIONS.is_flexible(3));
+        assert_eq!((API_VERSIONS.response_header)(3), 0);
     }
 
     #[test]
