@@ -102,10 +102,11 @@ impl std::fmt::Debug for Connection {
 }
 
 /// The APIs every connection checks the broker supports.
-const NEEDED: [Api; 5] = [
+const NEEDED: [Api; 6] = [
     protocol::FETCH,
     protocol::METADATA,
     protocol::LIST_OFFSETS,
+    protocol::OFFSET_FOR_LEADER_EPOCH,
     protocol::PRODUCE,
     protocol::INIT_PRODUCER_ID,
 ];
@@ -396,6 +397,22 @@ impl Connection {
             return Err(format!("InitProducerId: {error}"));
         }
         Ok((id, epoch))
+    }
+
+    /// Where the leader's log ends each epoch asked about (KIP-320).
+    pub async fn offsets_for_leader_epochs(
+        &mut self,
+        topic: &str,
+        queries: &[protocol::EpochQuery],
+    ) -> Result<Vec<protocol::EpochEnd>, ConnectionError> {
+        let mut buf = Vec::new();
+        self.request(
+            protocol::OFFSET_FOR_LEADER_EPOCH,
+            |w| protocol::offset_for_leader_epoch_request(w, topic, queries),
+            &mut buf,
+        )
+        .await?;
+        protocol::parse_offset_for_leader_epoch(&buf).map_err(|e| self.malformed(e))
     }
 
     /// Where the logs of `partitions` start or end.

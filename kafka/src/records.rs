@@ -66,6 +66,8 @@ impl Compression {
 pub struct BatchHeader {
     /// The first offset in the batch.
     pub base_offset: i64,
+    /// The epoch of the leader that appended it (KIP-101): where a log diverged is found by it.
+    pub partition_leader_epoch: i32,
     /// `2`: the only format parsed here.
     pub magic: i8,
     /// Codec, timestamp type, transactional and control bits.
@@ -168,7 +170,7 @@ impl<'a> Iterator for Batches<'a> {
             if rest.len() < total {
                 return Ok(None);
             }
-            r.skip(4, "partitionLeaderEpoch")?;
+            let partition_leader_epoch = r.i32("partitionLeaderEpoch")?;
             let magic = r.i8("magic")?;
             let bytes = &rest[..total];
             if magic < 2 {
@@ -196,6 +198,7 @@ impl<'a> Iterator for Batches<'a> {
             let record_count = h.i32("recordCount")?;
             let header = BatchHeader {
                 base_offset,
+                partition_leader_epoch,
                 magic,
                 attributes,
                 last_offset_delta,
@@ -492,7 +495,7 @@ pub(crate) mod tests {
         let mut w = Writer::default();
         w.i64(header.base_offset)
             .i32((BATCH_HEADER_LEN - LOG_OVERHEAD + section.len()) as i32)
-            .i32(0)
+            .i32(header.partition_leader_epoch)
             .i8(2)
             .i32(0)
             .i16(header.attributes)
@@ -512,6 +515,7 @@ pub(crate) mod tests {
     pub(crate) fn header(base_offset: i64, count: i32, attributes: i16) -> BatchHeader {
         BatchHeader {
             base_offset,
+            partition_leader_epoch: 0,
             magic: 2,
             attributes,
             last_offset_delta: count - 1,

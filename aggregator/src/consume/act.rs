@@ -73,6 +73,18 @@ impl<S: Sink> Shared<S> {
             } => {
                 slot.acquiring = None;
                 slot.ids = ids;
+                if let Some(to) = slot.truncated_to.take() {
+                    let applied = owner.ledgers.iter().map(|l| l - to).max().unwrap_or(0);
+                    if applied > 0 {
+                        self.metrics.truncated_applied(applied);
+                        tracing::error!(
+                            partition,
+                            truncated_at = to,
+                            applied_to = to + applied,
+                            "events the log no longer holds were applied before its truncation: their counts stay, and the new leader's records below the ledgers are skipped as applied"
+                        );
+                    }
+                }
                 tracing::info!(partition, epoch = owner.epoch, ?resume, "partition owned");
                 vec![slot.machine.on_acquired(owner, resume, log_end)]
             }

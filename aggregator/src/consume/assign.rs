@@ -48,6 +48,7 @@ impl<S: Sink> Shared<S> {
                 acquiring: None,
                 ids: None,
                 epoch: epochs.remove(&partition).unwrap_or(0),
+                truncated_to: None,
             };
             if let Some(action) = action {
                 self.execute(consumer, partition, &mut slot, action);

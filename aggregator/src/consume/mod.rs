@@ -152,6 +152,9 @@ pub(crate) struct Slot {
     /// With tally's fetcher: the epoch of the partition's last seek (chunks of another epoch
     /// were fetched before it and are dropped).
     epoch: u64,
+    /// Where a leader change last truncated the partition's log under its position, until the
+    /// acquisition that follows tells how much of it had been applied.
+    truncated_to: Option<i64>,
 }
 
 /// A flush or a check, running as its own task.

@@ -86,6 +86,15 @@ impl<S: Sink> Shared<S> {
                 );
                 return;
             }
+            Fetched::Truncated {
+                partition,
+                epoch,
+                from,
+                to,
+            } => {
+                self.truncated(consumer, partition, epoch, from, to);
+                return;
+            }
             Fetched::Throttled { node, ms } => {
                 self.metrics.fetch_throttled(ms);
                 tracing::debug!(node, ms, "fetches throttled by a broker quota");
@@ -99,6 +108,38 @@ impl<S: Sink> Shared<S> {
         let mut parts = lock(&self.partitions);
         let read = self.handle_chunk(&mut parts, consumer, &chunk);
         self.metrics.consumed(read);
+    }
+
+    /// A leader change truncated the partition's log from `to` on, under its position `from`:
+    /// what was read past `to` is no longer in the log. In exactly-once mode the partition drops
+    /// its buffer and is acquired again, so that nothing unflushed from the lost records is
+    /// applied; the acquisition then tells how much had been applied already.
+    fn truncated<X: ConsumerContext, K: Consumer<X>>(
+        &self,
+        consumer: &K,
+        partition: i32,
+        epoch: u64,
+        from: i64,
+        to: i64,
+    ) {
+        let mut parts = lock(&self.partitions);
+        let Some(slot) = parts.map.get_mut(&partition) else {
+            return;
+        };
+        if slot.epoch != epoch {
+            return;
+        }
+        self.metrics.log_truncated(from - to);
+        tracing::error!(
+            partition,
+            from,
+            to,
+            "a leader change truncated the partition's log under its position (an unclean election): reading goes on at the new leader's end; buffered events from the lost records are dropped"
+        );
+        slot.truncated_to = Some(slot.truncated_to.map_or(to, |t| t.min(to)));
+        for action in slot.machine.on_truncated() {
+            self.execute(consumer, partition, slot, action);
+        }
     }
 
     /// Routes a chunk's records while the chunk's epoch is the partition's; returns how many

@@ -180,6 +180,9 @@ pub(crate) struct Partition {
     /// at its next flush time (which kept the last ~60,000 events of a 5 M catch-up waiting up
     /// to a second, the machine idle).
     catch_up_rest: bool,
+    /// The log was truncated under the position while a flush or check was in flight: once
+    /// it ends, the partition is acquired again ([`Self::on_truncated`]).
+    restart: bool,
 }
 
 impl Partition {
@@ -209,6 +212,7 @@ impl Partition {
             log_end: None,
             reading: false,
             catch_up_rest: false,
+            restart: false,
         };
         (partition, exactly_once.then_some(Action::Acquire))
     }
@@ -220,7 +224,25 @@ impl Partition {
 
     /// Whether messages are read in this position: the loop decodes only those.
     pub(crate) fn accepts(&self) -> bool {
-        matches!(self.state, Ownership::Unfenced | Ownership::Owned(_))
+        matches!(self.state, Ownership::Unfenced | Ownership::Owned(_)) && !self.restart
+    }
+
+    /// A leader change truncated the log under the partition's position (KIP-320). In
+    /// exactly-once mode the buffer, which may hold records the log lost, is dropped and the
+    /// partition acquired again, resuming from what the store holds; a flush or check in
+    /// flight ends first. With at-least-once, reading just goes on where the fetcher moved.
+    pub(crate) fn on_truncated(&mut self) -> Vec<Action> {
+        if !matches!(self.state, Ownership::Owned(_)) {
+            // Acquiring (it seeks when done), fenced, or at-least-once.
+            return Vec::new();
+        }
+        self.buffer = Batch::default();
+        if self.in_flight.is_none() {
+            return self.rolled_back();
+        }
+        self.restart = true;
+        self.paused = true;
+        vec![Action::Pause]
     }
 
     /// The groups' ledger entries, in exactly-once mode.
@@ -404,7 +426,13 @@ impl Partition {
     ) -> Vec<Action> {
         debug_assert!(matches!(self.in_flight, Some(InFlight::Flush { .. })));
         self.in_flight = None;
+        let restart = std::mem::take(&mut self.restart);
         match outcome {
+            FlushOutcome::Durable { next_offset, .. } if restart => {
+                let mut actions = vec![Action::Commit(next_offset)];
+                actions.extend(self.rolled_back());
+                actions
+            }
             FlushOutcome::Durable { next_offset, owner } => {
                 if let Some(owner) = owner {
                     self.state = Ownership::Owned(owner);
@@ -430,7 +458,9 @@ impl Partition {
     ) -> Vec<Action> {
         debug_assert_eq!(self.in_flight, Some(InFlight::Check));
         self.in_flight = None;
+        let restart = std::mem::take(&mut self.restart);
         match standing {
+            Standing::Held if restart => self.rolled_back(),
             Standing::Held => self.after_in_flight(limits, now),
             Standing::Fenced => self.fenced(),
             Standing::RolledBack => self.rolled_back(),
@@ -879,6 +909,41 @@ mod tests {
         assert!(matches!(p.on_seek(true, now), Action::Resume));
         assert_eq!(p.on_message(1, delta("c"), &limits).0, Handled::Skipped);
         assert_eq!(p.on_message(2, delta("c"), &limits).0, Handled::Buffered);
+    }
+
+    #[test]
+    fn a_truncated_log_drops_the_buffer_and_reacquires_once_the_flush_in_flight_ends() {
+        let now = Instant::now();
+        let limits = limits();
+        // Idle: acquired again at once, nothing buffered survives.
+        let mut p = owned(now, vec![-1]);
+        feed(&mut p, 0..2);
+        let actions = p.on_truncated();
+        assert!(matches!(actions.as_slice(), [Action::Pause, Action::Acquire]));
+        assert_eq!(p.pending_events(), 0);
+        // With a flush in flight: paused, reading nothing, until it lands.
+        let mut p = owned(now, vec![-1]);
+        let flush = feed(&mut p, 0..4);
+        assert_eq!(flushed_offset(&flush), Some(4));
+        feed(&mut p, 4..6);
+        assert!(matches!(p.on_truncated().as_slice(), [Action::Pause]));
+        assert_eq!(p.on_message(6, delta("c"), &limits).0, Handled::Ignored);
+        let durable = FlushOutcome::Durable {
+            next_offset: 4,
+            owner: Some(owner(vec![4])),
+        };
+        let actions = p.on_flushed(durable, &limits, now);
+        assert!(matches!(
+            actions.as_slice(),
+            [Action::Commit(4), Action::Pause, Action::Acquire]
+        ));
+        assert_eq!((p.state.clone(), p.pending_events()), (Ownership::Acquiring, 0));
+        // Re-acquired at the ledger: the new leader's records from there are read.
+        p.on_acquired(owner(vec![4]), Resume::At(4), None);
+        assert!(matches!(p.on_seek(true, now), Action::Resume));
+        assert_eq!(p.on_message(4, delta("c"), &limits).0, Handled::Buffered);
+        // At-least-once reads straight on.
+        assert!(unfenced(now).on_truncated().is_empty());
     }
 
     #[test]

@@ -27,6 +27,10 @@ pub struct Metrics {
     offset_resets: IntCounter,
     /// Fetched batches that did not match their CRC-32C (`check.crcs`).
     corrupt_batches: IntCounter,
+    /// Offsets read that a leader change truncated from the log (KIP-320), and of those, the
+    /// ones already applied to the store.
+    truncated_offsets: IntCounter,
+    truncated_applied: IntCounter,
     /// Time tally's fetcher waited out brokers' quota throttles.
     fetch_throttled: prometheus::Counter,
     expiry_records: IntCounter,
@@ -148,6 +152,14 @@ impl Metrics {
             corrupt_batches: r.counter(
                 "tally_corrupt_batches_total",
                 "Fetched record batches that did not match their CRC-32C (check.crcs=true): the partition is not read past them, and they are fetched again every 5 s.",
+            ),
+            truncated_offsets: r.counter(
+                "tally_log_truncated_offsets_total",
+                "Offsets read by tally's fetcher that a leader change (an unclean election) then truncated from the log: reading went on where the new leader's log ends.",
+            ),
+            truncated_applied: r.counter(
+                "tally_truncated_applied_offsets_total",
+                "Of the truncated offsets, those already applied to the store in exactly-once mode: their counts stay, though the log no longer holds the events, and the new leader's records at those offsets are skipped as applied (see docs/guarantees.md).",
             ),
             fetch_throttled: r.float_counter(
                 "tally_fetch_throttled_seconds_total",
@@ -281,6 +293,16 @@ impl Metrics {
     /// A fetched batch did not match its CRC.
     pub fn corrupt_batch(&self) {
         self.corrupt_batches.inc();
+    }
+
+    /// A leader change truncated `offsets` offsets read from a partition's log.
+    pub fn log_truncated(&self, offsets: i64) {
+        self.truncated_offsets.inc_by(offsets.max(0) as u64);
+    }
+
+    /// Of a truncation, `offsets` had been applied to the store.
+    pub fn truncated_applied(&self, offsets: i64) {
+        self.truncated_applied.inc_by(offsets.max(0) as u64);
     }
 
     /// A broker's quota throttled a fetch for `ms` milliseconds.

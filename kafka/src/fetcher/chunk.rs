@@ -291,6 +291,8 @@ pub(super) struct Built {
     /// With `check.crcs`, a batch whose bytes do not match its CRC: why. Reading stopped before
     /// it (`next` is where it starts), so nothing of it or after it was handed out.
     pub(super) corrupt: Option<String>,
+    /// The leader epoch of the last batch read past (KIP-320's last fetched epoch), if any was.
+    pub(super) last_epoch: Option<i32>,
 }
 
 /// How records are read: the options that change it.
@@ -323,6 +325,7 @@ pub(super) fn chunk(
     aborted.sort_unstable_by_key(|(_, first)| std::cmp::Reverse(*first));
     let mut aborting: HashSet<i64> = HashSet::new();
     let mut corrupt = None;
+    let mut last_epoch = None;
     for batch in records::batches(part.records) {
         let batch = match batch {
             Ok(b) => b,
@@ -383,6 +386,7 @@ pub(super) fn chunk(
             break;
         }
         next = next.max(last + 1);
+        last_epoch = Some(header.partition_leader_epoch);
         while let Some(&(producer, first)) = aborted.last() {
             if first > last {
                 break;
@@ -458,6 +462,7 @@ pub(super) fn chunk(
             chunk: None,
             next,
             corrupt,
+            last_epoch,
         };
     }
     budget.hold(held(&data, &located));
@@ -475,6 +480,7 @@ pub(super) fn chunk(
         chunk: Some(chunk),
         next,
         corrupt,
+        last_epoch,
     }
 }
 

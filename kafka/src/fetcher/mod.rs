@@ -17,13 +17,18 @@
 //! # Failures
 //! A broker that cannot be reached, or that answers that it no longer leads a partition, makes
 //! the fetcher ask for the topic's metadata again (with capped backoff) and go on with the new
-//! leaders; nothing is skipped. An offset outside the log (retention deleted it) is reset to the
-//! log's start and reported as [`Fetched::Reset`]. Authentication and version failures are
-//! reported as [`Fetched::Failed`] and retried with backoff: the owner decides whether to stop.
+//! leaders; nothing is skipped. An offset outside the log (retention deleted it) moves as
+//! `auto.offset.reset` says and is reported as [`Fetched::OutOfRange`]; a log truncated under
+//! the position by a leader change (KIP-320) resumes where it now ends, reported as
+//! [`Fetched::Truncated`]. Authentication and version failures are reported as
+//! [`Fetched::Failed`] and retried with backoff: the owner decides whether to stop.
+//!
+//! # Layout
+//! Every decision (what each broker is sent next, what each answer does) is made by `core`,
+//! which does no I/O; the tasks here only carry its requests and answers.
 
-use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use tokio::sync::{Notify, mpsc};
@@ -31,26 +36,21 @@ use tokio::task::JoinSet;
 
 use crate::backoff::Backoff;
 use crate::config::{FetchConfig, OffsetReset};
-use crate::connection::Connection;
-use crate::protocol::{self, ErrorCode, FetchPartition, FetchPosition, FetchResponse};
+use crate::connection::{Connection, ConnectionError};
+use crate::protocol::{self, FetchResponse};
 
 mod chunk;
-mod ends;
+mod core;
 
+use self::core::{Answer, Claim, Core, Outcome, Read, Step};
 use chunk::{Budget, Reading, chunk};
 pub use chunk::{Chunk, Item, Items};
-use ends::{reset_out_of_range, resolve_ends};
 
 /// Shortest time between two metadata requests, however often fetches find leadership stale.
 const METADATA_SPACING: Duration = Duration::from_millis(100);
 
 /// How long a partition whose batch did not match its CRC waits before it is fetched again.
 pub const CORRUPT_BACKOFF: Duration = Duration::from_secs(5);
-
-/// Wanted offsets meaning "where the log starts" and "where it ends", resolved by the leader
-/// before fetching (Kafka's own sentinels in `ListOffsets`).
-const EARLIEST: i64 = -2;
-const LATEST: i64 = -1;
 
 /// Where [`Fetcher::seek`] starts reading.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -92,6 +92,19 @@ pub enum Fetched {
         /// What did not match.
         reason: String,
     },
+    /// After a leader change, the new leader's log ends before the partition's position: the
+    /// records in between (read, and perhaps counted) are no longer in the log (an unclean
+    /// election lost them), and reading goes on at `to`, where the new leader's records start.
+    Truncated {
+        /// The partition.
+        partition: i32,
+        /// The epoch it was read under.
+        epoch: u64,
+        /// The position the log was truncated under.
+        from: i64,
+        /// Where the log now ends, and reading goes on.
+        to: i64,
+    },
     /// A broker asked for a pause before the next request (a quota, KIP-219); the fetcher
     /// sends that broker nothing until it is over.
     Throttled {
@@ -108,48 +121,9 @@ pub enum Fetched {
     },
 }
 
-/// A partition the owner reads.
-#[derive(Debug, Clone, Copy)]
-struct Wanted {
-    /// The next offset to fetch.
-    offset: i64,
-    /// Bumped by every seek.
-    epoch: u64,
-    /// Not fetched while paused.
-    paused: bool,
-    /// In a request now (only that request's broker task clears it).
-    in_flight: bool,
-    /// Not fetched before then: its last fetch failed.
-    not_before: Option<std::time::Instant>,
-}
-
-/// A partition's leader: its node, and its leader epoch, sent with every fetch (KIP-320) so
-/// that a broker whose leadership is older or newer than ours says so (`FENCED_LEADER_EPOCH`,
-/// `UNKNOWN_LEADER_EPOCH`) and leaders are asked for again.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Leader {
-    node: i32,
-    epoch: i32,
-}
-
-/// State the tasks share.
-#[derive(Debug, Default)]
-struct State {
-    /// Partitions being read, by index.
-    wanted: HashMap<i32, Wanted>,
-    /// Each partition's leader, as metadata last said.
-    leaders: HashMap<i32, Leader>,
-    /// Each broker's address, by node id.
-    brokers: HashMap<i32, String>,
-    /// Brokers with a running fetch task.
-    running: HashSet<i32>,
-    /// The last epoch given out.
-    last_epoch: u64,
-}
-
 struct Shared {
     config: FetchConfig,
-    state: Mutex<State>,
+    core: Mutex<Core>,
     /// Fired when there may be something new to fetch (a seek, a resume, new leaders).
     work: Notify,
     /// Fired when metadata should be asked for again.
@@ -159,8 +133,20 @@ struct Shared {
 }
 
 impl Shared {
-    fn lock(&self) -> MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    fn lock(&self) -> MutexGuard<'_, Core> {
+        self.core.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Hands out an answer's reports, and asks for leaders again if it says so.
+    fn report(&self, outcome: Outcome) {
+        for report in outcome.reports {
+            let _ = self.out.send(report);
+        }
+        if outcome.stale {
+            self.stale.notify_one();
+        }
+        // Partitions were released: any broker's task may have work again.
+        self.work.notify_waiters();
     }
 }
 
@@ -184,9 +170,10 @@ impl Fetcher {
     pub fn start(config: FetchConfig) -> (Self, mpsc::UnboundedReceiver<Fetched>) {
         let (out, rx) = mpsc::unbounded_channel();
         let budget = Arc::new(Budget::new(config.max_buffered_bytes));
+        let core = Core::new(config.waits, config.offset_reset);
         let shared = Arc::new(Shared {
             config,
-            state: Mutex::new(State::default()),
+            core: Mutex::new(core),
             work: Notify::new(),
             stale: Notify::new(),
             budget,
@@ -202,28 +189,8 @@ impl Fetcher {
     /// Reads `partition` from `start` on, dropping whatever was fetched before, paused or not;
     /// returns the epoch its chunks will carry.
     pub fn seek(&self, partition: i32, start: Start, paused: bool) -> u64 {
-        let offset = match start {
-            Start::At(offset) => offset.max(0),
-            Start::Earliest => EARLIEST,
-            Start::Latest => LATEST,
-        };
-        let mut state = self.shared.lock();
-        state.last_epoch += 1;
-        let epoch = state.last_epoch;
-        let known = state.leaders.contains_key(&partition);
-        let entry = state.wanted.entry(partition).or_insert(Wanted {
-            offset,
-            epoch,
-            paused,
-            in_flight: false,
-            not_before: None,
-        });
-        entry.offset = offset;
-        entry.epoch = epoch;
-        entry.paused = paused;
-        entry.not_before = None;
-        drop(state);
-        if !known {
+        let (epoch, unknown) = self.shared.lock().seek(partition, start, paused);
+        if unknown {
             self.shared.stale.notify_one();
         }
         self.shared.work.notify_waiters();
@@ -232,22 +199,18 @@ impl Fetcher {
 
     /// Stops fetching `partition` (a request in flight still delivers).
     pub fn pause(&self, partition: i32) {
-        if let Some(w) = self.shared.lock().wanted.get_mut(&partition) {
-            w.paused = true;
-        }
+        self.shared.lock().pause(partition, true);
     }
 
     /// Fetches `partition` again from where it stopped.
     pub fn resume(&self, partition: i32) {
-        if let Some(w) = self.shared.lock().wanted.get_mut(&partition) {
-            w.paused = false;
-        }
+        self.shared.lock().pause(partition, false);
         self.shared.work.notify_waiters();
     }
 
     /// Stops reading `partition` altogether.
     pub fn remove(&self, partition: i32) {
-        self.shared.lock().wanted.remove(&partition);
+        self.shared.lock().remove(partition);
     }
 
     /// What it does when a position is not in its log (`auto.offset.reset`).
@@ -283,7 +246,7 @@ async fn metadata_task(shared: Arc<Shared>, tasks: Arc<Mutex<JoinSet<()>>>) {
     loop {
         let metadata = async {
             if connection.is_none() {
-                let known: Vec<String> = shared.lock().brokers.values().cloned().collect();
+                let known = shared.lock().addresses();
                 connection = Some(Connection::any(&config.client, &known).await?);
             }
             let Some(c) = connection.as_mut() else {
@@ -294,29 +257,10 @@ async fn metadata_task(shared: Arc<Shared>, tasks: Arc<Mutex<JoinSet<()>>>) {
         match metadata.await {
             Ok(metadata) if !metadata.topic_error.is_error() => {
                 last_failure = None;
-                let missing = {
-                    let mut state = shared.lock();
-                    state.brokers = (metadata.brokers.iter())
-                        .map(|b| (b.node_id, format!("{}:{}", b.host, b.port)))
-                        .collect();
-                    state.leaders = (metadata.partitions.iter())
-                        .filter(|p| p.leader >= 0 && !p.error.is_error())
-                        .map(|p| {
-                            let leader = Leader {
-                                node: p.leader,
-                                epoch: p.leader_epoch,
-                            };
-                            (p.partition, leader)
-                        })
-                        .collect();
-                    let leaders: HashSet<i32> = state.leaders.values().map(|l| l.node).collect();
-                    for node in &leaders {
-                        if state.running.insert(*node) {
-                            lock_tasks(&tasks).spawn(broker_task(shared.clone(), *node));
-                        }
-                    }
-                    state.wanted.keys().any(|p| !state.leaders.contains_key(p))
-                };
+                let (start, missing) = shared.lock().metadata(&metadata);
+                for node in start {
+                    lock_tasks(&tasks).spawn(broker_task(shared.clone(), node));
+                }
                 shared.work.notify_waiters();
                 if missing {
                     // A partition without a leader (an election, or too new): ask again soon.
@@ -354,292 +298,211 @@ async fn metadata_task(shared: Arc<Shared>, tasks: Arc<Mutex<JoinSet<()>>>) {
     }
 }
 
-/// What `node` should fetch now: the partitions led by it, positioned, not paused, not in
-/// flight and not backing off; and when the first of its partitions backing off may be fetched.
-struct Fetchable {
-    request: Vec<(i32, i64, u64)>,
-    /// The leader epoch of each partition of `request`, in the same order (-1: unknown).
-    leader_epochs: Vec<i32>,
-    wake: Option<std::time::Instant>,
-}
-
-fn fetchable(state: &mut State, node: i32) -> Fetchable {
-    let State {
-        wanted, leaders, ..
-    } = state;
-    let now = std::time::Instant::now();
-    let mut wake: Option<std::time::Instant> = None;
-    let mut request: Vec<(i32, i64, u64)> = wanted
-        .iter_mut()
-        .filter(|(p, w)| {
-            !w.paused && !w.in_flight && leaders.get(p).is_some_and(|l| l.node == node)
-        })
-        .filter(|(_, w)| match w.not_before {
-            Some(t) if t > now => {
-                wake = Some(wake.map_or(t, |first| first.min(t)));
-                false
-            }
-            _ => true,
-        })
-        .map(|(p, w)| {
-            w.in_flight = true;
-            (*p, w.offset, w.epoch)
-        })
-        .collect();
-    request.sort_unstable_by_key(|(p, _, _)| *p);
-    let leader_epochs = (request.iter())
-        .map(|(p, _, _)| leaders.get(p).map_or(-1, |l| l.epoch))
-        .collect();
-    Fetchable {
-        request,
-        leader_epochs,
-        wake,
-    }
-}
-
-/// Fetches the partitions `node` leads, one request at a time, for as long as the fetcher runs.
+/// Carries `node`'s requests, as the core decides them, for as long as the fetcher runs.
 async fn broker_task(shared: Arc<Shared>, node: i32) {
-    let config = &shared.config;
     let mut connection: Option<Connection> = None;
-    let waits = shared.config.waits;
-    let mut backoff = Backoff::new(waits.reconnect, waits.reconnect_max);
     let mut response = Vec::new();
     let mut scratch = Vec::new();
     loop {
         shared.budget.room().await;
-        let (mut request, leader_epochs, address) = loop {
-            let work = shared.work.notified();
-            let wake = {
-                let mut state = shared.lock();
-                let Fetchable {
-                    request,
-                    leader_epochs,
-                    wake,
-                } = fetchable(&mut state, node);
-                if !request.is_empty() {
-                    let address = state.brokers.get(&node).cloned();
-                    break (request, leader_epochs, address);
+        // Registered before the core is asked, so that a wake-up in between is not lost.
+        let work = shared.work.notified();
+        let (step, address) = {
+            let mut core = shared.lock();
+            (core.next(node, Instant::now()), core.address(node))
+        };
+        let outcome = match step {
+            Step::Idle { wake } => {
+                // Woken by a seek, a resume, new leaders or an answer, or when a wait ends.
+                match wake {
+                    Some(at) => {
+                        let _ = tokio::time::timeout_at(at.into(), work).await;
+                    }
+                    None => work.await,
                 }
-                wake
-            };
-            // Woken by a seek, a resume or new leaders, or when a partition's backoff ends.
-            match wake {
-                Some(at) => {
-                    let _ = tokio::time::timeout_at(at.into(), work).await;
+                continue;
+            }
+            Step::ListOffsets { end, claims } => {
+                let ids: Vec<i32> = claims.iter().map(|c| c.partition).collect();
+                let topic = &shared.config.topic;
+                match connect(&shared, &mut connection, address).await {
+                    Ok(c) => c.list_offsets(topic, &ids, end).await.map_err(Some),
+                    Err(e) => Err(e),
                 }
-                None => work.await,
+                .map(|found| shared.lock().listed(node, &claims, &found, Instant::now()))
+                .unwrap_or_else(|e| failed(&shared, &mut connection, node, &claims, e))
+            }
+            Step::Validate { queries, claims } => {
+                let topic = &shared.config.topic;
+                match connect(&shared, &mut connection, address).await {
+                    Ok(c) => (c.offsets_for_leader_epochs(topic, &queries).await).map_err(Some),
+                    Err(e) => Err(e),
+                }
+                .map(|ends| {
+                    shared
+                        .lock()
+                        .validated(node, &claims, &ends, Instant::now())
+                })
+                .unwrap_or_else(|e| failed(&shared, &mut connection, node, &claims, e))
+            }
+            Step::Fetch { positions, claims } => {
+                let sent = async {
+                    let c = connect(&shared, &mut connection, address).await?;
+                    let config = &shared.config;
+                    let wait = Duration::from_millis(config.limits.max_wait_ms as u64);
+                    let version = c.version(protocol::FETCH);
+                    let request = |w: &mut _| {
+                        let (limits, isolation) = (config.limits, config.isolation);
+                        protocol::fetch_request(
+                            w,
+                            version,
+                            &config.topic,
+                            &positions,
+                            limits,
+                            isolation,
+                        )
+                    };
+                    (c.request_waiting(protocol::FETCH, request, &mut response, wait)
+                        .await)
+                        .map_err(Some)
+                        .map(|()| version)
+                }
+                .await;
+                match sent {
+                    Ok(version) => {
+                        let handled =
+                            fetched(&shared, node, &claims, &mut response, version, &mut scratch);
+                        handled.unwrap_or_else(|error| {
+                            tracing::warn!(node, %error, "fetcher: a fetch response not used");
+                            failed(&shared, &mut connection, node, &claims, None)
+                        })
+                    }
+                    Err(e) => failed(&shared, &mut connection, node, &claims, e),
+                }
             }
         };
-        let outcome = async {
-            let Some(address) = address else {
-                return Err(None);
-            };
-            let c = Connection::reuse(&mut connection, &address, &config.client)
-                .await
-                .map_err(Some)?;
-            resolve_ends(&shared, c, &mut request).await.map_err(Some)?;
-            let positions: Vec<FetchPosition> = (request.iter().zip(&leader_epochs))
-                .map(
-                    |(&(partition, offset, _), &current_leader_epoch)| FetchPosition {
-                        partition,
-                        offset,
-                        current_leader_epoch,
-                        last_fetched_epoch: -1,
-                    },
-                )
-                .collect();
-            let wait = Duration::from_millis(config.limits.max_wait_ms as u64);
-            let version = c.version(protocol::FETCH);
-            c.request_waiting(
-                protocol::FETCH,
-                |w| {
-                    protocol::fetch_request(
-                        w,
-                        version,
-                        &config.topic,
-                        &positions,
-                        config.limits,
-                        config.isolation,
-                    )
-                },
-                &mut response,
-                wait,
-            )
-            .await
-            .map_err(Some)
-            .map(|()| version)
-        }
-        .await;
-        match outcome {
-            Ok(version) => {
-                // The response's record sets are slices of its bytes: the buffer goes as
-                // `Bytes`, and comes back for the next response once they are dropped.
-                let body = Bytes::from(std::mem::take(&mut response));
-                let handled = match FetchResponse::decode(&mut body.clone(), version) {
-                    Ok(fetched) if !fetched.error().is_error() => {
-                        backoff.reset();
-                        let partitions = fetched.partitions(&config.topic);
-                        let stale = handle_response(
-                            &shared,
-                            node,
-                            &request,
-                            partitions,
-                            &mut scratch,
-                            connection.as_mut(),
-                        )
-                        .await;
-                        if stale {
-                            shared.stale.notify_one();
-                        }
-                        Ok(fetched.throttle_time_ms())
-                    }
-                    Ok(fetched) => Err(format!("fetch refused as a whole: {}", fetched.error())),
-                    Err(e) => Err(format!("a malformed fetch response: {e}")),
-                };
-                response = reclaim(body);
-                match handled {
-                    Ok(throttle) => {
-                        // A throttled response is handled, then the broker gets nothing more
-                        // until the throttle is over: a request sent sooner would only wait on
-                        // its muted connection.
-                        if throttle > 0 {
-                            let _ = shared.out.send(Fetched::Throttled { node, ms: throttle });
-                            tokio::time::sleep(Duration::from_millis(u64::from(throttle))).await;
-                        }
-                        continue;
-                    }
-                    Err(error) => {
-                        tracing::warn!(node, %error, "fetcher: a fetch response not used");
-                        connection = None;
-                    }
-                }
-            }
-            Err(error) => {
-                if let Some(error) = &error {
-                    tracing::warn!(node, %error, "fetcher: fetch failed; finding the leaders again");
-                    if error.is_fatal() {
-                        let _ = shared.out.send(Fetched::Failed {
-                            error: error.to_string(),
-                        });
-                    }
-                }
-                connection = None;
-                shared.stale.notify_one();
-            }
-        }
-        release(&shared, &request);
-        backoff.wait().await;
+        shared.report(outcome);
     }
+}
+
+/// The connection to `address`, opened first if there is none (`None`: the broker's address
+/// is unknown).
+async fn connect<'a>(
+    shared: &Shared,
+    connection: &'a mut Option<Connection>,
+    address: Option<String>,
+) -> Result<&'a mut Connection, Option<ConnectionError>> {
+    let address = address.ok_or(None)?;
+    Connection::reuse(connection, &address, &shared.config.client)
+        .await
+        .map_err(Some)
+}
+
+/// A request to `node` got no answer: logged (reported if retrying may not cure it), the
+/// connection dropped, and the core told.
+fn failed(
+    shared: &Shared,
+    connection: &mut Option<Connection>,
+    node: i32,
+    claims: &[Claim],
+    error: Option<ConnectionError>,
+) -> Outcome {
+    let mut outcome = shared.lock().failed(node, claims, Instant::now());
+    if let Some(error) = error {
+        tracing::warn!(node, %error, "fetcher: request failed; finding the leaders again");
+        if error.is_fatal() {
+            outcome.reports.push(Fetched::Failed {
+                error: error.to_string(),
+            });
+        }
+    }
+    *connection = None;
+    outcome
+}
+
+/// A fetch answered: each partition's records read into a chunk, then the core decides what
+/// moves and which chunks are handed out, queued in order under its lock (a partition cannot
+/// be fetched again before its chunk is queued).
+fn fetched(
+    shared: &Shared,
+    node: i32,
+    claims: &[Claim],
+    response: &mut Vec<u8>,
+    version: i16,
+    scratch: &mut Vec<u8>,
+) -> Result<Outcome, String> {
+    let config = &shared.config;
+    // The response's record sets are slices of its bytes: the buffer goes as `Bytes`, and
+    // comes back for the next response once they are dropped.
+    let body = Bytes::from(std::mem::take(response));
+    let decoded = FetchResponse::decode(&mut body.clone(), version);
+    let result = match decoded {
+        Ok(fetched) if !fetched.error().is_error() => {
+            let reading = Reading {
+                check_crcs: config.check_crcs,
+                isolation: config.isolation,
+            };
+            let mut chunks = Vec::new();
+            let mut answers = Vec::new();
+            for part in fetched.partitions(&config.topic) {
+                let claim = claims.iter().find(|c| c.partition == part.partition);
+                let read = match claim {
+                    Some(c) if !part.error.is_error() && part.diverging.is_none() => {
+                        let built = chunk(
+                            &shared.budget,
+                            c.partition,
+                            c.epoch,
+                            c.offset,
+                            &part,
+                            reading,
+                            scratch,
+                        );
+                        chunks.push(built.chunk);
+                        Some(Read {
+                            next: built.next,
+                            last_epoch: built.last_epoch,
+                            corrupt: built.corrupt,
+                            diverging: false,
+                        })
+                    }
+                    _ => {
+                        chunks.push(None);
+                        (part.diverging.is_some()).then_some(Read {
+                            next: -1,
+                            last_epoch: None,
+                            corrupt: None,
+                            diverging: true,
+                        })
+                    }
+                };
+                answers.push(Answer {
+                    partition: part.partition,
+                    error: part.error,
+                    read,
+                });
+            }
+            let mut core = shared.lock();
+            let throttle = fetched.throttle_time_ms();
+            let outcome = core.fetched(node, claims, &answers, throttle, Instant::now());
+            for (chunk, deliver) in chunks.into_iter().zip(&outcome.deliver) {
+                if let Some(chunk) = chunk.filter(|_| *deliver) {
+                    let _ = shared.out.send(Fetched::Chunk(chunk));
+                }
+            }
+            drop(core);
+            Ok(outcome)
+        }
+        Ok(fetched) => Err(format!("fetch refused as a whole: {}", fetched.error())),
+        Err(e) => Err(format!("a malformed fetch response: {e}")),
+    };
+    *response = reclaim(body);
+    result
 }
 
 /// The buffer of a handled response, for the next one: its allocation is kept when nothing
 /// holds a slice of it any more (always, once the response's partitions are handled).
 fn reclaim(body: Bytes) -> Vec<u8> {
     body.try_into_mut().map(Vec::from).unwrap_or_default()
-}
-
-/// Clears the in-flight marks of `request`'s partitions.
-fn release(shared: &Shared, request: &[(i32, i64, u64)]) {
-    let mut state = shared.lock();
-    for (partition, _, _) in request {
-        if let Some(w) = state.wanted.get_mut(partition) {
-            w.in_flight = false;
-        }
-    }
-    drop(state);
-    shared.work.notify_waiters();
-}
-
-/// Hands out a fetch response's partitions and moves their offsets on; returns whether a
-/// partition's leadership looked stale.
-async fn handle_response(
-    shared: &Shared,
-    node: i32,
-    request: &[(i32, i64, u64)],
-    partitions: Vec<FetchPartition<'_>>,
-    scratch: &mut Vec<u8>,
-    connection: Option<&mut Connection>,
-) -> bool {
-    let mut stale = false;
-    let mut out_of_range = Vec::new();
-    for part in partitions {
-        let Some(&(partition, offset, epoch)) =
-            request.iter().find(|(p, _, _)| *p == part.partition)
-        else {
-            continue;
-        };
-        match part.error {
-            ErrorCode::NONE => {
-                let reading = Reading {
-                    check_crcs: shared.config.check_crcs,
-                    isolation: shared.config.isolation,
-                };
-                let built = chunk(
-                    &shared.budget,
-                    partition,
-                    epoch,
-                    offset,
-                    &part,
-                    reading,
-                    scratch,
-                );
-                let mut state = shared.lock();
-                let Some(w) = state.wanted.get_mut(&partition) else {
-                    continue;
-                };
-                if w.epoch != epoch {
-                    continue;
-                }
-                if built.next > w.offset {
-                    w.offset = built.next;
-                }
-                if let Some(chunk) = built.chunk {
-                    // Queued before the partition can be fetched again: chunks stay in order.
-                    let _ = shared.out.send(Fetched::Chunk(chunk));
-                }
-                if let Some(reason) = built.corrupt {
-                    w.not_before = Some(std::time::Instant::now() + CORRUPT_BACKOFF);
-                    let _ = shared.out.send(Fetched::Corrupt {
-                        partition,
-                        offset: built.next,
-                        reason,
-                    });
-                }
-            }
-            ErrorCode::OFFSET_OUT_OF_RANGE => out_of_range.push((partition, offset, epoch)),
-            error if error.is_stale_leadership() => {
-                tracing::debug!(node, partition, %error, "fetcher: leadership moved");
-                back_off(shared, partition);
-                let mut state = shared.lock();
-                state.leaders.remove(&partition);
-                stale = true;
-            }
-            error => {
-                tracing::warn!(node, partition, %error, "fetcher: partition fetch failed; trying again in 500 ms");
-                back_off(shared, partition);
-                if error == ErrorCode::TOPIC_AUTHORIZATION_FAILED {
-                    let _ = shared.out.send(Fetched::Failed {
-                        error: format!(
-                            "reading {} partition {partition}: {error}",
-                            shared.config.topic
-                        ),
-                    });
-                }
-            }
-        }
-    }
-    if !out_of_range.is_empty() {
-        stale |= reset_out_of_range(shared, node, out_of_range, connection).await;
-    }
-    release(shared, request);
-    stale
-}
-
-/// Keeps `partition` from being fetched for `fetch.error.backoff.ms`.
-fn back_off(shared: &Shared, partition: i32) {
-    if let Some(w) = shared.lock().wanted.get_mut(&partition) {
-        w.not_before = Some(std::time::Instant::now() + shared.config.waits.fetch_error);
-    }
 }
 
 #[cfg(test)]
@@ -657,50 +520,5 @@ mod tests {
         let back = reclaim(body);
         assert_eq!((back.as_ptr(), back.len()), (address, 1000));
         assert!(back.capacity() >= 1 << 20, "{}", back.capacity());
-    }
-
-    #[test]
-    fn only_positioned_unpaused_idle_partitions_of_the_node_are_fetched() {
-        let w = |paused, in_flight| Wanted {
-            offset: 5,
-            epoch: 1,
-            paused,
-            in_flight,
-            not_before: None,
-        };
-        let mut state = State {
-            leaders: [(0, (1, 7)), (1, (1, 0)), (2, (2, 0)), (3, (1, 0))]
-                .map(|(p, (node, epoch))| (p, Leader { node, epoch }))
-                .into(),
-            wanted: [
-                (0, w(false, false)),
-                (1, w(true, false)),
-                (2, w(false, false)),
-                (3, w(false, true)),
-            ]
-            .into(),
-            ..State::default()
-        };
-        let first = fetchable(&mut state, 1);
-        assert_eq!(first.request, [(0, 5, 1)]);
-        assert_eq!(first.leader_epochs, [7], "sent with the fetch");
-        assert!(state.wanted[&0].in_flight);
-        assert!(fetchable(&mut state, 1).request.is_empty(), "in flight now");
-        // A partition whose fetch failed waits out its backoff.
-        let soon = std::time::Instant::now() + Duration::from_secs(60);
-        state.wanted.insert(
-            4,
-            Wanted {
-                not_before: Some(soon),
-                ..w(false, false)
-            },
-        );
-        state.leaders.insert(4, Leader { node: 1, epoch: 0 });
-        let backing_off = fetchable(&mut state, 1);
-        assert!(backing_off.request.is_empty(), "backing off");
-        assert_eq!(backing_off.wake, Some(soon), "woken when the backoff ends");
-        state.wanted.get_mut(&4).expect("wanted").not_before = Some(std::time::Instant::now());
-        let after = fetchable(&mut state, 1);
-        assert_eq!((after.request, after.wake), (vec![(4, 5, 1)], None));
     }
 }

@@ -1,5 +1,5 @@
 //! The few Kafka requests tally sends, and their responses: `ApiVersions` (v0), `Metadata` (v7),
-//! `ListOffsets` (v2), `Fetch` (v11-v12), `Produce` (v8), `InitProducerId` (v1), `SaslHandshake`
+//! `ListOffsets` (v2), `OffsetForLeaderEpoch` (v3), `Fetch` (v11-v12), `Produce` (v8), `InitProducerId` (v1), `SaslHandshake`
 //! (v1) and `SaslAuthenticate` (v1). Each [`Api`] names the versions tally implements; a
 //! connection asks the broker for its ranges with `ApiVersions` first and speaks, per API, the
 //! newest version both implement ([`Api::negotiate`], `crate::connection`). Every broker from
@@ -15,12 +15,16 @@
 use bytes::Bytes;
 use kafka_protocol::messages::list_offsets_request::{ListOffsetsPartition, ListOffsetsTopic};
 use kafka_protocol::messages::metadata_request::MetadataRequestTopic;
+use kafka_protocol::messages::offset_for_leader_epoch_request::{
+    OffsetForLeaderPartition, OffsetForLeaderTopic,
+};
 use kafka_protocol::messages::produce_request::{PartitionProduceData, TopicProduceData};
 use kafka_protocol::messages::{
     self, ApiVersionsRequest, ApiVersionsResponse, BrokerId, FetchRequest, InitProducerIdRequest,
     InitProducerIdResponse, ListOffsetsRequest, ListOffsetsResponse, MetadataRequest,
-    MetadataResponse, ProduceRequest, ProduceResponse, SaslAuthenticateRequest,
-    SaslAuthenticateResponse, SaslHandshakeRequest, SaslHandshakeResponse, TopicName,
+    MetadataResponse, OffsetForLeaderEpochRequest, OffsetForLeaderEpochResponse, ProduceRequest,
+    ProduceResponse, SaslAuthenticateRequest, SaslAuthenticateResponse, SaslHandshakeRequest,
+    SaslHandshakeResponse, TopicName,
 };
 use kafka_protocol::protocol::{Decodable, Encodable, HeaderVersion, StrBytes};
 
@@ -112,6 +116,17 @@ pub const LIST_OFFSETS: Api = Api {
     response_header: <ListOffsetsResponse as HeaderVersion>::header_version,
     name: "ListOffsets",
     response_name: "a ListOffsets response of the version asked for",
+};
+/// `OffsetForLeaderEpoch` v3 (the first with a replica id, so a consumer's request is told
+/// from a follower's; Kafka 2.3 on).
+pub const OFFSET_FOR_LEADER_EPOCH: Api = Api {
+    key: 23,
+    oldest: 3,
+    newest: 3,
+    request_header: <OffsetForLeaderEpochRequest as HeaderVersion>::header_version,
+    response_header: <OffsetForLeaderEpochResponse as HeaderVersion>::header_version,
+    name: "OffsetForLeaderEpoch",
+    response_name: "an OffsetForLeaderEpoch response of the version asked for",
 };
 /// `Metadata` v7.
 pub const METADATA: Api = Api {
@@ -414,6 +429,67 @@ pub fn parse_list_offsets(body: &[u8]) -> Result<Vec<(i32, ErrorCode, i64)>, Mal
         .collect())
 }
 
+/// A partition whose position is checked against its leader's log (KIP-320): the partition's
+/// leader epoch as the client knows it, and the epoch of the last record it read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EpochQuery {
+    /// Its index.
+    pub partition: i32,
+    /// Its leader's epoch, as metadata said: a leader of another epoch refuses the question.
+    pub current_leader_epoch: i32,
+    /// The epoch whose end is asked for.
+    pub leader_epoch: i32,
+}
+
+/// One partition's answer to an `OffsetForLeaderEpoch`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EpochEnd {
+    /// Its index.
+    pub partition: i32,
+    /// Its error.
+    pub error: ErrorCode,
+    /// The largest epoch of the leader's log not past the one asked about (-1: none).
+    pub leader_epoch: i32,
+    /// Where that epoch ends in the leader's log (-1: unknown): a reader past it read records
+    /// the log no longer holds.
+    pub end_offset: i64,
+}
+
+/// `OffsetForLeaderEpoch` request (as a consumer, replica id -1) for `queries` of `topic`.
+pub fn offset_for_leader_epoch_request(w: &mut Writer, topic: &str, queries: &[EpochQuery]) {
+    let partitions = (queries.iter())
+        .map(|q| {
+            OffsetForLeaderPartition::default()
+                .with_partition(q.partition)
+                .with_current_leader_epoch(q.current_leader_epoch)
+                .with_leader_epoch(q.leader_epoch)
+        })
+        .collect();
+    let request = OffsetForLeaderEpochRequest::default()
+        .with_replica_id(BrokerId(-1))
+        .with_topics(vec![
+            OffsetForLeaderTopic::default()
+                .with_topic(topic_name(topic))
+                .with_partitions(partitions),
+        ]);
+    encode(w, &request, OFFSET_FOR_LEADER_EPOCH.newest);
+}
+
+/// `OffsetForLeaderEpoch` response: every partition's answer.
+pub fn parse_offset_for_leader_epoch(body: &[u8]) -> Result<Vec<EpochEnd>, Malformed> {
+    let api = OFFSET_FOR_LEADER_EPOCH;
+    let r: OffsetForLeaderEpochResponse = decode(body, api, api.newest)?;
+    Ok((r.topics.iter())
+        .flat_map(|t| &t.partitions)
+        .map(|p| EpochEnd {
+            partition: p.partition,
+            error: ErrorCode(p.error_code),
+            leader_epoch: p.leader_epoch,
+            end_offset: p.end_offset,
+        })
+        .collect())
+}
+
 /// `InitProducerId` request for an idempotent producer (no transactional id).
 pub fn init_producer_id_request(w: &mut Writer) {
     let request = InitProducerIdRequest::default()
@@ -587,6 +663,18 @@ mod tests {
             expected(&|w| {
                 w.i32(-1).i8(1).array_len(1).string("t").array_len(2);
                 w.i32(0).i64(-2).i32(3).i64(-2);
+            })
+        );
+        let query = EpochQuery {
+            partition: 4,
+            current_leader_epoch: 9,
+            leader_epoch: 7,
+        };
+        assert_eq!(
+            built(&|w| offset_for_leader_epoch_request(w, "t", &[query])),
+            expected(&|w| {
+                w.i32(-1).array_len(1).string("t").array_len(1);
+                w.i32(4).i32(9).i32(7);
             })
         );
         assert_eq!(
