@@ -7,6 +7,8 @@
 #   deploy/local/kafka-cluster.sh topic NAME N     # create a topic (N partitions, RF 3, min ISR 2)
 #   deploy/local/kafka-cluster.sh kill I           # SIGKILL node I (1-3): a crash
 #   deploy/local/kafka-cluster.sh start-node I     # start node I again from its data
+#   deploy/local/kafka-cluster.sh stop-node I      # SIGTERM node I (a controlled shutdown) and wait
+#   deploy/local/kafka-cluster.sh elect-unclean T P  # elect a leader for partition P of topic T out of sync
 #   deploy/local/kafka-cluster.sh restart-node I   # SIGTERM node I, wait, start it, wait until it is back in sync
 #   deploy/local/kafka-cluster.sh wait-in-sync     # wait until no partition is under-replicated
 #   deploy/local/kafka-cluster.sh bootstrap        # print the bootstrap servers
@@ -185,6 +187,14 @@ case ${1:-} in
     start_node "$2"
     wait_node "$2"
     ;;
+  stop-node)
+    check_node "$2"
+    stop_nodes "$2"
+    ;;
+  elect-unclean)
+    kafka_tool LeaderElectionCommand --bootstrap-server "$bootstrap" \
+      --election-type UNCLEAN --topic "$2" --partition "$3"
+    ;;
   restart-node)
     check_node "$2"
     stop_nodes "$2"
@@ -202,7 +212,7 @@ case ${1:-} in
     stop_nodes 1 2 3
     ;;
   *)
-    sed -n '2,16p' "$0" >&2
+    sed -n '2,18p' "$0" >&2
     exit 2
     ;;
 esac

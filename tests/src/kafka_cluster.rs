@@ -3,6 +3,12 @@
 
 use std::path::Path;
 use std::process::Command;
+use std::time::Duration;
+
+use rdkafka::ClientConfig;
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::client::DefaultClientContext;
+use rdkafka::consumer::{BaseConsumer, Consumer};
 
 use crate::support::{TempDir, free_port};
 
@@ -66,6 +72,55 @@ impl KafkaCluster {
     /// SIGKILLs node `i` (1-3).
     pub fn kill(&self, i: usize) {
         self.script(&["kill", &i.to_string()]);
+    }
+
+    /// Stops node `i` (SIGTERM: a controlled shutdown, which takes it out of every ISR).
+    pub fn stop_node(&self, i: usize) {
+        self.script(&["stop-node", &i.to_string()]);
+    }
+
+    /// Asks for an unclean election of partition `partition` of `topic` (a live replica out of
+    /// sync may lead); whether it happened is the caller's to check.
+    pub fn elect_unclean(&self, topic: &str, partition: i32) -> bool {
+        let args = ["elect-unclean", topic, &partition.to_string()];
+        let out = self.command(&args).output().expect("kafka-cluster.sh runs");
+        out.status.success()
+    }
+
+    /// Creates `topic`, one partition on `replicas` (the first leads), with `configs`.
+    pub fn topic_on(&self, topic: &str, replicas: &[i32], configs: &[(&str, &str)]) {
+        let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
+            .set("bootstrap.servers", self.bootstrap())
+            .create()
+            .expect("admin client");
+        let assignment = [replicas];
+        let mut new = NewTopic::new(topic, 1, TopicReplication::Variable(&assignment));
+        for (key, value) in configs {
+            new = new.set(key, value);
+        }
+        let options = AdminOptions::new().request_timeout(Some(Duration::from_secs(20)));
+        let created =
+            tokio::runtime::Handle::current().block_on(admin.create_topics(&[new], &options));
+        for r in created.expect("the cluster answers") {
+            r.unwrap_or_else(|(t, e)| panic!("cannot create topic {t}: {e}"));
+        }
+    }
+
+    /// Partition `partition` of `topic`'s leader, as the cluster's metadata says (-1: none).
+    pub fn leader(&self, topic: &str, partition: i32) -> i32 {
+        let consumer: BaseConsumer = ClientConfig::new()
+            .set("bootstrap.servers", self.bootstrap())
+            .create()
+            .expect("consumer");
+        let metadata = consumer.fetch_metadata(Some(topic), Duration::from_secs(10));
+        metadata
+            .ok()
+            .and_then(|m| {
+                let t = m.topics().first()?;
+                let p = t.partitions().iter().find(|p| p.id() == partition)?;
+                Some(p.leader())
+            })
+            .unwrap_or(-1)
     }
 
     /// Starts node `i` again from its data.

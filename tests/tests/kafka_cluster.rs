@@ -2,9 +2,15 @@
 //! SIGKILLed under load and later restarted, and then a rolling restart of all three, lose
 //! no acknowledged event and count none twice, and the aggregator rides through both without
 //! being restarted. On the same cluster, a group on the broker-side protocol (KIP-848) rebalances
-//! incrementally: a member joins and one dies under load, and only the partitions that move stop.
+//! incrementally: a member joins and one dies under load, and only the partitions that move stop;
+//! and an unclean leader election truncates the log under the aggregator's position, which the
+//! fetcher finds (KIP-320) and the aggregator counts.
 
+use std::collections::HashMap;
 use std::time::{Duration, Instant};
+
+use tally_common::CounterEvent;
+use tally_producer::{Producer, ProducerConfig};
 
 use tally_cli::load::LoadSpec;
 use tally_tests::kafka_cluster::KafkaCluster;
@@ -63,6 +69,8 @@ async fn broker_faults_lose_and_repeat_nothing_and_the_new_group_protocol_rebala
         }
         _ => the_broker_side_group_protocol(&cluster, &redis).await,
     }
+    // Last: it leaves node 1 down and the quorum shaken.
+    an_unclean_election_truncates_the_log_under_the_position(&cluster, &redis).await;
 }
 
 async fn a_broker_killed_under_load(cluster: &KafkaCluster, redis: &RedisServer) {
@@ -192,4 +200,96 @@ async fn the_broker_side_group_protocol(cluster: &KafkaCluster, redis: &RedisSer
     .await;
     b.stop_gracefully().await;
     c.stop_gracefully().await;
+}
+
+/// Sends `n` events of +1 to `counter` through a new idempotent producer (a new producer id:
+/// after an unclean election the old one's sequence numbers no longer match the log), and
+/// waits for every acknowledgement.
+async fn send(bootstrap: &str, topic: &str, counter: &str, n: u64) {
+    let producer = Producer::new(&ProducerConfig::new(bootstrap, topic)).expect("producer");
+    let event = CounterEvent::new(counter, 1).expect("valid event");
+    let mut acks = Vec::new();
+    for _ in 0..n {
+        acks.push(producer.enqueue(&event).await.expect("enqueued"));
+    }
+    for ack in acks {
+        ack.acked().await.expect("acknowledged");
+    }
+}
+
+/// KIP-320 on a real unclean election. The partition lives on nodes 1 and 2 only. Node 2 is
+/// stopped (out of the ISR), 200 events reach node 1 alone and are counted; node 1 dies, node
+/// 2 comes back and is elected out of sync: its log ends 200 offsets before the aggregator's
+/// position. The fetcher notices the leader epoch moved, asks `OffsetForLeaderEpoch`, finds the
+/// truncation and says so; the aggregator counts it and re-acquires the partition.
+///
+/// What the counts then are is the documented limit (docs/guarantees.md, "Unclean leader
+/// elections"): the 200 lost events stay counted, and the store's ledgers, which passed the
+/// truncation point, make the new leader's first 200 records be skipped as applied.
+async fn an_unclean_election_truncates_the_log_under_the_position(
+    cluster: &KafkaCluster,
+    redis: &RedisServer,
+) {
+    const BEFORE: u64 = 300;
+    const LOST: u64 = 200;
+    const AFTER: u64 = 500;
+    let dir = TempDir::new("tally-cluster-unclean");
+    let bootstrap = cluster.bootstrap();
+    let setup = AggregatorSetup::named(&bootstrap, "cluster-unclean", &redis.url());
+    let topic = setup.topic.clone();
+    tokio::task::block_in_place(|| {
+        let configs = [
+            ("min.insync.replicas", "1"),
+            ("unclean.leader.election.enable", "true"),
+        ];
+        cluster.topic_on(&topic, &[1, 2], &configs);
+        cluster.topic(&setup.dead_letter_topic, 1);
+    });
+    let mut aggregator = setup.spawn(dir.path(), &["--fetch", "direct"]);
+    send(&bootstrap, &topic, "before", BEFORE).await;
+    flushed(&aggregator, BEFORE).await;
+
+    tokio::task::block_in_place(|| cluster.stop_node(2));
+    send(&bootstrap, &topic, "lost", LOST).await;
+    flushed(&aggregator, BEFORE + LOST).await;
+
+    tokio::task::block_in_place(|| {
+        cluster.kill(1);
+        cluster.start_node(2);
+        // Node 2 leads once the controllers (2 and 3 now) fence node 1 and elect it uncleanly.
+        let deadline = Instant::now() + Duration::from_secs(120);
+        while cluster.leader(&topic, 0) != 2 {
+            assert!(Instant::now() < deadline, "node 2 was never elected");
+            cluster.elect_unclean(&topic, 0);
+        }
+    });
+    send(&bootstrap, &topic, "after", AFTER).await;
+
+    let truncated = aggregator
+        .wait_metric(
+            "tally_log_truncated_offsets_total",
+            1.0,
+            Duration::from_secs(60),
+        )
+        .await;
+    assert_eq!(truncated, LOST as f64, "the truncation is found, exactly");
+    let applied = aggregator
+        .wait_metric(
+            "tally_truncated_applied_offsets_total",
+            1.0,
+            Duration::from_secs(60),
+        )
+        .await;
+    assert_eq!(applied, LOST as f64, "all of it had been applied");
+    let expected: HashMap<String, i64> =
+        [("before", BEFORE), ("lost", LOST), ("after", AFTER - LOST)]
+            .map(|(c, n)| (c.to_owned(), n as i64))
+            .into();
+    wait_for_totals(
+        &redis.reader(setup.keyspace()).await,
+        &expected,
+        Duration::from_secs(60),
+    )
+    .await;
+    assert!(aggregator.is_running());
 }

@@ -919,7 +919,10 @@ mod tests {
         let mut p = owned(now, vec![-1]);
         feed(&mut p, 0..2);
         let actions = p.on_truncated();
-        assert!(matches!(actions.as_slice(), [Action::Pause, Action::Acquire]));
+        assert!(matches!(
+            actions.as_slice(),
+            [Action::Pause, Action::Acquire]
+        ));
         assert_eq!(p.pending_events(), 0);
         // With a flush in flight: paused, reading nothing, until it lands.
         let mut p = owned(now, vec![-1]);
@@ -937,7 +940,10 @@ mod tests {
             actions.as_slice(),
             [Action::Commit(4), Action::Pause, Action::Acquire]
         ));
-        assert_eq!((p.state.clone(), p.pending_events()), (Ownership::Acquiring, 0));
+        assert_eq!(
+            (p.state.clone(), p.pending_events()),
+            (Ownership::Acquiring, 0)
+        );
         // Re-acquired at the ledger: the new leader's records from there are read.
         p.on_acquired(owner(vec![4]), Resume::At(4), None);
         assert!(matches!(p.on_seek(true, now), Action::Resume));

@@ -173,7 +173,19 @@ impl Core {
                 from: None,
             },
         };
-        let in_flight = self.wanted.get(&partition).is_some_and(|w| w.in_flight);
+        let before = self.wanted.get(&partition);
+        let in_flight = before.is_some_and(|w| w.in_flight);
+        // A seek back to (or at) where reading had got keeps the last epoch read: the record
+        // before the new position was read under it or an older one, so the position is still
+        // checked after a leader change (an owner that re-reads from its store's ledger, after
+        // a rebalance, does so). A seek anywhere else knows no epoch.
+        let (last_epoch, read_under, validate) = match (before, position) {
+            (Some(w), Position::At(to)) if w.last_epoch >= 0 => match w.position {
+                Position::At(at) if to <= at => (w.last_epoch, w.read_under, w.validate),
+                _ => (-1, -1, false),
+            },
+            _ => (-1, -1, false),
+        };
         self.wanted.insert(
             partition,
             Wanted {
@@ -182,9 +194,9 @@ impl Core {
                 paused,
                 in_flight,
                 not_before: None,
-                last_epoch: -1,
-                read_under: -1,
-                validate: false,
+                last_epoch,
+                read_under,
+                validate,
             },
         );
         (self.seeks, !self.leaders.contains_key(&partition))
@@ -784,6 +796,40 @@ mod tests {
         // The same epoch again asks nothing more.
         core.metadata(&metadata(&[(0, 1, 5)]));
         assert!(!core.wanted[&0].validate);
+    }
+
+    #[test]
+    fn a_seek_back_keeps_the_last_epoch_read_and_a_seek_ahead_forgets_it() {
+        let (mut core, now) = reading(OffsetReset::Earliest);
+        let (_, claims) = fetch(&mut core, 1, now);
+        core.fetched(1, &claims, &[read(500, 3)], 0, now);
+        core.seek(0, Start::At(450), false);
+        let (positions, claims) = fetch(&mut core, 1, now);
+        assert_eq!(
+            (positions[0].offset, positions[0].last_fetched_epoch),
+            (450, 3)
+        );
+        core.fetched(1, &claims, &[read(500, 3)], 0, now);
+        // Re-read from a store after a rebalance, then the leader moves: still checked.
+        core.seek(0, Start::At(500), false);
+        core.metadata(&metadata(&[(0, 2, 4)]));
+        let Step::Validate { claims, .. } = core.next(2, now) else {
+            panic!("validated after the seek back");
+        };
+        let held = EpochEnd {
+            partition: 0,
+            error: ErrorCode::NONE,
+            leader_epoch: 3,
+            end_offset: 500,
+        };
+        assert!(core.validated(2, &claims, &[held], now).reports.is_empty());
+        // Ahead of what was read, the epoch of the record before is unknown.
+        core.seek(0, Start::At(900), false);
+        let (positions, _) = fetch(&mut core, 2, now);
+        assert_eq!(
+            (positions[0].offset, positions[0].last_fetched_epoch),
+            (900, -1)
+        );
     }
 
     #[test]
