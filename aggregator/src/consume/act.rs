@@ -70,20 +70,18 @@ impl<S: Sink> Shared<S> {
                 resume,
                 log_end,
                 ids,
+                rewound,
             } => {
                 slot.acquiring = None;
                 slot.ids = ids;
-                if let Some(to) = slot.truncated_to.take() {
-                    let applied = owner.ledgers.iter().map(|l| l - to).max().unwrap_or(0);
-                    if applied > 0 {
-                        self.metrics.truncated_applied(applied);
-                        tracing::error!(
-                            partition,
-                            truncated_at = to,
-                            applied_to = to + applied,
-                            "events the log no longer holds were applied before its truncation: their counts stay, and the new leader's records below the ledgers are skipped as applied"
-                        );
-                    }
+                if let Some((to, past)) = rewound.filter(|(_, past)| *past > 0) {
+                    self.metrics.truncated_applied(past);
+                    tracing::error!(
+                        partition,
+                        truncated_at = to,
+                        applied_to = to + past,
+                        "events the log no longer holds had been applied before its truncation: their counts stay; the ledgers moved back, so the new leader's records from the truncation point on are counted"
+                    );
                 }
                 tracing::info!(partition, epoch = owner.epoch, ?resume, "partition owned");
                 vec![slot.machine.on_acquired(owner, resume, log_end)]
@@ -144,7 +142,10 @@ impl<S: Sink> Shared<S> {
             Action::Commit(next_offset) => self.durable(consumer, partition, next_offset),
             Action::Pause => self.set_paused(consumer, partition, slot, true),
             Action::Resume => self.set_paused(consumer, partition, slot, false),
-            Action::Acquire => slot.acquiring = Some(self.spawn_acquire(partition, generation)),
+            Action::Acquire => {
+                let truncated_to = slot.truncated_to.take();
+                slot.acquiring = Some(self.spawn_acquire(partition, generation, truncated_to));
+            }
             Action::Seek(resume) => {
                 let topic = &self.settings.topic;
                 let sought =
@@ -178,7 +179,14 @@ impl<S: Sink> Shared<S> {
 
     /// Starts acquiring exactly-once ownership of `partition`, retrying until it succeeds; the
     /// result comes back as a [`Report`] of [`Done::Acquired`].
-    pub(super) fn spawn_acquire(&self, partition: i32, generation: u64) -> JoinHandle<()> {
+    /// `truncated_to`: the log was truncated there under the partition's position, and the
+    /// ledgers past it are moved back to it.
+    pub(super) fn spawn_acquire(
+        &self,
+        partition: i32,
+        generation: u64,
+        truncated_to: Option<i64>,
+    ) -> JoinHandle<()> {
         let sink = self.flusher.sink.clone();
         let dead_letters = self.flusher.dead_letters.clone();
         let keyspace = self.settings.keyspace.clone();
@@ -191,8 +199,24 @@ impl<S: Sink> Shared<S> {
         tokio::spawn(async move {
             let mut backoff = Backoff::new(initial, max);
             loop {
-                match fence::acquire(&sink, &keyspace, &topic, partition, spread).await {
-                    Ok((owner, resume)) => {
+                let acquired = fence::acquire(&sink, &keyspace, &topic, partition, spread).await;
+                let acquired = match (acquired, truncated_to) {
+                    (Ok((mut owner, resume)), Some(to)) => {
+                        match fence::rewind(&sink, &mut owner, to).await {
+                            Ok(past) => {
+                                let resume = match resume {
+                                    Resume::At(at) if at > to => Resume::At(to),
+                                    resume => resume,
+                                };
+                                Ok((owner, resume, Some((to, past))))
+                            }
+                            Err(e) => Err(e),
+                        }
+                    }
+                    (acquired, _) => acquired.map(|(owner, resume)| (owner, resume, None)),
+                };
+                match acquired {
+                    Ok((owner, resume, rewound)) => {
                         // Where the log starts and ends: its end sets the partition's pace
                         // from the first message (statistics come a second later). Seek to its
                         // first offset rather than to the logical beginning: librdkafka is
@@ -223,6 +247,7 @@ impl<S: Sink> Shared<S> {
                                 resume,
                                 log_end: watermarks.map(|(_, high)| high),
                                 ids,
+                                rewound,
                             },
                         });
                         return;

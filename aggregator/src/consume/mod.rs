@@ -189,6 +189,9 @@ enum Done {
         log_end: Option<i64>,
         /// Its recent ids, read from the log before `resume` (namespaces with idempotency).
         ids: Option<RecentIds>,
+        /// After a truncation of its log: where, and how far the ledgers had gone past it
+        /// before they were moved back ([`crate::store::fence::rewind`]).
+        rewound: Option<(i64, i64)>,
     },
 }
 

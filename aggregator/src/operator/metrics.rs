@@ -28,7 +28,7 @@ pub struct Metrics {
     /// Fetched batches that did not match their CRC-32C (`check.crcs`).
     corrupt_batches: IntCounter,
     /// Offsets read that a leader change truncated from the log (KIP-320), and of those, the
-    /// ones already applied to the store.
+    /// ones already applied to the store (the ledgers are then moved back).
     truncated_offsets: IntCounter,
     truncated_applied: IntCounter,
     /// Time tally's fetcher waited out brokers' quota throttles.
@@ -159,7 +159,7 @@ impl Metrics {
             ),
             truncated_applied: r.counter(
                 "tally_truncated_applied_offsets_total",
-                "Of the truncated offsets, those already applied to the store in exactly-once mode: their counts stay, though the log no longer holds the events, and the new leader's records at those offsets are skipped as applied (see docs/guarantees.md).",
+                "Of the truncated offsets, those already applied to the store in exactly-once mode: their counts stay, though the log no longer holds the events; the ledgers are moved back, so the new leader's records at those offsets count (see docs/guarantees.md).",
             ),
             fetch_throttled: r.float_counter(
                 "tally_fetch_throttled_seconds_total",

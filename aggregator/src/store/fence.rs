@@ -88,6 +88,34 @@ pub async fn acquire<S: Sink>(
     Ok((owner, resume))
 }
 
+/// Moves every group's ledger entry past `to` back to it, under `owner`'s fence, and `owner`'s
+/// record of them with it: the partition's log was truncated at `to` (an unclean leader
+/// election), so the records the new leader writes from there on are new and must be applied.
+/// Returns how far the furthest ledger had gone past `to`: offsets applied from records the log
+/// no longer holds. Fails, to be retried by acquiring again, if a newer owner took the partition.
+/// The watermark is left as it is: a group's ledger below what it recorded makes the next
+/// acquisition resume from that ledger, as after a rollback, until the next flush stores a new
+/// one.
+pub async fn rewind<S: Sink>(sink: &S, owner: &mut Owner, to: i64) -> Result<i64, SinkError> {
+    let mut past = 0;
+    for (group, ledger) in owner.ledgers.iter_mut().enumerate() {
+        if *ledger <= to {
+            continue;
+        }
+        let rewound = sink
+            .rewind_ledger(group as u32, &owner.field, owner.epoch, to)
+            .await?;
+        if rewound != Applied::Written {
+            return Err(SinkError::retryable(format!(
+                "moving group {group}'s ledger back to the truncation point was refused ({rewound:?}): another owner took the partition"
+            )));
+        }
+        past = past.max(*ledger - to);
+        *ledger = to;
+    }
+    Ok(past)
+}
+
 /// Takes a new epoch for `field` (its counter lives in group `home`) and stamps it into the fence
 /// of each of the `groups` groups, reading each group's ledger entry for `field` as it stamps.
 /// Partitions ([`acquire`]) and the compactor (`crate::tasks::compact`) own their work this way.

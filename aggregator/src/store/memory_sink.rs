@@ -219,6 +219,26 @@ impl Sink for MemorySink {
         std::future::ready(self.write_watermark_now(home, field, epoch, watermark))
     }
 
+    fn rewind_ledger(
+        &self,
+        group: u32,
+        field: &str,
+        epoch: u64,
+        to: i64,
+    ) -> impl Future<Output = Result<Applied, SinkError>> + Send {
+        let rewound = self.reach().map(|mut state| {
+            let key = (group, field.to_owned());
+            if let Some(refused) = watermark_refusal(state.fences.get(&key).copied(), epoch) {
+                return refused;
+            }
+            if let Some(ledger) = state.ledgers.get_mut(&key).filter(|l| **l > to) {
+                *ledger = to;
+            }
+            Applied::Written
+        });
+        std::future::ready(rewound)
+    }
+
     fn read_fence_and_ledger(
         &self,
         group: u32,
@@ -373,6 +393,44 @@ mod tests {
                 _ => None,
             })
             .collect()
+    }
+
+    #[tokio::test]
+    async fn a_truncated_log_moves_the_ledgers_back_and_the_new_records_count() {
+        let sink = MemorySink::default();
+        let flusher = flusher(&sink);
+        let never = CancellationToken::new();
+        let (owner, resume) = acquire(&sink).await;
+        let old = owner.clone();
+        let mut p = positioned(owner, resume);
+        let outcome = run_flush(&flusher, feed(&mut p, 0..3), &never).await;
+        assert!(matches!(
+            outcome,
+            FlushOutcome::Durable { next_offset: 3, .. }
+        ));
+        // The log is truncated at 1 (offsets 1 and 2 lost, applied) and the new leader writes
+        // three records from 1 on: the next owner moves the ledger back and counts them.
+        let (mut owner, resume) = acquire(&sink).await;
+        assert_eq!(resume, Resume::At(3));
+        let home = keyspace().group_for_partition(0) as usize;
+        assert_eq!(fence::rewind(&sink, &mut owner, 1).await.ok(), Some(2));
+        assert_eq!(owner.ledgers[home], 1);
+        let mut zombie = old;
+        zombie.ledgers[home] = 3;
+        let refused = fence::rewind(&sink, &mut zombie, 0).await;
+        assert!(refused.is_err(), "an older owner moves nothing");
+        let (_, resume) = acquire(&sink).await;
+        assert_eq!(resume, Resume::At(1), "resumes at the truncation point");
+        let (mut owner, _) = acquire(&sink).await;
+        assert_eq!(fence::rewind(&sink, &mut owner, 1).await.ok(), Some(0));
+        let mut p = positioned(owner, Resume::At(1));
+        let outcome = run_flush(&flusher, feed(&mut p, 1..4), &never).await;
+        assert!(matches!(
+            outcome,
+            FlushOutcome::Durable { next_offset: 4, .. }
+        ));
+        // 1 kept, 2 lost but counted, 3 new.
+        assert_eq!(sink.snapshot().total("likes:post:1"), 6);
     }
 
     #[tokio::test]

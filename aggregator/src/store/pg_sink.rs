@@ -327,6 +327,32 @@ impl PgSink {
         Ok(Applied::Written)
     }
 
+    async fn rewind_ledger_now(
+        &self,
+        group: u32,
+        field: &str,
+        epoch: u64,
+        to: i64,
+    ) -> Result<Applied, SinkError> {
+        let sql = &self.schema.sql;
+        let mut client = self.client().await?;
+        let tx = client.transaction().await?;
+        let shard = group as i32;
+        let row = tx.query_opt(&sql.lock_partition, &[&field, &shard]).await?;
+        let fence = (row.as_ref())
+            .and_then(|r| r.get::<_, Option<i64>>(0))
+            .map(|f| f as u64);
+        if let Some(refused) = watermark_refusal(fence, epoch) {
+            return Ok(refused);
+        }
+        let ledger: Option<i64> = row.as_ref().and_then(|r| r.get(1));
+        if ledger.unwrap_or(-1) > to {
+            tx.execute(&sql.set_ledger, &[&field, &shard, &to]).await?;
+        }
+        tx.commit().await?;
+        Ok(Applied::Written)
+    }
+
     async fn read_fence_and_ledger_now(
         &self,
         group: u32,
@@ -399,6 +425,16 @@ impl Sink for PgSink {
         watermark: &str,
     ) -> impl Future<Output = Result<Applied, SinkError>> + Send {
         self.write_watermark_now(home, field, epoch, watermark)
+    }
+
+    fn rewind_ledger(
+        &self,
+        group: u32,
+        field: &str,
+        epoch: u64,
+        to: i64,
+    ) -> impl Future<Output = Result<Applied, SinkError>> + Send {
+        self.rewind_ledger_now(group, field, epoch, to)
     }
 
     fn read_fence_and_ledger(

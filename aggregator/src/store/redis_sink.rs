@@ -32,6 +32,7 @@ struct Scripts {
     stamp: redis::Script,
     epoch: redis::Script,
     watermark: redis::Script,
+    rewind: redis::Script,
     idle: redis::Script,
 }
 
@@ -42,6 +43,7 @@ impl Scripts {
             stamp: redis::Script::new(include_str!("scripts/stamp.lua")),
             epoch: redis::Script::new(include_str!("scripts/epoch.lua")),
             watermark: redis::Script::new(include_str!("scripts/watermark.lua")),
+            rewind: redis::Script::new(include_str!("scripts/rewind.lua")),
             idle: redis::Script::new(include_str!("scripts/idle.lua")),
         }
     }
@@ -344,6 +346,31 @@ impl RedisSink {
         }
     }
 
+    async fn script_rewind_ledger(
+        &self,
+        group: u32,
+        field: &str,
+        epoch: u64,
+        to: i64,
+    ) -> Result<Applied, SinkError> {
+        let mut conn = self.conn.clone();
+        let reply: Vec<String> = self
+            .scripts
+            .rewind
+            .key(self.keyspace.fence_key(group))
+            .key(self.keyspace.ledger_key(group))
+            .arg(field)
+            .arg(epoch)
+            .arg(to)
+            .invoke_async(&mut conn)
+            .await?;
+        match reply.first().map(String::as_str) {
+            Some("ok") => Ok(Applied::Written),
+            Some("fenced") => Ok(Applied::from_fence(parse_number(&reply, 1).ok(), epoch)),
+            _ => Err(unexpected(&reply)),
+        }
+    }
+
     async fn script_write_watermark(
         &self,
         home: u32,
@@ -473,6 +500,19 @@ impl Sink for RedisSink {
             self.script_write_watermark(home, field, epoch, watermark),
             |t| t.write_watermark(home, field, epoch, watermark),
         )
+        .await
+    }
+
+    async fn rewind_ledger(
+        &self,
+        group: u32,
+        field: &str,
+        epoch: u64,
+        to: i64,
+    ) -> Result<Applied, SinkError> {
+        self.either(self.script_rewind_ledger(group, field, epoch, to), |t| {
+            t.rewind_ledger(group, field, epoch, to)
+        })
         .await
     }
 

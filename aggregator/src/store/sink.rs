@@ -157,6 +157,18 @@ pub trait Sink: Clone + Send + Sync + 'static {
         watermark: &str,
     ) -> impl Future<Output = Result<Applied, SinkError>> + Send;
 
+    /// Moves the partition's ledger entry in `group` back to `to` where it is past it, if
+    /// `epoch` still holds the fence there: the log was truncated at `to` under what the group
+    /// had applied (an unclean leader election), and the new leader's records from `to` on are
+    /// new. Returns [`Applied::Written`] or [`Applied::Fenced`].
+    fn rewind_ledger(
+        &self,
+        group: u32,
+        field: &str,
+        epoch: u64,
+        to: i64,
+    ) -> impl Future<Output = Result<Applied, SinkError>> + Send;
+
     /// Reads the partition's fence (epoch) and ledger entry in `group`, in one slot.
     fn read_fence_and_ledger(
         &self,

@@ -481,6 +481,34 @@ impl Transactions {
     }
 
     /// The transactional `scripts/watermark.lua`.
+    /// `scripts/rewind.lua`, as a transaction.
+    pub async fn rewind_ledger(
+        &self,
+        group: u32,
+        field: &str,
+        epoch: u64,
+        to: i64,
+    ) -> Result<Applied, SinkError> {
+        let fence_key = self.keyspace.fence_key(group);
+        let ledger_key = self.keyspace.ledger_key(group);
+        let mut reads = redis::pipe();
+        reads.hget(&fence_key, field).hget(&ledger_key, field);
+        let watched = [fence_key.clone(), ledger_key.clone()];
+        self.optimistic(&watched, &reads, |replies| {
+            let fence: Option<u64> = number(replies.first().unwrap_or(&Value::Nil))?;
+            if let Some(refused) = watermark_refusal(fence, epoch) {
+                return Ok(Plan::Done(refused));
+            }
+            let ledger: Option<i64> = number(replies.get(1).unwrap_or(&Value::Nil))?;
+            let mut writes = redis::pipe();
+            if ledger.unwrap_or(-1) > to {
+                writes.hset(&ledger_key, field, to).ignore();
+            }
+            Ok(Plan::Write(writes, Applied::Written))
+        })
+        .await
+    }
+
     pub async fn write_watermark(
         &self,
         home: u32,

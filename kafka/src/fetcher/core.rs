@@ -45,8 +45,10 @@ struct Wanted {
     in_flight: bool,
     /// Not asked about before then: its last request failed.
     not_before: Option<Instant>,
-    /// The leader epoch of the last batch read since the seek (-1: none).
+    /// The leader epoch of the last batch read (-1: none).
     last_epoch: i32,
+    /// The furthest offset read up to under what `last_epoch` knows.
+    read_to: i64,
     /// The leader epoch the partition was last read under (-1: not read yet).
     read_under: i32,
     /// Leadership moved since it was read (or a fetch said the log diverged): the position is
@@ -130,6 +132,8 @@ pub(super) struct Outcome {
 #[derive(Debug)]
 pub(super) struct Core {
     wanted: HashMap<i32, Wanted>,
+    /// Partitions no longer read, as they were when removed (what was read of them).
+    removed: HashMap<i32, Wanted>,
     leaders: HashMap<i32, Leader>,
     brokers: HashMap<i32, String>,
     /// Brokers with a task.
@@ -147,6 +151,7 @@ impl Core {
     pub(super) fn new(waits: Waits, offset_reset: OffsetReset) -> Self {
         Self {
             wanted: HashMap::new(),
+            removed: HashMap::new(),
             leaders: HashMap::new(),
             brokers: HashMap::new(),
             running: HashSet::new(),
@@ -173,19 +178,20 @@ impl Core {
                 from: None,
             },
         };
-        let before = self.wanted.get(&partition);
-        let in_flight = before.is_some_and(|w| w.in_flight);
+        let in_flight = self.wanted.get(&partition).is_some_and(|w| w.in_flight);
+        let before = self.wanted.get(&partition).or(self.removed.get(&partition));
         // A seek back to (or at) where reading had got keeps the last epoch read: the record
-        // before the new position was read under it or an older one, so the position is still
-        // checked after a leader change (an owner that re-reads from its store's ledger, after
-        // a rebalance, does so). A seek anywhere else knows no epoch.
-        let (last_epoch, read_under, validate) = match (before, position) {
-            (Some(w), Position::At(to)) if w.last_epoch >= 0 => match w.position {
-                Position::At(at) if to <= at => (w.last_epoch, w.read_under, w.validate),
-                _ => (-1, -1, false),
-            },
-            _ => (-1, -1, false),
+        // before the new position was read under it or an older one. The position is checked
+        // against the leader's log before it is fetched from: an owner re-reading from its
+        // store's ledger (after a rebalance, or a truncation it has not rewound yet) may ask
+        // for offsets the log no longer holds. A seek anywhere else knows no epoch.
+        let (last_epoch, read_to, read_under, validate) = match (before, position) {
+            (Some(w), Position::At(to)) if w.last_epoch >= 0 && to <= w.read_to => {
+                (w.last_epoch, w.read_to, w.read_under, true)
+            }
+            _ => (-1, -1, -1, false),
         };
+        self.removed.remove(&partition);
         self.wanted.insert(
             partition,
             Wanted {
@@ -195,6 +201,7 @@ impl Core {
                 in_flight,
                 not_before: None,
                 last_epoch,
+                read_to,
                 read_under,
                 validate,
             },
@@ -208,8 +215,12 @@ impl Core {
         }
     }
 
+    /// Stops reading `partition`; what was read of it is remembered for a later seek (a
+    /// partition revoked and assigned back is re-read from its owner's store).
     pub(super) fn remove(&mut self, partition: i32) {
-        self.wanted.remove(&partition);
+        if let Some(w) = self.wanted.remove(&partition) {
+            self.removed.insert(partition, w);
+        }
     }
 
     /// The address of broker `node`, as metadata last said.
@@ -459,6 +470,7 @@ impl Core {
                 // The leader holds no epoch as old as the last one read: nothing of the
                 // position is known to be in its log. Out of range, as auto.offset.reset says.
                 w.last_epoch = -1;
+                w.read_to = -1;
                 match reset {
                     Some(end) => {
                         w.position = Position::Find {
@@ -524,6 +536,7 @@ impl Core {
                         && w.position == Position::At(claim.offset)
                     {
                         w.last_epoch = -1;
+                        w.read_to = -1;
                         match reset {
                             Some(end) => {
                                 w.position = Position::Find {
@@ -597,6 +610,7 @@ impl Core {
         }
         if let Some(epoch) = read.last_epoch {
             w.last_epoch = epoch;
+            w.read_to = w.read_to.max(read.next);
         }
         w.read_under = claim.leader_epoch;
         if let Some(reason) = &read.corrupt {
@@ -803,33 +817,55 @@ mod tests {
         let (mut core, now) = reading(OffsetReset::Earliest);
         let (_, claims) = fetch(&mut core, 1, now);
         core.fetched(1, &claims, &[read(500, 3)], 0, now);
-        core.seek(0, Start::At(450), false);
-        let (positions, claims) = fetch(&mut core, 1, now);
-        assert_eq!(
-            (positions[0].offset, positions[0].last_fetched_epoch),
-            (450, 3)
-        );
-        core.fetched(1, &claims, &[read(500, 3)], 0, now);
-        // Re-read from a store after a rebalance, then the leader moves: still checked.
-        core.seek(0, Start::At(500), false);
-        core.metadata(&metadata(&[(0, 2, 4)]));
-        let Step::Validate { claims, .. } = core.next(2, now) else {
-            panic!("validated after the seek back");
-        };
-        let held = EpochEnd {
+        let held = |end_offset| EpochEnd {
             partition: 0,
             error: ErrorCode::NONE,
             leader_epoch: 3,
-            end_offset: 500,
+            end_offset,
         };
-        assert!(core.validated(2, &claims, &[held], now).reports.is_empty());
+        // Sought back: checked against the leader's log first, then fetched with the epoch.
+        core.seek(0, Start::At(450), false);
+        let Step::Validate { queries, claims } = core.next(1, now) else {
+            panic!("validated after the seek back");
+        };
+        assert_eq!((queries[0].leader_epoch, claims[0].offset), (3, 450));
+        assert!(
+            core.validated(1, &claims, &[held(500)], now)
+                .reports
+                .is_empty()
+        );
+        let (positions, claims) = fetch(&mut core, 1, now);
+        let at = |p: &[FetchPosition]| (p[0].offset, p[0].last_fetched_epoch);
+        assert_eq!(at(&positions), (450, 3));
+        core.fetched(1, &claims, &[read(500, 3)], 0, now);
+        // The log truncated at 420 under the position: found, and found again when an owner
+        // that has not moved its ledgers back seeks to 500 again.
+        core.metadata(&metadata(&[(0, 2, 4)]));
+        for _ in 0..2 {
+            let Step::Validate { claims, .. } = core.next(2, now) else {
+                panic!("validated");
+            };
+            let outcome = core.validated(2, &claims, &[held(420)], now);
+            let [Fetched::Truncated { from, to, .. }] = outcome.reports[..] else {
+                panic!("a truncation: {:?}", outcome.reports);
+            };
+            assert_eq!((from, to), (500, 420));
+            core.seek(0, Start::At(500), false);
+        }
+        // Revoked and assigned back, re-read from the owner's store: still checked.
+        core.remove(0);
+        core.seek(0, Start::At(500), false);
+        let Step::Validate { claims, .. } = core.next(2, now) else {
+            panic!("validated after being assigned back");
+        };
+        let outcome = core.validated(2, &claims, &[held(420)], now);
+        assert!(matches!(
+            outcome.reports[..],
+            [Fetched::Truncated { to: 420, .. }]
+        ));
         // Ahead of what was read, the epoch of the record before is unknown.
         core.seek(0, Start::At(900), false);
-        let (positions, _) = fetch(&mut core, 2, now);
-        assert_eq!(
-            (positions[0].offset, positions[0].last_fetched_epoch),
-            (900, -1)
-        );
+        assert_eq!(at(&fetch(&mut core, 2, now).0), (900, -1));
     }
 
     #[test]
