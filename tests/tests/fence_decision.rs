@@ -4,7 +4,8 @@
 //! transactions path on the same server, and the PostgreSQL store on a real PostgreSQL. Each
 //! must give the verdict the table states, write exactly when it says `Written`, and so agree
 //! with the others. (`machine::verdict::flush_verdict` is what the transactions path, the
-//! PostgreSQL store and the in-memory sink share; the script is the one written apart.)
+//! PostgreSQL store and the in-memory sink share; the script is the one written apart.) The
+//! ledger rewind after a truncated log is cross-checked the same way.
 
 use tally_aggregator::RedisSink;
 use tally_aggregator::operator::config::Atomicity;
@@ -296,9 +297,19 @@ fn expected_after(case: &Case) -> After {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_script_the_transactions_and_postgres_decide_alike() {
-    let _serial = serial().await;
+/// Every store under test: the scripts and the transactions on one redis-server, and the
+/// PostgreSQL store, with the servers they run on.
+struct Stores {
+    _redis_server: RedisServer,
+    _pg_server: PgServer,
+    scripts: RedisSink,
+    transactions: RedisSink,
+    redis: Redis,
+    pg_sink: PgSink,
+    postgres: Postgres,
+}
+
+async fn stores() -> Stores {
     let redis_server = RedisServer::start().await;
     let pg_server = PgServer::start().await;
     let url = redis_server.url();
@@ -334,6 +345,30 @@ async fn the_script_the_transactions_and_postgres_decide_alike() {
         client,
         schema: prefix,
     };
+    Stores {
+        _redis_server: redis_server,
+        _pg_server: pg_server,
+        scripts,
+        transactions,
+        redis,
+        pg_sink,
+        postgres,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_script_the_transactions_and_postgres_decide_alike() {
+    let _serial = serial().await;
+    // The servers bound, so that they outlive the cases.
+    let Stores {
+        _redis_server: _redis,
+        _pg_server: _pg,
+        scripts,
+        transactions,
+        redis,
+        pg_sink,
+        postgres,
+    } = stores().await;
 
     let mut disagreements = Vec::new();
     for (i, case) in cases().iter().enumerate() {
@@ -369,6 +404,70 @@ async fn the_script_the_transactions_and_postgres_decide_alike() {
     assert!(
         disagreements.is_empty(),
         "the fence decision differs:\n{}",
+        disagreements.join("\n")
+    );
+}
+
+/// Moving a ledger back to a truncation point (`scripts/rewind.lua`, its transaction, the
+/// PostgreSQL row): only the fence's holder moves it, and only a ledger past the point.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_ledger_rewind_is_fenced_and_moves_only_back_alike_everywhere() {
+    let _serial = serial().await;
+    let stores = stores().await;
+    // (what it is, the fence, the ledger, the ledger after; the point is offset 300).
+    type RewindCase = (&'static str, Option<u64>, Option<i64>, Option<i64>);
+    let cases: [RewindCase; 5] = [
+        ("a ledger past the point", Some(EPOCH), Some(500), Some(300)),
+        ("a ledger before it", Some(EPOCH), Some(200), Some(200)),
+        ("no ledger", Some(EPOCH), None, None),
+        ("a newer fence", Some(EPOCH + 1), Some(500), Some(500)),
+        ("no fence", None, Some(500), Some(500)),
+    ];
+    let mut disagreements = Vec::new();
+    for (i, &(name, fence, ledger, after)) in cases.iter().enumerate() {
+        let verdict = match fence {
+            Some(EPOCH) => Applied::Written,
+            other => Applied::from_fence(other, EPOCH),
+        };
+        let case = Case {
+            name,
+            fence,
+            ledger,
+            share: None,
+            expected_ledger: 0,
+            next_offset: 0,
+            delta: 0,
+            verdict: verdict.clone(),
+        };
+        let want = (verdict, (None, after));
+        for path in ["rewind.lua", "transactions", "postgres"] {
+            let field = format!("rewind-{path}/{i}");
+            let got = match path {
+                "postgres" => {
+                    stores.postgres.set_up(&field, &case).await;
+                    let applied = stores.pg_sink.rewind_ledger(GROUP, &field, EPOCH, 300);
+                    let applied = applied.await.expect("the store answers");
+                    (applied, stores.postgres.after(&field).await)
+                }
+                _ => {
+                    let sink = match path {
+                        "rewind.lua" => &stores.scripts,
+                        _ => &stores.transactions,
+                    };
+                    stores.redis.set_up(&field, &case).await;
+                    let applied = sink.rewind_ledger(GROUP, &field, EPOCH, 300);
+                    let applied = applied.await.expect("the store answers");
+                    (applied, stores.redis.after(&field).await)
+                }
+            };
+            if got != want {
+                disagreements.push(format!("{name}: {path} gave {got:?}, not {want:?}"));
+            }
+        }
+    }
+    assert!(
+        disagreements.is_empty(),
+        "the rewind differs:\n{}",
         disagreements.join("\n")
     );
 }
