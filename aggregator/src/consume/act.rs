@@ -38,6 +38,7 @@ impl<S: Sink> Shared<S> {
         }
         self.metrics
             .buffers(buffered, parts.map.len(), paused, catching_up);
+        self.metrics.fetch_requests(self.source.fetch_requests());
     }
 
     /// A task reported back.

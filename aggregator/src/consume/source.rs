@@ -27,6 +27,14 @@ impl Source {
         fetcher.map_or(Source::Consumer, Source::Fetcher)
     }
 
+    /// `Fetch` requests tally's fetcher sent so far (none through librdkafka).
+    pub(crate) fn fetch_requests(&self) -> u64 {
+        match self {
+            Source::Fetcher(fetcher) => fetcher.requests(),
+            Source::Consumer => 0,
+        }
+    }
+
     /// Whether each partition's lag is known from what was read (tally's fetcher reports where
     /// each log ends), rather than from librdkafka's statistics.
     pub(crate) fn knows_lag(&self) -> bool {

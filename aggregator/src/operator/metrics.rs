@@ -33,6 +33,8 @@ pub struct Metrics {
     truncated_applied: IntCounter,
     /// Time tally's fetcher waited out brokers' quota throttles.
     fetch_throttled: prometheus::Counter,
+    /// `Fetch` requests tally's fetcher sent.
+    fetch_requests: IntCounter,
     expiry_records: IntCounter,
     expired: IntCounter,
     /// Events left out of a window's bucket, by reason (`late`, `future`).
@@ -160,6 +162,10 @@ impl Metrics {
             truncated_applied: r.counter(
                 "tally_truncated_applied_offsets_total",
                 "Of the truncated offsets, those already applied to the store in exactly-once mode: their counts stay, though the log no longer holds the events; the ledgers are moved back, so the new leader's records at those offsets count (see docs/guarantees.md).",
+            ),
+            fetch_requests: r.counter(
+                "tally_fetch_requests_total",
+                "Fetch requests tally's fetcher sent to the brokers (none with --fetch librdkafka).",
             ),
             fetch_throttled: r.float_counter(
                 "tally_fetch_throttled_seconds_total",
@@ -303,6 +309,12 @@ impl Metrics {
     /// Of a truncation, `offsets` had been applied to the store.
     pub fn truncated_applied(&self, offsets: i64) {
         self.truncated_applied.inc_by(offsets.max(0) as u64);
+    }
+
+    /// tally's fetcher has sent `total` fetch requests so far.
+    pub fn fetch_requests(&self, total: u64) {
+        self.fetch_requests
+            .inc_by(total.saturating_sub(self.fetch_requests.get()));
     }
 
     /// A broker's quota throttled a fetch for `ms` milliseconds.

@@ -27,6 +27,7 @@
 //! Every decision (what each broker is sent next, what each answer does) is made by `core`,
 //! which does no I/O; the tasks here only carry its requests and answers.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -130,6 +131,8 @@ struct Shared {
     stale: Notify,
     budget: Arc<Budget>,
     out: mpsc::UnboundedSender<Fetched>,
+    /// `Fetch` requests sent.
+    requests: AtomicU64,
 }
 
 impl Shared {
@@ -178,6 +181,7 @@ impl Fetcher {
             stale: Notify::new(),
             budget,
             out,
+            requests: AtomicU64::new(0),
         });
         let tasks = Arc::new(Mutex::new(JoinSet::new()));
         let fetcher = Self { shared, tasks };
@@ -216,6 +220,11 @@ impl Fetcher {
     /// What it does when a position is not in its log (`auto.offset.reset`).
     pub fn offset_reset(&self) -> OffsetReset {
         self.shared.config.offset_reset
+    }
+
+    /// `Fetch` requests sent so far.
+    pub fn requests(&self) -> u64 {
+        self.shared.requests.load(Ordering::Relaxed)
     }
 
     /// Bytes handed out and not yet dropped.
@@ -351,6 +360,7 @@ async fn broker_task(shared: Arc<Shared>, node: i32) {
                     let config = &shared.config;
                     let wait = Duration::from_millis(config.limits.max_wait_ms as u64);
                     let version = c.version(protocol::FETCH);
+                    shared.requests.fetch_add(1, Ordering::Relaxed);
                     let request = |w: &mut _| {
                         let (limits, isolation) = (config.limits, config.isolation);
                         protocol::fetch_request(
