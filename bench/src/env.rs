@@ -249,6 +249,7 @@ impl Env<'_> {
         let requests =
             after.of(&before, "evalsha") + after.of(&before, "eval") + after.of(&before, "exec");
         Ok(CatchUp {
+            key_prefix: id.clone(),
             run: Throughput::new(topic, events, from_first, stats),
             seconds_from_start: from_launch,
             events_per_second_from_launch: events as f64 / from_launch,

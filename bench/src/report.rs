@@ -467,6 +467,26 @@ pub fn markdown(args: &Args, r: &Results) -> String {
             );
         }
     }
+    if !r.window_reads.is_empty() {
+        let _ = writeln!(
+            out,
+            "\nWindow sums read back after the 3-window run: 1,000 counters per read, each window over its usual span, every bucket a key in every shard group (one `MGET` per group, all in one pipeline: one round trip).\n\n| window × buckets | keys per group | groups | reads | p50 ms | p99 ms | sums equal the totals |\n|---|---|---|---|---|---|---|"
+        );
+        for w in &r.window_reads {
+            let _ = writeln!(
+                out,
+                "| {} × {} | {} | {} | {} | {:.1} | {:.1} | {} |",
+                w.width,
+                w.buckets,
+                w.keys_per_group,
+                w.groups,
+                w.reads,
+                w.p50_ms,
+                w.p99_ms,
+                if w.matches_totals { "yes" } else { "no" },
+            );
+        }
+    }
     if let [without, with, ..] = r.expiry.as_slice() {
         let (a, b) = (&without.catch_up, &with.catch_up);
         let _ = writeln!(

@@ -71,6 +71,8 @@ pub struct CatchUp {
     /// Distinct counters in the topic (0 when not known): each needs at least one write, so
     /// `distinct_counters / events` is the floor of counter writes per event.
     pub distinct_counters: u64,
+    /// The key prefix (and group) the aggregator ran under, for reading its keys back.
+    pub key_prefix: String,
     /// Flush duration quantiles, ms (histogram bucket bounds).
     pub flush_p50_ms: f64,
     /// The 99th percentile.
@@ -145,6 +147,30 @@ pub struct WindowsRun {
     pub catch_up: CatchUp,
     /// Redis memory added per distinct counter (`used_memory` after − before), bytes.
     pub memory_bytes_per_counter: f64,
+}
+
+/// Window sums of many counters, read back and timed.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct WindowRead {
+    /// The window's width, as written (`1h`).
+    pub width: String,
+    /// Its buckets summed per counter (the span read: width × buckets).
+    pub buckets: i64,
+    /// Counters in each read.
+    pub counters: usize,
+    /// Keys each read asks of each shard group (counters × buckets).
+    pub keys_per_group: usize,
+    /// Shard groups, each asked with one `MGET`, all in one pipeline (one round trip).
+    pub groups: u32,
+    /// Reads timed.
+    pub reads: usize,
+    /// Their median, ms.
+    pub p50_ms: f64,
+    /// Their 99th percentile, ms.
+    pub p99_ms: f64,
+    /// Whether the sums equal the counters' all-time totals (they should: every event is
+    /// minutes old, inside the span read).
+    pub matches_totals: bool,
 }
 
 /// The catch-up with or without deduplication (one like per actor).
@@ -244,6 +270,9 @@ pub struct Results {
     pub postgres: Option<PostgresRun>,
     /// The catch-up with 0, 1 and 3 windows.
     pub windows: Vec<WindowsRun>,
+    /// Window sums of 1,000 counters read back after the 3-window catch-up.
+    #[serde(default)]
+    pub window_reads: Vec<WindowRead>,
     /// The catch-up without and with expiring counters.
     pub expiry: Vec<ExpiryRun>,
     /// The catch-up without and with deduplication.

@@ -30,7 +30,7 @@ use postgres::{postgres_catch_up, postgres_reads};
 use reads::reads;
 use rebalance::rebalance;
 use steady::steady;
-use windows::windows;
+use windows::{window_reads, windows};
 use yardsticks::{kcat_consume, kcat_produce, micro, redis_benchmark};
 
 /// Runs every scenario the arguments ask for.
@@ -143,6 +143,11 @@ pub async fn run_all(args: &Args) -> anyhow::Result<Results> {
     if args.runs("windows") {
         let distinct = results.producer.first().map_or(0, |p| p.distinct_counters);
         results.windows = windows(&mut env, &preloaded, args.events, distinct).await?;
+        if let Some(three) = results.windows.last() {
+            println!("windows: window sums read back, timed");
+            let prefix = &three.catch_up.key_prefix;
+            results.window_reads = window_reads(&env.args.redis_url, prefix).await?;
+        }
     }
     if args.runs("expiry") {
         let distinct = results.producer.first().map_or(0, |p| p.distinct_counters);

@@ -4,10 +4,14 @@
 //! run, over the distinct counters). The preloaded events were produced moments before, so each
 //! counter has one live bucket per window: memory per counter grows by one key per window.
 
+use std::time::Instant;
+
 use anyhow::Context;
+use tally_common::window::Window;
+use tally_common::{Keyspace, Reader, RedisConn};
 
 use crate::env::Env;
-use crate::results::{CatchUp, WindowsRun};
+use crate::results::{CatchUp, WindowRead, WindowsRun};
 
 /// Redis's `used_memory`, in bytes.
 async fn used_memory(conn: &mut redis::aio::MultiplexedConnection) -> anyhow::Result<f64> {
@@ -78,4 +82,62 @@ pub(crate) async fn windows(
             catch_up,
         })
         .collect())
+}
+
+/// Window sums of 1,000 counters (`likes:post:1` to `likes:post:1000`) read back from the keys
+/// of the catch-up under `prefix`, each window over its usual span (60 minutes, 24 hours, 7
+/// days): each read timed, `READS` times, and checked against the counters' totals.
+pub(crate) async fn window_reads(redis_url: &str, prefix: &str) -> anyhow::Result<Vec<WindowRead>> {
+    const READS: usize = 20;
+    const GROUPS: u32 = 16;
+    let conn = RedisConn::connect(redis_url).await?;
+    let reader = Reader::new(conn, Keyspace::new(prefix.to_owned(), GROUPS)?);
+    let counters: Vec<String> = (1..=1_000).map(|i| format!("likes:post:{i}")).collect();
+    let totals = reader.get_many(&counters).await?;
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)?
+        .as_millis() as i64;
+    let mut reads = Vec::new();
+    for (width, width_ms, buckets) in [
+        ("1m", 60_000, 60),
+        ("1h", 3_600_000, 24),
+        ("1d", 86_400_000, 7),
+    ] {
+        let window = Window {
+            width_ms,
+            retention_ms: 0,
+        };
+        let mut ms = Vec::with_capacity(READS);
+        let mut sums = Vec::new();
+        for _ in 0..READS {
+            let started = Instant::now();
+            sums = (reader.window_sums(&counters, window, buckets, now_ms)).await?;
+            ms.push(started.elapsed().as_secs_f64() * 1e3);
+        }
+        ms.sort_by(f64::total_cmp);
+        let read = WindowRead {
+            width: width.to_owned(),
+            buckets,
+            counters: counters.len(),
+            keys_per_group: counters.len() * buckets as usize,
+            groups: GROUPS,
+            reads: READS,
+            p50_ms: ms[READS / 2],
+            p99_ms: ms[(READS * 99).div_ceil(100) - 1],
+            matches_totals: sums == totals,
+        };
+        println!(
+            "  {width} x {buckets} over {} counters: p50 {:.1} ms, p99 {:.1} ms, sums {} the totals",
+            read.counters,
+            read.p50_ms,
+            read.p99_ms,
+            if read.matches_totals {
+                "equal"
+            } else {
+                "differ from"
+            }
+        );
+        reads.push(read);
+    }
+    Ok(reads)
 }
