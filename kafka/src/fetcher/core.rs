@@ -118,12 +118,15 @@ pub(super) struct Answer {
     pub(super) read: Option<Read>,
 }
 
-/// What an answer does beyond the positions: reports for the owner, whether leaders should
-/// be asked for again, and (for a fetch) which answers' chunks to hand out, in order.
+/// What an answer does beyond the positions: reports for the owner, and whether leaders
+/// should be asked for again.
 #[derive(Debug, Default)]
 pub(super) struct Outcome {
     pub(super) reports: Vec<Fetched>,
     pub(super) stale: bool,
+    /// For a whole fetch answered at once (the tests' [`Core::fetched`]): which answers'
+    /// chunks to hand out, in order.
+    #[cfg(test)]
     pub(super) deliver: Vec<bool>,
 }
 
@@ -181,13 +184,16 @@ impl Core {
         let in_flight = self.wanted.get(&partition).is_some_and(|w| w.in_flight);
         let before = self.wanted.get(&partition).or(self.removed.get(&partition));
         // A seek back to (or at) where reading had got keeps the last epoch read: the record
-        // before the new position was read under it or an older one. The position is checked
-        // against the leader's log before it is fetched from: an owner re-reading from its
-        // store's ledger (after a rebalance, or a truncation it has not rewound yet) may ask
-        // for offsets the log no longer holds. A seek anywhere else knows no epoch.
+        // before the new position was read under it or an older one. Sent with the next fetch
+        // (v12), it has the leader check the position against its log: an owner re-reading
+        // from its store's ledger (after a rebalance, or a truncation it has not moved back
+        // yet) may ask for offsets the log no longer holds, and the answer's diverging epoch
+        // then has the position checked with `OffsetForLeaderEpoch`. Not checked up front: a
+        // paused partition seeks back to where it read at every pause. A seek anywhere else
+        // knows no epoch.
         let (last_epoch, read_to, read_under, validate) = match (before, position) {
             (Some(w), Position::At(to)) if w.last_epoch >= 0 && to <= w.read_to => {
-                (w.last_epoch, w.read_to, w.read_under, true)
+                (w.last_epoch, w.read_to, w.read_under, w.validate)
             }
             _ => (-1, -1, -1, false),
         };
@@ -511,67 +517,75 @@ impl Core {
         }
     }
 
-    /// A fetch answered: `answers` (in the response's order; the driver built each one's
-    /// chunk) move the positions on; `throttle_ms` quiets the broker. The outcome says which
-    /// chunks to hand out.
-    pub(super) fn fetched(
+    /// One partition of a fetch answer (the driver built its chunk): its position moves on.
+    /// Returns whether its chunk is handed out; reports and staleness go to `outcome`. The
+    /// partition stays claimed until [`Self::fetch_done`], so that no other request reads it
+    /// before its chunk is queued.
+    pub(super) fn answer(
+        &mut self,
+        claims: &[Claim],
+        answer: &Answer,
+        now: Instant,
+        outcome: &mut Outcome,
+    ) -> bool {
+        let reset = self.reset_end();
+        let claim = claims.iter().find(|c| c.partition == answer.partition);
+        match (claim, &answer.read) {
+            (Some(claim), Some(read)) if answer.error == ErrorCode::NONE => {
+                self.records(claim, read, now, &mut outcome.reports)
+            }
+            (Some(claim), _) if answer.error == ErrorCode::OFFSET_OUT_OF_RANGE => {
+                if let Some(w) = self.current(claim)
+                    && w.position == Position::At(claim.offset)
+                {
+                    w.last_epoch = -1;
+                    w.read_to = -1;
+                    match reset {
+                        Some(end) => {
+                            w.position = Position::Find {
+                                end,
+                                from: Some(claim.offset),
+                            }
+                        }
+                        None => {
+                            // Stays where it is, unfetched, until the owner seeks it.
+                            w.paused = true;
+                            outcome.reports.push(Fetched::OutOfRange {
+                                partition: claim.partition,
+                                epoch: claim.epoch,
+                                from: claim.offset,
+                                to: None,
+                            });
+                        }
+                    }
+                }
+                false
+            }
+            (Some(_), _) => {
+                let error = answer.error;
+                outcome.stale |= self.partition_error(answer.partition, error, now);
+                if error == ErrorCode::TOPIC_AUTHORIZATION_FAILED {
+                    outcome.reports.push(Fetched::Failed {
+                        error: format!("reading partition {}: {error}", answer.partition),
+                    });
+                }
+                false
+            }
+            (None, _) => false,
+        }
+    }
+
+    /// Every partition of a fetch answered: the claims are released, and `throttle_ms` (the
+    /// broker's, KIP-219) quiets the broker.
+    pub(super) fn fetch_done(
         &mut self,
         node: i32,
         claims: &[Claim],
-        answers: &[Answer],
         throttle_ms: u32,
         now: Instant,
-    ) -> Outcome {
+        outcome: &mut Outcome,
+    ) {
         self.release(node, claims);
-        let mut outcome = Outcome::default();
-        let reset = self.reset_end();
-        for answer in answers {
-            let claim = claims.iter().find(|c| c.partition == answer.partition);
-            let deliver = match (claim, &answer.read) {
-                (Some(claim), Some(read)) if answer.error == ErrorCode::NONE => {
-                    self.records(claim, read, now, &mut outcome.reports)
-                }
-                (Some(claim), _) if answer.error == ErrorCode::OFFSET_OUT_OF_RANGE => {
-                    if let Some(w) = self.current(claim)
-                        && w.position == Position::At(claim.offset)
-                    {
-                        w.last_epoch = -1;
-                        w.read_to = -1;
-                        match reset {
-                            Some(end) => {
-                                w.position = Position::Find {
-                                    end,
-                                    from: Some(claim.offset),
-                                }
-                            }
-                            None => {
-                                // Stays where it is, unfetched, until the owner seeks it.
-                                w.paused = true;
-                                outcome.reports.push(Fetched::OutOfRange {
-                                    partition: claim.partition,
-                                    epoch: claim.epoch,
-                                    from: claim.offset,
-                                    to: None,
-                                });
-                            }
-                        }
-                    }
-                    false
-                }
-                (Some(_), _) => {
-                    let error = answer.error;
-                    outcome.stale |= self.partition_error(answer.partition, error, now);
-                    if error == ErrorCode::TOPIC_AUTHORIZATION_FAILED {
-                        outcome.reports.push(Fetched::Failed {
-                            error: format!("reading partition {}: {error}", answer.partition),
-                        });
-                    }
-                    false
-                }
-                (None, _) => false,
-            };
-            outcome.deliver.push(deliver);
-        }
         if throttle_ms > 0 {
             // The broker gets nothing more until the throttle is over: a request sent sooner
             // would only wait on its muted connection.
@@ -582,6 +596,25 @@ impl Core {
                 ms: throttle_ms,
             });
         }
+    }
+
+    /// A whole fetch answered at once: [`Self::answer`] for each of `answers`, in order, then
+    /// [`Self::fetch_done`]; `deliver` says which chunks to hand out.
+    #[cfg(test)]
+    pub(super) fn fetched(
+        &mut self,
+        node: i32,
+        claims: &[Claim],
+        answers: &[Answer],
+        throttle_ms: u32,
+        now: Instant,
+    ) -> Outcome {
+        let mut outcome = Outcome::default();
+        for answer in answers {
+            let deliver = self.answer(claims, answer, now, &mut outcome);
+            outcome.deliver.push(deliver);
+        }
+        self.fetch_done(node, claims, throttle_ms, now, &mut outcome);
         outcome
     }
 
@@ -817,52 +850,58 @@ mod tests {
         let (mut core, now) = reading(OffsetReset::Earliest);
         let (_, claims) = fetch(&mut core, 1, now);
         core.fetched(1, &claims, &[read(500, 3)], 0, now);
-        let held = |end_offset| EpochEnd {
+        let at = |p: &[FetchPosition]| (p[0].offset, p[0].last_fetched_epoch);
+        // Sought back (a pause drops what was fetched past the reader): fetched with the epoch,
+        // so that the leader checks the position, at no extra request.
+        core.seek(0, Start::At(450), false);
+        let (positions, claims) = fetch(&mut core, 1, now);
+        assert_eq!(at(&positions), (450, 3));
+        core.fetched(1, &claims, &[read(500, 3)], 0, now);
+        // The log truncated at 420 under the position: found after the leader change.
+        core.metadata(&metadata(&[(0, 2, 4)]));
+        let Step::Validate { claims, .. } = core.next(2, now) else {
+            panic!("validated after the leader change");
+        };
+        let ended = EpochEnd {
             partition: 0,
             error: ErrorCode::NONE,
             leader_epoch: 3,
-            end_offset,
+            end_offset: 420,
         };
-        // Sought back: checked against the leader's log first, then fetched with the epoch.
-        core.seek(0, Start::At(450), false);
-        let Step::Validate { queries, claims } = core.next(1, now) else {
-            panic!("validated after the seek back");
+        let outcome = core.validated(2, &claims, &[ended], now);
+        let [Fetched::Truncated { from, to, .. }] = outcome.reports[..] else {
+            panic!("a truncation: {:?}", outcome.reports);
         };
-        assert_eq!((queries[0].leader_epoch, claims[0].offset), (3, 450));
-        assert!(
-            core.validated(1, &claims, &[held(500)], now)
-                .reports
-                .is_empty()
-        );
-        let (positions, claims) = fetch(&mut core, 1, now);
-        let at = |p: &[FetchPosition]| (p[0].offset, p[0].last_fetched_epoch);
-        assert_eq!(at(&positions), (450, 3));
-        core.fetched(1, &claims, &[read(500, 3)], 0, now);
-        // The log truncated at 420 under the position: found, and found again when an owner
-        // that has not moved its ledgers back seeks to 500 again.
-        core.metadata(&metadata(&[(0, 2, 4)]));
-        for _ in 0..2 {
-            let Step::Validate { claims, .. } = core.next(2, now) else {
-                panic!("validated");
-            };
-            let outcome = core.validated(2, &claims, &[held(420)], now);
-            let [Fetched::Truncated { from, to, .. }] = outcome.reports[..] else {
-                panic!("a truncation: {:?}", outcome.reports);
-            };
-            assert_eq!((from, to), (500, 420));
+        assert_eq!((from, to), (500, 420));
+        // An owner that has not moved its ledgers back seeks to 500 again, or is revoked and
+        // assigned back and does: fetched with the epoch, the leader says the log diverged,
+        // and the truncation is found again.
+        for revoked in [false, true] {
+            if revoked {
+                core.remove(0);
+            }
             core.seek(0, Start::At(500), false);
+            let (positions, claims) = fetch(&mut core, 2, now);
+            assert_eq!(at(&positions), (500, 3));
+            let mut diverged = read(500, 3);
+            diverged.read.as_mut().expect("read").diverging = true;
+            assert_eq!(
+                core.fetched(2, &claims, &[diverged], 0, now).deliver,
+                [false]
+            );
+            let Step::Validate { claims, .. } = core.next(2, now) else {
+                panic!("validated after the diverging answer");
+            };
+            let outcome = core.validated(2, &claims, &[ended], now);
+            assert!(matches!(
+                outcome.reports[..],
+                [Fetched::Truncated {
+                    from: 500,
+                    to: 420,
+                    ..
+                }]
+            ));
         }
-        // Revoked and assigned back, re-read from the owner's store: still checked.
-        core.remove(0);
-        core.seek(0, Start::At(500), false);
-        let Step::Validate { claims, .. } = core.next(2, now) else {
-            panic!("validated after being assigned back");
-        };
-        let outcome = core.validated(2, &claims, &[held(420)], now);
-        assert!(matches!(
-            outcome.reports[..],
-            [Fetched::Truncated { to: 420, .. }]
-        ));
         // Ahead of what was read, the epoch of the record before is unknown.
         core.seek(0, Start::At(900), false);
         assert_eq!(at(&fetch(&mut core, 2, now).0), (900, -1));

@@ -430,9 +430,9 @@ fn failed(
     outcome
 }
 
-/// A fetch answered: each partition's records read into a chunk, then the core decides what
-/// moves and which chunks are handed out, queued in order under its lock (a partition cannot
-/// be fetched again before its chunk is queued).
+/// A fetch answered: each partition's records read into a chunk, the core told, and the chunk
+/// queued under its lock, one partition after another (the reader starts on the first while
+/// the next is read); the partitions are released once all are queued.
 fn fetched(
     shared: &Shared,
     node: i32,
@@ -452,54 +452,46 @@ fn fetched(
                 check_crcs: config.check_crcs,
                 isolation: config.isolation,
             };
-            let mut chunks = Vec::new();
-            let mut answers = Vec::new();
+            let mut outcome = Outcome::default();
             for part in fetched.partitions(&config.topic) {
                 let claim = claims.iter().find(|c| c.partition == part.partition);
-                let read = match claim {
+                let (chunk, read) = match claim {
                     Some(c) if !part.error.is_error() && part.diverging.is_none() => {
-                        let built = chunk(
-                            &shared.budget,
-                            c.partition,
-                            c.epoch,
-                            c.offset,
-                            &part,
-                            reading,
-                            scratch,
-                        );
-                        chunks.push(built.chunk);
-                        Some(Read {
+                        let (budget, p) = (&shared.budget, c.partition);
+                        let built = chunk(budget, p, c.epoch, c.offset, &part, reading, scratch);
+                        let read = Read {
                             next: built.next,
                             last_epoch: built.last_epoch,
                             corrupt: built.corrupt,
                             diverging: false,
-                        })
+                        };
+                        (built.chunk, Some(read))
                     }
                     _ => {
-                        chunks.push(None);
-                        (part.diverging.is_some()).then_some(Read {
+                        let diverged = Read {
                             next: -1,
                             last_epoch: None,
                             corrupt: None,
                             diverging: true,
-                        })
+                        };
+                        (None, part.diverging.is_some().then_some(diverged))
                     }
                 };
-                answers.push(Answer {
+                let answer = Answer {
                     partition: part.partition,
                     error: part.error,
                     read,
-                });
-            }
-            let mut core = shared.lock();
-            let throttle = fetched.throttle_time_ms();
-            let outcome = core.fetched(node, claims, &answers, throttle, Instant::now());
-            for (chunk, deliver) in chunks.into_iter().zip(&outcome.deliver) {
-                if let Some(chunk) = chunk.filter(|_| *deliver) {
+                };
+                let mut core = shared.lock();
+                if core.answer(claims, &answer, Instant::now(), &mut outcome)
+                    && let Some(chunk) = chunk
+                {
                     let _ = shared.out.send(Fetched::Chunk(chunk));
                 }
             }
-            drop(core);
+            let throttle = fetched.throttle_time_ms();
+            let mut core = shared.lock();
+            core.fetch_done(node, claims, throttle, Instant::now(), &mut outcome);
             Ok(outcome)
         }
         Ok(fetched) => Err(format!("fetch refused as a whole: {}", fetched.error())),
