@@ -364,11 +364,7 @@ impl RedisSink {
             .arg(to)
             .invoke_async(&mut conn)
             .await?;
-        match reply.first().map(String::as_str) {
-            Some("ok") => Ok(Applied::Written),
-            Some("fenced") => Ok(Applied::from_fence(parse_number(&reply, 1).ok(), epoch)),
-            _ => Err(unexpected(&reply)),
-        }
+        fenced_reply(&reply, epoch)
     }
 
     async fn script_write_watermark(
@@ -389,11 +385,16 @@ impl RedisSink {
             .arg(watermark)
             .invoke_async(&mut conn)
             .await?;
-        match reply.first().map(String::as_str) {
-            Some("ok") => Ok(Applied::Written),
-            Some("fenced") => Ok(Applied::from_fence(parse_number(&reply, 1).ok(), epoch)),
-            _ => Err(unexpected(&reply)),
-        }
+        fenced_reply(&reply, epoch)
+    }
+}
+
+/// A fenced script's reply: `{'ok'}`, or `{'fenced', current epoch}`.
+fn fenced_reply(reply: &[String], epoch: u64) -> Result<Applied, SinkError> {
+    match reply.first().map(String::as_str) {
+        Some("ok") => Ok(Applied::Written),
+        Some("fenced") => Ok(Applied::from_fence(parse_number(reply, 1).ok(), epoch)),
+        _ => Err(unexpected(reply)),
     }
 }
 

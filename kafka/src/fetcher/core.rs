@@ -475,25 +475,7 @@ impl Core {
             if end.leader_epoch < 0 || end.end_offset < 0 {
                 // The leader holds no epoch as old as the last one read: nothing of the
                 // position is known to be in its log. Out of range, as auto.offset.reset says.
-                w.last_epoch = -1;
-                w.read_to = -1;
-                match reset {
-                    Some(end) => {
-                        w.position = Position::Find {
-                            end,
-                            from: Some(claim.offset),
-                        }
-                    }
-                    None => {
-                        w.paused = true;
-                        outcome.reports.push(Fetched::OutOfRange {
-                            partition: claim.partition,
-                            epoch: claim.epoch,
-                            from: claim.offset,
-                            to: None,
-                        });
-                    }
-                }
+                out_of_range(w, claim, reset, &mut outcome.reports);
             } else if end.end_offset < claim.offset {
                 w.position = Position::At(end.end_offset);
                 w.last_epoch = end.leader_epoch;
@@ -538,26 +520,7 @@ impl Core {
                 if let Some(w) = self.current(claim)
                     && w.position == Position::At(claim.offset)
                 {
-                    w.last_epoch = -1;
-                    w.read_to = -1;
-                    match reset {
-                        Some(end) => {
-                            w.position = Position::Find {
-                                end,
-                                from: Some(claim.offset),
-                            }
-                        }
-                        None => {
-                            // Stays where it is, unfetched, until the owner seeks it.
-                            w.paused = true;
-                            outcome.reports.push(Fetched::OutOfRange {
-                                partition: claim.partition,
-                                epoch: claim.epoch,
-                                from: claim.offset,
-                                to: None,
-                            });
-                        }
-                    }
+                    out_of_range(w, claim, reset, &mut outcome.reports);
                 }
                 false
             }
@@ -655,6 +618,31 @@ impl Core {
             });
         }
         true
+    }
+}
+
+/// `claim`'s position is not in its log: it moves to where `reset` (`auto.offset.reset`) says,
+/// once the leader says where that is; with no reset it stays, unfetched, until the owner
+/// seeks it, and the owner is told now. The last epoch read is forgotten either way.
+fn out_of_range(w: &mut Wanted, claim: &Claim, reset: Option<LogEnd>, reports: &mut Vec<Fetched>) {
+    w.last_epoch = -1;
+    w.read_to = -1;
+    match reset {
+        Some(end) => {
+            w.position = Position::Find {
+                end,
+                from: Some(claim.offset),
+            }
+        }
+        None => {
+            w.paused = true;
+            reports.push(Fetched::OutOfRange {
+                partition: claim.partition,
+                epoch: claim.epoch,
+                from: claim.offset,
+                to: None,
+            });
+        }
     }
 }
 
