@@ -125,19 +125,22 @@ pub fn markdown(r: &Results) -> String {
 
     let _ = writeln!(
         out,
-        "\n## What a counter holds\n\n| layout | Redis bytes per counter |\n|---|---|"
+        "\n## What a counter holds\n\nRedis memory per distinct counter, and per event of the run (the same bytes over the run's events: {} counters per event here, so per event it is the counter's figure times that).\n\n| layout | Redis bytes per counter | per event |\n|---|---|---|",
+        or_dash(r.exactly_once().map(counters_per_event), 4)
     );
     for w in &r.windows {
         let _ = writeln!(
             out,
-            "| {} window(s) | {:.0} |",
-            w.windows, w.memory_bytes_per_counter
+            "| {} window(s) | {:.0} | {:.1} |",
+            w.windows,
+            w.memory_bytes_per_counter,
+            w.memory_bytes_per_counter * counters_per_event(&w.catch_up)
         );
     }
     for d in &r.dedup {
         let _ = writeln!(
             out,
-            "| dedup {} | {:.0} ({:.1} per event) |",
+            "| dedup {} | {:.0} | {:.1} |",
             if d.dedup { "on" } else { "off" },
             d.memory_bytes_per_counter,
             d.memory_bytes_per_event
@@ -146,8 +149,10 @@ pub fn markdown(r: &Results) -> String {
     for e in &r.expiry {
         let _ = writeln!(
             out,
-            "| expiry {} | {:.0} |",
-            e.expire_after, e.memory_bytes_per_counter
+            "| expiry {} | {:.0} | {:.1} |",
+            e.expire_after,
+            e.memory_bytes_per_counter,
+            e.memory_bytes_per_counter * counters_per_event(&e.catch_up)
         );
     }
     // The same layout measured by three scenarios: how far to trust a difference.
@@ -187,6 +192,14 @@ pub fn markdown(r: &Results) -> String {
 
     plan(&mut out, r);
     out
+}
+
+/// Distinct counters per event of a catch-up (0 when either is unknown).
+fn counters_per_event(c: &CatchUp) -> f64 {
+    if c.run.events == 0 {
+        return 0.0;
+    }
+    c.distinct_counters as f64 / c.run.events as f64
 }
 
 /// Counter writes per event the Redis plan is given for, beside the run's own: a flush writes
