@@ -63,9 +63,9 @@ pub struct Args {
     /// PostgreSQL for the postgres scenario (`deploy/local/start.sh` starts this one).
     #[arg(long, default_value = "postgres://tally@127.0.0.1:5433/postgres")]
     pub postgres_url: String,
-    /// Run only these scenarios (producer, catch-up, json, postgres, windows, dedup, expiry, idempotency,
-    /// partitions, rebalance, naive, yardsticks, steady, hot, cardinality, reads, micro); all
-    /// when empty.
+    /// Run only these scenarios (producer, catch-up, json, postgres, windows, dedup, expiry,
+    /// idempotency, partitions, rebalance, naive, yardsticks, steady, steady-windows, hot,
+    /// cardinality, reads, micro); all when empty.
     #[arg(long, value_delimiter = ',')]
     pub only: Vec<String>,
     /// Run nothing: read this `results.json` and write `capacity.md` (the sizing guide) into

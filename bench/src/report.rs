@@ -535,6 +535,20 @@ pub fn markdown(args: &Args, r: &Results) -> String {
             s.max_ms
         );
     }
+    if let Some(s) = &r.steady_windows {
+        let _ = writeln!(
+            out,
+            "\n## Steady state with windows\n\nThree windows (`1m`, `1h`, `1d`) on the load's counters and the probes: {:.0} events/s asked, {:.0} reached; flush interval {} ms; {} probes: p50 {:.0} ms, p99 {:.0} ms, max {:.0} ms (the target: p99 within the flush interval plus 250 ms, {:.0} ms).",
+            s.target_rate,
+            s.achieved_rate,
+            s.flush_interval_ms,
+            s.probes,
+            s.p50_ms,
+            s.p99_ms,
+            s.max_ms,
+            s.flush_interval_ms + 250.0
+        );
+    }
     if !r.reads.is_empty() {
         let _ = writeln!(
             out,

@@ -260,6 +260,9 @@ pub struct Results {
     pub naive: Option<CatchUp>,
     /// Steady state and end-to-end latency.
     pub steady: Option<Steady>,
+    /// The same with three windows (`1m`, `1h`, `1d`) on every counter, at 50,000 events/s.
+    #[serde(default)]
+    pub steady_windows: Option<Steady>,
     /// 90% of events on one counter.
     pub hot: Option<CatchUp>,
     /// One event per counter, a million counters.

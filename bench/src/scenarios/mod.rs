@@ -188,7 +188,16 @@ pub async fn run_all(args: &Args) -> anyhow::Result<Results> {
         };
         let rate = args.steady_rate.unwrap_or(together / 2.0);
         println!("steady state at {rate:.0} events/s, with latency probes");
-        results.steady = Some(steady(&mut env, rate).await?);
+        results.steady = Some(steady(&mut env, rate, None).await?);
+    }
+    if args.runs("steady-windows") {
+        // Issue 31's live target: three windows at 50,000 events/s, p99 within the flush
+        // interval plus 250 ms.
+        let rate = args.steady_rate.unwrap_or(50_000.0);
+        println!("steady state with 3 windows at {rate:.0} events/s, with latency probes");
+        let windows = "windows = [\"1m\", \"1h\", \"1d\"]\n";
+        let namespaces = format!("[namespaces.likes]\n{windows}[namespaces.probe]\n{windows}");
+        results.steady_windows = Some(steady(&mut env, rate, Some(&namespaces)).await?);
     }
     if args.runs("hot") {
         let topic = env.name("hot");

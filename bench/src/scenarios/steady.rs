@@ -11,7 +11,13 @@ use crate::env::{Env, free_port, run_capturing, stop};
 use crate::probe;
 use crate::results::Steady;
 
-pub(crate) async fn steady(env: &mut Env<'_>, rate: f64) -> anyhow::Result<Steady> {
+/// The steady state at `rate` events/s; `namespaces`, a namespace file's text, configures the
+/// aggregator's namespaces (the load's counters are `likes:*`, the probes `probe:*`).
+pub(crate) async fn steady(
+    env: &mut Env<'_>,
+    rate: f64,
+    namespaces: Option<&str>,
+) -> anyhow::Result<Steady> {
     let topic = env.name("steady");
     env.create_topic(&topic, env.args.partitions).await?;
     let id = env.name("steady-agg");
@@ -20,8 +26,15 @@ pub(crate) async fn steady(env: &mut Env<'_>, rate: f64) -> anyhow::Result<Stead
     let port = free_port()?;
     let flush_interval_ms = 1000.0;
     let interval = flush_interval_ms.to_string();
-    let mut aggregator =
-        env.aggregator(&topic, &id, &dlq, port, &["--flush-interval-ms", &interval])?;
+    let file = std::env::temp_dir().join(format!("{id}-namespaces.toml"));
+    let mut args = vec!["--flush-interval-ms".to_owned(), interval];
+    if let Some(text) = namespaces {
+        std::fs::write(&file, text)?;
+        let path = file.to_str().context("a UTF-8 temp path")?.to_owned();
+        args.extend(["--namespaces".to_owned(), path]);
+    }
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let mut aggregator = env.aggregator(&topic, &id, &dlq, port, &args)?;
     let seconds = env.args.steady_seconds;
     let events = (rate * seconds as f64) as u64;
     let background = Command::new(env.bin("tally"))
@@ -77,6 +90,7 @@ pub(crate) async fn steady(env: &mut Env<'_>, rate: f64) -> anyhow::Result<Stead
     }
     let (_, _, _, load_out) = run_capturing(background).await?;
     stop(&mut aggregator)?;
+    let _ = std::fs::remove_file(&file);
     let achieved = load_out
         .split(": ")
         .last()
