@@ -74,8 +74,11 @@ async fn exactly_once_into_postgres_through_sigkills() {
     let latest = pg_schema::MIGRATIONS.len() as i32;
     assert_eq!(versions, (1..=latest).collect::<Vec<_>>());
 
-    // `tally get --store postgres` prints the same totals.
-    let mut sample: Vec<(&String, &i64)> = totals.iter().take(3).collect();
+    // `tally get --store postgres` prints the same totals. Counters whose total is not 0: a
+    // cached read stores no entry for a 0 it finds with nothing cached (`common::cache`), and
+    // deltas of -5 to +5 leave some counters at 0 (one did in a CI rehearsal).
+    let mut sample: Vec<(&String, &i64)> =
+        (totals.iter()).filter(|(_, t)| **t != 0).take(3).collect();
     sample.sort();
     let out = std::process::Command::new(binary("tally"))
         .args([
