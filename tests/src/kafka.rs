@@ -143,11 +143,16 @@ pub async fn create_replicated_topic(
     replicas: i32,
     configs: &[(&str, &str)],
 ) {
+    let new = NewTopic::new(topic, partitions, TopicReplication::Fixed(replicas));
+    create_new_topic(bootstrap, new, configs).await;
+}
+
+/// Creates `new` with `configs` on the Kafka at `bootstrap`, through the admin API.
+pub async fn create_new_topic(bootstrap: &str, mut new: NewTopic<'_>, configs: &[(&str, &str)]) {
     let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
         .set("bootstrap.servers", bootstrap)
         .create()
         .expect("admin client");
-    let mut new = NewTopic::new(topic, partitions, TopicReplication::Fixed(replicas));
     for (key, value) in configs {
         new = new.set(key, value);
     }

@@ -6,8 +6,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use rdkafka::ClientConfig;
-use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
-use rdkafka::client::DefaultClientContext;
+use rdkafka::admin::{NewTopic, TopicReplication};
 use rdkafka::consumer::{BaseConsumer, Consumer};
 
 use crate::support::{TempDir, free_port};
@@ -87,23 +86,14 @@ impl KafkaCluster {
         out.status.success()
     }
 
-    /// Creates `topic`, one partition on `replicas` (the first leads), with `configs`.
+    /// Creates `topic`, one partition on `replicas` (the first leads), with `configs`; call it
+    /// inside `block_in_place`.
     pub fn topic_on(&self, topic: &str, replicas: &[i32], configs: &[(&str, &str)]) {
-        let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
-            .set("bootstrap.servers", self.bootstrap())
-            .create()
-            .expect("admin client");
         let assignment = [replicas];
-        let mut new = NewTopic::new(topic, 1, TopicReplication::Variable(&assignment));
-        for (key, value) in configs {
-            new = new.set(key, value);
-        }
-        let options = AdminOptions::new().request_timeout(Some(Duration::from_secs(20)));
-        let created =
-            tokio::runtime::Handle::current().block_on(admin.create_topics(&[new], &options));
-        for r in created.expect("the cluster answers") {
-            r.unwrap_or_else(|(t, e)| panic!("cannot create topic {t}: {e}"));
-        }
+        let new = NewTopic::new(topic, 1, TopicReplication::Variable(&assignment));
+        let bootstrap = self.bootstrap();
+        let create = crate::kafka::create_new_topic(&bootstrap, new, configs);
+        tokio::runtime::Handle::current().block_on(create);
     }
 
     /// Partition `partition` of `topic`'s leader, as the cluster's metadata says (-1: none).

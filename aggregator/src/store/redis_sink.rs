@@ -346,43 +346,25 @@ impl RedisSink {
         }
     }
 
-    async fn script_rewind_ledger(
+    /// Runs `script`, one of the fenced one-field writes (`rewind.lua`, `watermark.lua`): the
+    /// fence of `group`, then the hash it writes (`target`), the partition `field`, the
+    /// writer's `epoch` and the value.
+    async fn fenced_write(
         &self,
+        script: &redis::Script,
         group: u32,
+        target: String,
         field: &str,
         epoch: u64,
-        to: i64,
+        value: impl redis::ToRedisArgs,
     ) -> Result<Applied, SinkError> {
         let mut conn = self.conn.clone();
-        let reply: Vec<String> = self
-            .scripts
-            .rewind
+        let reply: Vec<String> = script
             .key(self.keyspace.fence_key(group))
-            .key(self.keyspace.ledger_key(group))
+            .key(target)
             .arg(field)
             .arg(epoch)
-            .arg(to)
-            .invoke_async(&mut conn)
-            .await?;
-        fenced_reply(&reply, epoch)
-    }
-
-    async fn script_write_watermark(
-        &self,
-        home: u32,
-        field: &str,
-        epoch: u64,
-        watermark: &str,
-    ) -> Result<Applied, SinkError> {
-        let mut conn = self.conn.clone();
-        let reply: Vec<String> = self
-            .scripts
-            .watermark
-            .key(self.keyspace.fence_key(home))
-            .key(self.keyspace.watermark_key(home))
-            .arg(field)
-            .arg(epoch)
-            .arg(watermark)
+            .arg(value)
             .invoke_async(&mut conn)
             .await?;
         fenced_reply(&reply, epoch)
@@ -498,7 +480,14 @@ impl Sink for RedisSink {
         watermark: &str,
     ) -> Result<Applied, SinkError> {
         self.either(
-            self.script_write_watermark(home, field, epoch, watermark),
+            self.fenced_write(
+                &self.scripts.watermark,
+                home,
+                self.keyspace.watermark_key(home),
+                field,
+                epoch,
+                watermark,
+            ),
             |t| t.write_watermark(home, field, epoch, watermark),
         )
         .await
@@ -511,9 +500,12 @@ impl Sink for RedisSink {
         epoch: u64,
         to: i64,
     ) -> Result<Applied, SinkError> {
-        self.either(self.script_rewind_ledger(group, field, epoch, to), |t| {
-            t.rewind_ledger(group, field, epoch, to)
-        })
+        let ledger = self.keyspace.ledger_key(group);
+        let script = &self.scripts.rewind;
+        self.either(
+            self.fenced_write(script, group, ledger, field, epoch, to),
+            |t| t.rewind_ledger(group, field, epoch, to),
+        )
         .await
     }
 
