@@ -49,6 +49,19 @@ pub(crate) enum Command {
     /// List the dead-letter topic's messages, or put them back on the topic they came from.
     #[command(subcommand)]
     DeadLetters(DeadLettersCommand),
+    /// Upkeep of the window buckets: drop expired ones, or migrate the keys of the old layout.
+    #[command(subcommand)]
+    Windows(WindowsCommand),
+}
+
+#[derive(Debug, Subcommand)]
+pub(crate) enum WindowsCommand {
+    /// Drop every expired bucket (by the namespaces' windows as given with --namespaces: a
+    /// window no longer listed has expired) and the fields left empty; print what it did.
+    Sweep(RedisArgs),
+    /// Fold the keys of the layout before cells (a key per bucket) into the cells, deleting
+    /// each as it is folded; print what it did. Run once after upgrading every aggregator.
+    Migrate(RedisArgs),
 }
 
 #[derive(Debug, Subcommand)]

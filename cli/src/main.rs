@@ -23,7 +23,8 @@ mod args;
 
 use args::{
     AuditArgs, Cli, Command, CompactArgs, CounterArgs, DeadLetterArgs, DeadLettersCommand, GetArgs,
-    LikeArgs, LikedArgs, LoadArgs, ReplayArgs, ResetArgs, TopArgs, VerifyArgs,
+    LikeArgs, LikedArgs, LoadArgs, RedisArgs, ReplayArgs, ResetArgs, TopArgs, VerifyArgs,
+    WindowsCommand,
 };
 
 #[tokio::main]
@@ -42,6 +43,8 @@ async fn main() -> anyhow::Result<ExitCode> {
         Command::Audit(args) => run_audit(args).await,
         Command::DeadLetters(DeadLettersCommand::List(args)) => list_dead_letters(&args),
         Command::DeadLetters(DeadLettersCommand::Replay(args)) => replay_dead_letters(&args),
+        Command::Windows(WindowsCommand::Sweep(args)) => sweep_windows(args).await,
+        Command::Windows(WindowsCommand::Migrate(args)) => migrate_windows(args).await,
     };
     // Output piped into a reader that stops early (`tally load | head`): what was asked for is
     // done, so end quietly, as the reader intended, instead of reporting an error.
@@ -163,6 +166,35 @@ async fn reset(args: ResetArgs) -> anyhow::Result<ExitCode> {
             delivered.offset
         )?;
     }
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn sweep_windows(args: RedisArgs) -> anyhow::Result<ExitCode> {
+    let namespaces = args.namespaces()?;
+    let reader = args.reader().await?;
+    let r = tally_aggregator::tasks::cells::sweep(reader.conn(), reader.keyspace(), &namespaces)
+        .await?;
+    writeln!(
+        out(),
+        "fields read: {}, trimmed: {}, deleted: {}, not cells (left alone): {}",
+        r.fields,
+        r.trimmed,
+        r.deleted,
+        r.corrupt
+    )?;
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn migrate_windows(args: RedisArgs) -> anyhow::Result<ExitCode> {
+    let reader = args.reader().await?;
+    let r = tally_aggregator::tasks::cells::migrate(reader.conn(), reader.keyspace()).await?;
+    writeln!(
+        out(),
+        "bucket keys folded: {}, fields written: {}, keys left (not integers): {}",
+        r.keys,
+        r.fields,
+        r.corrupt
+    )?;
     Ok(ExitCode::SUCCESS)
 }
 

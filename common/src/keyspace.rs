@@ -437,6 +437,20 @@ impl Keyspace {
         )
     }
 
+    /// The hash holding, in field `counter`, its buckets in `group` (windowed namespaces; the
+    /// field's value is `crate::window::cells::Cells`): one of the group's
+    /// [`crate::window::cells::STRIPES`] hashes, in the group's slot, so the flush writes it with
+    /// the counter's total.
+    pub fn cells_key(&self, group: u32, counter: &str) -> String {
+        let stripe = crate::window::cells::stripe(stable_hash(counter.as_bytes()));
+        self.cells_key_of_stripe(group, stripe)
+    }
+
+    /// Cells hash number `stripe` of `group` (see [`Keyspace::cells_key`]).
+    pub fn cells_key_of_stripe(&self, group: u32, stripe: u64) -> String {
+        format!("{}:{{g{group}}}:W:{stripe}", self.prefix)
+    }
+
     /// The set of actors whose like of `counter` is counted, for actors whose group is `group`
     /// (deduplicating namespaces). It shares the group's slot with the counter's share there, so
     /// the membership change and the increment it guards are one atomic operation.

@@ -9,10 +9,13 @@
 //! Amounts that compaction is moving between groups are counted from their journals (see
 //! `aggregator/src/compact.rs`), so a compactor killed mid-move hides nothing.
 
+use std::collections::HashMap;
+
 use crate::connection::{RedisConn, query_each};
 use crate::event::{EventError, validate_counter};
 use crate::keyspace::{Keyspace, Watermark, partition_field};
 use crate::window::Window;
+use crate::window::cells::Cells;
 
 /// Trending counters are reported into buckets of this many seconds...
 pub const TOP_BUCKET_S: u64 = 10;
@@ -325,18 +328,21 @@ impl Reader {
             });
         }
         let current = window.start_of(now_ms);
-        let per = buckets as usize;
-        let cells: Vec<(&str, i64, i64)> = (counters.iter())
-            .flat_map(|c| {
-                (0..buckets)
-                    .map(move |i| (c.as_ref(), window.width_ms, current - i * window.width_ms))
-            })
-            .collect();
-        let values = self.bucket_values(&cells).await?;
-        (counters.iter().zip(values.chunks(per)))
-            .map(|(counter, buckets)| {
-                let buckets: Vec<Option<i64>> = buckets.iter().copied().map(Some).collect();
-                sum(counter.as_ref(), &buckets)
+        let first = current - (buckets - 1) * window.width_ms;
+        let names: Vec<&str> = counters.iter().map(AsRef::as_ref).collect();
+        let cells = self.cells(&names).await?;
+        (names.iter().zip(cells))
+            .map(|(counter, groups)| {
+                let sums: Option<Vec<i64>> = (groups.iter())
+                    .map(|c| c.sum(window.width_ms, first, current))
+                    .collect();
+                let sums: Vec<Option<i64>> = (sums.ok_or_else(|| ReadError::Overflow {
+                    counter: (*counter).to_owned(),
+                })?)
+                .into_iter()
+                .map(Some)
+                .collect();
+                sum(counter, &sums)
             })
             .collect()
     }
@@ -344,34 +350,71 @@ impl Reader {
 
 impl Reader {
     /// The values of single buckets, each `(counter, width_ms, start_ms)` summed over the shard
-    /// groups (0 where never written or expired), in the same order: one `MGET` per group.
+    /// groups (0 where never written or expired), in the same order.
     pub async fn bucket_values(&self, cells: &[(&str, i64, i64)]) -> Result<Vec<i64>, ReadError> {
-        if cells.is_empty() {
-            return Ok(Vec::new());
-        }
-        let ks = &self.keyspace;
-        let mgets = (0..ks.groups())
-            .map(|group| {
-                let mut mget = redis::cmd("MGET");
-                for (counter, width, start) in cells {
-                    mget.arg(ks.window_key(group, counter, *width, *start));
-                }
-                mget
-            })
-            .collect();
-        let rows: Vec<Vec<Option<String>>> = query_each(&self.conn, mgets).await?;
-        (cells.iter().enumerate())
-            .map(|(i, (counter, _, _))| {
-                let values = (rows.iter())
-                    .map(|row| {
-                        (row.get(i).and_then(Option::as_deref))
-                            .map(|v| parse_integer(counter, v))
-                            .transpose()
-                    })
-                    .collect::<Result<Vec<_>, _>>()?;
+        let mut names: Vec<&str> = cells.iter().map(|(counter, _, _)| *counter).collect();
+        names.sort_unstable();
+        names.dedup();
+        let read = self.cells(&names).await?;
+        (cells.iter())
+            .map(|(counter, width, start)| {
+                let at = names.binary_search(counter).unwrap_or_default();
+                let values: Vec<Option<i64>> = (read[at].iter())
+                    .map(|c| Some(c.get(*width, *start)))
+                    .collect();
                 sum(counter, &values)
             })
             .collect()
+    }
+
+    /// Each counter's cells (`crate::window::cells`) in every shard group, in the same order:
+    /// one `HMGET` per cells hash holding any of them, all sent at once.
+    async fn cells(&self, counters: &[&str]) -> Result<Vec<Vec<Cells>>, ReadError> {
+        if counters.is_empty() {
+            return Ok(Vec::new());
+        }
+        let ks = &self.keyspace;
+        let mut hashes: Vec<(String, Vec<&str>)> = Vec::new();
+        // Per group, then per counter: its hash and field, as indexes into `hashes`.
+        let mut at: Vec<(usize, usize)> = Vec::with_capacity(counters.len() * ks.groups() as usize);
+        for group in 0..ks.groups() {
+            let mut seen: HashMap<String, usize> = HashMap::new();
+            for counter in counters {
+                let key = ks.cells_key(group, counter);
+                let h = *seen.entry(key.clone()).or_insert_with(|| {
+                    hashes.push((key, Vec::new()));
+                    hashes.len() - 1
+                });
+                hashes[h].1.push(counter);
+                at.push((h, hashes[h].1.len() - 1));
+            }
+        }
+        let commands = (hashes.iter())
+            .map(|(key, fields)| {
+                let mut hmget = redis::cmd("HMGET");
+                hmget.arg(key).arg(fields);
+                hmget
+            })
+            .collect();
+        let rows: Vec<Vec<Option<String>>> = query_each(&self.conn, commands).await?;
+        let mut out: Vec<Vec<Cells>> =
+            vec![Vec::with_capacity(ks.groups() as usize); counters.len()];
+        for (n, (h, f)) in at.into_iter().enumerate() {
+            let i = n % counters.len();
+            let cells = match rows
+                .get(h)
+                .and_then(|row| row.get(f))
+                .and_then(Option::as_deref)
+            {
+                None => Cells::default(),
+                Some(value) => Cells::parse(value).ok_or_else(|| ReadError::Corrupt {
+                    counter: counters[i].to_owned(),
+                    value: value.to_owned(),
+                })?,
+            };
+            out[i].push(cells);
+        }
+        Ok(out)
     }
 }
 

@@ -9,7 +9,10 @@
 #
 # The topic must hold exactly N events (for example written by `tally load --events N` or by
 # `kcat -P` from a file). Build the old binary from another checkout with its own
-# CARGO_TARGET_DIR.
+# CARGO_TARGET_DIR. AB_OLD_FLAGS and AB_NEW_FLAGS add flags to each side's command line, so one
+# binary can be compared with itself under two settings, for example:
+#
+#   AB_NEW_FLAGS="--namespaces windows.toml" deploy/local/ab.sh BIN BIN TOPIC N
 set -euo pipefail
 source "$(dirname "$0")/common.sh"
 die() { log "$*"; exit 1; }
@@ -18,13 +21,13 @@ old=$1 new=$2 topic=$3 events=$4 rounds=${5:-3}
 ticks=$(getconf CLK_TCK)
 
 run() {
-  local bin=$1 label=$2 port group start end v cpu pid
+  local bin=$1 label=$2 flags=$3 port group start end v cpu pid
   port=$((19000 + RANDOM % 1000))
   group=ab-$RANDOM-$$
   start=$(date +%s.%N)
   "$bin" --brokers "127.0.0.1:$kafka_port" --redis-url "redis://127.0.0.1:$redis_port" \
     --topic "$topic" --group "$group" --key-prefix "$group" \
-    --metrics-addr "127.0.0.1:$port" >"$state/ab-$group.log" 2>&1 &
+    --metrics-addr "127.0.0.1:$port" $flags >"$state/ab-$group.log" 2>&1 &
   pid=$!
   while :; do
     v=$(curl -s "127.0.0.1:$port/metrics" | awk '/^tally_events_flushed_total/ { print $2 }') || true
@@ -42,6 +45,6 @@ run() {
 }
 
 for ((i = 1; i <= rounds; i++)); do
-  run "$old" old
-  run "$new" new
+  run "$old" old "${AB_OLD_FLAGS:-}"
+  run "$new" new "${AB_NEW_FLAGS:-}"
 done

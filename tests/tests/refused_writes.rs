@@ -83,6 +83,17 @@ async fn state(conn: &mut redis::aio::MultiplexedConnection, key: &str) -> (Opti
     (value, ttl > 0)
 }
 
+/// What a cells field holds (`None` when absent), and whether its hash has an expiry.
+async fn field_state(
+    conn: &mut redis::aio::MultiplexedConnection,
+    hash: &str,
+    field: &str,
+) -> (Option<String>, bool) {
+    let value: Option<String> = conn.hget(hash, field).await.expect("HGET");
+    let ttl: i64 = conn.pttl(hash).await.expect("PTTL");
+    (value, ttl > 0)
+}
+
 async fn refused_write_leaves_nothing_behind(atomicity: Atomicity) {
     let redis = RedisServer::start().await;
     let (sink, ks, epoch) = fenced_sink(&redis, atomicity).await;
@@ -90,8 +101,9 @@ async fn refused_write_leaves_nothing_behind(atomicity: Atomicity) {
     let key = |counter: &str| ks.counter_key(GROUP, counter);
     let now = tally_common::event::now_ms();
     let minute = now - now % MINUTE_MS;
-    let old_bucket = ks.window_key(GROUP, "kept:1", MINUTE_MS, minute);
-    let new_bucket = ks.window_key(GROUP, "new:1", MINUTE_MS, minute);
+    // The window buckets: kept:1's field holds 3 in this minute; junk:1's is not cells.
+    let cells = |counter: &str| (ks.cells_key(GROUP, counter), counter.to_owned());
+    let index_now = minute / MINUTE_MS;
 
     let _: () = conn.set(key("kept:1"), 7).await.expect("SET");
     let _: () = conn.set(key("min:1"), 5).await.expect("SET");
@@ -103,7 +115,14 @@ async fn refused_write_leaves_nothing_behind(atomicity: Atomicity) {
         .expect("HSET");
     let _: () = conn.set(key("big:1"), i64::MAX - 10).await.expect("SET");
     let _: () = conn.set(key("zero:1"), 0).await.expect("SET");
-    let _: () = conn.set_ex(&old_bucket, 3, 3_600).await.expect("SET EX");
+    for (counter, value) in [
+        ("kept:1", format!("1m={index_now}:3")),
+        ("junk:1", "junk".into()),
+    ] {
+        let (hash, field) = cells(counter);
+        let _: () = conn.hset(&hash, field, value).await.expect("HSET");
+        let _: () = conn.expire(&hash, 3_600).await.expect("EXPIRE");
+    }
 
     // Refused deltas among accepted ones, before and after them; one accepted delta is i64::MIN,
     // which has no negation in 64 bits.
@@ -120,12 +139,17 @@ async fn refused_write_leaves_nothing_behind(atomicity: Atomicity) {
         bucket("kept:1", minute, 2),
         bucket("new:1", minute, 1),
         bucket("text:1", minute, 1),
+        bucket("junk:1", minute, 1),
     ];
-    let mut watched: Vec<String> = deltas.iter().map(|(c, _)| key(c)).collect();
-    watched.extend([old_bucket.clone(), new_bucket.clone()]);
+    let watched: Vec<String> = deltas.iter().map(|(c, _)| key(c)).collect();
     let mut before = Vec::new();
     for k in &watched {
         before.push(state(&mut conn, k).await);
+    }
+    let fields = ["kept:1", "new:1", "text:1", "junk:1"].map(cells);
+    let mut cells_before = Vec::new();
+    for (hash, field) in &fields {
+        cells_before.push(field_state(&mut conn, hash, field).await);
     }
 
     let applied = sink
@@ -147,9 +171,17 @@ async fn refused_write_leaves_nothing_behind(atomicity: Atomicity) {
             (Refused::Delta(index("text:1")), "not_an_integer".to_owned()),
             (Refused::Delta(index("hash:1")), "wrong_type".to_owned()),
             (Refused::Delta(index("big:1")), "overflow".to_owned()),
+            (Refused::Window(3), "not_an_integer".to_owned()),
         ],
         "{atomicity:?}"
     );
+    for ((hash, field), was) in fields.iter().zip(&cells_before) {
+        let now = field_state(&mut conn, hash, field).await;
+        assert_eq!(
+            &now, was,
+            "{atomicity:?}: {field}'s buckets changed by a refused write"
+        );
+    }
     for (k, was) in watched.iter().zip(&before) {
         let now = state(&mut conn, k).await;
         // A key at 0 counts as no key: the script may leave either.
@@ -191,13 +223,15 @@ async fn refused_write_leaves_nothing_behind(atomicity: Atomicity) {
         let value: i64 = conn.get(key(counter)).await.expect("GET");
         assert_eq!(value, base + delta, "{atomicity:?}: {counter}");
     }
+    let (hash, field) = cells("kept:1");
     assert_eq!(
-        state(&mut conn, &old_bucket).await,
-        (Some("5".to_owned()), true)
+        field_state(&mut conn, &hash, &field).await,
+        (Some(format!("1m={index_now}:5")), true)
     );
+    let (hash, field) = cells("new:1");
     assert_eq!(
-        state(&mut conn, &new_bucket).await,
-        (Some("1".to_owned()), true)
+        field_state(&mut conn, &hash, &field).await,
+        (Some(format!("1m={index_now}:1")), true)
     );
     let ledger: Option<i64> = conn.hget(ks.ledger_key(GROUP), FIELD).await.expect("HGET");
     assert_eq!(ledger, Some(10), "{atomicity:?}");

@@ -19,6 +19,7 @@ use rdkafka::ClientConfig;
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use tally_common::codec::encode;
 use tally_common::window::Window;
+use tally_common::window::cells::Cells;
 use tally_common::{CachedReader, CounterEvent, Namespaces};
 use tally_tests::{
     AggregatorSetup, RedisServer, TempDir, binary, brokers, connect, eventually, kill_repeatedly,
@@ -326,28 +327,45 @@ async fn windows_scenario(name: &str, redis: &RedisServer, redis_url: &str) {
         async move { (counts.bucket_values(&bucket).await.ok()? == [30]).then_some(()) }
     })
     .await;
+    // Once its retention has passed, the next write of the counter drops it from the cells.
     let keyspace = setup.keyspace();
     let mut conn = connect(&redis.url()).await;
+    let expired_at = bucket[0].2 + 1_000 + 20_000;
     eventually(
         Duration::from_secs(60),
-        "the bucket's keys to expire",
+        "the bucket's retention to pass",
+        || async { (tally_common::event::now_ms() > expired_at).then_some(()) },
+    )
+    .await;
+    let later = CounterEvent::new(flash, 3).expect("valid");
+    producer.send(&later).await.expect("sent");
+    eventually(
+        Duration::from_secs(30),
+        "the expired bucket dropped",
         || {
-            let keys: Vec<String> = (0..16)
-                .map(|g| keyspace.window_key(g, flash, 1_000, bucket[0].2))
-                .collect();
+            let (keyspace, counts) = (&keyspace, &counts);
             let mut conn = conn.clone();
             async move {
-                let n: i64 = redis::cmd("EXISTS")
-                    .arg(&keys)
-                    .query_async(&mut conn)
-                    .await
-                    .ok()?;
-                (n == 0).then_some(())
+                if counts.get(flash).await.ok()? != 33 {
+                    return None;
+                }
+                let mut held = 0;
+                for g in 0..16 {
+                    let value: Option<String> = redis::cmd("HGET")
+                        .arg(keyspace.cells_key(g, flash))
+                        .arg(flash)
+                        .query_async(&mut conn)
+                        .await
+                        .ok()?;
+                    let cells = Cells::parse(value.as_deref().unwrap_or("")).expect("cells");
+                    held += cells.get(1_000, bucket[0].2);
+                }
+                (held == 0).then_some(())
             }
         },
     )
     .await;
-    assert_eq!(counts.get(flash).await.expect("total"), 30);
+    assert_eq!(counts.get(flash).await.expect("total"), 33);
 
     // The audit recounts totals and buckets; then exactly one damaged bucket.
     let audit = setup.audit(&["--namespaces", ns_path]);
@@ -382,12 +400,22 @@ async fn windows_scenario(name: &str, redis: &RedisServer, redis_url: &str) {
     assert_eq!(recent.checked, 0, "no totals compared from a time");
 
     let (c, w, s) = &cells[0];
-    let _: i64 = redis::cmd("INCRBY")
-        .arg(keyspace.window_key(5, c, *w, *s))
-        .arg(3)
+    let hash = keyspace.cells_key(5, c);
+    let held: Option<String> = redis::cmd("HGET")
+        .arg(&hash)
+        .arg(c)
         .query_async(&mut conn)
         .await
-        .expect("INCRBY");
+        .expect("HGET");
+    let mut damaged = Cells::parse(held.as_deref().unwrap_or("")).expect("cells");
+    damaged.add(*w, *s, 3).expect("no overflow");
+    let _: i64 = redis::cmd("HSET")
+        .arg(&hash)
+        .arg(c)
+        .arg(damaged.to_string())
+        .query_async(&mut conn)
+        .await
+        .expect("HSET");
     let damaged = setup.audit(&["--namespaces", ns_path]);
     eprintln!("{}", damaged.stdout);
     let label = if *w == MINUTE { "1m" } else { "1h" };

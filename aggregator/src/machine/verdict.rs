@@ -51,7 +51,7 @@ pub fn rejections(currents: &[Current], deltas: &[(String, i64)]) -> Vec<Rejecti
 }
 
 /// Why these window deltas cannot be applied, as the script gives it.
-fn window_rejections(currents: &[Current], windows: &[WindowDelta]) -> Vec<Rejection> {
+pub fn window_rejections(currents: &[Current], windows: &[WindowDelta]) -> Vec<Rejection> {
     (currents.iter().zip(windows).enumerate())
         .filter_map(|(i, (current, w))| {
             Some(Rejection {

@@ -8,11 +8,13 @@
 //! - [`pg_sink`]: [`pg_sink::PgSink`], PostgreSQL as the store of record.
 //! - `memory_sink`: an in-memory sink for the unit tests of the loop.
 //! - [`flush`]: making a sealed batch durable through the sink, with retries.
+//! - [`cells`]: window deltas as rewrites of the counters' cells hashes, planned from a read.
 //! - [`fence`]: owning a partition in exactly-once mode (epochs, fences, ledgers, watermark).
 //!
 //! What a write is and what the stores decide before writing are the core's
 //! (`crate::machine::write`, `crate::machine::verdict`).
 
+pub mod cells;
 pub mod fence;
 pub mod flush;
 #[cfg(test)]

@@ -17,7 +17,9 @@ use redis::ErrorKind;
 use tally_common::{DeadLetterReason, Keyspace, RedisConn, RedisTarget};
 
 use crate::machine::batch::WindowDelta;
+use crate::machine::verdict::window_rejections;
 use crate::operator::config::Atomicity;
+use crate::store::cells;
 use crate::store::sink::{
     Applied, GroupWrite, IdleWrite, Marked, Refused, Rejection, Sink, SinkError, SinkErrorKind,
     Stamp,
@@ -29,6 +31,7 @@ use crate::store::transactions::{Transactions, redis_integer};
 #[derive(Debug)]
 struct Scripts {
     flush: redis::Script,
+    cells: redis::Script,
     stamp: redis::Script,
     epoch: redis::Script,
     watermark: redis::Script,
@@ -40,6 +43,7 @@ impl Scripts {
     fn new() -> Self {
         Self {
             flush: redis::Script::new(include_str!("scripts/flush.lua")),
+            cells: redis::Script::new(include_str!("scripts/cells.lua")),
             stamp: redis::Script::new(include_str!("scripts/stamp.lua")),
             epoch: redis::Script::new(include_str!("scripts/epoch.lua")),
             watermark: redis::Script::new(include_str!("scripts/watermark.lua")),
@@ -229,8 +233,89 @@ impl RedisSink {
         }
     }
 
+    /// Reads the cells `reads` names and plans the window deltas' rewrites.
+    async fn read_cells(
+        &self,
+        reads: &cells::Reads,
+        windows: &[WindowDelta],
+    ) -> Result<cells::Plan, SinkError> {
+        let got = if reads.is_empty() {
+            Vec::new()
+        } else {
+            let mut pipe = redis::pipe();
+            pipe.ignore_errors();
+            reads.add_to(&mut pipe);
+            let mut conn = self.conn.clone();
+            let replies: Vec<redis::Value> = pipe.query_async(&mut conn).await?;
+            (replies.iter())
+                .map(cells::Read::from_reply)
+                .collect::<Result<Vec<_>, _>>()?
+        };
+        Ok(cells::plan(reads, &got, windows, cells::now_ms()))
+    }
+
     async fn script_apply_fenced(&self, write: GroupWrite<'_>) -> Result<Applied, SinkError> {
+        let reads = cells::Reads::new(&self.keyspace, write.group, write.windows);
+        for _ in 0..MAX_STALE_READS {
+            let plan = self.read_cells(&reads, write.windows).await?;
+            if let Some(applied) = self.script_flush(write, &plan).await? {
+                return Ok(applied);
+            }
+        }
+        Err(stale_cells())
+    }
+
+    /// An at-least-once write's window deltas through `scripts/cells.lua`, with the ones refused.
+    async fn script_cells(
+        &self,
+        group: u32,
+        windows: &[WindowDelta],
+    ) -> Result<Vec<Rejection>, SinkError> {
+        let reads = cells::Reads::new(&self.keyspace, group, windows);
+        for _ in 0..MAX_STALE_READS {
+            let plan = self.read_cells(&reads, windows).await?;
+            let refused = window_rejections(&plan.currents, windows);
+            if plan.writes.is_empty() {
+                return Ok(refused);
+            }
+            let mut invocation = self.scripts.cells.prepare_invoke();
+            invocation.arg(plan.writes.len());
+            for stripe in &plan.writes {
+                invocation
+                    .key(&stripe.key)
+                    .arg(stripe.expire_at_ms)
+                    .arg(stripe.fields.len());
+                for f in &stripe.fields {
+                    invocation
+                        .arg(&f.field)
+                        .arg(f.read.as_deref().unwrap_or(""))
+                        .arg(f.value.as_deref().unwrap_or(""));
+                }
+            }
+            let mut conn = self.conn.clone();
+            let reply: Vec<String> = invocation.invoke_async(&mut conn).await?;
+            match reply.first().map(String::as_str) {
+                Some("ok") => return Ok(refused),
+                Some("stale") => continue,
+                Some("failed") => {
+                    return Err(SinkError::from(RedisReply(
+                        reply.get(1).cloned().unwrap_or_default(),
+                    )));
+                }
+                _ => return Err(unexpected(&reply)),
+            }
+        }
+        Err(stale_cells())
+    }
+
+    /// One run of `scripts/flush.lua`; `None` when a cells field changed since it was read.
+    async fn script_flush(
+        &self,
+        write: GroupWrite<'_>,
+        plan: &cells::Plan,
+    ) -> Result<Option<Applied>, SinkError> {
         let ks = &self.keyspace;
+        let refused = window_rejections(&plan.currents, write.windows);
         let mut invocation = self.scripts.flush.prepare_invoke();
         invocation
             .key(ks.fence_key(write.group))
@@ -242,15 +327,17 @@ impl RedisSink {
             .arg(write.next_offset)
             .arg(write.watermark.unwrap_or(""))
             .arg(write.deltas.len())
+            .arg(plan.writes.len())
+            .arg(write.resets.len())
             .arg(write.windows.len())
-            .arg(write.resets.len());
+            .arg(refused.len());
         let mut key = String::new();
         for (counter, _) in write.deltas {
             ks.write_counter_key(&mut key, write.group, counter);
             invocation.key(&key);
         }
-        for w in write.windows {
-            invocation.key(ks.window_key(write.group, &w.counter, w.width_ms, w.start_ms));
+        for stripe in &plan.writes {
+            invocation.key(&stripe.key);
         }
         for counter in write.resets {
             invocation
@@ -261,8 +348,21 @@ impl RedisSink {
         for (_, delta) in write.deltas {
             invocation.arg(*delta);
         }
-        for w in write.windows {
-            invocation.arg(w.delta).arg(w.expire_at_ms);
+        for stripe in &plan.writes {
+            invocation.arg(stripe.expire_at_ms).arg(stripe.fields.len());
+            for f in &stripe.fields {
+                invocation
+                    .arg(&f.field)
+                    .arg(f.read.as_deref().unwrap_or(""))
+                    .arg(f.value.as_deref().unwrap_or(""));
+            }
+        }
+        for rejection in &refused {
+            if let Refused::Window(i) = rejection.refused {
+                invocation
+                    .arg(write.deltas.len() + i + 1)
+                    .arg(rejection.reason.as_str());
+            }
         }
         for member in write.members {
             invocation
@@ -273,34 +373,60 @@ impl RedisSink {
         }
         let mut conn = self.conn.clone();
         let reply: Vec<String> = invocation.invoke_async(&mut conn).await?;
-        match reply.first().map(String::as_str) {
-            Some("ok") => Ok(Applied::Written),
-            Some("duplicate") => Ok(Applied::AlreadyApplied),
-            Some("fenced") => Ok(Applied::from_fence(
-                parse_number(&reply, 1).ok(),
-                write.epoch,
-            )),
-            Some("rolled_back") => Ok(Applied::RolledBack),
-            Some("failed") => Err(SinkError::from(RedisReply(
-                reply.get(1).cloned().unwrap_or_default(),
-            ))),
-            Some("rejected") => reply[1..]
-                .chunks(2)
-                .map(|pair| match pair {
-                    // A reason not about the data is not a refusal: the write is retried.
-                    [index, reason] => (index.parse().ok())
-                        .and_then(|i| write.refused(i))
-                        .zip(DeadLetterReason::from_script(reason))
-                        .map(|(refused, reason)| Rejection { refused, reason })
-                        .ok_or_else(|| unexpected(&reply)),
-                    _ => Err(unexpected(&reply)),
-                })
-                .collect::<Result<_, _>>()
-                .map(Applied::Rejected),
-            _ => Err(unexpected(&reply)),
+        if reply.first().map(String::as_str) == Some("stale") {
+            return Ok(None);
         }
+        fenced_flush_reply(&reply, write).map(Some)
     }
+}
 
+/// How many times one flush reads the cells again after another writer changed them before it
+/// reports a retryable error (the flush's own retry then backs off).
+const MAX_STALE_READS: usize = 32;
+
+/// The error of a flush whose cells kept changing under it.
+fn stale_cells() -> SinkError {
+    SinkError {
+        kind: SinkErrorKind::Retryable,
+        source: Box::new(redis::RedisError::from((
+            ErrorKind::Client,
+            "the window cells kept changing between read and write",
+            format!("{MAX_STALE_READS} reads in a row"),
+        ))),
+    }
+}
+
+/// `scripts/flush.lua`'s reply, other than `{'stale'}`.
+fn fenced_flush_reply(reply: &[String], write: GroupWrite<'_>) -> Result<Applied, SinkError> {
+    match reply.first().map(String::as_str) {
+        Some("ok") => Ok(Applied::Written),
+        Some("duplicate") => Ok(Applied::AlreadyApplied),
+        Some("fenced") => Ok(Applied::from_fence(
+            parse_number(reply, 1).ok(),
+            write.epoch,
+        )),
+        Some("rolled_back") => Ok(Applied::RolledBack),
+        Some("failed") => Err(SinkError::from(RedisReply(
+            reply.get(1).cloned().unwrap_or_default(),
+        ))),
+        Some("rejected") => reply[1..]
+            .chunks(2)
+            .map(|pair| match pair {
+                // A reason not about the data is not a refusal: the write is retried.
+                [index, reason] => (index.parse().ok())
+                    .and_then(|i| write.refused(i))
+                    .zip(DeadLetterReason::from_script(reason))
+                    .map(|(refused, reason)| Rejection { refused, reason })
+                    .ok_or_else(|| unexpected(reply)),
+                _ => Err(unexpected(reply)),
+            })
+            .collect::<Result<_, _>>()
+            .map(Applied::Rejected),
+        _ => Err(unexpected(reply)),
+    }
+}
+
+impl RedisSink {
     async fn script_next_epoch(
         &self,
         home: u32,
@@ -388,54 +514,16 @@ impl Sink for RedisSink {
         windows: &[WindowDelta],
         resets: &[String],
     ) -> Result<Vec<Rejection>, SinkError> {
-        if deltas.is_empty() && windows.is_empty() && resets.is_empty() {
-            return Ok(Vec::new());
-        }
-        // One MULTI/EXEC, each command's reply kept: Redis refuses a transaction it cannot run
-        // (out of memory, read-only, no permission) whole, before running any of it, but runs
-        // the rest when one command fails on its data, so those are told apart here.
-        let mut pipe = redis::pipe();
-        pipe.atomic().ignore_errors();
-        let ks = &self.keyspace;
-        for counter in resets {
-            pipe.cmd("DEL")
-                .arg(ks.counter_key(group, counter))
-                .arg(ks.member_key(group, counter))
-                .arg(ks.journal_key(group, counter))
-                .ignore();
-        }
-        let mut key = String::new();
-        for (counter, delta) in deltas {
-            ks.write_counter_key(&mut key, group, counter);
-            pipe.cmd("INCRBY").arg(&key).arg(*delta);
-        }
-        for w in windows {
-            let key = ks.window_key(group, &w.counter, w.width_ms, w.start_ms);
-            pipe.cmd("INCRBY").arg(&key).arg(w.delta);
-            pipe.cmd("PEXPIREAT").arg(&key).arg(w.expire_at_ms).ignore();
-        }
-        let mut conn = self.conn.clone();
-        let replies: Vec<redis::RedisResult<redis::Value>> = pipe.query_async(&mut conn).await?;
-        // One reply per INCRBY, deltas then windows (the DELs and PEXPIREATs are ignored).
         let mut rejected = Vec::new();
-        for (i, reply) in replies.into_iter().enumerate() {
-            let Err(error) = reply else { continue };
-            // Rare: a key is built again only for a refused command.
-            let (refused, key) = match deltas.get(i) {
-                Some((counter, _)) => (Refused::Delta(i), ks.counter_key(group, counter)),
-                None => {
-                    let j = i - deltas.len();
-                    let w = &windows[j];
-                    let key = ks.window_key(group, &w.counter, w.width_ms, w.start_ms);
-                    (Refused::Window(j), key)
-                }
-            };
-            match data_refusal(&mut conn, &key, &error).await? {
-                Some(reason) => rejected.push(Rejection { refused, reason }),
-                // Not about the data: fail the flush (the rest of the transaction ran; the
-                // retry adds it again, a duplicate that at-least-once allows).
-                None => return Err(SinkError::from(error)),
-            }
+        if !deltas.is_empty() || !resets.is_empty() {
+            rejected = self.apply_totals(group, deltas, resets).await?;
+        }
+        if !windows.is_empty() {
+            let refused = (self.either(self.script_cells(group, windows), |t| {
+                t.apply_cells(group, windows)
+            }))
+            .await?;
+            rejected.extend(refused);
         }
         Ok(rejected)
     }
@@ -554,6 +642,51 @@ impl Sink for RedisSink {
             .arg(field)
             .query_async(&mut conn)
             .await?)
+    }
+}
+
+impl RedisSink {
+    /// An at-least-once write's resets and deltas, with the deltas refused.
+    async fn apply_totals(
+        &self,
+        group: u32,
+        deltas: &[(String, i64)],
+        resets: &[String],
+    ) -> Result<Vec<Rejection>, SinkError> {
+        // One MULTI/EXEC, each command's reply kept: Redis refuses a transaction it cannot run
+        // (out of memory, read-only, no permission) whole, before running any of it, but runs
+        // the rest when one command fails on its data, so those are told apart here.
+        let mut pipe = redis::pipe();
+        pipe.atomic().ignore_errors();
+        let ks = &self.keyspace;
+        for counter in resets {
+            pipe.cmd("DEL")
+                .arg(ks.counter_key(group, counter))
+                .arg(ks.member_key(group, counter))
+                .arg(ks.journal_key(group, counter))
+                .ignore();
+        }
+        let mut key = String::new();
+        for (counter, delta) in deltas {
+            ks.write_counter_key(&mut key, group, counter);
+            pipe.cmd("INCRBY").arg(&key).arg(*delta);
+        }
+        let mut conn = self.conn.clone();
+        let replies: Vec<redis::RedisResult<redis::Value>> = pipe.query_async(&mut conn).await?;
+        // One reply per INCRBY (the DELs are ignored).
+        let mut rejected = Vec::new();
+        for (i, reply) in replies.into_iter().enumerate() {
+            let Err(error) = reply else { continue };
+            // Rare: a key is built again only for a refused command.
+            let (refused, key) = (Refused::Delta(i), ks.counter_key(group, &deltas[i].0));
+            match data_refusal(&mut conn, &key, &error).await? {
+                Some(reason) => rejected.push(Rejection { refused, reason }),
+                // Not about the data: fail the flush (the rest of the transaction ran; the
+                // retry adds it again, a duplicate that at-least-once allows).
+                None => return Err(SinkError::from(error)),
+            }
+        }
+        Ok(rejected)
     }
 }
 

@@ -23,10 +23,15 @@ use redis::{AsyncConnectionConfig, ErrorKind, Pipeline, ServerErrorKind, Value};
 use tally_common::connection::{DEFAULT_CONNECT_TIMEOUT, DEFAULT_RESPONSE_TIMEOUT};
 use tally_common::{Keyspace, RedisTarget};
 
+use crate::machine::batch::WindowDelta;
 use crate::machine::verdict::{
     Current, MemberState, flush_verdict, next_epoch_after, stamp_refusal, watermark_refusal,
+    window_rejections,
 };
-use crate::store::sink::{Applied, GroupWrite, IdleWrite, Marked, SinkError, SinkErrorKind, Stamp};
+use crate::store::cells;
+use crate::store::sink::{
+    Applied, GroupWrite, IdleWrite, Marked, Rejection, SinkError, SinkErrorKind, Stamp,
+};
 
 /// How many times one operation starts over after a conflicting write before it reports a
 /// retryable error (the flush's own retry then backs off).
@@ -104,6 +109,33 @@ fn current(value: &Value) -> Result<Current, SinkError> {
         Value::ServerError(e) => return Err(SinkError::from(redis::RedisError::from(e.clone()))),
         _ => return Err(protocol_error("not a string", value)),
     })
+}
+
+/// Adds the cells rewrites to `writes`: per hash one `HSET`, one `HDEL`, and its expiry (`NX`
+/// for a new hash, then `GT`: only ever later).
+fn rewrite_cells(writes: &mut Pipeline, stripes: &[cells::StripeWrite]) {
+    for stripe in stripes {
+        let (set, del): (Vec<_>, Vec<_>) = stripe.fields.iter().partition(|f| f.value.is_some());
+        if !set.is_empty() {
+            let pairs: Vec<(&str, &str)> = (set.iter())
+                .filter_map(|f| Some((f.field.as_str(), f.value.as_deref()?)))
+                .collect();
+            // HSET with many pairs (redis-rs's hset_multiple sends HMSET, which the ACL lacks).
+            writes.cmd("HSET").arg(&stripe.key).arg(&pairs).ignore();
+        }
+        if !del.is_empty() {
+            let fields: Vec<&str> = del.iter().map(|f| f.field.as_str()).collect();
+            writes.hdel(&stripe.key, fields).ignore();
+        }
+        for option in ["NX", "GT"] {
+            writes
+                .cmd("PEXPIREAT")
+                .arg(&stripe.key)
+                .arg(stripe.expire_at_ms)
+                .arg(option)
+                .ignore();
+        }
+    }
 }
 
 fn conflict() -> SinkError {
@@ -190,9 +222,7 @@ impl Transactions {
             .iter()
             .map(|(counter, _)| ks.counter_key(write.group, counter))
             .collect();
-        let window_keys: Vec<String> = (write.windows.iter())
-            .map(|w| ks.window_key(write.group, &w.counter, w.width_ms, w.start_ms))
-            .collect();
+        let cells_reads = cells::Reads::new(ks, write.group, write.windows);
         let member_keys: Vec<(String, String)> = write
             .members
             .iter()
@@ -205,7 +235,7 @@ impl Transactions {
             .collect();
         let mut watch = vec![fence_key.clone(), ledger_key.clone()];
         watch.extend(counter_keys.iter().cloned());
-        watch.extend(window_keys.iter().cloned());
+        watch.extend(cells_reads.stripes.iter().map(|(key, _)| key.clone()));
         for (set, counter) in &member_keys {
             watch.push(set.clone());
             watch.push(counter.clone());
@@ -215,14 +245,15 @@ impl Transactions {
         reads
             .hget(&fence_key, write.field)
             .hget(&ledger_key, write.field);
-        for key in counter_keys.iter().chain(&window_keys) {
+        for key in &counter_keys {
             reads.get(key);
         }
+        cells_reads.add_to(&mut reads);
         for ((set, counter), m) in member_keys.iter().zip(write.members) {
             reads.sismember(set, &m.actor).get(counter);
         }
         let n = counter_keys.len();
-        let w = window_keys.len();
+        let w = cells_reads.stripes.len();
         self.optimistic(&watch, &reads, |replies| {
             let [fence, ledger, rest @ ..] = replies else {
                 return Err(protocol_error(
@@ -240,10 +271,11 @@ impl Transactions {
                 .iter()
                 .map(current)
                 .collect::<Result<Vec<_>, _>>()?;
-            let window_currents = rest[n..n + w]
+            let got = rest[n..n + w]
                 .iter()
-                .map(current)
+                .map(cells::Read::from_reply)
                 .collect::<Result<Vec<_>, _>>()?;
+            let cells = cells::plan(&cells_reads, &got, write.windows, cells::now_ms());
             let states = rest[n + w..]
                 .chunks(2)
                 .map(|pair| {
@@ -267,7 +299,7 @@ impl Transactions {
             }
             let (fence, ledger) = (number(fence)?, number(ledger)?);
             if let Some(verdict) =
-                flush_verdict(fence, ledger, &currents, &window_currents, &states, &write)
+                flush_verdict(fence, ledger, &currents, &cells.currents, &states, &write)
             {
                 return Ok(Plan::Done(verdict));
             }
@@ -284,15 +316,7 @@ impl Transactions {
             for (key, (_, delta)) in counter_keys.iter().zip(write.deltas) {
                 writes.incr(key, *delta).ignore();
             }
-            // As the script: the expiry is set where the write creates the key (or finds 0).
-            for ((key, window), current) in
-                window_keys.iter().zip(write.windows).zip(&window_currents)
-            {
-                writes.incr(key, window.delta).ignore();
-                if matches!(current, Current::Missing | Current::Integer(0)) {
-                    writes.pexpire_at(key, window.expire_at_ms).ignore();
-                }
-            }
+            rewrite_cells(&mut writes, &cells.writes);
             // Reads saw each set before any of this batch's changes; one actor appears once per
             // counter in a batch, so each change is decided on what the set holds now.
             for (((set, counter), m), state) in member_keys.iter().zip(write.members).zip(&states) {
@@ -323,6 +347,39 @@ impl Transactions {
                     .ignore();
             }
             Ok(Plan::Write(writes, Applied::Written))
+        })
+        .await
+    }
+
+    /// The transactional `scripts/cells.lua`: an at-least-once write's window deltas, with the
+    /// ones refused.
+    pub async fn apply_cells(
+        &self,
+        group: u32,
+        windows: &[WindowDelta],
+    ) -> Result<Vec<Rejection>, SinkError> {
+        let cells_reads = cells::Reads::new(&self.keyspace, group, windows);
+        if cells_reads.is_empty() {
+            return Ok(Vec::new());
+        }
+        let watch: Vec<String> = (cells_reads.stripes.iter())
+            .map(|(key, _)| key.clone())
+            .collect();
+        let mut reads = redis::pipe();
+        reads.ignore_errors();
+        cells_reads.add_to(&mut reads);
+        self.optimistic(&watch, &reads, |replies| {
+            let got = (replies.iter())
+                .map(cells::Read::from_reply)
+                .collect::<Result<Vec<_>, _>>()?;
+            let plan = cells::plan(&cells_reads, &got, windows, cells::now_ms());
+            let refused = window_rejections(&plan.currents, windows);
+            if plan.writes.is_empty() {
+                return Ok(Plan::Done(refused));
+            }
+            let mut writes = redis::pipe();
+            rewrite_cells(&mut writes, &plan.writes);
+            Ok(Plan::Write(writes, refused))
         })
         .await
     }

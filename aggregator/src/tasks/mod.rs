@@ -3,8 +3,10 @@
 //! - [`trending`]: heavy-hitter sketches of the fastest-moving counters, and the cache warmer.
 //! - [`expiry`]: counters that expire: the idle index, expiry records and their decision.
 //! - [`shard_monitor`]: raises the shard counts of directly written counters that run hot.
+//! - [`cells`]: the window cells' sweep of expired buckets, and the migration from bucket keys.
 //! - [`compact`]: collapsing cold counters' shares into one key, crash-safe (`tally compact`).
 
+pub mod cells;
 pub mod compact;
 pub mod expiry;
 pub mod shard_monitor;

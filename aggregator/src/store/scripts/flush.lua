@@ -1,26 +1,36 @@
 -- One exactly-once flush into one shard group: fence check, duplicate check, then every write,
--- all in one slot, all or nothing. Lua has no rollback: a write Redis can undo exactly (INCRBY) is
--- its own check and is undone if any other is refused; what it cannot undo (a reset's DEL, a
--- membership's SADD or SREM) is checked before anything is written.
+-- all in one slot, all or nothing. Lua has no rollback: a write Redis can undo exactly (INCRBY, a
+-- hash field whose old value is known) is its own check and is undone if any other is refused;
+-- what it cannot undo (a reset's DEL, a membership's SADD or SREM) is checked before anything is
+-- written.
 --
 -- KEYS[1] fence hash    KEYS[2] ledger hash    KEYS[3] watermark hash
 -- KEYS[4 .. 3+n] counter keys of the n deltas
--- KEYS[4+n .. 3+n+w] bucket keys of the w window deltas
--- KEYS[4+n+w .. 3+n+w+3r] per reset: the counter's key, member set and compaction journal
--- KEYS[4+n+w+3r ..] per membership: the counter's member set, then its counter key
+-- KEYS[4+n .. 3+n+s] the s cells hashes (window buckets) this write rewrites fields of
+-- KEYS[4+n+s .. 3+n+s+3r] per reset: the counter's key, member set and compaction journal
+-- KEYS[4+n+s+3r ..] per membership: the counter's member set, then its counter key
 -- ARGV[1] partition field ("<topic>/<partition>")    ARGV[2] the writer's epoch
 -- ARGV[3] the ledger entry the writer last saw here    ARGV[4] next offset (the entry after this write)
 -- ARGV[5] watermark value to store, or '' to leave the watermark alone
--- ARGV[6] n, the number of deltas    ARGV[7] w, the number of window deltas
+-- ARGV[6] n, the number of deltas    ARGV[7] s, the number of cells hashes
 -- ARGV[8] r, the number of resets (their keys are deleted before anything is added)
--- ARGV[9 .. 8+n] one delta per counter key, in the same order
--- ARGV[9+n .. 8+n+2w] per bucket key: its delta, then when it expires (ms since the epoch)
--- ARGV[9+n+2w ..] per membership: the actor, then '1' (like) or '0' (unlike)
+-- ARGV[9] w, the number of window deltas (memberships are numbered after them in a refusal)
+-- ARGV[10] x, the number of window deltas the writer found refused
+-- ARGV[11 .. 10+n] one delta per counter key, in the same order
+-- then per cells hash: when it expires (ms since the epoch), f, then f times: a field (a
+--   counter), the value the writer read ('' for none) and the value to write ('' to delete)
+-- then x times: a refused window delta's index (n + its place among the window deltas) and why
+-- then per membership: the actor, then '1' (like) or '0' (unlike)
+--
+-- The writer reads the cells fields and computes their new values (tally_common::window::cells);
+-- if any field no longer holds what it read, the script writes nothing and returns {'stale'}, and
+-- the writer reads again.
 --
 -- Returns {'ok'}, {'fenced', current epoch or '0'}, {'duplicate', ledger entry},
--- {'rolled_back', ledger entry} (the group lost writes the writer had seen land),
+-- {'rolled_back', ledger entry} (the group lost writes the writer had seen land), {'stale'},
 -- {'rejected', index, reason, index, reason, ...} with 1-based indexes: deltas first, then
--- window deltas (index n + i), then memberships (index n + w + j), or {'failed', error}.
+-- window deltas (index n + i), then memberships (index n + w + j, w the window deltas), or
+-- {'failed', error}.
 --
 -- A delta is rejected only for a reason read from the data: the key holds another type, a string
 -- that is not a 64-bit integer, or a value the delta would take past 64 bits. Any other answer
@@ -40,9 +50,31 @@ if applied < tonumber(ARGV[3]) then
   return {'rolled_back', tostring(applied)}
 end
 local n = tonumber(ARGV[6])
-local w = tonumber(ARGV[7])
+local s = tonumber(ARGV[7])
 local r = tonumber(ARGV[8])
-local m = (#KEYS - 3 - n - w - 3 * r) / 2
+local w = tonumber(ARGV[9])
+local x = tonumber(ARGV[10])
+local m = (#KEYS - 3 - n - s - 3 * r) / 2
+
+-- The cells rewrites: per hash, its expiry and {field, read, new} triples.
+local stripes = {}
+local arg = 11 + n
+for i = 1, s do
+  local stripe = {key = KEYS[3 + n + i], expire = ARGV[arg], fields = {}}
+  local f = tonumber(ARGV[arg + 1])
+  arg = arg + 2
+  for j = 1, f do
+    stripe.fields[j] = {ARGV[arg], ARGV[arg + 1], ARGV[arg + 2]}
+    arg = arg + 3
+  end
+  stripes[i] = stripe
+end
+local refused_windows = {}
+for i = 1, x do
+  refused_windows[i] = {ARGV[arg], ARGV[arg + 1]}
+  arg = arg + 2
+end
+local ma = arg - 1
 
 -- A 64-bit integer as Redis reads one (string2ll: no sign but '-', no leading zero, no '-0'),
 -- as {high, low}: high * 10^9 + low, both exact in Lua's doubles. nil if `s` is not one.
@@ -166,12 +198,13 @@ local function check(first, count, arg, base)
 end
 
 do
-  local mk = 3 + n + w + 3 * r
+  local mk = 3 + n + s + 3 * r
   local denied = forbidden({
     {'incrby', n > 0 and KEYS[4] or nil, '1'},
-    {'incrby', w > 0 and KEYS[4 + n] or nil, '1'},
-    {'pexpireat', w > 0 and KEYS[4 + n] or nil, '0'},
-    {'del', r > 0 and KEYS[4 + n + w] or nil},
+    {'hset', s > 0 and KEYS[4 + n] or nil, 'x', '1'},
+    {'hdel', s > 0 and KEYS[4 + n] or nil, 'x'},
+    {'pexpireat', s > 0 and KEYS[4 + n] or nil, '0'},
+    {'del', r > 0 and KEYS[4 + n + s] or nil},
     {'sadd', m > 0 and KEYS[mk + 1] or nil, 'x'},
     {'srem', m > 0 and KEYS[mk + 1] or nil, 'x'},
     {'incrby', m > 0 and KEYS[mk + 2] or nil, '1'},
@@ -183,11 +216,30 @@ do
   end
 end
 
+-- The cells fields must still hold what the writer read, or it reads again. A hash of another
+-- type is stale too: the writer's read then finds it, and refuses its window deltas.
+if x == 0 then
+  for _, stripe in ipairs(stripes) do
+    local names = {}
+    for j, f in ipairs(stripe.fields) do
+      names[j] = f[1]
+    end
+    local now = redis.pcall('HMGET', stripe.key, unpack(names))
+    if now['err'] then
+      return {'stale'}
+    end
+    for j, f in ipairs(stripe.fields) do
+      if (now[j] or '') ~= f[2] then
+        return {'stale'}
+      end
+    end
+  end
+end
+
 -- Memberships are checked before anything is written: SADD and SREM cannot be undone as
 -- cheaply as INCRBY. Their refusals are listed after the deltas'.
 local refused_members = {}
-local mk = 3 + n + w + 3 * r
-local ma = 8 + n + 2 * w
+local mk = 3 + n + s + 3 * r
 for j = 1, m do
   local set = KEYS[mk + 2 * j - 1]
   local kind = redis.call('TYPE', set)['ok']
@@ -209,11 +261,14 @@ for j = 1, m do
   end
 end
 
-if r > 0 or #refused_members > 0 then
-  -- Resets delete keys, which cannot be undone, and a refused membership returns anyway: every
-  -- delta is read and checked before anything is written, so the writes below take them all.
-  check(4, n, function(i) return 8 + i end, 0)
-  check(4 + n, w, function(i) return 8 + n + 2 * i - 1 end, n)
+if r > 0 or x > 0 or #refused_members > 0 then
+  -- Resets delete keys, which cannot be undone, and refused window deltas or memberships
+  -- return anyway: every delta is read and checked before anything is written, so the writes
+  -- below take them all.
+  check(4, n, function(i) return 10 + i end, 0)
+  for _, v in ipairs(refused_windows) do
+    refuse(rejected, v[1], v[2])
+  end
   for _, v in ipairs(refused_members) do
     rejected[#rejected + 1] = v
   end
@@ -221,7 +276,7 @@ if r > 0 or #refused_members > 0 then
     return rejected
   end
   for i = 1, 3 * r do
-    redis.call('DEL', KEYS[3 + n + w + i])
+    redis.call('DEL', KEYS[3 + n + s + i])
   end
 end
 do
@@ -260,26 +315,43 @@ do
     return sum
   end
   for i = 1, n do
-    add(KEYS[3 + i], ARGV[8 + i], i)
+    add(KEYS[3 + i], ARGV[10 + i], i)
     if failure then
       break
     end
   end
-  -- A bucket key gets its expiry when this script creates it (the sum is then the delta alone);
-  -- a key that exists got it then, so most writes of a bucket cost one INCRBY.
-  local created = {}
-  for i = 1, w do
-    if failure then
-      break
-    end
-    local delta = ARGV[8 + n + 2 * i - 1]
-    if add(KEYS[3 + n + i], delta, n + i) == tonumber(delta) then
-      created[#created + 1] = i
+  -- The cells: each hash's new fields in one HSET, its emptied ones in one HDEL, each undone
+  -- from the values read if anything after it fails.
+  local written = 0
+  if not failure and #rejected == 1 then
+    for i, stripe in ipairs(stripes) do
+      local set, del = {}, {}
+      for _, f in ipairs(stripe.fields) do
+        if f[3] == '' then
+          del[#del + 1] = f[1]
+        else
+          set[#set + 1] = f[1]
+          set[#set + 1] = f[3]
+        end
+      end
+      -- HSET and HDEL answer a number, or an error as {err = ...}.
+      local reply = 0
+      if #set > 0 then
+        reply = redis.pcall('HSET', stripe.key, unpack(set))
+      end
+      if #del > 0 and type(reply) ~= 'table' then
+        reply = redis.pcall('HDEL', stripe.key, unpack(del))
+      end
+      if type(reply) == 'table' then
+        failure = reply['err'] or 'unknown error'
+        break
+      end
+      written = i
     end
   end
   if failure or #rejected > 1 then
     -- Redis's arithmetic restores each value exactly. A key left at 0 is deleted: it counts the
-    -- same as no key, and an undone bucket must not stay without its expiry.
+    -- same as no key.
     -- The negated delta is built as text: Lua's numbers are doubles. It is an INCRBY, so the
     -- undo needs no other permission; -2^63 has no negation in 64 bits and is undone in two.
     local function undo(key, delta)
@@ -300,12 +372,16 @@ do
     end
     for i = 1, math.min(n, done) do
       if not refused[i] then
-        undo(KEYS[3 + i], ARGV[8 + i])
+        undo(KEYS[3 + i], ARGV[10 + i])
       end
     end
-    for i = 1, math.min(w, done - n) do
-      if not refused[n + i] then
-        undo(KEYS[3 + n + i], ARGV[8 + n + 2 * i - 1])
+    for i = 1, written do
+      for _, f in ipairs(stripes[i].fields) do
+        if f[2] == '' then
+          redis.call('HDEL', stripes[i].key, f[1])
+        else
+          redis.call('HSET', stripes[i].key, f[1], f[2])
+        end
       end
     end
     if failure then
@@ -313,8 +389,11 @@ do
     end
     return rejected
   end
-  for _, i in ipairs(created) do
-    redis.call('PEXPIREAT', KEYS[3 + n + i], ARGV[8 + n + 2 * i])
+  -- A hash lives as long as the last bucket written into it (GT: only ever later; NX: a new hash).
+  for _, stripe in ipairs(stripes) do
+    if redis.call('PEXPIREAT', stripe.key, stripe.expire, 'NX') == 0 then
+      redis.call('PEXPIREAT', stripe.key, stripe.expire, 'GT')
+    end
   end
 end
 for j = 1, m do

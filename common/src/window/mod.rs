@@ -24,6 +24,8 @@
 
 use serde::Deserialize;
 
+pub mod cells;
+
 /// Most windows a namespace may keep.
 pub const MAX_WINDOWS: usize = 4;
 

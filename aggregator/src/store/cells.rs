@@ -1,0 +1,313 @@
+//! A group's window deltas as rewrites of its counters' cells (`tally_common::window::cells`):
+//! which hashes and fields a write reads ([`Reads`]), and what it writes there once it has read
+//! them ([`plan`]). The writer computes the new values; the write lands only if every field
+//! still holds what was read (`scripts/flush.lua`, `scripts/cells.lua`, or a `WATCH` in the
+//! transactions path), else it reads again.
+
+use std::collections::HashMap;
+
+use redis::Value;
+use tally_common::Keyspace;
+use tally_common::window::cells::Cells;
+
+use crate::machine::batch::WindowDelta;
+use crate::machine::verdict::Current;
+
+type Hasher = foldhash::fast::RandomState;
+
+/// The cells hashes and fields one group's window deltas touch.
+#[derive(Debug, Clone, Default)]
+pub struct Reads {
+    /// Per hash: its key and the fields (counters) to read, each once.
+    pub stripes: Vec<(String, Vec<String>)>,
+    /// Per window delta: its hash and field, as indexes into `stripes`.
+    at: Vec<(usize, usize)>,
+}
+
+impl Reads {
+    /// The fields `windows` (one group's) touch.
+    pub fn new(keyspace: &Keyspace, group: u32, windows: &[WindowDelta]) -> Self {
+        let mut reads = Self::default();
+        let mut stripes: HashMap<String, usize, Hasher> = HashMap::default();
+        let mut fields: HashMap<(usize, &str), usize, Hasher> = HashMap::default();
+        for (i, w) in windows.iter().enumerate() {
+            // A counter's deltas come one after another (a batch seals them so): one lookup each.
+            if i > 0 && windows[i - 1].counter == w.counter {
+                reads.at.push(reads.at[i - 1]);
+                continue;
+            }
+            let key = keyspace.cells_key(group, &w.counter);
+            let s = *stripes.entry(key.clone()).or_insert_with(|| {
+                reads.stripes.push((key, Vec::new()));
+                reads.stripes.len() - 1
+            });
+            let f = *fields.entry((s, &w.counter)).or_insert_with(|| {
+                reads.stripes[s].1.push(w.counter.clone());
+                reads.stripes[s].1.len() - 1
+            });
+            reads.at.push((s, f));
+        }
+        reads
+    }
+
+    /// Whether there is nothing to read.
+    pub fn is_empty(&self) -> bool {
+        self.stripes.is_empty()
+    }
+
+    /// One `HMGET` per hash, in order.
+    pub fn add_to(&self, pipe: &mut redis::Pipeline) {
+        for (key, fields) in &self.stripes {
+            pipe.cmd("HMGET").arg(key).arg(fields);
+        }
+    }
+}
+
+/// What one hash's `HMGET` gave.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Read {
+    /// Per field, its value.
+    Fields(Vec<Option<String>>),
+    /// The key holds another type.
+    WrongType,
+}
+
+impl Read {
+    /// The reply to one `HMGET` (read with errors kept); an error other than `WRONGTYPE`, or
+    /// a reply of another shape, is `Err`.
+    pub fn from_reply(value: &Value) -> Result<Self, redis::RedisError> {
+        match value {
+            Value::Array(items) => items
+                .iter()
+                .map(|item| match item {
+                    Value::Nil => Ok(None),
+                    Value::BulkString(bytes) => Ok(Some(String::from_utf8_lossy(bytes).into())),
+                    other => Err(unexpected(other)),
+                })
+                .collect::<Result<_, _>>()
+                .map(Read::Fields),
+            Value::ServerError(e) if e.code() == "WRONGTYPE" => Ok(Read::WrongType),
+            Value::ServerError(e) => Err(redis::RedisError::from(e.clone())),
+            other => Err(unexpected(other)),
+        }
+    }
+}
+
+fn unexpected(value: &Value) -> redis::RedisError {
+    redis::RedisError::from((
+        redis::ErrorKind::UnexpectedReturnType,
+        "HMGET reply",
+        format!("{value:?}"),
+    ))
+}
+
+/// One field's rewrite.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FieldWrite {
+    /// The field: the counter.
+    pub field: String,
+    /// What it held when read (`None`: nothing).
+    pub read: Option<String>,
+    /// What to write (`None`: delete the field).
+    pub value: Option<String>,
+}
+
+/// The rewrites of one hash.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StripeWrite {
+    /// The hash.
+    pub key: String,
+    /// When the last bucket written into it expires.
+    pub expire_at_ms: i64,
+    /// The fields that change.
+    pub fields: Vec<FieldWrite>,
+}
+
+/// What the window deltas find and write, given what was read (`got`, one per hash of `reads`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Plan {
+    /// Per window delta, what its bucket holds, as far as adding to it is concerned (a field
+    /// that is not cells is [`Current::NotAnInteger`], a hash of another type
+    /// [`Current::WrongType`]): `crate::machine::verdict` refuses on it as on a counter key.
+    pub currents: Vec<Current>,
+    /// The rewrites, if nothing is refused; hashes with no change are left out.
+    pub writes: Vec<StripeWrite>,
+}
+
+/// The plan of `windows` (those `reads` was made from) at `now_ms`: each field gets its deltas
+/// and loses the buckets of the windows written that expired by `now_ms`.
+pub fn plan(reads: &Reads, got: &[Read], windows: &[WindowDelta], now_ms: i64) -> Plan {
+    // Per field: its cells (None: not cells, or the hash is of another type).
+    let mut cells: Vec<Vec<Option<Cells>>> = (reads.stripes.iter().zip(got))
+        .map(|((_, fields), read)| match read {
+            Read::Fields(values) => (values.iter())
+                .map(|v| v.as_deref().map_or(Some(Cells::default()), Cells::parse))
+                .chain(std::iter::repeat(None))
+                .take(fields.len())
+                .collect(),
+            Read::WrongType => vec![None; fields.len()],
+        })
+        .collect();
+    let currents = (windows.iter().zip(&reads.at))
+        .map(|(w, &(s, f))| match (&got[s], &cells[s][f]) {
+            (Read::WrongType, _) => Current::WrongType,
+            (_, None) => Current::NotAnInteger,
+            (_, Some(c)) => match c.get(w.width_ms, w.start_ms) {
+                0 => Current::Missing,
+                count => Current::Integer(count),
+            },
+        })
+        .collect();
+    let mut expire_at = vec![i64::MIN; reads.stripes.len()];
+    for (w, &(s, f)) in windows.iter().zip(&reads.at) {
+        let Some(c) = &mut cells[s][f] else { continue };
+        // An overflow leaves the cells as they were: that delta is refused (`currents`), the
+        // field's others still apply (at-least-once writes the rest; exactly-once none).
+        if c.add(w.width_ms, w.start_ms, w.delta).is_err() {
+            continue;
+        }
+        let retention = w.expire_at_ms - w.start_ms - w.width_ms;
+        c.expire(w.width_ms, retention, now_ms);
+        expire_at[s] = expire_at[s].max(w.expire_at_ms);
+    }
+    let writes = (reads.stripes.iter().zip(got).zip(cells).zip(expire_at))
+        .filter_map(|((((key, fields), read), cells), expire_at_ms)| {
+            let Read::Fields(values) = read else {
+                return None;
+            };
+            let fields: Vec<FieldWrite> = (fields.iter().zip(values).zip(cells))
+                .filter_map(|((field, read), cells)| {
+                    // A field that is not cells is never written: its deltas are refused.
+                    let value = Some(cells?)
+                        .filter(|c| !c.is_empty())
+                        .map(|c| c.to_string());
+                    (value != *read).then(|| FieldWrite {
+                        field: field.clone(),
+                        read: read.clone(),
+                        value,
+                    })
+                })
+                .collect();
+            (!fields.is_empty()).then(|| StripeWrite {
+                key: key.clone(),
+                expire_at_ms,
+                fields,
+            })
+        })
+        .collect();
+    Plan { currents, writes }
+}
+
+/// Now, in ms since the epoch: when a write drops expired buckets.
+pub fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as i64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIN: i64 = 60_000;
+    const HOUR: i64 = 60 * MIN;
+
+    fn delta(counter: &str, width_ms: i64, start_ms: i64, delta: i64) -> WindowDelta {
+        WindowDelta {
+            counter: counter.to_owned(),
+            width_ms,
+            start_ms,
+            expire_at_ms: start_ms + width_ms + 2 * width_ms,
+            delta,
+        }
+    }
+
+    #[test]
+    fn deltas_merge_into_each_counters_field_once_per_hash() {
+        let ks = Keyspace::new("t".to_owned(), 4).expect("keyspace");
+        let now = 1_000 * HOUR;
+        let windows = [
+            delta("a:1", MIN, now, 3),
+            delta("a:1", HOUR, now, 3),
+            delta("b:2", MIN, now, 5),
+            delta("a:1", MIN, now - MIN, 1),
+        ];
+        let reads = Reads::new(&ks, 1, &windows);
+        let fields: usize = reads.stripes.iter().map(|(_, f)| f.len()).sum();
+        assert_eq!(fields, 2);
+        // a:1 holds an old minute (expired at `now`: it ended 3 minutes before) and the last one.
+        let old = format!("1m={}:7,{}:2", now / MIN - 1, now / MIN - 4);
+        let got: Vec<Read> = (reads.stripes.iter())
+            .map(|(_, fields)| {
+                Read::Fields(
+                    (fields.iter())
+                        .map(|f| (f == "a:1").then(|| old.clone()))
+                        .collect(),
+                )
+            })
+            .collect();
+        let plan = plan(&reads, &got, &windows, now);
+        assert_eq!(
+            plan.currents,
+            [
+                Current::Missing,
+                Current::Missing,
+                Current::Missing,
+                Current::Integer(7)
+            ]
+        );
+        let mut written: Vec<(String, Option<String>, Option<String>)> = (plan.writes.iter())
+            .flat_map(|s| s.fields.iter())
+            .map(|f| (f.field.clone(), f.read.clone(), f.value.clone()))
+            .collect();
+        written.sort();
+        assert_eq!(
+            written,
+            [
+                (
+                    "a:1".to_owned(),
+                    Some(old),
+                    Some(format!(
+                        "1m={}:3,{}:8;1h={}:3",
+                        now / MIN,
+                        now / MIN - 1,
+                        now / HOUR
+                    ))
+                ),
+                ("b:2".to_owned(), None, Some(format!("1m={}:5", now / MIN))),
+            ]
+        );
+        assert!(plan.writes.iter().all(|s| s.expire_at_ms >= now + 3 * MIN));
+    }
+
+    #[test]
+    fn a_field_that_is_not_cells_or_a_hash_of_another_type_refuses_its_deltas() {
+        let ks = Keyspace::new("t".to_owned(), 1).expect("keyspace");
+        let windows = [delta("a:1", MIN, 0, 1), delta("a:1", HOUR, 0, 1)];
+        let reads = Reads::new(&ks, 0, &windows);
+        let junk = plan(
+            &reads,
+            &[Read::Fields(vec![Some("junk".to_owned())])],
+            &windows,
+            0,
+        );
+        assert_eq!(
+            junk.currents,
+            [Current::NotAnInteger, Current::NotAnInteger]
+        );
+        assert!(junk.writes.is_empty());
+        let typed = plan(&reads, &[Read::WrongType], &windows, 0);
+        assert_eq!(typed.currents, [Current::WrongType, Current::WrongType]);
+        assert!(typed.writes.is_empty());
+        // Deltas that cancel out delete the field.
+        let full = "1m=0:-1;1h=0:-1".to_owned();
+        let cancel = plan(
+            &reads,
+            &[Read::Fields(vec![Some(full.clone())])],
+            &windows,
+            0,
+        );
+        assert_eq!(cancel.writes[0].fields[0].value, None);
+        assert_eq!(cancel.writes[0].fields[0].read, Some(full));
+    }
+}

@@ -1,0 +1,333 @@
+//! Upkeep of the window cells (`tally_common::window::cells`), outside the flush:
+//!
+//! - **sweep** ([`sweep`]): a flush drops the expired buckets of the counters it writes, and a
+//!   cells hash expires when the last bucket written into it does; a counter no longer written
+//!   keeps its field until a sweep finds its buckets expired (by its namespace's windows as
+//!   configured now: a window no longer kept has expired) and deletes it. It walks every cells
+//!   hash with `HSCAN`, so it also runs against a cluster.
+//! - **migrate** ([`migrate`]): folds the keys of the layout before cells (a key per bucket,
+//!   `<prefix>:{g<group>}:w:<width>:<start>:<counter>`) into the cells, deleting each key in
+//!   the same script that adds its value. Finding them needs `SCAN`: a standalone Redis.
+//!
+//! Both rewrite a field only if it still holds what they read (`scripts/cells.lua`), so they run
+//! beside the aggregators, and a run killed anywhere is simply run again.
+
+use std::collections::BTreeMap;
+
+use tally_common::window::cells::{Cells, STRIPES};
+use tally_common::{Keyspace, Namespaces, RedisConn};
+
+use crate::store::cells::now_ms;
+
+/// Fields read per `HSCAN` call, and keys per `SCAN` call.
+const BATCH: usize = 1_000;
+
+/// How many times one rewrite reads again after a flush changed its field.
+const MAX_STALE_READS: usize = 32;
+
+/// Why a sweep or a migration stopped.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum UpkeepError {
+    /// Redis failed; running it again picks up.
+    #[error("redis: {0}")]
+    Redis(#[from] redis::RedisError),
+    /// Finding the old keys needs `SCAN`, which a cluster connection does not offer here.
+    #[error("migrating the old window keys needs a standalone Redis (it finds them with SCAN)")]
+    Cluster,
+    /// A field kept changing between read and write.
+    #[error("{0}: the cells kept changing between read and write")]
+    Stale(String),
+    /// A script answered something it never answers, or failed.
+    #[error("unexpected reply from the cells script: {0}")]
+    Protocol(String),
+}
+
+/// What a sweep did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SweepReport {
+    /// Fields read.
+    pub fields: u64,
+    /// Fields whose expired buckets were dropped (some left).
+    pub trimmed: u64,
+    /// Fields deleted: nothing left.
+    pub deleted: u64,
+    /// Fields that are not cells, left alone.
+    pub corrupt: u64,
+}
+
+/// What a migration did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MigrateReport {
+    /// Old bucket keys folded into cells and deleted.
+    pub keys: u64,
+    /// Fields written.
+    pub fields: u64,
+    /// Old keys left because their value is not an integer.
+    pub corrupt: u64,
+}
+
+/// One field rewrite: `(field, what it held, what to write: None deletes)`.
+type Rewrite = (String, Option<String>, Option<String>);
+
+/// Runs `scripts/cells.lua` on one hash; `Ok(false)` when a field changed since it was read.
+/// `extra` keys (same slot) are deleted with the rewrite, each only if it still holds its value.
+async fn rewrite(
+    conn: &RedisConn,
+    script: &redis::Script,
+    key: &str,
+    expire_at_ms: Option<i64>,
+    fields: &[Rewrite],
+    extra: &[(String, String)],
+) -> Result<bool, UpkeepError> {
+    let mut invocation = script.prepare_invoke();
+    invocation
+        .key(key)
+        .arg(1)
+        .arg(expire_at_ms.map(|t| t.to_string()).unwrap_or_default())
+        .arg(fields.len());
+    for (field, read, value) in fields {
+        invocation
+            .arg(field)
+            .arg(read.as_deref().unwrap_or(""))
+            .arg(value.as_deref().unwrap_or(""));
+    }
+    for (old, value) in extra {
+        invocation.key(old).arg(value);
+    }
+    let reply: Vec<String> = invocation.invoke_async(&mut conn.clone()).await?;
+    match reply.first().map(String::as_str) {
+        Some("ok") => Ok(true),
+        Some("stale") => Ok(false),
+        _ => Err(UpkeepError::Protocol(format!("{reply:?}"))),
+    }
+}
+
+/// The cells script, hashed once.
+fn script() -> redis::Script {
+    redis::Script::new(include_str!("../store/scripts/cells.lua"))
+}
+
+/// `cells` without the buckets expired at `now_ms` under `namespaces` (the windows of `counter`'s
+/// namespace as configured; a width it no longer keeps has expired).
+fn swept(namespaces: &Namespaces, counter: &str, cells: &Cells, now_ms: i64) -> Cells {
+    let windows = &namespaces.policy(counter).windows;
+    let mut kept = Cells::default();
+    for (width, start, count) in cells.buckets() {
+        let Some(window) = windows.list().iter().find(|w| w.width_ms == width) else {
+            continue;
+        };
+        if start
+            .saturating_add(width)
+            .saturating_add(window.retention_ms)
+            > now_ms
+        {
+            // Adding to an empty bucket cannot overflow.
+            let _ = kept.add(width, start, count);
+        }
+    }
+    kept
+}
+
+/// Drops the expired buckets of every cells field, deleting the fields left empty.
+pub async fn sweep(
+    conn: &RedisConn,
+    keyspace: &Keyspace,
+    namespaces: &Namespaces,
+) -> Result<SweepReport, UpkeepError> {
+    let script = script();
+    let mut report = SweepReport::default();
+    for group in 0..keyspace.groups() {
+        for stripe in 0..STRIPES {
+            let key = keyspace.cells_key_of_stripe(group, stripe);
+            let mut cursor: u64 = 0;
+            loop {
+                let (next, pairs): (u64, Vec<(String, String)>) = redis::cmd("HSCAN")
+                    .arg(&key)
+                    .arg(cursor)
+                    .arg("COUNT")
+                    .arg(BATCH)
+                    .query_async(&mut conn.clone())
+                    .await?;
+                let now = now_ms();
+                let mut fields: Vec<Rewrite> = Vec::new();
+                for (field, value) in pairs {
+                    report.fields += 1;
+                    let Some(cells) = Cells::parse(&value) else {
+                        report.corrupt += 1;
+                        continue;
+                    };
+                    let kept = swept(namespaces, &field, &cells, now);
+                    if kept == cells {
+                        continue;
+                    }
+                    if kept.is_empty() {
+                        report.deleted += 1;
+                        fields.push((field, Some(value), None));
+                    } else {
+                        report.trimmed += 1;
+                        fields.push((field, Some(value), Some(kept.to_string())));
+                    }
+                }
+                // A field a flush rewrote meanwhile is left for the next sweep.
+                sweep_fields(conn, &script, &key, &fields).await?;
+                cursor = next;
+                if cursor == 0 {
+                    break;
+                }
+            }
+        }
+    }
+    Ok(report)
+}
+
+/// Rewrites the swept `fields` of `key` one at a time, skipping those a flush changed.
+async fn sweep_fields(
+    conn: &RedisConn,
+    script: &redis::Script,
+    key: &str,
+    fields: &[Rewrite],
+) -> Result<(), UpkeepError> {
+    if fields.is_empty() {
+        return Ok(());
+    }
+    // All at once; when one of them changed, each alone.
+    if rewrite(conn, script, key, None, fields, &[]).await? {
+        return Ok(());
+    }
+    for field in fields {
+        rewrite(conn, script, key, None, std::slice::from_ref(field), &[]).await?;
+    }
+    Ok(())
+}
+
+/// Per (group, counter) in the migration: an old key, with its bucket's width and start.
+type OldKey = (String, i64, i64);
+
+/// An old bucket key: `(group, counter, width_ms, start_ms)`.
+fn parse_old_key<'k>(keyspace: &Keyspace, key: &'k str) -> Option<(u32, &'k str, i64, i64)> {
+    let rest = key.strip_prefix(keyspace.prefix())?.strip_prefix(":{g")?;
+    let (group, rest) = rest.split_once("}:w:")?;
+    let (width, rest) = rest.split_once(':')?;
+    let (start, counter) = rest.split_once(':')?;
+    Some((
+        group.parse().ok()?,
+        counter,
+        width.parse().ok()?,
+        start.parse().ok()?,
+    ))
+}
+
+/// Folds every old bucket key into the cells and deletes it.
+pub async fn migrate(conn: &RedisConn, keyspace: &Keyspace) -> Result<MigrateReport, UpkeepError> {
+    if conn.is_cluster() {
+        return Err(UpkeepError::Cluster);
+    }
+    let script = script();
+    let mut report = MigrateReport::default();
+    let pattern = format!("{}:{{g*}}:w:*", keyspace.prefix());
+    let mut found: BTreeMap<(u32, String), Vec<OldKey>> = BTreeMap::new();
+    let mut cursor: u64 = 0;
+    loop {
+        let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
+            .arg(cursor)
+            .arg("MATCH")
+            .arg(&pattern)
+            .arg("COUNT")
+            .arg(BATCH)
+            .query_async(&mut conn.clone())
+            .await?;
+        for key in keys {
+            if let Some((group, counter, width, start)) = parse_old_key(keyspace, &key) {
+                let entry = found.entry((group, counter.to_owned())).or_default();
+                entry.push((key.clone(), width, start));
+            }
+        }
+        cursor = next;
+        if cursor == 0 {
+            break;
+        }
+    }
+    for ((group, counter), keys) in found {
+        let hash = keyspace.cells_key(group, &counter);
+        let mut done = false;
+        for _ in 0..MAX_STALE_READS {
+            let held: Option<String> = redis::cmd("HGET")
+                .arg(&hash)
+                .arg(&counter)
+                .query_async(&mut conn.clone())
+                .await?;
+            let mut reads = redis::pipe();
+            for (key, _, _) in &keys {
+                reads.get(key).cmd("PEXPIRETIME").arg(key);
+            }
+            let olds: Vec<(Option<String>, i64)> = reads.query_async(&mut conn.clone()).await?;
+            let Some(mut cells) = Cells::parse(held.as_deref().unwrap_or("")) else {
+                return Err(UpkeepError::Protocol(format!(
+                    "{hash} field {counter} is not cells: {held:?}"
+                )));
+            };
+            let mut extra = Vec::new();
+            let mut expire_at = None;
+            for ((key, width, start), (value, expires)) in keys.iter().zip(olds) {
+                // Gone meanwhile (expired): nothing to fold.
+                let Some(value) = value else { continue };
+                let added = value
+                    .parse::<i64>()
+                    .ok()
+                    .map(|v| cells.add(*width, *start, v));
+                if !matches!(added, Some(Ok(()))) {
+                    report.corrupt += 1;
+                    continue;
+                }
+                expire_at = expire_at.max(Some(expires).filter(|t| *t > 0));
+                extra.push((key.clone(), value));
+            }
+            if extra.is_empty() {
+                done = true;
+                break;
+            }
+            let value = (!cells.is_empty()).then(|| cells.to_string());
+            let fields = [(counter.clone(), held, value)];
+            if rewrite(conn, &script, &hash, expire_at, &fields, &extra).await? {
+                report.keys += extra.len() as u64;
+                report.fields += 1;
+                done = true;
+                break;
+            }
+        }
+        if !done {
+            return Err(UpkeepError::Stale(hash));
+        }
+    }
+    Ok(report)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn old_keys_are_parsed_and_expired_buckets_swept_by_the_configured_windows() {
+        let ks = Keyspace::new("t".to_owned(), 4).expect("keyspace");
+        assert_eq!(
+            parse_old_key(&ks, "t:{g3}:w:60000:120000:likes:post:1"),
+            Some((3, "likes:post:1", 60_000, 120_000))
+        );
+        assert_eq!(parse_old_key(&ks, "t:{g3}:c:likes:post:1"), None);
+        assert_eq!(parse_old_key(&ks, "u:{g3}:w:60000:120000:x"), None);
+        let ns = Namespaces::from_toml(
+            "[namespaces.views]\nwindows = [{ width = \"1m\", retention = \"2m\" }]\n",
+        )
+        .expect("valid");
+        let mut cells = Cells::default();
+        for m in 0..5 {
+            cells.add(60_000, m * 60_000, 1).expect("no overflow");
+        }
+        cells.add(3_600_000, 0, 5).expect("no overflow");
+        // At 6m: minutes 0-3 ended 2 minutes or more ago; hours are no longer kept.
+        let kept = swept(&ns, "views:a", &cells, 6 * 60_000);
+        assert_eq!(kept.to_string(), "1m=4:1");
+        assert!(swept(&ns, "other:a", &cells, 0).is_empty());
+    }
+}
