@@ -118,11 +118,16 @@ impl Placement {
     }
 }
 
-/// The most (counter, bucket) pairs one window read may sum: each is a key in every shard
-/// group, so a read's cost is this times the groups. A read of more is refused
-/// ([`crate::ReadError::WindowTooLarge`]); a window that alone could need more (its retention
-/// over its width, plus one) is refused when the namespace file is loaded.
+/// The most (counter, bucket) pairs one window read may sum (each counter's buckets are one field
+/// per shard group, summed over the span). A read of more is refused
+/// ([`crate::ReadError::WindowTooLarge`]); no window alone can need more, since it keeps at most
+/// [`MAX_WINDOW_BUCKETS`].
 pub const MAX_WINDOW_CELLS: i64 = 100_000;
+
+/// The most buckets one window may keep (its retention over its width, plus one): a week of
+/// minutes. A counter's buckets are one field its writes rewrite whole (`cells`), so a window of
+/// many more fine buckets would make every write of a busy counter copy them all.
+pub const MAX_WINDOW_BUCKETS: i64 = 10_081;
 
 /// A window as written in the namespace file: `"1h"`, or `{ width = "1h", retention = "7d" }`.
 #[derive(Debug, Clone, Deserialize)]
@@ -164,11 +169,11 @@ impl Windows {
                     ));
                 }
                 let buckets = retention / width + 1;
-                if buckets > MAX_WINDOW_CELLS {
+                if buckets > MAX_WINDOW_BUCKETS {
                     return Err(format!(
                         "window {}: a retention of {} keeps {buckets} buckets, more than the \
-                         {MAX_WINDOW_CELLS} one read may sum (widen the window or shorten its \
-                         retention)",
+                         {MAX_WINDOW_BUCKETS} a counter's cells hold (each write rewrites them: \
+                         widen the window or shorten its retention)",
                         format_duration(width),
                         format_duration(retention)
                     ));
@@ -328,11 +333,12 @@ mod tests {
             width: width.to_owned(),
             retention: retention.to_owned(),
         };
-        // 2 days of 1 s buckets: 172,801 buckets.
-        let refused = Windows::from_entries(&[full("1s", "2d")], 0).expect_err("refused");
-        assert!(refused.contains("172801 buckets"), "{refused}");
-        // A day of 1 s buckets (86,401) is within the cap; a year of minutes (524,161) is not.
-        assert!(Windows::from_entries(&[full("1s", "1d")], 0).is_ok());
+        // A day of 1 s buckets: 86,401 buckets.
+        let refused = Windows::from_entries(&[full("1s", "1d")], 0).expect_err("refused");
+        assert!(refused.contains("86401 buckets"), "{refused}");
+        // A week of minutes (10,081) is within the cap; a year of minutes (524,161) is not.
+        assert!(Windows::from_entries(&[full("1m", "7d")], 0).is_ok());
+        assert!(Windows::from_entries(&[full("1m", "8d")], 0).is_err());
         assert!(Windows::from_entries(&[full("1m", "52w")], 0).is_err());
         assert!(Windows::from_entries(&[full("1h", "52w")], 0).is_ok());
     }

@@ -1,0 +1,179 @@
+//! The window cells' upkeep against a real `redis-server`, through the `tally` binary: `tally
+//! windows migrate` folds the keys of the layout before cells (a key per bucket) into the cells
+//! exactly once, keeping what the cells already held and leaving keys that are not integers;
+//! `tally windows sweep` drops expired buckets, and the fields left empty, by the windows the
+//! namespace file gives.
+
+use std::process::Command;
+
+use redis::AsyncCommands;
+use tally_common::window::Window;
+use tally_common::window::cells::Cells;
+use tally_common::{Keyspace, Reader, RedisConn};
+use tally_tests::{RedisServer, TempDir, binary, connect, unique};
+
+const MINUTE: i64 = 60_000;
+const HOUR: i64 = 60 * MINUTE;
+
+/// Runs `tally windows <what>` against `redis` under `keyspace`; its output.
+fn tally_windows(what: &str, redis: &RedisServer, keyspace: &Keyspace, extra: &[&str]) -> String {
+    let out = Command::new(binary("tally"))
+        .args(["windows", what])
+        .args(["--redis-url", &redis.url()])
+        .args(["--key-prefix", keyspace.prefix()])
+        .args(["--shard-groups", &keyspace.groups().to_string()])
+        .args(extra)
+        .output()
+        .expect("tally runs");
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "tally windows {what}: {text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    text
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn old_bucket_keys_are_folded_into_cells_once() {
+    let redis = RedisServer::start().await;
+    let keyspace = Keyspace::new(unique("migrate"), 4).expect("keyspace");
+    let mut conn = connect(&redis.url()).await;
+    let now = tally_common::event::now_ms();
+    let (minute, hour) = (now - now % MINUTE, now - now % HOUR);
+    let expires = now + 48 * HOUR;
+    // views:a has buckets in groups 0 and 2; in group 0 its cells already hold 4 this minute
+    // (written after the upgrade).
+    let old = [
+        (0, "views:a", MINUTE, minute, 5),
+        (0, "views:a", MINUTE, minute - MINUTE, 7),
+        (0, "views:a", HOUR, hour, 12),
+        (2, "views:a", MINUTE, minute, 1),
+        (1, "views:b", HOUR, hour, 3),
+    ];
+    for (group, counter, width, start, value) in old {
+        let key = keyspace.window_key(group, counter, width, start);
+        let _: () = conn.set(&key, value).await.expect("SET");
+        let _: bool = conn.pexpire_at(&key, expires).await.expect("PEXPIREAT");
+    }
+    let junk = keyspace.window_key(3, "views:c", MINUTE, minute);
+    let _: () = conn.set(&junk, "abc").await.expect("SET");
+    let mut held = Cells::default();
+    held.add(MINUTE, minute, 4).expect("no overflow");
+    let _: () = conn
+        .hset(keyspace.cells_key(0, "views:a"), "views:a", held.to_string())
+        .await
+        .expect("HSET");
+
+    let out = tally_windows("migrate", &redis, &keyspace, &[]);
+    assert!(
+        out.contains("bucket keys folded: 5, fields written: 3, keys left (not integers): 1"),
+        "{out}"
+    );
+    let reader = Reader::new(
+        RedisConn::connect(&redis.url()).await.expect("redis"),
+        keyspace.clone(),
+    );
+    let minutes = Window {
+        width_ms: MINUTE,
+        retention_ms: 48 * MINUTE,
+    };
+    let hours = Window {
+        width_ms: HOUR,
+        retention_ms: 48 * HOUR,
+    };
+    let counters = ["views:a", "views:b", "views:c"];
+    let read = |window, n| {
+        let (reader, counters) = (&reader, &counters);
+        async move {
+            (reader.window_sums(counters, window, n, now))
+                .await
+                .expect("window read")
+        }
+    };
+    assert_eq!(read(minutes, 1).await, [10, 0, 0]);
+    assert_eq!(read(minutes, 2).await, [17, 0, 0]);
+    assert_eq!(read(hours, 1).await, [12, 3, 0]);
+    // Every folded key is gone; the one that is not an integer stays; the hashes expire.
+    for (group, counter, width, start, _) in old {
+        let key = keyspace.window_key(group, counter, width, start);
+        let exists: bool = conn.exists(&key).await.expect("EXISTS");
+        assert!(!exists, "{key} folded and deleted");
+        let ttl: i64 = conn.pttl(keyspace.cells_key(group, counter)).await.expect("PTTL");
+        assert!(ttl > 47 * HOUR, "{counter}'s cells expire with its buckets: {ttl}");
+    }
+    let kept: Option<String> = conn.get(&junk).await.expect("GET");
+    assert_eq!(kept.as_deref(), Some("abc"));
+
+    // Run again: nothing left to fold, nothing counted twice.
+    let again = tally_windows("migrate", &redis, &keyspace, &[]);
+    assert!(again.contains("bucket keys folded: 0, fields written: 0"), "{again}");
+    assert_eq!(read(minutes, 2).await, [17, 0, 0]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sweep_drops_expired_buckets_by_the_configured_windows() {
+    let redis = RedisServer::start().await;
+    let dir = TempDir::new("tally-sweep");
+    let namespaces = dir.path().join("namespaces.toml");
+    std::fs::write(
+        &namespaces,
+        "[namespaces.views]\nwindows = [{ width = \"1m\", retention = \"2m\" }, \"1h\"]\n",
+    )
+    .expect("namespace file");
+    let keyspace = Keyspace::new(unique("sweep"), 2).expect("keyspace");
+    let mut conn = connect(&redis.url()).await;
+    let now = tally_common::event::now_ms();
+    let (minute, hour) = (now - now % MINUTE, now - now % HOUR);
+    let cells = |buckets: &[(i64, i64, i64)]| {
+        let mut cells = Cells::default();
+        for (width, start, count) in buckets {
+            cells.add(*width, *start, *count).expect("no overflow");
+        }
+        cells.to_string()
+    };
+    let fields = [
+        // An old minute (ended 5 minutes ago) goes; this minute and the hour stay.
+        (
+            "views:trimmed",
+            cells(&[(MINUTE, minute - 6 * MINUTE, 2), (MINUTE, minute, 1), (HOUR, hour, 3)]),
+        ),
+        // Only old minutes: the field goes.
+        ("views:dead", cells(&[(MINUTE, minute - 10 * MINUTE, 4)])),
+        // A namespace that keeps no window (any more): the field goes.
+        ("plain:gone", cells(&[(HOUR, hour, 1)])),
+        // Live: untouched.
+        ("views:live", cells(&[(MINUTE, minute, 9)])),
+        // Not cells: left alone.
+        ("views:junk", "junk".to_owned()),
+    ];
+    for (counter, value) in &fields {
+        let _: () = conn
+            .hset(keyspace.cells_key(1, counter), counter, value)
+            .await
+            .expect("HSET");
+    }
+    let ns = namespaces.to_str().expect("utf-8 path");
+    let out = tally_windows("sweep", &redis, &keyspace, &["--namespaces", ns]);
+    assert!(
+        out.contains("fields read: 5, trimmed: 1, deleted: 2, not cells (left alone): 1"),
+        "{out}"
+    );
+    let field = |counter: &str| {
+        let key = keyspace.cells_key(1, counter);
+        let counter = counter.to_owned();
+        let mut conn = conn.clone();
+        async move {
+            let value: Option<String> = conn.hget(key, counter).await.expect("HGET");
+            value
+        }
+    };
+    assert_eq!(
+        field("views:trimmed").await,
+        Some(cells(&[(MINUTE, minute, 1), (HOUR, hour, 3)]))
+    );
+    assert_eq!(field("views:dead").await, None);
+    assert_eq!(field("plain:gone").await, None);
+    assert_eq!(field("views:live").await, Some(fields[3].1.clone()));
+    assert_eq!(field("views:junk").await, Some("junk".to_owned()));
+}
