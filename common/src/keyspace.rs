@@ -442,8 +442,12 @@ impl Keyspace {
     /// [`crate::window::cells::STRIPES`] hashes, in the group's slot, so the flush writes it with
     /// the counter's total.
     pub fn cells_key(&self, group: u32, counter: &str) -> String {
-        let stripe = crate::window::cells::stripe(stable_hash(counter.as_bytes()));
-        self.cells_key_of_stripe(group, stripe)
+        self.cells_key_of_stripe(group, self.cells_stripe(counter))
+    }
+
+    /// The stripe of `counter`'s cells hash in every group (see [`Keyspace::cells_key`]).
+    pub fn cells_stripe(&self, counter: &str) -> u64 {
+        crate::window::cells::stripe(stable_hash(counter.as_bytes()))
     }
 
     /// Cells hash number `stripe` of `group` (see [`Keyspace::cells_key`]).

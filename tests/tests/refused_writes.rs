@@ -381,3 +381,66 @@ async fn at_least_once_refuses_only_what_the_data_refuses() {
     let kept: Option<String> = conn.get(key("kept:1")).await.expect("GET");
     assert_eq!(kept.as_deref(), Some("10"), "nothing applied");
 }
+
+/// At-least-once window deltas, through `scripts/cells.lua` and through a transaction: a field
+/// that is not cells refuses its deltas, a bucket at the 64-bit limit refuses the delta past it,
+/// and every other delta, of the same fields too, lands.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn at_least_once_windows_refuse_only_what_the_data_refuses() {
+    let redis = RedisServer::start().await;
+    let url = redis.url();
+    let mut conn = tally_tests::connect(&url).await;
+    let now = tally_common::event::now_ms();
+    let minute = now - now % MINUTE_MS;
+    let index = minute / MINUTE_MS;
+    for atomicity in [Atomicity::Auto, Atomicity::Transactions] {
+        let ks = Keyspace::new(unique("alo-windows"), 1).expect("keyspace");
+        let sink = RedisSink::new(
+            RedisConn::connect(&url).await.expect("redis"),
+            &RedisTarget::parse(&url).expect("target"),
+            ks.clone(),
+            atomicity,
+        )
+        .expect("sink");
+        let field = |counter: &str| (ks.cells_key(GROUP, counter), counter.to_owned());
+        let full = format!("1m={index}:{}", i64::MAX);
+        for (counter, value) in [("junk:1", "junk".to_owned()), ("max:1", full.clone())] {
+            let (hash, name) = field(counter);
+            let _: () = conn.hset(hash, name, value).await.expect("HSET");
+        }
+        let windows = [
+            bucket("kept:1", minute, 2),
+            bucket("junk:1", minute, 1),
+            bucket("max:1", minute, 1),
+            bucket("max:1", minute - MINUTE_MS, 4),
+        ];
+        let rejected = sink.apply(GROUP, &[], &windows, &[]).await.expect("apply");
+        assert_eq!(
+            sorted(rejected),
+            vec![
+                (Refused::Window(1), "not_an_integer".to_owned()),
+                (Refused::Window(2), "overflow".to_owned()),
+            ],
+            "{atomicity:?}"
+        );
+        for (counter, want) in [
+            ("kept:1", format!("1m={index}:2")),
+            ("junk:1", "junk".to_owned()),
+            ("max:1", format!("{full},{}:4", index - 1)),
+        ] {
+            let (hash, name) = field(counter);
+            let got: Option<String> = conn.hget(&hash, name).await.expect("HGET");
+            assert_eq!(
+                got.as_deref(),
+                Some(want.as_str()),
+                "{atomicity:?}: {counter}"
+            );
+            // A hash written expires with its last bucket (junk:1's was set up without one).
+            let ttl: i64 = conn.pttl(&hash).await.expect("PTTL");
+            assert!(
+                counter == "junk:1" || ttl > 0,
+                "{atomicity:?}: {hash} expires"
+            );
+        }
+    }
+}

@@ -61,7 +61,11 @@ async fn old_bucket_keys_are_folded_into_cells_once() {
     let mut held = Cells::default();
     held.add(MINUTE, minute, 4).expect("no overflow");
     let _: () = conn
-        .hset(keyspace.cells_key(0, "views:a"), "views:a", held.to_string())
+        .hset(
+            keyspace.cells_key(0, "views:a"),
+            "views:a",
+            held.to_string(),
+        )
         .await
         .expect("HSET");
 
@@ -99,15 +103,24 @@ async fn old_bucket_keys_are_folded_into_cells_once() {
         let key = keyspace.window_key(group, counter, width, start);
         let exists: bool = conn.exists(&key).await.expect("EXISTS");
         assert!(!exists, "{key} folded and deleted");
-        let ttl: i64 = conn.pttl(keyspace.cells_key(group, counter)).await.expect("PTTL");
-        assert!(ttl > 47 * HOUR, "{counter}'s cells expire with its buckets: {ttl}");
+        let ttl: i64 = conn
+            .pttl(keyspace.cells_key(group, counter))
+            .await
+            .expect("PTTL");
+        assert!(
+            ttl > 47 * HOUR,
+            "{counter}'s cells expire with its buckets: {ttl}"
+        );
     }
     let kept: Option<String> = conn.get(&junk).await.expect("GET");
     assert_eq!(kept.as_deref(), Some("abc"));
 
     // Run again: nothing left to fold, nothing counted twice.
     let again = tally_windows("migrate", &redis, &keyspace, &[]);
-    assert!(again.contains("bucket keys folded: 0, fields written: 0"), "{again}");
+    assert!(
+        again.contains("bucket keys folded: 0, fields written: 0"),
+        "{again}"
+    );
     assert_eq!(read(minutes, 2).await, [17, 0, 0]);
 }
 
@@ -136,7 +149,11 @@ async fn the_sweep_drops_expired_buckets_by_the_configured_windows() {
         // An old minute (ended 5 minutes ago) goes; this minute and the hour stay.
         (
             "views:trimmed",
-            cells(&[(MINUTE, minute - 6 * MINUTE, 2), (MINUTE, minute, 1), (HOUR, hour, 3)]),
+            cells(&[
+                (MINUTE, minute - 6 * MINUTE, 2),
+                (MINUTE, minute, 1),
+                (HOUR, hour, 3),
+            ]),
         ),
         // Only old minutes: the field goes.
         ("views:dead", cells(&[(MINUTE, minute - 10 * MINUTE, 4)])),

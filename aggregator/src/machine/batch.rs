@@ -205,16 +205,23 @@ pub struct PendingExpiry {
 /// crafted against a seed would slow one flush, not grow without bound.
 type Hasher = foldhash::fast::RandomState;
 
+/// What a batch holds for one counter in one group: its summed delta, and in a windowed
+/// namespace its summed deltas per bucket (one map entry for both: one lookup per event).
+#[derive(Debug, Default)]
+struct Sums {
+    total: i64,
+    /// A few buckets (one per window, more when the batch spans bucket boundaries).
+    buckets: Vec<(Bucket, i64)>,
+}
+
 /// What one shard group receives from a batch.
 #[derive(Debug, Default)]
 struct GroupBuffer {
-    /// Summed delta per counter id.
-    deltas: HashMap<String, i64, Hasher>,
+    /// Summed delta (and bucket deltas) per counter id.
+    deltas: HashMap<String, Sums, Hasher>,
     /// The last action per (counter, actor): only the last one matters, since membership is a
     /// state, not a sum.
     members: HashMap<(String, String), bool, Hasher>,
-    /// Summed deltas per counter and bucket, in windowed namespaces (a few buckets per counter).
-    windows: HashMap<String, Vec<(Bucket, i64)>, Hasher>,
     /// Counters to clear before this batch's writes (resets).
     resets: Vec<String>,
 }
@@ -367,33 +374,56 @@ fn group_batch(groups: &mut Vec<GroupBatch>, group: u32) -> &mut GroupBatch {
 impl Batch {
     /// Adds a valid event at `offset`, bound for shard group `group`.
     pub fn add(&mut self, group: u32, counter: &str, delta: i64, offset: i64) {
-        let deltas = &mut self.group(group).deltas;
-        // Look up by &str first: the common case (a counter already in the batch) allocates nothing.
-        match deltas.get_mut(counter) {
-            // Cannot overflow: |delta| <= 10^12 and a batch holds far fewer than 9.2 million events.
-            Some(sum) => *sum += delta,
-            None => {
-                deltas.insert(counter.to_owned(), delta);
-                self.entries += 1;
-            }
-        }
+        // Cannot overflow: |delta| <= 10^12 and a batch holds far fewer than 9.2 million events.
+        self.with_sums(group, counter, |sums| sums.total += delta);
         self.advance(offset);
+    }
+
+    /// Runs `f` on the sums of `counter` in `group`, made (and counted as an entry) if new.
+    fn with_sums(&mut self, group: u32, counter: &str, f: impl FnOnce(&mut Sums)) {
+        let i = self.group_index(group);
+        let deltas = &mut self.groups[i].1.deltas;
+        // Look up by &str first: the common case (a counter already in the batch) allocates nothing.
+        let sums = match deltas.get_mut(counter) {
+            Some(sums) => sums,
+            None => {
+                self.entries += 1;
+                deltas.entry(counter.to_owned()).or_default()
+            }
+        };
+        f(sums);
     }
 
     /// Adds `delta` to `counter`'s `buckets` in `group` (a windowed namespace); [`Batch::add`]
     /// then adds it to the total and moves the batch past the message. The buckets add no entry:
     /// the store rewrites them as one field beside the total, in the same (group, counter) entry.
     pub fn add_to_buckets(&mut self, group: u32, counter: &str, delta: i64, buckets: &[Bucket]) {
-        let windows = &mut self.group(group).windows;
-        let sums = match windows.get_mut(counter) {
-            Some(sums) => sums,
-            None => windows.entry(counter.to_owned()).or_default(),
-        };
-        for bucket in buckets {
-            match sums.iter_mut().find(|(b, _)| b == bucket) {
-                Some((_, sum)) => *sum += delta,
-                None => sums.push((*bucket, delta)),
+        self.add_windowed(group, counter, delta, buckets, None);
+    }
+
+    /// [`Batch::add_to_buckets`] then [`Batch::add`] in one lookup: `delta` to `counter`'s
+    /// total and to its `buckets` in `group`, and, given an offset, past the message.
+    pub fn add_windowed(
+        &mut self,
+        group: u32,
+        counter: &str,
+        delta: i64,
+        buckets: &[Bucket],
+        offset: Option<i64>,
+    ) {
+        self.with_sums(group, counter, |sums| {
+            for bucket in buckets {
+                match sums.buckets.iter_mut().find(|(b, _)| b == bucket) {
+                    Some((_, sum)) => *sum += delta,
+                    None => sums.buckets.push((*bucket, delta)),
+                }
             }
+            if offset.is_some() {
+                sums.total += delta;
+            }
+        });
+        if let Some(offset) = offset {
+            self.advance(offset);
         }
     }
 
@@ -425,7 +455,11 @@ impl Batch {
             }
             _ => {
                 let held = (self.groups.iter_mut())
-                    .filter_map(|(g, buffer)| Some((*g, buffer.deltas.remove(counter)?)))
+                    .filter_map(|(g, buffer)| {
+                        // The total is held; bucket deltas stay (windows are not expired).
+                        let sums = buffer.deltas.get_mut(counter)?;
+                        Some((*g, std::mem::take(&mut sums.total)))
+                    })
                     .collect();
                 // Every event since the counter's last expiry in the batch touched it: with no
                 // touch there is nothing to hold, and the member maps need no scan.
@@ -461,7 +495,9 @@ impl Batch {
     /// clear the counter before applying what comes after.
     pub fn reset(&mut self, counter: &str, groups: impl Iterator<Item = u32>, offset: i64) {
         for (_, buffer) in &mut self.groups {
-            buffer.deltas.remove(counter);
+            if let Some(sums) = buffer.deltas.get_mut(counter) {
+                sums.total = 0;
+            }
             buffer.members.retain(|(c, _), _| c != counter);
         }
         for expiry in &mut self.expiries {
@@ -494,14 +530,19 @@ impl Batch {
     }
 
     fn group(&mut self, group: u32) -> &mut GroupBuffer {
-        let i = match self.groups.iter().position(|(g, _)| *g == group) {
+        let i = self.group_index(group);
+        &mut self.groups[i].1
+    }
+
+    /// Where `group`'s buffer is in `groups`, made if new.
+    fn group_index(&mut self, group: u32) -> usize {
+        match self.groups.iter().position(|(g, _)| *g == group) {
             Some(i) => i,
             None => {
                 self.groups.push((group, GroupBuffer::default()));
                 self.groups.len() - 1
             }
-        };
-        &mut self.groups[i].1
+        }
     }
 
     /// Records that the message at `offset` needs nothing from this batch (its delta was already
@@ -563,19 +604,22 @@ impl Batch {
                 .into_iter()
                 .map(|(group, buffer)| GroupBatch {
                     group,
-                    deltas: buffer.deltas.into_iter().filter(|(_, d)| *d != 0).collect(),
-                    windows: (buffer.windows.into_iter())
+                    windows: (buffer.deltas.iter())
                         .flat_map(|(counter, sums)| {
-                            sums.into_iter()
+                            (sums.buckets.iter())
                                 .filter(|(_, d)| *d != 0)
                                 .map(move |(b, delta)| WindowDelta {
                                     counter: counter.clone(),
                                     width_ms: b.width_ms,
                                     start_ms: b.start_ms,
                                     expire_at_ms: b.expire_at_ms,
-                                    delta,
+                                    delta: *delta,
                                 })
                         })
+                        .collect(),
+                    deltas: (buffer.deltas.into_iter())
+                        .filter(|(_, sums)| sums.total != 0)
+                        .map(|(counter, sums)| (counter, sums.total))
                         .collect(),
                     resets: buffer.resets,
                     members: buffer

@@ -336,12 +336,9 @@ impl Partition {
                     delta,
                     buckets,
                     ..
-                } => {
-                    if !buckets.is_empty() {
-                        self.buffer.add_to_buckets(group, counter, delta, buckets);
-                    }
-                    self.buffer.add(group, counter, delta, offset)
-                }
+                } => self
+                    .buffer
+                    .add_windowed(group, counter, delta, buckets, Some(offset)),
                 Entry::Member {
                     group,
                     counter,

@@ -8,7 +8,7 @@ use std::collections::HashMap;
 
 use redis::Value;
 use tally_common::Keyspace;
-use tally_common::window::cells::Cells;
+use tally_common::window::cells::{Cells, STRIPES};
 
 use crate::machine::batch::WindowDelta;
 use crate::machine::verdict::Current;
@@ -28,7 +28,8 @@ impl Reads {
     /// The fields `windows` (one group's) touch.
     pub fn new(keyspace: &Keyspace, group: u32, windows: &[WindowDelta]) -> Self {
         let mut reads = Self::default();
-        let mut stripes: HashMap<String, usize, Hasher> = HashMap::default();
+        // Per stripe number, its index in `reads.stripes`.
+        let mut stripes = [usize::MAX; STRIPES as usize];
         let mut fields: HashMap<(usize, &str), usize, Hasher> = HashMap::default();
         for (i, w) in windows.iter().enumerate() {
             // A counter's deltas come one after another (a batch seals them so): one lookup each.
@@ -36,11 +37,14 @@ impl Reads {
                 reads.at.push(reads.at[i - 1]);
                 continue;
             }
-            let key = keyspace.cells_key(group, &w.counter);
-            let s = *stripes.entry(key.clone()).or_insert_with(|| {
+            let stripe = keyspace.cells_stripe(&w.counter);
+            let s = &mut stripes[stripe as usize];
+            if *s == usize::MAX {
+                let key = keyspace.cells_key_of_stripe(group, stripe);
                 reads.stripes.push((key, Vec::new()));
-                reads.stripes.len() - 1
-            });
+                *s = reads.stripes.len() - 1;
+            }
+            let s = *s;
             let f = *fields.entry((s, &w.counter)).or_insert_with(|| {
                 reads.stripes[s].1.push(w.counter.clone());
                 reads.stripes[s].1.len() - 1
@@ -178,9 +182,7 @@ pub fn plan(reads: &Reads, got: &[Read], windows: &[WindowDelta], now_ms: i64) -
             let fields: Vec<FieldWrite> = (fields.iter().zip(values).zip(cells))
                 .filter_map(|((field, read), cells)| {
                     // A field that is not cells is never written: its deltas are refused.
-                    let value = Some(cells?)
-                        .filter(|c| !c.is_empty())
-                        .map(|c| c.to_string());
+                    let value = Some(cells?).filter(|c| !c.is_empty()).map(|c| c.to_value());
                     (value != *read).then(|| FieldWrite {
                         field: field.clone(),
                         read: read.clone(),

@@ -98,7 +98,7 @@ impl Cells {
                     at,
                     Section {
                         width_ms,
-                        buckets: Vec::new(),
+                        buckets: Vec::with_capacity(1),
                     },
                 );
                 at
@@ -160,6 +160,16 @@ impl Cells {
                     .filter(|(i, _)| (first..=last).contains(i))
                     .try_fold(0i64, |acc, (_, count)| acc.checked_add(*count))
             })
+    }
+
+    /// The field value, written into one allocation of about its size.
+    pub fn to_value(&self) -> String {
+        use std::fmt::Write;
+        let buckets: usize = self.sections.iter().map(|s| s.buckets.len()).sum();
+        let mut out = String::with_capacity(8 * self.sections.len() + 24 * buckets);
+        // Writing to a String cannot fail.
+        let _ = write!(out, "{self}");
+        out
     }
 
     /// Every bucket: `(width_ms, start_ms, count)`, narrowest window first, newest first.
