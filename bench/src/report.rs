@@ -470,7 +470,7 @@ pub fn markdown(args: &Args, r: &Results) -> String {
     if !r.window_reads.is_empty() {
         let _ = writeln!(
             out,
-            "\nWindow sums read back after the 3-window run: 1,000 counters per read, each window over its usual span, every bucket a key in every shard group (one `MGET` per group, all in one pipeline: one round trip).\n\n| window × buckets | keys per group | groups | reads | p50 ms | p99 ms | sums equal the totals |\n|---|---|---|---|---|---|---|"
+            "\nWindow sums read back after the 3-window run: 1,000 counters per read, each window over its usual span, each counter one cells field in every shard group (one `HMGET` per cells hash, all in one pipeline: one round trip).\n\n| window × buckets | fields per group | groups | reads | p50 ms | p99 ms | sums equal the totals |\n|---|---|---|---|---|---|---|"
         );
         for w in &r.window_reads {
             let _ = writeln!(

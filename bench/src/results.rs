@@ -158,9 +158,11 @@ pub struct WindowRead {
     pub buckets: i64,
     /// Counters in each read.
     pub counters: usize,
-    /// Keys each read asks of each shard group (counters × buckets).
+    /// Fields each read asks of each shard group: one cells field per counter, whatever the
+    /// span (runs before the cells layout asked counters × buckets keys).
     pub keys_per_group: usize,
-    /// Shard groups, each asked with one `MGET`, all in one pipeline (one round trip).
+    /// Shard groups, each asked with one `HMGET` per cells hash, all in one pipeline (one round
+    /// trip).
     pub groups: u32,
     /// Reads timed.
     pub reads: usize,
