@@ -58,6 +58,9 @@ pub fn markdown(r: &Results) -> String {
          the aggregator sharing its cores: on dedicated hosts each does at least as well.",
         r.machine, r.payload_bytes
     );
+    for note in &r.notes {
+        let _ = writeln!(out, "\n{note}");
+    }
 
     let _ = writeln!(
         out,

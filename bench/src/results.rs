@@ -234,6 +234,9 @@ pub struct RebalanceEvent {
 pub struct Results {
     /// When and where.
     pub machine: String,
+    /// What a reader must know about how the file was made (a section measured in another run
+    /// and put in, say): printed under the capacity guide's opening.
+    pub notes: Vec<String>,
     /// Average encoded event size, bytes (the kcat yardsticks use messages of this size).
     pub payload_bytes: usize,
     /// `kcat` consuming the preloaded topic to /dev/null.
