@@ -17,13 +17,17 @@ const GROUP: u32 = 0;
 const FIELD: &str = "refused/0";
 const MINUTE_MS: i64 = 60_000;
 
+/// A sink writing `ks` on the server at `url`.
+async fn sink(url: &str, ks: &Keyspace, atomicity: Atomicity) -> RedisSink {
+    let conn = RedisConn::connect(url).await.expect("redis");
+    let target = RedisTarget::parse(url).expect("target");
+    RedisSink::new(conn, &target, ks.clone(), atomicity).expect("sink")
+}
+
 /// The sink, the keyspace it writes and its fence's epoch, with the fence stamped.
 async fn fenced_sink(redis: &RedisServer, atomicity: Atomicity) -> (RedisSink, Keyspace, u64) {
-    let url = redis.url();
     let keyspace = Keyspace::new(unique("refused"), 1).expect("keyspace");
-    let conn = RedisConn::connect(&url).await.expect("redis");
-    let target = RedisTarget::parse(&url).expect("target");
-    let sink = RedisSink::new(conn, &target, keyspace.clone(), atomicity).expect("sink");
+    let sink = sink(&redis.url(), &keyspace, atomicity).await;
     let epoch = sink.next_epoch(GROUP, FIELD, 1).await.expect("epoch");
     let stamp = sink.stamp_fence(GROUP, FIELD, epoch).await.expect("stamp");
     assert_eq!(stamp, Stamp::Stamped { ledger: -1 });
@@ -395,13 +399,7 @@ async fn at_least_once_windows_refuse_only_what_the_data_refuses() {
     let index = minute / MINUTE_MS;
     for atomicity in [Atomicity::Auto, Atomicity::Transactions] {
         let ks = Keyspace::new(unique("alo-windows"), 1).expect("keyspace");
-        let sink = RedisSink::new(
-            RedisConn::connect(&url).await.expect("redis"),
-            &RedisTarget::parse(&url).expect("target"),
-            ks.clone(),
-            atomicity,
-        )
-        .expect("sink");
+        let sink = sink(&url, &ks, atomicity).await;
         let field = |counter: &str| (ks.cells_key(GROUP, counter), counter.to_owned());
         let full = format!("1m={index}:{}", i64::MAX);
         for (counter, value) in [("junk:1", "junk".to_owned()), ("max:1", full.clone())] {
@@ -442,5 +440,74 @@ async fn at_least_once_windows_refuse_only_what_the_data_refuses() {
                 "{atomicity:?}: {hash} expires"
             );
         }
+    }
+}
+
+/// Two partitions' flushes of the same counter's buckets, racing: each reads the field, computes
+/// its new value and writes it only if the field still holds what it read, reading again
+/// otherwise; none is lost or counted twice, through scripts and through transactions.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn racing_flushes_of_one_counters_buckets_lose_nothing() {
+    const WRITES: i64 = 150;
+    let redis = RedisServer::start().await;
+    let url = redis.url();
+    let now = tally_common::event::now_ms();
+    let minute = now - now % MINUTE_MS;
+    for atomicity in [Atomicity::Scripts, Atomicity::Transactions] {
+        let ks = Keyspace::new(unique("race"), 1).expect("keyspace");
+        let mut writers = Vec::new();
+        for partition in 0..2 {
+            let sink = sink(&url, &ks, atomicity).await;
+            writers.push(tokio::spawn(async move {
+                let field = format!("race/{partition}");
+                let epoch = sink.next_epoch(GROUP, &field, 1).await.expect("epoch");
+                sink.stamp_fence(GROUP, &field, epoch).await.expect("stamp");
+                let deltas = [("hot:1".to_owned(), 1)];
+                // Both write this minute; each also writes a minute of its own.
+                let windows = [
+                    bucket("hot:1", minute, 1),
+                    bucket("hot:1", minute - (1 + partition) * MINUTE_MS, 1),
+                ];
+                for i in 0..WRITES {
+                    let write = GroupWrite {
+                        group: GROUP,
+                        field: &field,
+                        epoch,
+                        expected_ledger: i - 1,
+                        next_offset: i,
+                        deltas: &deltas,
+                        windows: &windows,
+                        resets: &[],
+                        members: &[],
+                        watermark: None,
+                    };
+                    let applied = sink.apply_fenced(write).await.expect("write");
+                    assert_eq!(applied, Applied::Written, "{field} write {i}");
+                }
+            }));
+        }
+        for writer in writers {
+            writer.await.expect("writer");
+        }
+        let mut conn = tally_tests::connect(&url).await;
+        let total: i64 = conn.get(ks.counter_key(GROUP, "hot:1")).await.expect("GET");
+        let held: String = conn
+            .hget(ks.cells_key(GROUP, "hot:1"), "hot:1")
+            .await
+            .expect("HGET");
+        let index = minute / MINUTE_MS;
+        assert_eq!(
+            (total, held),
+            (
+                2 * WRITES,
+                format!(
+                    "1m={index}:{},{}:{WRITES},{}:{WRITES}",
+                    2 * WRITES,
+                    index - 1,
+                    index - 2
+                )
+            ),
+            "{atomicity:?}"
+        );
     }
 }

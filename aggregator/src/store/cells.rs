@@ -201,11 +201,7 @@ pub fn plan(reads: &Reads, got: &[Read], windows: &[WindowDelta], now_ms: i64) -
 }
 
 /// Now, in ms since the epoch: when a write drops expired buckets.
-pub fn now_ms() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as i64)
-}
+pub use tally_common::event::now_ms;
 
 #[cfg(test)]
 mod tests {

@@ -17,11 +17,13 @@
 //! held on the node that owns the slot, which redis-rs's cluster client does not expose.
 
 use std::sync::Mutex;
+use std::time::Duration;
 
 use redis::aio::MultiplexedConnection;
 use redis::{AsyncConnectionConfig, ErrorKind, Pipeline, ServerErrorKind, Value};
 use tally_common::connection::{DEFAULT_CONNECT_TIMEOUT, DEFAULT_RESPONSE_TIMEOUT};
 use tally_common::{Keyspace, RedisTarget};
+use tally_kafka::backoff::Backoff;
 
 use crate::machine::batch::WindowDelta;
 use crate::machine::verdict::{
@@ -188,6 +190,8 @@ impl Transactions {
         reads: &Pipeline,
         mut decide: impl FnMut(&[Value]) -> Result<Plan<T>, SinkError>,
     ) -> Result<T, SinkError> {
+        // Jittered, so that two writers racing for one key do not keep meeting.
+        let mut backoff = Backoff::new(Duration::from_millis(1), Duration::from_millis(20));
         for _ in 0..MAX_CONFLICTS {
             // On any error the connection is dropped, never returned with a watch pending.
             let mut conn = self.checkout().await?;
@@ -207,6 +211,7 @@ impl Transactions {
                         return Ok(answer);
                     }
                     tracing::debug!("transaction aborted by a concurrent write; starting over");
+                    backoff.wait().await;
                 }
             }
         }

@@ -13,9 +13,11 @@
 //! beside the aggregators, and a run killed anywhere is simply run again.
 
 use std::collections::BTreeMap;
+use std::time::Duration;
 
 use tally_common::window::cells::{Cells, STRIPES};
 use tally_common::{Keyspace, Namespaces, RedisConn};
+use tally_kafka::backoff::Backoff;
 
 use crate::store::cells::now_ms;
 
@@ -105,7 +107,7 @@ async fn rewrite(
 
 /// The cells script, hashed once.
 fn script() -> redis::Script {
-    redis::Script::new(include_str!("../store/scripts/cells.lua"))
+    redis::Script::new(crate::store::redis_sink::CELLS_SCRIPT)
 }
 
 /// `cells` without the buckets expired at `now_ms` under `namespaces` (the windows of `counter`'s
@@ -251,6 +253,7 @@ pub async fn migrate(conn: &RedisConn, keyspace: &Keyspace) -> Result<MigrateRep
     for ((group, counter), keys) in found {
         let hash = keyspace.cells_key(group, &counter);
         let mut done = false;
+        let mut backoff = Backoff::new(Duration::from_millis(1), Duration::from_millis(20));
         for _ in 0..MAX_STALE_READS {
             let held: Option<String> = redis::cmd("HGET")
                 .arg(&hash)
@@ -295,6 +298,7 @@ pub async fn migrate(conn: &RedisConn, keyspace: &Keyspace) -> Result<MigrateRep
                 done = true;
                 break;
             }
+            backoff.wait().await;
         }
         if !done {
             return Err(UpkeepError::Stale(hash));

@@ -24,7 +24,7 @@
 --
 -- The writer reads the cells fields and computes their new values (tally_common::window::cells);
 -- if any field no longer holds what it read, the script writes nothing and returns {'stale'}, and
--- the writer reads again.
+-- the writer reads again. Loaded after cells_lib.lua.
 --
 -- Returns {'ok'}, {'fenced', current epoch or '0'}, {'duplicate', ledger entry},
 -- {'rolled_back', ledger entry} (the group lost writes the writer had seen land), {'stale'},
@@ -57,18 +57,7 @@ local x = tonumber(ARGV[10])
 local m = (#KEYS - 3 - n - s - 3 * r) / 2
 
 -- The cells rewrites: per hash, its expiry and {field, read, new} triples.
-local stripes = {}
-local arg = 11 + n
-for i = 1, s do
-  local stripe = {key = KEYS[3 + n + i], expire = ARGV[arg], fields = {}}
-  local f = tonumber(ARGV[arg + 1])
-  arg = arg + 2
-  for j = 1, f do
-    stripe.fields[j] = {ARGV[arg], ARGV[arg + 1], ARGV[arg + 2]}
-    arg = arg + 3
-  end
-  stripes[i] = stripe
-end
+local stripes, arg = cells_args(4 + n, s, 11 + n)
 local refused_windows = {}
 for i = 1, x do
   refused_windows[i] = {ARGV[arg], ARGV[arg + 1]}
@@ -218,22 +207,8 @@ end
 
 -- The cells fields must still hold what the writer read, or it reads again. A hash of another
 -- type is stale too: the writer's read then finds it, and refuses its window deltas.
-if x == 0 then
-  for _, stripe in ipairs(stripes) do
-    local names = {}
-    for j, f in ipairs(stripe.fields) do
-      names[j] = f[1]
-    end
-    local now = redis.pcall('HMGET', stripe.key, unpack(names))
-    if now['err'] then
-      return {'stale'}
-    end
-    for j, f in ipairs(stripe.fields) do
-      if (now[j] or '') ~= f[2] then
-        return {'stale'}
-      end
-    end
-  end
+if x == 0 and cells_stale(stripes) then
+  return {'stale'}
 end
 
 -- Memberships are checked before anything is written: SADD and SREM cannot be undone as
@@ -320,34 +295,10 @@ do
       break
     end
   end
-  -- The cells: each hash's new fields in one HSET, its emptied ones in one HDEL, each undone
-  -- from the values read if anything after it fails.
-  local written = 0
+  -- The cells: each hash's new fields in one HSET, its emptied ones in one HDEL.
   if not failure and #rejected == 1 then
-    for i, stripe in ipairs(stripes) do
-      local set, del = {}, {}
-      for _, f in ipairs(stripe.fields) do
-        if f[3] == '' then
-          del[#del + 1] = f[1]
-        else
-          set[#set + 1] = f[1]
-          set[#set + 1] = f[3]
-        end
-      end
-      -- HSET and HDEL answer a number, or an error as {err = ...}.
-      local reply = 0
-      if #set > 0 then
-        reply = redis.pcall('HSET', stripe.key, unpack(set))
-      end
-      if #del > 0 and type(reply) ~= 'table' then
-        reply = redis.pcall('HDEL', stripe.key, unpack(del))
-      end
-      if type(reply) == 'table' then
-        failure = reply['err'] or 'unknown error'
-        break
-      end
-      written = i
-    end
+    -- On an error it has already put back what it wrote.
+    failure = cells_write(stripes)
   end
   if failure or #rejected > 1 then
     -- Redis's arithmetic restores each value exactly. A key left at 0 is deleted: it counts the
@@ -375,26 +326,12 @@ do
         undo(KEYS[3 + i], ARGV[10 + i])
       end
     end
-    for i = 1, written do
-      for _, f in ipairs(stripes[i].fields) do
-        if f[2] == '' then
-          redis.call('HDEL', stripes[i].key, f[1])
-        else
-          redis.call('HSET', stripes[i].key, f[1], f[2])
-        end
-      end
-    end
     if failure then
       return {'failed', failure}
     end
     return rejected
   end
-  -- A hash lives as long as the last bucket written into it (GT: only ever later; NX: a new hash).
-  for _, stripe in ipairs(stripes) do
-    if redis.call('PEXPIREAT', stripe.key, stripe.expire, 'NX') == 0 then
-      redis.call('PEXPIREAT', stripe.key, stripe.expire, 'GT')
-    end
-  end
+  cells_expire(stripes)
 end
 for j = 1, m do
   local set, counter = KEYS[mk + 2 * j - 1], KEYS[mk + 2 * j]

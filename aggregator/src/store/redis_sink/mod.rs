@@ -27,6 +27,22 @@ use crate::store::sink::{
 use crate::store::store_error::{ERR_NOT_AN_INTEGER, ERR_OVERFLOW, RedisReply};
 use crate::store::transactions::{Transactions, redis_integer};
 
+mod cells_io;
+
+use cells_io::{MAX_STALE_READS, stale_backoff, stale_cells};
+
+/// `scripts/flush.lua`, after the cells functions it shares with `scripts/cells.lua`.
+pub const FLUSH_SCRIPT: &str = concat!(
+    include_str!("../scripts/cells_lib.lua"),
+    include_str!("../scripts/flush.lua")
+);
+
+/// `scripts/cells.lua`, after the cells functions.
+pub const CELLS_SCRIPT: &str = concat!(
+    include_str!("../scripts/cells_lib.lua"),
+    include_str!("../scripts/cells.lua")
+);
+
 /// The Lua scripts, hashed once.
 #[derive(Debug)]
 struct Scripts {
@@ -42,13 +58,13 @@ struct Scripts {
 impl Scripts {
     fn new() -> Self {
         Self {
-            flush: redis::Script::new(include_str!("scripts/flush.lua")),
-            cells: redis::Script::new(include_str!("scripts/cells.lua")),
-            stamp: redis::Script::new(include_str!("scripts/stamp.lua")),
-            epoch: redis::Script::new(include_str!("scripts/epoch.lua")),
-            watermark: redis::Script::new(include_str!("scripts/watermark.lua")),
-            rewind: redis::Script::new(include_str!("scripts/rewind.lua")),
-            idle: redis::Script::new(include_str!("scripts/idle.lua")),
+            flush: redis::Script::new(FLUSH_SCRIPT),
+            cells: redis::Script::new(CELLS_SCRIPT),
+            stamp: redis::Script::new(include_str!("../scripts/stamp.lua")),
+            epoch: redis::Script::new(include_str!("../scripts/epoch.lua")),
+            watermark: redis::Script::new(include_str!("../scripts/watermark.lua")),
+            rewind: redis::Script::new(include_str!("../scripts/rewind.lua")),
+            idle: redis::Script::new(include_str!("../scripts/idle.lua")),
         }
     }
 }
@@ -233,77 +249,15 @@ impl RedisSink {
         }
     }
 
-    /// Reads the cells `reads` names and plans the window deltas' rewrites.
-    async fn read_cells(
-        &self,
-        reads: &cells::Reads,
-        windows: &[WindowDelta],
-    ) -> Result<cells::Plan, SinkError> {
-        let got = if reads.is_empty() {
-            Vec::new()
-        } else {
-            let mut pipe = redis::pipe();
-            pipe.ignore_errors();
-            reads.add_to(&mut pipe);
-            let mut conn = self.conn.clone();
-            let replies: Vec<redis::Value> = pipe.query_async(&mut conn).await?;
-            (replies.iter())
-                .map(cells::Read::from_reply)
-                .collect::<Result<Vec<_>, _>>()?
-        };
-        Ok(cells::plan(reads, &got, windows, cells::now_ms()))
-    }
-
     async fn script_apply_fenced(&self, write: GroupWrite<'_>) -> Result<Applied, SinkError> {
         let reads = cells::Reads::new(&self.keyspace, write.group, write.windows);
+        let mut backoff = stale_backoff();
         for _ in 0..MAX_STALE_READS {
             let plan = self.read_cells(&reads, write.windows).await?;
             if let Some(applied) = self.script_flush(write, &plan).await? {
                 return Ok(applied);
             }
-        }
-        Err(stale_cells())
-    }
-
-    /// An at-least-once write's window deltas through `scripts/cells.lua`, with the ones refused.
-    async fn script_cells(
-        &self,
-        group: u32,
-        windows: &[WindowDelta],
-    ) -> Result<Vec<Rejection>, SinkError> {
-        let reads = cells::Reads::new(&self.keyspace, group, windows);
-        for _ in 0..MAX_STALE_READS {
-            let plan = self.read_cells(&reads, windows).await?;
-            let refused = window_rejections(&plan.currents, windows);
-            if plan.writes.is_empty() {
-                return Ok(refused);
-            }
-            let mut invocation = self.scripts.cells.prepare_invoke();
-            invocation.arg(plan.writes.len());
-            for stripe in &plan.writes {
-                invocation
-                    .key(&stripe.key)
-                    .arg(stripe.expire_at_ms)
-                    .arg(stripe.fields.len());
-                for f in &stripe.fields {
-                    invocation
-                        .arg(&f.field)
-                        .arg(f.read.as_deref().unwrap_or(""))
-                        .arg(f.value.as_deref().unwrap_or(""));
-                }
-            }
-            let mut conn = self.conn.clone();
-            let reply: Vec<String> = invocation.invoke_async(&mut conn).await?;
-            match reply.first().map(String::as_str) {
-                Some("ok") => return Ok(refused),
-                Some("stale") => continue,
-                Some("failed") => {
-                    return Err(SinkError::from(RedisReply(
-                        reply.get(1).cloned().unwrap_or_default(),
-                    )));
-                }
-                _ => return Err(unexpected(&reply)),
-            }
+            backoff.wait().await;
         }
         Err(stale_cells())
     }
@@ -377,22 +331,6 @@ impl RedisSink {
             return Ok(None);
         }
         fenced_flush_reply(&reply, write).map(Some)
-    }
-}
-
-/// How many times one flush reads the cells again after another writer changed them before it
-/// reports a retryable error (the flush's own retry then backs off).
-const MAX_STALE_READS: usize = 32;
-
-/// The error of a flush whose cells kept changing under it.
-fn stale_cells() -> SinkError {
-    SinkError {
-        kind: SinkErrorKind::Retryable,
-        source: Box::new(redis::RedisError::from((
-            ErrorKind::Client,
-            "the window cells kept changing between read and write",
-            format!("{MAX_STALE_READS} reads in a row"),
-        ))),
     }
 }
 
@@ -699,7 +637,7 @@ mod tests {
     #[test]
     fn every_reason_the_flush_script_gives_is_a_dead_letter_reason() {
         // The refusals are `reason = '<label>'` and, in `refusal`, `return '<label>'`.
-        let script = include_str!("scripts/flush.lua");
+        let script = include_str!("../scripts/flush.lua");
         let labels: BTreeSet<&str> = (script.lines().map(str::trim))
             .filter_map(|line| {
                 let rest =
