@@ -4,7 +4,7 @@
 use std::fmt::Write;
 
 use crate::args::Args;
-use crate::results::{CatchUp, Results, Throughput};
+use crate::results::{CatchUp, Results, Steady, Throughput};
 use crate::svg;
 
 /// One target of the performance issue: its name, the measured value, the bound, and whether
@@ -525,27 +525,15 @@ pub fn markdown(args: &Args, r: &Results) -> String {
     if let Some(s) = &r.steady {
         let _ = writeln!(
             out,
-            "\n## Steady state\n\nBackground load {:.0} events/s asked (unless `--steady-rate` is given, half of what the producer and the exactly-once catch-up of this run sustain together on the machine, 1 / (1/producer + 1/catch-up)), {:.0} reached; flush interval {} ms; {} probes from `send` returning to `get_exact` seeing the count: p50 {:.0} ms, p99 {:.0} ms, max {:.0} ms.",
-            s.target_rate,
-            s.achieved_rate,
-            s.flush_interval_ms,
-            s.probes,
-            s.p50_ms,
-            s.p99_ms,
-            s.max_ms
+            "\n## Steady state\n\nBackground load {} (unless `--steady-rate` is given, the load asked is half of what the producer and the exactly-once catch-up of this run sustain together on the machine, 1 / (1/producer + 1/catch-up)); probes from `send` returning to `get_exact` seeing the count.",
+            steady_figures(s)
         );
     }
     if let Some(s) = &r.steady_windows {
         let _ = writeln!(
             out,
-            "\n## Steady state with windows\n\nThree windows (`1m`, `1h`, `1d`) on the load's counters and the probes: {:.0} events/s asked, {:.0} reached; flush interval {} ms; {} probes: p50 {:.0} ms, p99 {:.0} ms, max {:.0} ms (the target: p99 within the flush interval plus 250 ms, {:.0} ms).",
-            s.target_rate,
-            s.achieved_rate,
-            s.flush_interval_ms,
-            s.probes,
-            s.p50_ms,
-            s.p99_ms,
-            s.max_ms,
+            "\n## Steady state with windows\n\nThree windows (`1m`, `1h`, `1d`) on the load's counters and the probes: {} (the target: p99 within the flush interval plus 250 ms, {:.0} ms).",
+            steady_figures(s),
             s.flush_interval_ms + 250.0
         );
     }
@@ -653,4 +641,12 @@ pub fn write(args: &Args, r: &Results) -> anyhow::Result<()> {
         )?;
     }
     Ok(())
+}
+
+/// A steady run's load and latencies, as the report words them.
+fn steady_figures(s: &Steady) -> String {
+    format!(
+        "{:.0} events/s asked, {:.0} reached; flush interval {} ms; {} probes: p50 {:.0} ms, p99 {:.0} ms, max {:.0} ms",
+        s.target_rate, s.achieved_rate, s.flush_interval_ms, s.probes, s.p50_ms, s.p99_ms, s.max_ms
+    )
 }

@@ -9,13 +9,11 @@
 //! Amounts that compaction is moving between groups are counted from their journals (see
 //! `aggregator/src/compact.rs`), so a compactor killed mid-move hides nothing.
 
-use std::collections::HashMap;
-
 use crate::connection::{RedisConn, query_each};
 use crate::event::{EventError, validate_counter};
 use crate::keyspace::{Keyspace, Watermark, partition_field};
 use crate::window::Window;
-use crate::window::cells::Cells;
+use crate::window::cells::{Cells, STRIPES};
 
 /// Trending counters are reported into buckets of this many seconds...
 pub const TOP_BUCKET_S: u64 = 10;
@@ -333,16 +331,13 @@ impl Reader {
         let cells = self.cells(&names).await?;
         (names.iter().zip(cells))
             .map(|(counter, groups)| {
-                let sums: Option<Vec<i64>> = (groups.iter())
-                    .map(|c| c.sum(window.width_ms, first, current))
-                    .collect();
-                let sums: Vec<Option<i64>> = (sums.ok_or_else(|| ReadError::Overflow {
-                    counter: (*counter).to_owned(),
-                })?)
-                .into_iter()
-                .map(Some)
-                .collect();
-                sum(counter, &sums)
+                (groups.iter())
+                    .try_fold(0i64, |acc, c| {
+                        acc.checked_add(c.sum(window.width_ms, first, current)?)
+                    })
+                    .ok_or_else(|| ReadError::Overflow {
+                        counter: (*counter).to_owned(),
+                    })
             })
             .collect()
     }
@@ -359,7 +354,8 @@ impl Reader {
         (cells.iter())
             .map(|(counter, width, start)| {
                 let at = names.binary_search(counter).unwrap_or_default();
-                let values: Vec<Option<i64>> = (read[at].iter())
+                let values: Vec<Option<i64>> = read[at]
+                    .iter()
                     .map(|c| Some(c.get(*width, *start)))
                     .collect();
                 sum(counter, &values)
@@ -374,19 +370,21 @@ impl Reader {
             return Ok(Vec::new());
         }
         let ks = &self.keyspace;
+        let stripes: Vec<u64> = counters.iter().map(|c| ks.cells_stripe(c)).collect();
         let mut hashes: Vec<(String, Vec<&str>)> = Vec::new();
         // Per group, then per counter: its hash and field, as indexes into `hashes`.
         let mut at: Vec<(usize, usize)> = Vec::with_capacity(counters.len() * ks.groups() as usize);
         for group in 0..ks.groups() {
-            let mut seen: HashMap<String, usize> = HashMap::new();
-            for counter in counters {
-                let key = ks.cells_key(group, counter);
-                let h = *seen.entry(key.clone()).or_insert_with(|| {
-                    hashes.push((key, Vec::new()));
-                    hashes.len() - 1
-                });
-                hashes[h].1.push(counter);
-                at.push((h, hashes[h].1.len() - 1));
+            // Per stripe, its hash's index in `hashes` (usize::MAX: none yet).
+            let mut seen = [usize::MAX; STRIPES as usize];
+            for (counter, stripe) in counters.iter().zip(&stripes) {
+                let h = &mut seen[*stripe as usize];
+                if *h == usize::MAX {
+                    hashes.push((ks.cells_key_of_stripe(group, *stripe), Vec::new()));
+                    *h = hashes.len() - 1;
+                }
+                hashes[*h].1.push(counter);
+                at.push((*h, hashes[*h].1.len() - 1));
             }
         }
         let commands = (hashes.iter())

@@ -374,9 +374,7 @@ fn group_batch(groups: &mut Vec<GroupBatch>, group: u32) -> &mut GroupBatch {
 impl Batch {
     /// Adds a valid event at `offset`, bound for shard group `group`.
     pub fn add(&mut self, group: u32, counter: &str, delta: i64, offset: i64) {
-        // Cannot overflow: |delta| <= 10^12 and a batch holds far fewer than 9.2 million events.
-        self.with_sums(group, counter, |sums| sums.total += delta);
-        self.advance(offset);
+        self.add_windowed(group, counter, delta, &[], offset);
     }
 
     /// Runs `f` on the sums of `counter` in `group`, made (and counted as an entry) if new.
@@ -394,22 +392,16 @@ impl Batch {
         f(sums);
     }
 
-    /// Adds `delta` to `counter`'s `buckets` in `group` (a windowed namespace); [`Batch::add`]
-    /// then adds it to the total and moves the batch past the message. The buckets add no entry:
-    /// the store rewrites them as one field beside the total, in the same (group, counter) entry.
-    pub fn add_to_buckets(&mut self, group: u32, counter: &str, delta: i64, buckets: &[Bucket]) {
-        self.add_windowed(group, counter, delta, buckets, None);
-    }
-
-    /// [`Batch::add_to_buckets`] then [`Batch::add`] in one lookup: `delta` to `counter`'s
-    /// total and to its `buckets` in `group`, and, given an offset, past the message.
+    /// [`Batch::add`] in a windowed namespace: `delta` to `counter`'s total and to its
+    /// `buckets` in `group`, in one lookup, and the batch past the message at `offset`. The
+    /// buckets add no entry: the store rewrites them as one field beside the total.
     pub fn add_windowed(
         &mut self,
         group: u32,
         counter: &str,
         delta: i64,
         buckets: &[Bucket],
-        offset: Option<i64>,
+        offset: i64,
     ) {
         self.with_sums(group, counter, |sums| {
             for bucket in buckets {
@@ -418,13 +410,11 @@ impl Batch {
                     None => sums.buckets.push((*bucket, delta)),
                 }
             }
-            if offset.is_some() {
-                sums.total += delta;
-            }
+            // Cannot overflow: |delta| <= 10^12 and a batch holds far fewer than 9.2 million
+            // events.
+            sums.total += delta;
         });
-        if let Some(offset) = offset {
-            self.advance(offset);
-        }
+        self.advance(offset);
     }
 
     /// Notes that `counter`, in a namespace that expires counters, was written by an event whose
@@ -804,12 +794,9 @@ mod tests {
             expire_at_ms: start_ms + 2 * width_ms,
         };
         let mut b = Batch::default();
-        b.add_to_buckets(0, "v:1", 2, &[bucket(60, 0), bucket(3600, 0)]);
-        b.add(0, "v:1", 2, 0);
-        b.add_to_buckets(0, "v:1", 3, &[bucket(60, 60), bucket(3600, 0)]);
-        b.add(0, "v:1", 3, 1);
-        b.add_to_buckets(0, "v:1", -2, &[bucket(60, 0)]);
-        b.add(0, "v:1", -2, 2);
+        b.add_windowed(0, "v:1", 2, &[bucket(60, 0), bucket(3600, 0)], 0);
+        b.add_windowed(0, "v:1", 3, &[bucket(60, 60), bucket(3600, 0)], 1);
+        b.add_windowed(0, "v:1", -2, &[bucket(60, 0)], 2);
         assert_eq!(
             b.entries, 1,
             "one (group, counter): its total and its buckets"

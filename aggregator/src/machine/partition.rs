@@ -338,7 +338,7 @@ impl Partition {
                     ..
                 } => self
                     .buffer
-                    .add_windowed(group, counter, delta, buckets, Some(offset)),
+                    .add_windowed(group, counter, delta, buckets, offset),
                 Entry::Member {
                     group,
                     counter,

@@ -5,10 +5,12 @@
 //! transactions path), else it reads again.
 
 use std::collections::HashMap;
+use std::time::Duration;
 
 use redis::Value;
 use tally_common::Keyspace;
 use tally_common::window::cells::{Cells, STRIPES};
+use tally_kafka::backoff::Backoff;
 
 use crate::machine::batch::WindowDelta;
 use crate::machine::verdict::Current;
@@ -121,10 +123,63 @@ pub struct FieldWrite {
 pub struct StripeWrite {
     /// The hash.
     pub key: String,
-    /// When the last bucket written into it expires.
-    pub expire_at_ms: i64,
+    /// When the last bucket written into it expires (`None`: leave its expiry).
+    pub expire_at_ms: Option<i64>,
     /// The fields that change.
     pub fields: Vec<FieldWrite>,
+}
+
+impl StripeWrite {
+    /// Adds this hash's rewrite to a script built on `scripts/cells_lib.lua`: its key, then its
+    /// expiry (`''` to leave it), its field count and, per field, the field, the value read and
+    /// the value to write (`''` for none).
+    pub fn add_to(&self, invocation: &mut redis::ScriptInvocation<'_>) {
+        invocation
+            .key(&self.key)
+            .arg(self.expire_at_ms.map(|t| t.to_string()).unwrap_or_default())
+            .arg(self.fields.len());
+        for f in &self.fields {
+            invocation
+                .arg(&f.field)
+                .arg(f.read.as_deref().unwrap_or(""))
+                .arg(f.value.as_deref().unwrap_or(""));
+        }
+    }
+}
+
+/// How many times a rewrite reads the cells again after another writer changed them before it
+/// gives up (a flush's own retry then backs off).
+pub const MAX_STALE_READS: usize = 32;
+
+/// Starting over after another writer changed what a write read (cells fields, or the keys a
+/// transaction `WATCH`es): a bounded number of times, each after a jittered wait, so that two
+/// writers racing for one field do not keep meeting (from up to 1 ms to up to 20 ms).
+#[derive(Debug)]
+pub struct Rereads {
+    backoff: Backoff,
+    /// Attempts left after the current one.
+    left: usize,
+}
+
+impl Rereads {
+    /// At most `attempts` attempts in all.
+    pub fn new(attempts: usize) -> Self {
+        Self {
+            backoff: Backoff::new(Duration::from_millis(1), Duration::from_millis(20)),
+            left: attempts.saturating_sub(1),
+        }
+    }
+
+    /// After an attempt that found its reads changed: waits and says to start over, or says
+    /// the attempts are used up.
+    pub async fn again(&mut self) -> bool {
+        if self.left == 0 {
+            return false;
+        }
+        self.left -= 1;
+        self.backoff.wait().await;
+        true
+    }
 }
 
 /// What the window deltas find and write, given what was read (`got`, one per hash of `reads`).
@@ -192,16 +247,13 @@ pub fn plan(reads: &Reads, got: &[Read], windows: &[WindowDelta], now_ms: i64) -
                 .collect();
             (!fields.is_empty()).then(|| StripeWrite {
                 key: key.clone(),
-                expire_at_ms,
+                expire_at_ms: Some(expire_at_ms),
                 fields,
             })
         })
         .collect();
     Plan { currents, writes }
 }
-
-/// Now, in ms since the epoch: when a write drops expired buckets.
-pub use tally_common::event::now_ms;
 
 #[cfg(test)]
 mod tests {
@@ -275,7 +327,7 @@ mod tests {
                 ("b:2".to_owned(), None, Some(format!("1m={}:5", now / MIN))),
             ]
         );
-        assert!(plan.writes.iter().all(|s| s.expire_at_ms >= now + 3 * MIN));
+        assert!((plan.writes.iter()).all(|s| s.expire_at_ms >= Some(now + 3 * MIN)));
     }
 
     #[test]

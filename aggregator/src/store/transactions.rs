@@ -17,13 +17,11 @@
 //! held on the node that owns the slot, which redis-rs's cluster client does not expose.
 
 use std::sync::Mutex;
-use std::time::Duration;
 
 use redis::aio::MultiplexedConnection;
 use redis::{AsyncConnectionConfig, ErrorKind, Pipeline, ServerErrorKind, Value};
 use tally_common::connection::{DEFAULT_CONNECT_TIMEOUT, DEFAULT_RESPONSE_TIMEOUT};
 use tally_common::{Keyspace, RedisTarget};
-use tally_kafka::backoff::Backoff;
 
 use crate::machine::batch::WindowDelta;
 use crate::machine::verdict::{
@@ -130,12 +128,14 @@ fn rewrite_cells(writes: &mut Pipeline, stripes: &[cells::StripeWrite]) {
             writes.hdel(&stripe.key, fields).ignore();
         }
         for option in ["NX", "GT"] {
-            writes
-                .cmd("PEXPIREAT")
-                .arg(&stripe.key)
-                .arg(stripe.expire_at_ms)
-                .arg(option)
-                .ignore();
+            if let Some(expire_at_ms) = stripe.expire_at_ms {
+                writes
+                    .cmd("PEXPIREAT")
+                    .arg(&stripe.key)
+                    .arg(expire_at_ms)
+                    .arg(option)
+                    .ignore();
+            }
         }
     }
 }
@@ -190,9 +190,8 @@ impl Transactions {
         reads: &Pipeline,
         mut decide: impl FnMut(&[Value]) -> Result<Plan<T>, SinkError>,
     ) -> Result<T, SinkError> {
-        // Jittered, so that two writers racing for one key do not keep meeting.
-        let mut backoff = Backoff::new(Duration::from_millis(1), Duration::from_millis(20));
-        for _ in 0..MAX_CONFLICTS {
+        let mut rereads = cells::Rereads::new(MAX_CONFLICTS);
+        loop {
             // On any error the connection is dropped, never returned with a watch pending.
             let mut conn = self.checkout().await?;
             redis::cmd("WATCH").arg(watch).exec_async(&mut conn).await?;
@@ -211,11 +210,12 @@ impl Transactions {
                         return Ok(answer);
                     }
                     tracing::debug!("transaction aborted by a concurrent write; starting over");
-                    backoff.wait().await;
+                    if !rereads.again().await {
+                        return Err(conflict());
+                    }
                 }
             }
         }
-        Err(conflict())
     }
 
     /// The transactional `scripts/flush.lua`.
@@ -280,7 +280,12 @@ impl Transactions {
                 .iter()
                 .map(cells::Read::from_reply)
                 .collect::<Result<Vec<_>, _>>()?;
-            let cells = cells::plan(&cells_reads, &got, write.windows, cells::now_ms());
+            let cells = cells::plan(
+                &cells_reads,
+                &got,
+                write.windows,
+                tally_common::event::now_ms(),
+            );
             let states = rest[n + w..]
                 .chunks(2)
                 .map(|pair| {
@@ -377,7 +382,7 @@ impl Transactions {
             let got = (replies.iter())
                 .map(cells::Read::from_reply)
                 .collect::<Result<Vec<_>, _>>()?;
-            let plan = cells::plan(&cells_reads, &got, windows, cells::now_ms());
+            let plan = cells::plan(&cells_reads, &got, windows, tally_common::event::now_ms());
             let refused = window_rejections(&plan.currents, windows);
             if plan.writes.is_empty() {
                 return Ok(Plan::Done(refused));

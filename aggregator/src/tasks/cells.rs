@@ -13,19 +13,15 @@
 //! beside the aggregators, and a run killed anywhere is simply run again.
 
 use std::collections::BTreeMap;
-use std::time::Duration;
 
+use tally_common::event::now_ms;
 use tally_common::window::cells::{Cells, STRIPES};
 use tally_common::{Keyspace, Namespaces, RedisConn};
-use tally_kafka::backoff::Backoff;
 
-use crate::store::cells::now_ms;
+use crate::store::cells::{FieldWrite, MAX_STALE_READS, Rereads, StripeWrite};
 
 /// Fields read per `HSCAN` call, and keys per `SCAN` call.
 const BATCH: usize = 1_000;
-
-/// How many times one rewrite reads again after a flush changed its field.
-const MAX_STALE_READS: usize = 32;
 
 /// Why a sweep or a migration stopped.
 #[derive(Debug, thiserror::Error)]
@@ -69,31 +65,18 @@ pub struct MigrateReport {
     pub corrupt: u64,
 }
 
-/// One field rewrite: `(field, what it held, what to write: None deletes)`.
-type Rewrite = (String, Option<String>, Option<String>);
-
-/// Runs `scripts/cells.lua` on one hash; `Ok(false)` when a field changed since it was read.
-/// `extra` keys (same slot) are deleted with the rewrite, each only if it still holds its value.
+/// Runs `scripts/cells.lua` on one hash's rewrite; `Ok(false)` when a field changed since it
+/// was read. `extra` keys (same slot) are deleted with the rewrite, each only if it still holds
+/// its value.
 async fn rewrite(
     conn: &RedisConn,
     script: &redis::Script,
-    key: &str,
-    expire_at_ms: Option<i64>,
-    fields: &[Rewrite],
+    stripe: &StripeWrite,
     extra: &[(String, String)],
 ) -> Result<bool, UpkeepError> {
     let mut invocation = script.prepare_invoke();
-    invocation
-        .key(key)
-        .arg(1)
-        .arg(expire_at_ms.map(|t| t.to_string()).unwrap_or_default())
-        .arg(fields.len());
-    for (field, read, value) in fields {
-        invocation
-            .arg(field)
-            .arg(read.as_deref().unwrap_or(""))
-            .arg(value.as_deref().unwrap_or(""));
-    }
+    invocation.arg(1);
+    stripe.add_to(&mut invocation);
     for (old, value) in extra {
         invocation.key(old).arg(value);
     }
@@ -152,7 +135,7 @@ pub async fn sweep(
                     .query_async(&mut conn.clone())
                     .await?;
                 let now = now_ms();
-                let mut fields: Vec<Rewrite> = Vec::new();
+                let mut fields: Vec<FieldWrite> = Vec::new();
                 for (field, value) in pairs {
                     report.fields += 1;
                     let Some(cells) = Cells::parse(&value) else {
@@ -165,14 +148,22 @@ pub async fn sweep(
                     }
                     if kept.is_empty() {
                         report.deleted += 1;
-                        fields.push((field, Some(value), None));
                     } else {
                         report.trimmed += 1;
-                        fields.push((field, Some(value), Some(kept.to_string())));
                     }
+                    fields.push(FieldWrite {
+                        field,
+                        read: Some(value),
+                        value: (!kept.is_empty()).then(|| kept.to_value()),
+                    });
                 }
                 // A field a flush rewrote meanwhile is left for the next sweep.
-                sweep_fields(conn, &script, &key, &fields).await?;
+                let stripe = StripeWrite {
+                    key: key.clone(),
+                    expire_at_ms: None,
+                    fields,
+                };
+                sweep_fields(conn, &script, stripe).await?;
                 cursor = next;
                 if cursor == 0 {
                     break;
@@ -183,22 +174,23 @@ pub async fn sweep(
     Ok(report)
 }
 
-/// Rewrites the swept `fields` of `key` one at a time, skipping those a flush changed.
+/// Rewrites the swept fields of `stripe`, all at once or, when one of them changed since it
+/// was read, each alone, skipping those a flush changed.
 async fn sweep_fields(
     conn: &RedisConn,
     script: &redis::Script,
-    key: &str,
-    fields: &[Rewrite],
+    stripe: StripeWrite,
 ) -> Result<(), UpkeepError> {
-    if fields.is_empty() {
+    if stripe.fields.is_empty() || rewrite(conn, script, &stripe, &[]).await? {
         return Ok(());
     }
-    // All at once; when one of them changed, each alone.
-    if rewrite(conn, script, key, None, fields, &[]).await? {
-        return Ok(());
-    }
-    for field in fields {
-        rewrite(conn, script, key, None, std::slice::from_ref(field), &[]).await?;
+    for field in stripe.fields {
+        let alone = StripeWrite {
+            key: stripe.key.clone(),
+            expire_at_ms: None,
+            fields: vec![field],
+        };
+        rewrite(conn, script, &alone, &[]).await?;
     }
     Ok(())
 }
@@ -252,9 +244,8 @@ pub async fn migrate(conn: &RedisConn, keyspace: &Keyspace) -> Result<MigrateRep
     }
     for ((group, counter), keys) in found {
         let hash = keyspace.cells_key(group, &counter);
-        let mut done = false;
-        let mut backoff = Backoff::new(Duration::from_millis(1), Duration::from_millis(20));
-        for _ in 0..MAX_STALE_READS {
+        let mut rereads = Rereads::new(MAX_STALE_READS);
+        loop {
             let held: Option<String> = redis::cmd("HGET")
                 .arg(&hash)
                 .arg(&counter)
@@ -271,6 +262,7 @@ pub async fn migrate(conn: &RedisConn, keyspace: &Keyspace) -> Result<MigrateRep
                 )));
             };
             let mut extra = Vec::new();
+            let mut corrupt = 0;
             let mut expire_at = None;
             for ((key, width, start), (value, expires)) in keys.iter().zip(olds) {
                 // Gone meanwhile (expired): nothing to fold.
@@ -280,28 +272,31 @@ pub async fn migrate(conn: &RedisConn, keyspace: &Keyspace) -> Result<MigrateRep
                     .ok()
                     .map(|v| cells.add(*width, *start, v));
                 if !matches!(added, Some(Ok(()))) {
-                    report.corrupt += 1;
+                    corrupt += 1;
                     continue;
                 }
                 expire_at = expire_at.max(Some(expires).filter(|t| *t > 0));
                 extra.push((key.clone(), value));
             }
-            if extra.is_empty() {
-                done = true;
-                break;
-            }
-            let value = (!cells.is_empty()).then(|| cells.to_string());
-            let fields = [(counter.clone(), held, value)];
-            if rewrite(conn, &script, &hash, expire_at, &fields, &extra).await? {
+            let stripe = StripeWrite {
+                key: hash.clone(),
+                expire_at_ms: expire_at,
+                fields: vec![FieldWrite {
+                    field: counter.clone(),
+                    read: held,
+                    value: (!cells.is_empty()).then(|| cells.to_value()),
+                }],
+            };
+            // Counted once, on the attempt that lands (or finds nothing to fold).
+            if extra.is_empty() || rewrite(conn, &script, &stripe, &extra).await? {
                 report.keys += extra.len() as u64;
-                report.fields += 1;
-                done = true;
+                report.fields += u64::from(!extra.is_empty());
+                report.corrupt += corrupt;
                 break;
             }
-            backoff.wait().await;
-        }
-        if !done {
-            return Err(UpkeepError::Stale(hash));
+            if !rereads.again().await {
+                return Err(UpkeepError::Stale(hash));
+            }
         }
     }
     Ok(report)

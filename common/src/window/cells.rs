@@ -17,7 +17,7 @@
 //! The value is rewritten whole on each write ([`Cells::add`]); a write also drops the buckets
 //! of the windows it writes that have expired ([`Cells::expire`]). A hash expires when the
 //! last bucket written into it does; fields of counters no longer written are dropped by the
-//! sweep (`tally_aggregator::tasks::sweep`).
+//! sweep (`tally windows sweep`, `tally_aggregator::tasks::cells`).
 
 use std::fmt;
 

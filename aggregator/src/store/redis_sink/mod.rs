@@ -29,7 +29,9 @@ use crate::store::transactions::{Transactions, redis_integer};
 
 mod cells_io;
 
-use cells_io::{MAX_STALE_READS, stale_backoff, stale_cells};
+use cells_io::stale_cells;
+
+use crate::store::cells::{MAX_STALE_READS, Rereads};
 
 /// `scripts/flush.lua`, after the cells functions it shares with `scripts/cells.lua`.
 pub const FLUSH_SCRIPT: &str = concat!(
@@ -251,15 +253,16 @@ impl RedisSink {
 
     async fn script_apply_fenced(&self, write: GroupWrite<'_>) -> Result<Applied, SinkError> {
         let reads = cells::Reads::new(&self.keyspace, write.group, write.windows);
-        let mut backoff = stale_backoff();
-        for _ in 0..MAX_STALE_READS {
+        let mut rereads = Rereads::new(MAX_STALE_READS);
+        loop {
             let plan = self.read_cells(&reads, write.windows).await?;
             if let Some(applied) = self.script_flush(write, &plan).await? {
                 return Ok(applied);
             }
-            backoff.wait().await;
+            if !rereads.again().await {
+                return Err(stale_cells());
+            }
         }
-        Err(stale_cells())
     }
 
     /// One run of `scripts/flush.lua`; `None` when a cells field changed since it was read.
@@ -285,31 +288,20 @@ impl RedisSink {
             .arg(write.resets.len())
             .arg(write.windows.len())
             .arg(refused.len());
+        // KEYS and ARGV are two lists: each part adds its keys and its arguments in turn.
         let mut key = String::new();
-        for (counter, _) in write.deltas {
+        for (counter, delta) in write.deltas {
             ks.write_counter_key(&mut key, write.group, counter);
-            invocation.key(&key);
+            invocation.key(&key).arg(*delta);
         }
         for stripe in &plan.writes {
-            invocation.key(&stripe.key);
+            stripe.add_to(&mut invocation);
         }
         for counter in write.resets {
             invocation
                 .key(ks.counter_key(write.group, counter))
                 .key(ks.member_key(write.group, counter))
                 .key(ks.journal_key(write.group, counter));
-        }
-        for (_, delta) in write.deltas {
-            invocation.arg(*delta);
-        }
-        for stripe in &plan.writes {
-            invocation.arg(stripe.expire_at_ms).arg(stripe.fields.len());
-            for f in &stripe.fields {
-                invocation
-                    .arg(&f.field)
-                    .arg(f.read.as_deref().unwrap_or(""))
-                    .arg(f.value.as_deref().unwrap_or(""));
-            }
         }
         for rejection in &refused {
             if let Refused::Window(i) = rejection.refused {
