@@ -172,7 +172,7 @@ pub struct WindowDelta {
     pub width_ms: i64,
     /// Where the bucket starts, in ms since the epoch.
     pub start_ms: i64,
-    /// When the bucket's key expires, in ms since the epoch.
+    /// When the bucket expires (its end plus the window's retention), in ms since the epoch.
     pub expire_at_ms: i64,
     /// The summed delta.
     pub delta: i64,

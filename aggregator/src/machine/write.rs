@@ -22,7 +22,7 @@ pub struct GroupWrite<'a> {
     pub next_offset: i64,
     /// `(counter, delta)` pairs to add.
     pub deltas: &'a [(String, i64)],
-    /// Deltas to add to time buckets of windowed namespaces, each key expiring with its bucket.
+    /// Deltas to add to time buckets of windowed namespaces (rewritten in the counters' cells).
     pub windows: &'a [WindowDelta],
     /// Counters to clear here first (resets): their share, member set and compaction journal.
     pub resets: &'a [String],

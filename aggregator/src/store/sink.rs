@@ -111,7 +111,8 @@ impl From<RedisReply> for SinkError {
 /// Applies deltas to shard groups, and keeps the exactly-once bookkeeping beside them.
 pub trait Sink: Clone + Send + Sync + 'static {
     /// At-least-once: clears the `resets` counters' keys in `group`, then adds each
-    /// `(counter, delta)` to the counter's key there and each window delta to its bucket's key.
+    /// `(counter, delta)` to the counter's key there and each window delta to its bucket in the
+    /// counter's cells.
     /// Returns the deltas the store refused for their data (as [`Sink::apply_fenced`] does:
     /// `Refused::Delta` and `Refused::Window` indexes), none of which was applied; all the rest
     /// was. An error means nothing was applied, or (an error the store gives for one command

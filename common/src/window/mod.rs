@@ -10,8 +10,9 @@
 //!
 //! - **Buckets** are aligned to the Unix epoch (`1d` buckets start at 00:00 UTC). An event counts
 //!   in the bucket of its event time: its `ts_ms`, or, when it has none, its Kafka timestamp.
-//! - **Retention**: a bucket's key expires `retention` after the bucket ends (the string form
-//!   keeps [`DEFAULT_RETENTION_BUCKETS`] buckets' worth).
+//! - **Retention**: a bucket is kept `retention` after it ends (the string form keeps
+//!   [`DEFAULT_RETENTION_BUCKETS`] buckets' worth); a counter's buckets are stored together
+//!   ([`cells`]).
 //! - **Late and future events**, judged against the event's Kafka timestamp `k` (when it was
 //!   produced), never against the aggregator's clock, so that a replay of the same offsets (after
 //!   a crash, a rebalance or a Redis rollback) places every event exactly as the first pass did:
@@ -79,7 +80,7 @@ pub struct Bucket {
     pub width_ms: i64,
     /// Where the bucket starts, in ms since the epoch.
     pub start_ms: i64,
-    /// When its key expires, in ms since the epoch.
+    /// When it expires (its end plus the window's retention), in ms since the epoch.
     pub expire_at_ms: i64,
 }
 
