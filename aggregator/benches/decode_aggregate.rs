@@ -3,12 +3,21 @@
 //! batch), over 100,000 pre-encoded events on 10,000 Zipf-like counters, in both wire formats
 //! (JSON in the four shapes the bench's JSON catch-up reads).
 //!
+//! `windowed`: the same in a namespace keeping `1m`, `1h` and `1d` windows (each event placed
+//! in its buckets too). `cells_plan`: what a flush of one group does with those buckets before
+//! it writes (the fields read, parsed, added to and written back), for the 10,000 counters'
+//! fields already holding every bucket their windows keep (48 each).
+//!
 //! `cargo bench -p tally-aggregator --bench decode_aggregate` (the benchmark command runs it).
 
 use std::hint::black_box;
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+use redis::Value;
 use tally_aggregator::machine::batch::Batch;
+use tally_aggregator::store::cells::{Read, Reads, plan};
+use tally_common::window::Placer;
+use tally_common::window::cells::Cells;
 use tally_common::{CounterEvent, Keyspace, Namespaces, codec};
 
 const EVENTS: usize = 100_000;
@@ -77,5 +86,89 @@ fn decode_aggregate(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, decode_aggregate);
+/// 2025-11-30T00:00Z, in ms.
+const T0: i64 = 1_764_460_800_000;
+
+fn windowed_namespaces() -> Namespaces {
+    Namespaces::from_toml("[namespaces.likes]\nwindows = [\"1m\", \"1h\", \"1d\"]\n")
+        .expect("valid namespaces")
+}
+
+/// A batch of the events with times 1 ms apart (so 100,000 events span two minutes).
+fn windowed_batch(namespaces: &Namespaces, keyspace: &Keyspace, payloads: &[Vec<u8>]) -> Batch {
+    let mut batch = Batch::default();
+    let mut placer = Placer::default();
+    for (offset, payload) in payloads.iter().enumerate() {
+        let event = codec::decode(payload, 16_384).expect("decodes");
+        let policy = namespaces.policy(&event.counter);
+        let shard = keyspace.group_for_event(
+            policy.grouping,
+            3,
+            event.actor.as_deref(),
+            &event.counter,
+            tally_common::keyspace::DEFAULT_SPREAD,
+        );
+        // Each event's time is its own: every placement is made afresh.
+        let placed = placer.place(&policy.windows, event.ts_ms, Some(event.ts_ms));
+        batch.add_windowed(
+            shard,
+            &event.counter,
+            event.delta,
+            placed.buckets(),
+            offset as i64,
+        );
+    }
+    batch
+}
+
+fn windowed(c: &mut Criterion) {
+    let payloads: Vec<Vec<u8>> = (events().into_iter().enumerate())
+        .map(|(i, e)| codec::encode(&e.with_ts_ms(T0 + i as i64)))
+        .collect();
+    let keyspace = Keyspace::default();
+    let namespaces = windowed_namespaces();
+    let mut group = c.benchmark_group("decode_aggregate");
+    group.throughput(Throughput::Elements(EVENTS as u64));
+    group.bench_function("bincode_windowed", |b| {
+        b.iter(|| black_box(windowed_batch(&namespaces, &keyspace, &payloads).seal()));
+    });
+    group.finish();
+
+    // One group's window deltas, and what its fields held: every bucket each window keeps.
+    let mut sealed = (windowed_batch(&namespaces, &keyspace, &payloads).seal()).expect("events");
+    let batch = sealed.groups.swap_remove(0);
+    let reads = Reads::new(&keyspace, batch.group, &batch.windows);
+    let windows = namespaces.policy("likes:").windows.list().to_vec();
+    let replies: Vec<Value> = (reads.stripes.iter())
+        .map(|(_, fields)| {
+            let values = fields.iter().map(|_| {
+                let mut cells = Cells::default();
+                for w in &windows {
+                    let kept = w.retention_ms / w.width_ms;
+                    for i in 1..=kept {
+                        cells
+                            .add(w.width_ms, T0 - i * w.width_ms, 1)
+                            .expect("small");
+                    }
+                }
+                Value::BulkString(cells.to_value().into_bytes())
+            });
+            Value::Array(values.collect())
+        })
+        .collect();
+    let mut group = c.benchmark_group("cells_plan");
+    group.throughput(Throughput::Elements(batch.windows.len() as u64));
+    group.bench_function("one_group", |b| {
+        b.iter(|| {
+            let reads = Reads::new(&keyspace, batch.group, &batch.windows);
+            let got: Vec<Read> = (replies.iter().cloned())
+                .map(|r| Read::from_reply(r).expect("fields"))
+                .collect();
+            black_box(plan(&reads, got, &batch.windows, T0 + 120_000))
+        });
+    });
+    group.finish();
+}
+
+criterion_group!(benches, decode_aggregate, windowed);
 criterion_main!(benches);

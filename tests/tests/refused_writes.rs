@@ -56,7 +56,7 @@ fn write<'a>(
 
 fn bucket(counter: &str, start_ms: i64, delta: i64) -> WindowDelta {
     WindowDelta {
-        counter: counter.to_owned(),
+        counter: counter.into(),
         width_ms: MINUTE_MS,
         start_ms,
         expire_at_ms: tally_common::event::now_ms() + 3_600_000,

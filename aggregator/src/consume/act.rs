@@ -7,9 +7,9 @@ use rdkafka::consumer::{CommitMode, Consumer, ConsumerContext};
 use rdkafka::{Offset, TopicPartitionList};
 use tokio::task::JoinHandle;
 
-use crate::machine::batch::Pace;
 use crate::machine::outcome::FlushOutcome;
 use crate::machine::ownership::Resume;
+use crate::machine::pace::Pace;
 use crate::machine::partition::Action;
 use crate::store::fence;
 use crate::store::sink::Sink;

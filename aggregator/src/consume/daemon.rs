@@ -108,7 +108,7 @@ impl<S: Sink> Aggregator<S> {
             ("auto.offset.reset", "earliest"),
             ("enable.partition.eof", "false"),
             // Each report tells every partition where its log ends (its pace, see
-            // `batch::Pace`) and feeds the lag gauge.
+            // `pace::Pace`) and feeds the lag gauge.
             ("statistics.interval.ms", "1000"),
             // Fetch more per partition, hold less: librdkafka's defaults (1 MiB per partition
             // per fetch, 64 MiB queued) caught up at 363,209 events/s with a 160 MiB peak RSS;

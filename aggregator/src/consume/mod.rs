@@ -37,6 +37,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use rdkafka::message::{BorrowedMessage, Message as _};
+use tally_common::window::Placer;
 use tally_common::{Keyspace, Namespaces};
 use tally_kafka::Fetcher;
 use tokio::sync::mpsc;
@@ -44,9 +45,9 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use crate::consume::idempotency::{RecentIds, WarmUp};
-use crate::machine::batch::Limits;
 use crate::machine::outcome::{FlushOutcome, Standing};
 use crate::machine::ownership::{Owner, Resume};
+use crate::machine::pace::Limits;
 use crate::machine::partition::Partition;
 use crate::operator::config::Delivery;
 use crate::operator::metrics::Metrics;
@@ -155,6 +156,8 @@ pub(crate) struct Slot {
     /// Where a leader change last truncated the partition's log under its position, until the
     /// acquisition that follows tells how much of it had been applied.
     truncated_to: Option<i64>,
+    /// Places events of windowed namespaces in their buckets.
+    placer: Placer,
 }
 
 /// A flush or a check, running as its own task.

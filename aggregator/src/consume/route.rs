@@ -282,7 +282,7 @@ impl<S: Sink> Shared<S> {
                 );
                 // Only windowed namespaces pay for a placement.
                 placement = (!policy.windows.is_empty()).then(|| {
-                    let placed = (policy.windows).place(event.ts_ms, kafka_ms);
+                    let placed = (slot.placer).place(&policy.windows, event.ts_ms, kafka_ms);
                     self.metrics.window_dropped(placed.late, placed.future);
                     placed
                 });

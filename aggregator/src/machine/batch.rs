@@ -3,152 +3,16 @@
 //! up to the offset of the last message added.
 //!
 //! A [`Batch`] grows as messages arrive and is *sealed* into a [`SealedBatch`] when a flush
-//! starts. The flush triggers live here too ([`Limits`], [`FlushClock`], [`Pace`]): a live
-//! partition's batch is due at its partition's next flush time, at most one flush interval after
-//! its oldest message arrived; a partition catching up (the log holds more than it has read) is
-//! flushed by size instead, with larger limits, so that each counter is written about once per
-//! catch-up rather than once per interval. Either way a batch is full when it holds too many
-//! events or too many distinct counters, so memory stays bounded whatever the traffic.
+//! starts, which is when it is full or due by the triggers of [`super::pace`].
 
 use std::collections::HashMap;
-use std::time::{Duration, Instant, SystemTime};
+use std::sync::Arc;
+use std::time::Instant;
 
 use tally_common::window::Bucket;
 
 use super::letter::DeadLetter;
-
-/// How much a batch may hold before it must be flushed.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Size {
-    /// Flush once this many messages are buffered.
-    pub max_events: usize,
-    /// Flush once this many distinct (group, counter) entries are buffered: bounds how long one
-    /// flush script runs.
-    pub max_counters: usize,
-}
-
-/// When a partition's buffer must be flushed.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Limits {
-    /// A live partition flushes at most this long after the oldest buffered message arrived
-    /// (see [`FlushClock`]).
-    pub flush_interval: Duration,
-    /// A live partition's batch size.
-    pub live: Size,
-    /// A catching-up partition's batch size.
-    pub catch_up: Size,
-    /// A catching-up partition flushes at least this often, so that its offsets move and its
-    /// counts show during a long catch-up.
-    pub catch_up_interval: Duration,
-}
-
-impl Limits {
-    /// The batch size at `pace`.
-    pub fn size(&self, pace: Pace) -> &Size {
-        match pace {
-            Pace::Live => &self.live,
-            Pace::CatchingUp => &self.catch_up,
-        }
-    }
-
-    /// How full a batch may grow while the partition's previous flush is still in flight
-    /// before the partition stops fetching until that flush lands. Live: twice the live size
-    /// (pausing makes librdkafka drop what it prefetched and fetch it again, and a live flush
-    /// is short). Catching up: the catch-up size itself, so that no flush script ever writes
-    /// more than `catch_up.max_counters` (a 1-event-per-counter catch-up buffered twice that
-    /// while each flush landed: scripts of 30,000 keys ran up to 230 ms).
-    pub fn pause_size(&self, pace: Pace) -> Size {
-        match pace {
-            Pace::Live => Size {
-                max_events: 2 * self.live.max_events,
-                max_counters: 2 * self.live.max_counters,
-            },
-            Pace::CatchingUp => self.catch_up,
-        }
-    }
-}
-
-/// Whether a partition batches by the flush clock or by size.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Pace {
-    /// At the end of its log, or not known to be behind: batches go by the flush clock.
-    Live,
-    /// Its log holds events it has not read yet: batches go by size, since more events are
-    /// waiting anyway and writing each counter once per batch is what a flush costs.
-    CatchingUp,
-}
-
-/// How far behind the end of its log a partition that receives nothing must be to count as
-/// catching up (waiting for its next fetch). Not 1: a transactional topic ends in a commit
-/// marker that is never delivered.
-pub const CATCH_UP_MIN_LAG: i64 = 1_000;
-
-impl Pace {
-    /// The pace of a partition that has read up to `read_to` (the offset after the last message
-    /// it handled) of a log that ended at `log_end` at the last statistics report, `reading`
-    /// whether messages reached it since the last tick.
-    ///
-    /// A partition still receiving messages catches up until it has read to the end of its log,
-    /// so that a catch-up ends with one flush of everything, not a flush and a straggler; one
-    /// that receives nothing catches up only while it is [`CATCH_UP_MIN_LAG`] events behind.
-    /// The end of the log is a report up to a second old: a live partition reads past it within
-    /// milliseconds of each report, so a stale end never holds it back for long.
-    pub fn of(read_to: Option<i64>, log_end: Option<i64>, reading: bool) -> Self {
-        match (read_to, log_end) {
-            (Some(read_to), Some(end))
-                if end - read_to >= CATCH_UP_MIN_LAG || (reading && end > read_to) =>
-            {
-                Pace::CatchingUp
-            }
-            _ => Pace::Live,
-        }
-    }
-}
-
-/// When one partition's batches are due: at the points `origin + k × interval`.
-///
-/// A batch is due at the first of those points after its oldest message arrived, so no message
-/// waits longer than one interval. Each partition has its own phase within the interval
-/// (partition × the golden ratio, modulo 1, of wall-clock time), so the partitions of every
-/// aggregator in the group flush at spread-out moments rather than all at once: flushes started
-/// together queue behind each other at Redis, and the last one's events wait for all of them.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct FlushClock {
-    /// A flush time.
-    origin: Instant,
-    /// Between flush times.
-    interval: Duration,
-}
-
-impl FlushClock {
-    /// The clock of `partition`; `now` and `wall` are the same moment on the monotonic and the
-    /// wall clock.
-    pub fn new(interval: Duration, partition: i32, now: Instant, wall: SystemTime) -> Self {
-        let interval_ns = interval.as_nanos().max(1);
-        let phase = (f64::from(partition) * 0.618_033_988_749_895).fract();
-        let phase_ns = (phase * interval_ns as f64) as u128;
-        let wall_ns = wall
-            .duration_since(SystemTime::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos());
-        // How long ago the last flush time was (wall time minus phase, modulo the interval).
-        let since = (wall_ns + interval_ns - phase_ns) % interval_ns;
-        let since = Duration::from_nanos(u64::try_from(since).unwrap_or(0));
-        Self {
-            origin: now.checked_sub(since).unwrap_or(now),
-            interval,
-        }
-    }
-
-    /// How many flush times passed from the origin to `t`.
-    fn points_until(&self, t: Instant) -> u128 {
-        t.saturating_duration_since(self.origin).as_nanos() / self.interval.as_nanos().max(1)
-    }
-
-    /// Whether a flush time passed after `since`, up to `now`.
-    fn passed(&self, since: Instant, now: Instant) -> bool {
-        self.points_until(now) > self.points_until(since)
-    }
-}
+use super::pace::{FlushClock, Limits, Pace, Size};
 
 /// A like (`like == true`) or unlike of `counter` by `actor`, in a deduplicating namespace: the
 /// flush adds the actor to the counter's membership set and counts 1 only if it was not there,
@@ -166,8 +30,8 @@ pub struct Member {
 /// A delta for one time bucket of a counter in a windowed namespace (`tally_common::window`).
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
 pub struct WindowDelta {
-    /// The counter.
-    pub counter: String,
+    /// The counter: shared by its buckets' deltas (a counter has one per window at least).
+    pub counter: Arc<str>,
     /// The window's width, in ms.
     pub width_ms: i64,
     /// Where the bucket starts, in ms since the epoch.
@@ -206,12 +70,65 @@ pub struct PendingExpiry {
 type Hasher = foldhash::fast::RandomState;
 
 /// What a batch holds for one counter in one group: its summed delta, and in a windowed
-/// namespace its summed deltas per bucket (one map entry for both: one lookup per event).
-#[derive(Debug, Default)]
+/// namespace its summed deltas per placement (one map entry for both: one lookup per event).
+///
+/// A placement is the set of buckets an event counts in (`Batch::placements`): the events of
+/// one batch share few (one per minute of their times with a `1m` window), so a counter sums
+/// its deltas per placement, mostly just one, kept inline; they become bucket deltas when the
+/// batch is sealed. 32 bytes, as small as a total and a `Vec`.
+#[derive(Debug)]
 struct Sums {
     total: i64,
-    /// A few buckets (one per window, more when the batch spans bucket boundaries).
-    buckets: Vec<(Bucket, i64)>,
+    /// The delta summed in the placement `first` ([`NO_PLACEMENT`]: none yet).
+    first_delta: i64,
+    first: u32,
+    /// Deltas summed in other placements.
+    #[expect(
+        clippy::box_collection,
+        reason = "the box keeps every counter's entry at 32 bytes; only counters whose events \
+                  span placements allocate it"
+    )]
+    more: Option<Box<Vec<(u32, i64)>>>,
+}
+
+const _: () = assert!(std::mem::size_of::<Sums>() == 32);
+
+/// `Sums::first` of a counter no windowed event has reached.
+const NO_PLACEMENT: u32 = u32::MAX;
+
+impl Default for Sums {
+    fn default() -> Self {
+        Self {
+            total: 0,
+            first_delta: 0,
+            first: NO_PLACEMENT,
+            more: None,
+        }
+    }
+}
+
+impl Sums {
+    /// Adds `delta` in the placement `placement`.
+    fn add_placed(&mut self, placement: u32, delta: i64) {
+        if self.first == placement || self.first == NO_PLACEMENT {
+            self.first = placement;
+            self.first_delta += delta;
+            return;
+        }
+        let more = self.more.get_or_insert_with(Box::default);
+        match more.iter_mut().find(|(p, _)| *p == placement) {
+            Some((_, sum)) => *sum += delta,
+            None => more.push((placement, delta)),
+        }
+    }
+
+    /// The deltas per placement.
+    fn placed(&self) -> impl Iterator<Item = (u32, i64)> + '_ {
+        let first = (self.first != NO_PLACEMENT).then_some((self.first, self.first_delta));
+        first
+            .into_iter()
+            .chain(self.more.iter().flat_map(|more| more.iter().copied()))
+    }
 }
 
 /// What one shard group receives from a batch.
@@ -264,6 +181,9 @@ pub struct Batch {
     touched: HashMap<String, i64, Hasher>,
     /// Expiry records, in log order.
     expiries: Vec<PendingExpiry>,
+    /// The placements of the windowed events added, each once (`Sums`), and where each is.
+    placements: Vec<Box<[Bucket]>>,
+    placement_index: HashMap<Box<[Bucket]>, u32, Hasher>,
     /// Messages added (valid and malformed).
     events: usize,
     /// The offset after the last message added: where the partition resumes once this is durable.
@@ -356,6 +276,46 @@ impl SealedBatch {
     }
 }
 
+/// The non-zero bucket deltas of `deltas` (one group's), a counter's one after another.
+fn window_deltas(
+    placements: &[Box<[Bucket]>],
+    deltas: &HashMap<String, Sums, Hasher>,
+) -> Vec<WindowDelta> {
+    let mut windows = Vec::new();
+    // One counter's bucket deltas, summed over its placements.
+    let mut buckets: Vec<(Bucket, i64)> = Vec::new();
+    for (counter, sums) in deltas {
+        buckets.clear();
+        for (placement, delta) in sums.placed() {
+            buckets.extend(placements[placement as usize].iter().map(|b| (*b, delta)));
+        }
+        if sums.more.is_some() {
+            // Placements share buckets (two minutes of one hour): sum each bucket once.
+            buckets.sort_unstable_by_key(|(b, _)| (b.width_ms, b.start_ms));
+            buckets.dedup_by(|(b, delta), (kept, sum)| {
+                let same = b == kept;
+                if same {
+                    *sum += *delta;
+                }
+                same
+            });
+        }
+        buckets.retain(|(_, delta)| *delta != 0);
+        if buckets.is_empty() {
+            continue;
+        }
+        let counter: Arc<str> = Arc::from(counter.as_str());
+        windows.extend(buckets.iter().map(|(b, delta)| WindowDelta {
+            counter: Arc::clone(&counter),
+            width_ms: b.width_ms,
+            start_ms: b.start_ms,
+            expire_at_ms: b.expire_at_ms,
+            delta: *delta,
+        }));
+    }
+    windows
+}
+
 /// `group`'s part of `groups`, added empty if it has none.
 fn group_batch(groups: &mut Vec<GroupBatch>, group: u32) -> &mut GroupBatch {
     let i = match groups.iter().position(|g| g.group == group) {
@@ -403,18 +363,34 @@ impl Batch {
         buckets: &[Bucket],
         offset: i64,
     ) {
+        let placement = (!buckets.is_empty()).then(|| self.placement(buckets));
         self.with_sums(group, counter, |sums| {
-            for bucket in buckets {
-                match sums.buckets.iter_mut().find(|(b, _)| b == bucket) {
-                    Some((_, sum)) => *sum += delta,
-                    None => sums.buckets.push((*bucket, delta)),
-                }
+            if let Some(placement) = placement {
+                sums.add_placed(placement, delta);
             }
             // Cannot overflow: |delta| <= 10^12 and a batch holds far fewer than 9.2 million
             // events.
             sums.total += delta;
         });
         self.advance(offset);
+    }
+
+    /// The number of the placement `buckets`, added if new.
+    fn placement(&mut self, buckets: &[Bucket]) -> u32 {
+        // Events come roughly in time order: the last placement is the usual answer.
+        if let Some(last) = self.placements.last()
+            && **last == *buckets
+        {
+            return (self.placements.len() - 1) as u32;
+        }
+        if let Some(&at) = self.placement_index.get(buckets) {
+            return at;
+        }
+        // A batch holds fewer than 4 billion events.
+        let at = self.placements.len() as u32;
+        self.placements.push(buckets.into());
+        self.placement_index.insert(buckets.into(), at);
+        at
     }
 
     /// Notes that `counter`, in a namespace that expires counters, was written by an event whose
@@ -594,19 +570,7 @@ impl Batch {
                 .into_iter()
                 .map(|(group, buffer)| GroupBatch {
                     group,
-                    windows: (buffer.deltas.iter())
-                        .flat_map(|(counter, sums)| {
-                            (sums.buckets.iter())
-                                .filter(|(_, d)| *d != 0)
-                                .map(move |(b, delta)| WindowDelta {
-                                    counter: counter.clone(),
-                                    width_ms: b.width_ms,
-                                    start_ms: b.start_ms,
-                                    expire_at_ms: b.expire_at_ms,
-                                    delta: *delta,
-                                })
-                        })
-                        .collect(),
+                    windows: window_deltas(&taken.placements, &buffer.deltas),
                     deltas: (buffer.deltas.into_iter())
                         .filter(|(_, sums)| sums.total != 0)
                         .map(|(counter, sums)| (counter, sums.total))
@@ -635,6 +599,8 @@ impl Batch {
 
 #[cfg(test)]
 mod tests {
+    use std::time::{Duration, SystemTime};
+
     use super::*;
 
     fn deltas(group: u32, deltas: &[(&str, i64)]) -> GroupBatch {
@@ -936,72 +902,6 @@ mod tests {
         assert!(clock.passed(due_at - Duration::from_millis(1), due_at));
         assert!(clock.passed(due_at, due_at + interval));
         assert!(!clock.passed(due_at, due_at + interval - Duration::from_millis(1)));
-    }
-
-    #[test]
-    fn partitions_flush_at_spread_out_moments() {
-        let interval = Duration::from_millis(1000);
-        let (now, wall) = (Instant::now(), SystemTime::now());
-        let reference = FlushClock::new(interval, 0, now, wall).origin;
-        let mut phases: Vec<u128> = (0..8)
-            .map(|p| {
-                let origin = FlushClock::new(interval, p, now, wall).origin;
-                let ms = if origin >= reference {
-                    (origin - reference).as_millis()
-                } else {
-                    1000 - (reference - origin).as_millis() % 1000
-                };
-                ms % 1000
-            })
-            .collect();
-        phases.sort_unstable();
-        phases.push(phases[0] + 1000);
-        let closest = phases.windows(2).map(|w| w[1] - w[0]).min();
-        assert!(closest >= Some(80), "phases {phases:?}");
-    }
-
-    #[test]
-    fn every_aggregator_gives_a_partition_the_same_flush_times() {
-        let interval = Duration::from_millis(1000);
-        let wall = SystemTime::now();
-        let now = Instant::now();
-        let a = FlushClock::new(interval, 5, now, wall);
-        // Another process, 1.3 s later on both clocks.
-        let later = FlushClock::new(
-            interval,
-            5,
-            now + Duration::from_millis(1300),
-            wall + Duration::from_millis(1300),
-        );
-        let apart = (later.origin - a.origin).as_nanos() % interval.as_nanos();
-        assert!(
-            apart < 1_000 || interval.as_nanos() - apart < 1_000,
-            "{apart} ns"
-        );
-    }
-
-    #[test]
-    fn a_partition_catches_up_until_it_reads_to_the_end_of_its_log() {
-        for reading in [false, true] {
-            assert_eq!(
-                Pace::of(None, Some(1_000_000), reading),
-                Pace::Live,
-                "nothing read"
-            );
-            assert_eq!(
-                Pace::of(Some(10), None, reading),
-                Pace::Live,
-                "end not known yet"
-            );
-            assert_eq!(Pace::of(Some(10), Some(1_010), reading), Pace::CatchingUp);
-            // A stale end of log, already passed.
-            assert_eq!(Pace::of(Some(5_000), Some(1_010), reading), Pace::Live);
-            assert_eq!(Pace::of(Some(1_010), Some(1_010), reading), Pace::Live);
-        }
-        // Near the end: still catching up while messages come, live once they stop (the end
-        // of a transactional topic is a commit marker that never arrives).
-        assert_eq!(Pace::of(Some(1_009), Some(1_010), true), Pace::CatchingUp);
-        assert_eq!(Pace::of(Some(1_009), Some(1_010), false), Pace::Live);
     }
 
     #[test]

@@ -4,7 +4,8 @@
 //! out what it answers.
 //!
 //! - [`partition`]: one partition as a state machine: what to flush, commit, pause, acquire.
-//! - [`batch`]: one partition's buffer, the flush triggers, and a sealed batch per group.
+//! - [`batch`]: one partition's buffer, and a sealed batch per group.
+//! - [`pace`]: when a batch must be flushed (its limits, its pace, its flush clock).
 //! - [`ownership`]: an exactly-once owner's epoch and ledgers, and where a partition resumes.
 //! - [`outcome`]: how a flush or a check ended.
 //! - [`letter`]: a message bound for the dead-letter topic.
@@ -15,6 +16,7 @@ pub mod batch;
 pub mod letter;
 pub mod outcome;
 pub mod ownership;
+pub mod pace;
 pub mod partition;
 pub mod verdict;
 pub mod write;

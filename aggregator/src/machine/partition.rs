@@ -19,10 +19,11 @@ use std::time::{Duration, Instant, SystemTime};
 
 use tally_common::window::Bucket;
 
-use super::batch::{Batch, FlushClock, Limits, Pace, SealedBatch};
+use super::batch::{Batch, SealedBatch};
 use super::letter::DeadLetter;
 use super::outcome::{FlushOutcome, Standing};
 use super::ownership::{Owner, Resume};
+use super::pace::{FlushClock, Limits, Pace};
 
 /// Where a partition's ownership stands.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -646,7 +647,7 @@ impl Draining {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::machine::batch::Size;
+    use crate::machine::pace::Size;
 
     const INTERVAL: Duration = Duration::from_millis(1_000);
 

@@ -144,7 +144,7 @@ mod tests {
     fn script_indexes_name_the_deltas_then_the_windows_then_the_memberships() {
         let deltas = [("a".to_owned(), 1), ("b".to_owned(), 2)];
         let windows = [WindowDelta {
-            counter: "a".to_owned(),
+            counter: "a".into(),
             width_ms: 60_000,
             start_ms: 0,
             expire_at_ms: 120_000,

@@ -48,7 +48,7 @@ impl Reads {
             }
             let s = *s;
             let f = *fields.entry((s, &w.counter)).or_insert_with(|| {
-                reads.stripes[s].1.push(w.counter.clone());
+                reads.stripes[s].1.push(w.counter.to_string());
                 reads.stripes[s].1.len() - 1
             });
             reads.at.push((s, f));
@@ -81,20 +81,25 @@ pub enum Read {
 impl Read {
     /// The reply to one `HMGET` (read with errors kept); an error other than `WRONGTYPE`, or
     /// a reply of another shape, is `Err`.
-    pub fn from_reply(value: &Value) -> Result<Self, redis::RedisError> {
+    pub fn from_reply(value: Value) -> Result<Self, redis::RedisError> {
         match value {
             Value::Array(items) => items
-                .iter()
+                .into_iter()
                 .map(|item| match item {
                     Value::Nil => Ok(None),
-                    Value::BulkString(bytes) => Ok(Some(String::from_utf8_lossy(bytes).into())),
-                    other => Err(unexpected(other)),
+                    // Not UTF-8 is not cells either: kept readable, never written.
+                    Value::BulkString(bytes) => {
+                        Ok(Some(String::from_utf8(bytes).unwrap_or_else(|e| {
+                            String::from_utf8_lossy(e.as_bytes()).into_owned()
+                        })))
+                    }
+                    other => Err(unexpected(&other)),
                 })
                 .collect::<Result<_, _>>()
                 .map(Read::Fields),
             Value::ServerError(e) if e.code() == "WRONGTYPE" => Ok(Read::WrongType),
-            Value::ServerError(e) => Err(redis::RedisError::from(e.clone())),
-            other => Err(unexpected(other)),
+            Value::ServerError(e) => Err(redis::RedisError::from(e)),
+            other => Err(unexpected(&other)),
         }
     }
 }
@@ -195,12 +200,18 @@ pub struct Plan {
 
 /// The plan of `windows` (those `reads` was made from) at `now_ms`: each field gets its deltas
 /// and loses the buckets of the windows written that expired by `now_ms`.
-pub fn plan(reads: &Reads, got: &[Read], windows: &[WindowDelta], now_ms: i64) -> Plan {
-    // Per field: its cells (None: not cells, or the hash is of another type).
-    let mut cells: Vec<Vec<Option<Cells>>> = (reads.stripes.iter().zip(got))
+pub fn plan(reads: &Reads, got: Vec<Read>, windows: &[WindowDelta], now_ms: i64) -> Plan {
+    // Per field: its cells and whether they changed (None: not cells, or the hash is of
+    // another type).
+    let mut cells: Vec<Vec<Option<(Cells, bool)>>> = (reads.stripes.iter().zip(&got))
         .map(|((_, fields), read)| match read {
             Read::Fields(values) => (values.iter())
-                .map(|v| v.as_deref().map_or(Some(Cells::default()), Cells::parse))
+                .map(|v| {
+                    Some((
+                        v.as_deref().map_or(Some(Cells::default()), Cells::parse)?,
+                        false,
+                    ))
+                })
                 .chain(std::iter::repeat(None))
                 .take(fields.len())
                 .collect(),
@@ -211,7 +222,7 @@ pub fn plan(reads: &Reads, got: &[Read], windows: &[WindowDelta], now_ms: i64) -
         .map(|(w, &(s, f))| match (&got[s], &cells[s][f]) {
             (Read::WrongType, _) => Current::WrongType,
             (_, None) => Current::NotAnInteger,
-            (_, Some(c)) => match c.get(w.width_ms, w.start_ms) {
+            (_, Some((c, _))) => match c.get(w.width_ms, w.start_ms) {
                 0 => Current::Missing,
                 count => Current::Integer(count),
             },
@@ -219,12 +230,16 @@ pub fn plan(reads: &Reads, got: &[Read], windows: &[WindowDelta], now_ms: i64) -
         .collect();
     let mut expire_at = vec![i64::MIN; reads.stripes.len()];
     for (w, &(s, f)) in windows.iter().zip(&reads.at) {
-        let Some(c) = &mut cells[s][f] else { continue };
+        let Some((c, changed)) = &mut cells[s][f] else {
+            continue;
+        };
         // An overflow leaves the cells as they were: that delta is refused (`currents`), the
         // field's others still apply (at-least-once writes the rest; exactly-once none).
         if c.add(w.width_ms, w.start_ms, w.delta).is_err() {
             continue;
         }
+        // A delta is never 0 (a batch drops those), so the field changed.
+        *changed = true;
         let retention = w.expire_at_ms - w.start_ms - w.width_ms;
         c.expire(w.width_ms, retention, now_ms);
         expire_at[s] = expire_at[s].max(w.expire_at_ms);
@@ -237,11 +252,11 @@ pub fn plan(reads: &Reads, got: &[Read], windows: &[WindowDelta], now_ms: i64) -
             let fields: Vec<FieldWrite> = (fields.iter().zip(values).zip(cells))
                 .filter_map(|((field, read), cells)| {
                     // A field that is not cells is never written: its deltas are refused.
-                    let value = Some(cells?).filter(|c| !c.is_empty()).map(|c| c.to_value());
-                    (value != *read).then(|| FieldWrite {
+                    let (cells, changed) = cells?;
+                    changed.then(|| FieldWrite {
                         field: field.clone(),
-                        read: read.clone(),
-                        value,
+                        read,
+                        value: (!cells.is_empty()).then(|| cells.to_value()),
                     })
                 })
                 .collect();
@@ -264,7 +279,7 @@ mod tests {
 
     fn delta(counter: &str, width_ms: i64, start_ms: i64, delta: i64) -> WindowDelta {
         WindowDelta {
-            counter: counter.to_owned(),
+            counter: counter.into(),
             width_ms,
             start_ms,
             expire_at_ms: start_ms + width_ms + 2 * width_ms,
@@ -296,7 +311,7 @@ mod tests {
                 )
             })
             .collect();
-        let plan = plan(&reads, &got, &windows, now);
+        let plan = plan(&reads, got, &windows, now);
         assert_eq!(
             plan.currents,
             [
@@ -337,7 +352,7 @@ mod tests {
         let reads = Reads::new(&ks, 0, &windows);
         let junk = plan(
             &reads,
-            &[Read::Fields(vec![Some("junk".to_owned())])],
+            vec![Read::Fields(vec![Some("junk".to_owned())])],
             &windows,
             0,
         );
@@ -346,14 +361,14 @@ mod tests {
             [Current::NotAnInteger, Current::NotAnInteger]
         );
         assert!(junk.writes.is_empty());
-        let typed = plan(&reads, &[Read::WrongType], &windows, 0);
+        let typed = plan(&reads, vec![Read::WrongType], &windows, 0);
         assert_eq!(typed.currents, [Current::WrongType, Current::WrongType]);
         assert!(typed.writes.is_empty());
         // Deltas that cancel out delete the field.
         let full = "1m=0:-1;1h=0:-1".to_owned();
         let cancel = plan(
             &reads,
-            &[Read::Fields(vec![Some(full.clone())])],
+            vec![Read::Fields(vec![Some(full.clone())])],
             &windows,
             0,
         );

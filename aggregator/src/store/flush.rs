@@ -379,27 +379,27 @@ fn rejected_letters(
                 Refused::Delta(i) => {
                     let (counter, delta) = &deltas[i];
                     let payload = serde_json::json!({ "counter": counter, "delta": delta });
-                    (counter, payload, *delta)
+                    (counter.as_str(), payload, *delta)
                 }
                 Refused::Window(i) => {
                     let w = &windows[i];
                     let payload = serde_json::json!({
-                        "counter": w.counter,
+                        "counter": &*w.counter,
                         "delta": w.delta,
                         "window_ms": w.width_ms,
                         "bucket_start_ms": w.start_ms,
                     });
-                    (&w.counter, payload, w.delta)
+                    (&*w.counter, payload, w.delta)
                 }
                 Refused::Member(i) => {
                     let m = &members[i];
                     let delta = if m.like { 1 } else { -1 };
                     let payload = serde_json::json!({ "counter": m.counter, "actor": m.actor, "delta": delta });
-                    (&m.counter, payload, delta)
+                    (m.counter.as_str(), payload, delta)
                 }
             };
             DeadLetter {
-                key: Some(counter.clone().into_bytes()),
+                key: Some(counter.as_bytes().to_vec()),
                 payload: Some(payload.to_string().into_bytes()),
                 reason: rejection.reason,
                 error: format!(

@@ -276,9 +276,9 @@ mod tests {
 
     use super::*;
     use crate::consume::dead_letter::DeadLetterQueue;
-    use crate::machine::batch::{Limits, Size};
     use crate::machine::outcome::{FlushOutcome, Standing};
     use crate::machine::ownership::{Owner, Resume};
+    use crate::machine::pace::{Limits, Size};
     use crate::machine::partition::{Action, Entry, Partition};
     use crate::operator::metrics::Metrics;
     use crate::store::fence::{self, Watermark};

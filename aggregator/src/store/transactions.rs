@@ -278,11 +278,12 @@ impl Transactions {
                 .collect::<Result<Vec<_>, _>>()?;
             let got = rest[n..n + w]
                 .iter()
+                .cloned()
                 .map(cells::Read::from_reply)
                 .collect::<Result<Vec<_>, _>>()?;
             let cells = cells::plan(
                 &cells_reads,
-                &got,
+                got,
                 write.windows,
                 tally_common::event::now_ms(),
             );
@@ -379,10 +380,10 @@ impl Transactions {
         reads.ignore_errors();
         cells_reads.add_to(&mut reads);
         self.optimistic(&watch, &reads, |replies| {
-            let got = (replies.iter())
+            let got = (replies.iter().cloned())
                 .map(cells::Read::from_reply)
                 .collect::<Result<Vec<_>, _>>()?;
-            let plan = cells::plan(&cells_reads, &got, windows, tally_common::event::now_ms());
+            let plan = cells::plan(&cells_reads, got, windows, tally_common::event::now_ms());
             let refused = window_rejections(&plan.currents, windows);
             if plan.writes.is_empty() {
                 return Ok(Plan::Done(refused));

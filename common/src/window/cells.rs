@@ -21,25 +21,30 @@
 
 use std::fmt;
 
-use super::{format_duration, parse_duration};
+use super::{duration_parts, parse_duration};
 
 /// Hashes per shard group holding its counters' buckets: enough that a group of a million
 /// counters keeps about 16,000 per hash, few enough that a flush of a group writes a handful.
 pub const STRIPES: u64 = 64;
 
-/// The buckets of one window.
-#[derive(Debug, Clone, PartialEq, Eq)]
-struct Section {
+/// One bucket.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Cell {
     width_ms: i64,
-    /// `(index, count)`, newest first; no count is 0.
-    buckets: Vec<(i64, i64)>,
+    /// Its start over its width.
+    index: i64,
+    /// Never 0.
+    count: i64,
 }
 
 /// A counter's buckets in one shard group: a parsed field value.
+///
+/// One flat list, ordered as the value is written (narrowest window first, each window's
+/// buckets newest first): a field is parsed and rewritten on every write of its counter, so it
+/// costs one allocation, not one per window.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Cells {
-    /// Narrowest first.
-    sections: Vec<Section>,
+    cells: Vec<Cell>,
 }
 
 /// A bucket's count would pass 64 bits.
@@ -47,79 +52,89 @@ pub struct Cells {
 pub struct Overflow;
 
 impl Cells {
-    /// The cells a field value holds, or `None` if it is not one.
+    /// The cells a field value holds, or `None` if it is not one: one pass over its bytes.
     pub fn parse(text: &str) -> Option<Self> {
-        let mut sections: Vec<Section> = Vec::new();
-        if text.is_empty() {
-            return Some(Self { sections });
-        }
-        for section in text.split(';') {
-            let (label, buckets) = section.split_once('=')?;
-            let width_ms = parse_duration(label).ok()?;
-            if format_duration(width_ms) != label
-                || sections.last().is_some_and(|s| s.width_ms >= width_ms)
-            {
+        let mut cells = Vec::new();
+        let mut rest = text.as_bytes();
+        let mut last_width = 0;
+        while !rest.is_empty() {
+            let equals = rest.iter().position(|&b| b == b'=')?;
+            let label = std::str::from_utf8(&rest[..equals]).ok()?;
+            let width_ms = parse_label(label)?;
+            if width_ms <= last_width {
                 return None;
             }
-            let mut parsed: Vec<(i64, i64)> = Vec::new();
-            for bucket in buckets.split(',') {
-                let (index, count) = bucket.split_once(':')?;
-                let (index, count) = (strict_i64(index)?, strict_i64(count)?);
-                if count == 0 || parsed.last().is_some_and(|(i, _)| *i <= index) {
+            last_width = width_ms;
+            rest = &rest[equals + 1..];
+            let mut last_index = None;
+            loop {
+                let index = strict_i64_prefix(&mut rest)?;
+                rest = rest.strip_prefix(b":")?;
+                let count = strict_i64_prefix(&mut rest)?;
+                if count == 0 || last_index.is_some_and(|i| i <= index) {
                     return None;
                 }
                 index.checked_mul(width_ms)?;
-                parsed.push((index, count));
+                last_index = Some(index);
+                cells.push(Cell {
+                    width_ms,
+                    index,
+                    count,
+                });
+                match rest {
+                    [b',', more @ ..] => rest = more,
+                    // A `;` must start another window.
+                    [b';', more @ ..] if !more.is_empty() => {
+                        rest = more;
+                        break;
+                    }
+                    [] => break,
+                    _ => return None,
+                }
             }
-            sections.push(Section {
-                width_ms,
-                buckets: parsed,
-            });
         }
-        Some(Self { sections })
+        Some(Self { cells })
     }
 
     /// Whether no bucket is left.
     pub fn is_empty(&self) -> bool {
-        self.sections.is_empty()
+        self.cells.is_empty()
+    }
+
+    /// Where the bucket `index` of width `width_ms` is, or would be inserted.
+    fn find(&self, width_ms: i64, index: i64) -> Result<usize, usize> {
+        (self.cells).binary_search_by(|c| c.width_ms.cmp(&width_ms).then(index.cmp(&c.index)))
+    }
+
+    /// The buckets of width `width_ms`, as a range of `cells`.
+    fn window(&self, width_ms: i64) -> std::ops::Range<usize> {
+        let start = self.cells.partition_point(|c| c.width_ms < width_ms);
+        let end = start + self.cells[start..].partition_point(|c| c.width_ms == width_ms);
+        start..end
     }
 
     /// Adds `delta` to the bucket of width `width_ms` starting at `start_ms`; a count that
     /// comes to 0 leaves no bucket. Nothing changes on overflow.
     pub fn add(&mut self, width_ms: i64, start_ms: i64, delta: i64) -> Result<(), Overflow> {
         let index = start_ms.div_euclid(width_ms);
-        let at = match (self.sections).binary_search_by_key(&width_ms, |s| s.width_ms) {
-            Ok(at) => at,
-            Err(at) => {
-                if delta == 0 {
-                    return Ok(());
-                }
-                self.sections.insert(
-                    at,
-                    Section {
-                        width_ms,
-                        buckets: Vec::with_capacity(1),
-                    },
-                );
-                at
-            }
-        };
-        let buckets = &mut self.sections[at].buckets;
-        // Newest first: the current bucket is almost always the first.
-        match buckets.binary_search_by(|(i, _)| index.cmp(i)) {
-            Ok(b) => {
-                let sum = buckets[b].1.checked_add(delta).ok_or(Overflow)?;
+        match self.find(width_ms, index) {
+            Ok(at) => {
+                let sum = self.cells[at].count.checked_add(delta).ok_or(Overflow)?;
                 if sum == 0 {
-                    buckets.remove(b);
+                    self.cells.remove(at);
                 } else {
-                    buckets[b].1 = sum;
+                    self.cells[at].count = sum;
                 }
             }
-            Err(b) if delta != 0 => buckets.insert(b, (index, delta)),
+            Err(at) if delta != 0 => self.cells.insert(
+                at,
+                Cell {
+                    width_ms,
+                    index,
+                    count: delta,
+                },
+            ),
             Err(_) => {}
-        }
-        if buckets.is_empty() {
-            self.sections.remove(at);
         }
         Ok(())
     }
@@ -127,82 +142,108 @@ impl Cells {
     /// Drops the buckets of width `width_ms` that expired by `now_ms`: those that ended more
     /// than `retention_ms` before it.
     pub fn expire(&mut self, width_ms: i64, retention_ms: i64, now_ms: i64) {
-        let Ok(at) = (self.sections).binary_search_by_key(&width_ms, |s| s.width_ms) else {
-            return;
-        };
-        let buckets = &mut self.sections[at].buckets;
-        buckets.retain(|(index, _)| {
-            let end = index.saturating_mul(width_ms).saturating_add(width_ms);
+        let window = self.window(width_ms);
+        // Newest first: the expired ones are the window's last.
+        let kept = self.cells[window.clone()].partition_point(|c| {
+            let end = c.index.saturating_mul(width_ms).saturating_add(width_ms);
             end.saturating_add(retention_ms) > now_ms
         });
-        if buckets.is_empty() {
-            self.sections.remove(at);
-        }
+        self.cells.drain(window.start + kept..window.end);
     }
 
     /// The count of the bucket of width `width_ms` starting at `start_ms` (0 if none).
     pub fn get(&self, width_ms: i64, start_ms: i64) -> i64 {
         let index = start_ms.div_euclid(width_ms);
-        (self.sections.iter())
-            .find(|s| s.width_ms == width_ms)
-            .and_then(|s| s.buckets.iter().find(|(i, _)| *i == index))
-            .map_or(0, |(_, count)| *count)
+        self.find(width_ms, index)
+            .map_or(0, |at| self.cells[at].count)
     }
 
     /// The sum of the buckets of width `width_ms` starting from `first_ms` to `last_ms`
     /// (inclusive), or `None` past 64 bits.
     pub fn sum(&self, width_ms: i64, first_ms: i64, last_ms: i64) -> Option<i64> {
         let (first, last) = (first_ms.div_euclid(width_ms), last_ms.div_euclid(width_ms));
-        (self.sections.iter())
-            .find(|s| s.width_ms == width_ms)
-            .map_or(Some(0), |s| {
-                (s.buckets.iter())
-                    .filter(|(i, _)| (first..=last).contains(i))
-                    .try_fold(0i64, |acc, (_, count)| acc.checked_add(*count))
-            })
+        (self.cells[self.window(width_ms)].iter())
+            .filter(|c| (first..=last).contains(&c.index))
+            .try_fold(0i64, |acc, c| acc.checked_add(c.count))
     }
 
     /// The field value, written into one allocation of about its size.
     pub fn to_value(&self) -> String {
-        use std::fmt::Write;
-        let buckets: usize = self.sections.iter().map(|s| s.buckets.len()).sum();
-        let mut out = String::with_capacity(8 * self.sections.len() + 24 * buckets);
-        // Writing to a String cannot fail.
-        let _ = write!(out, "{self}");
+        let mut out = String::with_capacity(24 * self.cells.len());
+        let mut digits = itoa::Buffer::new();
+        let mut width_ms = 0;
+        for c in &self.cells {
+            if c.width_ms == width_ms {
+                out.push(',');
+            } else {
+                if width_ms != 0 {
+                    out.push(';');
+                }
+                width_ms = c.width_ms;
+                let (n, unit) = duration_parts(width_ms);
+                out.push_str(digits.format(n));
+                out.push_str(unit);
+                out.push('=');
+            }
+            out.push_str(digits.format(c.index));
+            out.push(':');
+            out.push_str(digits.format(c.count));
+        }
         out
     }
 
     /// Every bucket: `(width_ms, start_ms, count)`, narrowest window first, newest first.
     pub fn buckets(&self) -> impl Iterator<Item = (i64, i64, i64)> + '_ {
-        (self.sections.iter()).flat_map(|s| {
-            (s.buckets.iter()).map(|(index, count)| (s.width_ms, index * s.width_ms, *count))
-        })
+        (self.cells.iter()).map(|c| (c.width_ms, c.index * c.width_ms, c.count))
     }
 }
 
 impl fmt::Display for Cells {
     /// The field value ([`Cells::parse`] reads it back).
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        for (i, section) in self.sections.iter().enumerate() {
-            if i > 0 {
-                f.write_str(";")?;
-            }
-            write!(f, "{}=", format_duration(section.width_ms))?;
-            for (j, (index, count)) in section.buckets.iter().enumerate() {
-                if j > 0 {
-                    f.write_str(",")?;
-                }
-                write!(f, "{index}:{count}")?;
-            }
-        }
-        Ok(())
+        f.write_str(&self.to_value())
     }
 }
 
+/// A window's width written the one way [`super::format_duration`] writes it (`1m`, not `60s`).
+fn parse_label(label: &str) -> Option<i64> {
+    let width_ms = parse_duration(label).ok()?;
+    let (n, unit) = duration_parts(width_ms);
+    let digits = label.strip_suffix(unit)?;
+    (digits == itoa::Buffer::new().format(n)).then_some(width_ms)
+}
+
 /// A 64-bit integer written the one way Rust writes it (no `+`, no leading zero, no `-0`).
+#[cfg(test)]
 fn strict_i64(text: &str) -> Option<i64> {
-    let value: i64 = text.parse().ok()?;
-    (value.to_string() == text).then_some(value)
+    let mut rest = text.as_bytes();
+    strict_i64_prefix(&mut rest).filter(|_| rest.is_empty())
+}
+
+/// The integer `rest` starts with, written the one way Rust writes it; `rest` moves past it.
+fn strict_i64_prefix(rest: &mut &[u8]) -> Option<i64> {
+    let all: &[u8] = rest;
+    let (negative, digits) = match all {
+        [b'-', digits @ ..] => (true, digits),
+        digits => (false, digits),
+    };
+    let len = digits.iter().take_while(|b| b.is_ascii_digit()).count();
+    match &digits[..len] {
+        [] => return None,
+        [b'0', ..] if negative || len > 1 => return None,
+        _ => {}
+    }
+    // Summed as a negative number, which reaches i64::MIN.
+    let mut value: i64 = 0;
+    for &b in &digits[..len] {
+        value = value.checked_mul(10)?.checked_sub(i64::from(b - b'0'))?;
+    }
+    *rest = &digits[len..];
+    if negative {
+        Some(value)
+    } else {
+        value.checked_neg()
+    }
 }
 
 /// The stripe of `counter`'s field: bits of its hash that the choice of its base group does
@@ -217,6 +258,49 @@ mod tests {
 
     const MIN: i64 = 60_000;
     const HOUR: i64 = 60 * MIN;
+
+    proptest::proptest! {
+        /// Integers are read exactly as Rust writes them, and nothing else is.
+        #[test]
+        fn integers_parse_only_as_rust_writes_them(text in "[-+0-9]{0,21}", value: i64) {
+            let reference = text.parse::<i64>().ok().filter(|v| v.to_string() == text);
+            proptest::prop_assert_eq!(strict_i64(&text), reference);
+            proptest::prop_assert_eq!(strict_i64(&value.to_string()), Some(value));
+        }
+
+        /// Any additions and expiries keep what a map of (width, start) to count keeps, and the
+        /// value parses back to the same cells.
+        #[test]
+        fn cells_keep_what_a_map_keeps(
+            ops in proptest::collection::vec((0..3usize, -5..5i64, -3..3i64, 0..4u8), 0..60),
+        ) {
+            let widths = [MIN, HOUR, 24 * HOUR];
+            let mut cells = Cells::default();
+            let mut model = std::collections::BTreeMap::new();
+            for (w, bucket, delta, expire) in ops {
+                let width = widths[w];
+                if expire == 0 {
+                    // Keep buckets that end more than one width after `bucket`'s start.
+                    let now = bucket * width + width;
+                    cells.expire(width, width, now);
+                    model.retain(|&(mw, start): &(i64, i64), _| mw != width || start + 2 * mw > now);
+                    continue;
+                }
+                cells.add(width, bucket * width, delta).expect("small");
+                let count = model.entry((width, bucket * width)).or_insert(0);
+                *count += delta;
+                if *count == 0 {
+                    model.remove(&(width, bucket * width));
+                }
+            }
+            let mut held: Vec<(i64, i64, i64)> = cells.buckets().collect();
+            held.sort();
+            let expected: Vec<(i64, i64, i64)> =
+                model.iter().map(|(&(w, s), &c)| (w, s, c)).collect();
+            proptest::prop_assert_eq!(held, expected);
+            proptest::prop_assert_eq!(Cells::parse(&cells.to_value()), Some(cells));
+        }
+    }
 
     #[test]
     fn buckets_are_added_newest_first_and_printed_the_way_they_parse() {

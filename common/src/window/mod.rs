@@ -119,6 +119,32 @@ impl Placement {
     }
 }
 
+/// [`Windows::place`] remembering its last answer: events read together mostly carry the same
+/// times (a catch-up reads thousands a millisecond), and their placement is then the same.
+#[derive(Debug, Clone, Default)]
+pub struct Placer {
+    /// The windows, times and placement of the last event placed.
+    last: Option<(Windows, i64, Option<i64>, Placement)>,
+}
+
+impl Placer {
+    /// `windows.place(ts_ms, kafka_ms)`.
+    pub fn place(&mut self, windows: &Windows, ts_ms: i64, kafka_ms: Option<i64>) -> Placement {
+        match &mut self.last {
+            Some((w, t, k, placed)) if *t == ts_ms && *k == kafka_ms && w == windows => *placed,
+            Some((w, t, k, placed)) if w == windows => {
+                (*t, *k, *placed) = (ts_ms, kafka_ms, windows.place(ts_ms, kafka_ms));
+                *placed
+            }
+            last => {
+                let placed = windows.place(ts_ms, kafka_ms);
+                *last = Some((windows.clone(), ts_ms, kafka_ms, placed));
+                placed
+            }
+        }
+    }
+}
+
 /// The most (counter, bucket) pairs one window read may sum (each counter's buckets are one field
 /// per shard group, summed over the span). A read of more is refused
 /// ([`crate::ReadError::WindowTooLarge`]); no window alone can need more, since it keeps at most
@@ -290,6 +316,12 @@ pub fn parse_duration(text: &str) -> Result<i64, String> {
 
 /// Writes `ms` in the largest unit that divides it: `1h`, `90s`, `250ms`.
 pub fn format_duration(ms: i64) -> String {
+    let (n, unit) = duration_parts(ms);
+    format!("{n}{unit}")
+}
+
+/// `ms` as a number of the largest unit that divides it, and that unit: `(90, "s")`.
+pub(crate) fn duration_parts(ms: i64) -> (i64, &'static str) {
     let units = [
         (7 * 86_400_000, "w"),
         (86_400_000, "d"),
@@ -299,10 +331,10 @@ pub fn format_duration(ms: i64) -> String {
     ];
     for (scale, unit) in units {
         if ms != 0 && ms % scale == 0 {
-            return format!("{}{unit}", ms / scale);
+            return (ms / scale, unit);
         }
     }
-    format!("{ms}ms")
+    (ms, "ms")
 }
 
 #[cfg(test)]
@@ -400,6 +432,27 @@ mod tests {
         );
         assert_eq!(w.plan(90_000), None);
         assert_eq!(w.plan(72 * HOUR), None);
+    }
+
+    #[test]
+    fn a_placer_answers_as_the_windows_do() {
+        let (hour, minute) = (windows(), Windows::new(vec![windows().list()[0]], 0));
+        let mut placer = Placer::default();
+        for (w, ts, kafka) in [
+            (&hour, 10 * MIN, Some(10 * MIN)),
+            (&hour, 10 * MIN, Some(10 * MIN)),
+            (&minute, 10 * MIN, Some(10 * MIN)),
+            (&hour, 10 * MIN, Some(10 * MIN)),
+            (&hour, 10 * MIN, Some(200 * HOUR)),
+            (&hour, 3 * HOUR, None),
+            (&hour, 0, None),
+        ] {
+            assert_eq!(
+                placer.place(w, ts, kafka),
+                w.place(ts, kafka),
+                "{ts} {kafka:?}"
+            );
+        }
     }
 
     #[test]

@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use tally_common::{GroupingRule, Keyspace, Namespaces, Policy, RedisTarget};
 
-use crate::machine::batch::{Limits, Size};
+use crate::machine::pace::{Limits, Size};
 pub use tally_ops::ConfigError;
 use tally_ops::config::positive;
 pub use tally_ops::config::{PostgresTarget, Store, parse_key_value, read_toml};

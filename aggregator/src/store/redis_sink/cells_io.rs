@@ -25,12 +25,12 @@ impl RedisSink {
             reads.add_to(&mut pipe);
             let mut conn = self.conn.clone();
             let replies: Vec<redis::Value> = pipe.query_async(&mut conn).await?;
-            (replies.iter())
+            (replies.into_iter())
                 .map(cells::Read::from_reply)
                 .collect::<Result<Vec<_>, _>>()?
         };
         let now = tally_common::event::now_ms();
-        Ok(cells::plan(reads, &got, windows, now))
+        Ok(cells::plan(reads, got, windows, now))
     }
 
     /// An at-least-once write's window deltas through `scripts/cells.lua`, with the ones refused.

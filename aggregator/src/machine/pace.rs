@@ -1,0 +1,215 @@
+//! When a partition's batch must be flushed: how much it may hold ([`Limits`]), whether the
+//! partition reads live or catches up ([`Pace`]), and its flush times ([`FlushClock`]).
+//!
+//! A live partition's batch is due at its partition's next flush time, at most one flush
+//! interval after its oldest message arrived; a partition catching up (the log holds more than
+//! it has read) is flushed by size instead, with larger limits, so that each counter is written
+//! about once per catch-up rather than once per interval. Either way a batch is full when it
+//! holds too many events or too many distinct counters, so memory stays bounded whatever the
+//! traffic.
+
+use std::time::{Duration, Instant, SystemTime};
+
+/// How much a batch may hold before it must be flushed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Size {
+    /// Flush once this many messages are buffered.
+    pub max_events: usize,
+    /// Flush once this many distinct (group, counter) entries are buffered: bounds how long one
+    /// flush script runs.
+    pub max_counters: usize,
+}
+
+/// When a partition's buffer must be flushed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// A live partition flushes at most this long after the oldest buffered message arrived
+    /// (see [`FlushClock`]).
+    pub flush_interval: Duration,
+    /// A live partition's batch size.
+    pub live: Size,
+    /// A catching-up partition's batch size.
+    pub catch_up: Size,
+    /// A catching-up partition flushes at least this often, so that its offsets move and its
+    /// counts show during a long catch-up.
+    pub catch_up_interval: Duration,
+}
+
+impl Limits {
+    /// The batch size at `pace`.
+    pub fn size(&self, pace: Pace) -> &Size {
+        match pace {
+            Pace::Live => &self.live,
+            Pace::CatchingUp => &self.catch_up,
+        }
+    }
+
+    /// How full a batch may grow while the partition's previous flush is still in flight
+    /// before the partition stops fetching until that flush lands. Live: twice the live size
+    /// (pausing makes librdkafka drop what it prefetched and fetch it again, and a live flush
+    /// is short). Catching up: the catch-up size itself, so that no flush script ever writes
+    /// more than `catch_up.max_counters` (a 1-event-per-counter catch-up buffered twice that
+    /// while each flush landed: scripts of 30,000 keys ran up to 230 ms).
+    pub fn pause_size(&self, pace: Pace) -> Size {
+        match pace {
+            Pace::Live => Size {
+                max_events: 2 * self.live.max_events,
+                max_counters: 2 * self.live.max_counters,
+            },
+            Pace::CatchingUp => self.catch_up,
+        }
+    }
+}
+
+/// Whether a partition batches by the flush clock or by size.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pace {
+    /// At the end of its log, or not known to be behind: batches go by the flush clock.
+    Live,
+    /// Its log holds events it has not read yet: batches go by size, since more events are
+    /// waiting anyway and writing each counter once per batch is what a flush costs.
+    CatchingUp,
+}
+
+/// How far behind the end of its log a partition that receives nothing must be to count as
+/// catching up (waiting for its next fetch). Not 1: a transactional topic ends in a commit
+/// marker that is never delivered.
+pub const CATCH_UP_MIN_LAG: i64 = 1_000;
+
+impl Pace {
+    /// The pace of a partition that has read up to `read_to` (the offset after the last message
+    /// it handled) of a log that ended at `log_end` at the last statistics report, `reading`
+    /// whether messages reached it since the last tick.
+    ///
+    /// A partition still receiving messages catches up until it has read to the end of its log,
+    /// so that a catch-up ends with one flush of everything, not a flush and a straggler; one
+    /// that receives nothing catches up only while it is [`CATCH_UP_MIN_LAG`] events behind.
+    /// The end of the log is a report up to a second old: a live partition reads past it within
+    /// milliseconds of each report, so a stale end never holds it back for long.
+    pub fn of(read_to: Option<i64>, log_end: Option<i64>, reading: bool) -> Self {
+        match (read_to, log_end) {
+            (Some(read_to), Some(end))
+                if end - read_to >= CATCH_UP_MIN_LAG || (reading && end > read_to) =>
+            {
+                Pace::CatchingUp
+            }
+            _ => Pace::Live,
+        }
+    }
+}
+
+/// When one partition's batches are due: at the points `origin + k × interval`.
+///
+/// A batch is due at the first of those points after its oldest message arrived, so no message
+/// waits longer than one interval. Each partition has its own phase within the interval
+/// (partition × the golden ratio, modulo 1, of wall-clock time), so the partitions of every
+/// aggregator in the group flush at spread-out moments rather than all at once: flushes started
+/// together queue behind each other at Redis, and the last one's events wait for all of them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FlushClock {
+    /// A flush time.
+    origin: Instant,
+    /// Between flush times.
+    interval: Duration,
+}
+
+impl FlushClock {
+    /// The clock of `partition`; `now` and `wall` are the same moment on the monotonic and the
+    /// wall clock.
+    pub fn new(interval: Duration, partition: i32, now: Instant, wall: SystemTime) -> Self {
+        let interval_ns = interval.as_nanos().max(1);
+        let phase = (f64::from(partition) * 0.618_033_988_749_895).fract();
+        let phase_ns = (phase * interval_ns as f64) as u128;
+        let wall_ns = wall
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        // How long ago the last flush time was (wall time minus phase, modulo the interval).
+        let since = (wall_ns + interval_ns - phase_ns) % interval_ns;
+        let since = Duration::from_nanos(u64::try_from(since).unwrap_or(0));
+        Self {
+            origin: now.checked_sub(since).unwrap_or(now),
+            interval,
+        }
+    }
+
+    /// How many flush times passed from the origin to `t`.
+    fn points_until(&self, t: Instant) -> u128 {
+        t.saturating_duration_since(self.origin).as_nanos() / self.interval.as_nanos().max(1)
+    }
+
+    /// Whether a flush time passed after `since`, up to `now`.
+    pub(crate) fn passed(&self, since: Instant, now: Instant) -> bool {
+        self.points_until(now) > self.points_until(since)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn partitions_flush_at_spread_out_moments() {
+        let interval = Duration::from_millis(1000);
+        let (now, wall) = (Instant::now(), SystemTime::now());
+        let reference = FlushClock::new(interval, 0, now, wall).origin;
+        let mut phases: Vec<u128> = (0..8)
+            .map(|p| {
+                let origin = FlushClock::new(interval, p, now, wall).origin;
+                let ms = if origin >= reference {
+                    (origin - reference).as_millis()
+                } else {
+                    1000 - (reference - origin).as_millis() % 1000
+                };
+                ms % 1000
+            })
+            .collect();
+        phases.sort_unstable();
+        phases.push(phases[0] + 1000);
+        let closest = phases.windows(2).map(|w| w[1] - w[0]).min();
+        assert!(closest >= Some(80), "phases {phases:?}");
+    }
+
+    #[test]
+    fn every_aggregator_gives_a_partition_the_same_flush_times() {
+        let interval = Duration::from_millis(1000);
+        let wall = SystemTime::now();
+        let now = Instant::now();
+        let a = FlushClock::new(interval, 5, now, wall);
+        // Another process, 1.3 s later on both clocks.
+        let later = FlushClock::new(
+            interval,
+            5,
+            now + Duration::from_millis(1300),
+            wall + Duration::from_millis(1300),
+        );
+        let apart = (later.origin - a.origin).as_nanos() % interval.as_nanos();
+        assert!(
+            apart < 1_000 || interval.as_nanos() - apart < 1_000,
+            "{apart} ns"
+        );
+    }
+
+    #[test]
+    fn a_partition_catches_up_until_it_reads_to_the_end_of_its_log() {
+        for reading in [false, true] {
+            assert_eq!(
+                Pace::of(None, Some(1_000_000), reading),
+                Pace::Live,
+                "nothing read"
+            );
+            assert_eq!(
+                Pace::of(Some(10), None, reading),
+                Pace::Live,
+                "end not known yet"
+            );
+            assert_eq!(Pace::of(Some(10), Some(1_010), reading), Pace::CatchingUp);
+            // A stale end of log, already passed.
+            assert_eq!(Pace::of(Some(5_000), Some(1_010), reading), Pace::Live);
+            assert_eq!(Pace::of(Some(1_010), Some(1_010), reading), Pace::Live);
+        }
+        // Near the end: still catching up while messages come, live once they stop (the end
+        // of a transactional topic is a commit marker that never arrives).
+        assert_eq!(Pace::of(Some(1_009), Some(1_010), true), Pace::CatchingUp);
+        assert_eq!(Pace::of(Some(1_009), Some(1_010), false), Pace::Live);
+    }
+}
