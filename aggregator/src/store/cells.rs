@@ -5,6 +5,7 @@
 //! transactions path), else it reads again.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::Duration;
 
 use redis::Value;
@@ -21,7 +22,7 @@ type Hasher = foldhash::fast::RandomState;
 #[derive(Debug, Clone, Default)]
 pub struct Reads {
     /// Per hash: its key and the fields (counters) to read, each once.
-    pub stripes: Vec<(String, Vec<String>)>,
+    pub stripes: Vec<(String, Vec<Arc<str>>)>,
     /// Per window delta: its hash and field, as indexes into `stripes`.
     at: Vec<(usize, usize)>,
 }
@@ -47,8 +48,8 @@ impl Reads {
                 *s = reads.stripes.len() - 1;
             }
             let s = *s;
-            let f = *fields.entry((s, &w.counter)).or_insert_with(|| {
-                reads.stripes[s].1.push(w.counter.to_string());
+            let f = *fields.entry((s, &*w.counter)).or_insert_with(|| {
+                reads.stripes[s].1.push(Arc::clone(&w.counter));
                 reads.stripes[s].1.len() - 1
             });
             reads.at.push((s, f));
@@ -64,7 +65,10 @@ impl Reads {
     /// One `HMGET` per hash, in order.
     pub fn add_to(&self, pipe: &mut redis::Pipeline) {
         for (key, fields) in &self.stripes {
-            pipe.cmd("HMGET").arg(key).arg(fields);
+            let hmget = pipe.cmd("HMGET").arg(key);
+            for field in fields {
+                hmget.arg(&**field);
+            }
         }
     }
 }
@@ -115,8 +119,8 @@ fn unexpected(value: &Value) -> redis::RedisError {
 /// One field's rewrite.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct FieldWrite {
-    /// The field: the counter.
-    pub field: String,
+    /// The field: the counter (shared with the reads and the window deltas).
+    pub field: Arc<str>,
     /// What it held when read (`None`: nothing).
     pub read: Option<String>,
     /// What to write (`None`: delete the field).
@@ -145,7 +149,7 @@ impl StripeWrite {
             .arg(self.fields.len());
         for f in &self.fields {
             invocation
-                .arg(&f.field)
+                .arg(&*f.field)
                 .arg(f.read.as_deref().unwrap_or(""))
                 .arg(f.value.as_deref().unwrap_or(""));
         }
@@ -254,7 +258,7 @@ pub fn plan(reads: &Reads, got: Vec<Read>, windows: &[WindowDelta], now_ms: i64)
                     // A field that is not cells is never written: its deltas are refused.
                     let (cells, changed) = cells?;
                     changed.then(|| FieldWrite {
-                        field: field.clone(),
+                        field: Arc::clone(field),
                         read,
                         value: (!cells.is_empty()).then(|| cells.to_value()),
                     })
@@ -306,7 +310,7 @@ mod tests {
             .map(|(_, fields)| {
                 Read::Fields(
                     (fields.iter())
-                        .map(|f| (f == "a:1").then(|| old.clone()))
+                        .map(|f| (&**f == "a:1").then(|| old.clone()))
                         .collect(),
                 )
             })
@@ -323,7 +327,7 @@ mod tests {
         );
         let mut written: Vec<(String, Option<String>, Option<String>)> = (plan.writes.iter())
             .flat_map(|s| s.fields.iter())
-            .map(|f| (f.field.clone(), f.read.clone(), f.value.clone()))
+            .map(|f| (f.field.to_string(), f.read.clone(), f.value.clone()))
             .collect();
         written.sort();
         assert_eq!(

@@ -118,13 +118,13 @@ fn rewrite_cells(writes: &mut Pipeline, stripes: &[cells::StripeWrite]) {
         let (set, del): (Vec<_>, Vec<_>) = stripe.fields.iter().partition(|f| f.value.is_some());
         if !set.is_empty() {
             let pairs: Vec<(&str, &str)> = (set.iter())
-                .filter_map(|f| Some((f.field.as_str(), f.value.as_deref()?)))
+                .filter_map(|f| Some((&*f.field, f.value.as_deref()?)))
                 .collect();
             // HSET with many pairs (redis-rs's hset_multiple sends HMSET, which the ACL lacks).
             writes.cmd("HSET").arg(&stripe.key).arg(&pairs).ignore();
         }
         if !del.is_empty() {
-            let fields: Vec<&str> = del.iter().map(|f| f.field.as_str()).collect();
+            let fields: Vec<&str> = del.iter().map(|f| &*f.field).collect();
             writes.hdel(&stripe.key, fields).ignore();
         }
         for option in ["NX", "GT"] {

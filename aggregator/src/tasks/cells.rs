@@ -152,7 +152,7 @@ pub async fn sweep(
                         report.trimmed += 1;
                     }
                     fields.push(FieldWrite {
-                        field,
+                        field: field.into(),
                         read: Some(value),
                         value: (!kept.is_empty()).then(|| kept.to_value()),
                     });
@@ -282,7 +282,7 @@ pub async fn migrate(conn: &RedisConn, keyspace: &Keyspace) -> Result<MigrateRep
                 key: hash.clone(),
                 expire_at_ms: expire_at,
                 fields: vec![FieldWrite {
-                    field: counter.clone(),
+                    field: counter.as_str().into(),
                     read: held,
                     value: (!cells.is_empty()).then(|| cells.to_value()),
                 }],

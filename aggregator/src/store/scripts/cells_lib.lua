@@ -5,18 +5,15 @@
 
 -- The rewrites of the s hashes KEYS[first ..], described in ARGV from `arg`: per hash its expiry
 -- (ms since the epoch, '' to leave it), f, then f times a field, its read value and its new one.
--- Returns them and the ARGV index after them.
+-- Returns, per hash, its key, expiry, field count and where its fields start in ARGV (field j's
+-- triple is ARGV[at + 3j - 3 .. at + 3j - 1]: no table per field, a flush has tens of thousands),
+-- and the ARGV index after them.
 local function cells_args(first, s, arg)
   local stripes = {}
   for i = 1, s do
-    local stripe = {key = KEYS[first + i - 1], expire = ARGV[arg], fields = {}}
     local f = tonumber(ARGV[arg + 1])
-    arg = arg + 2
-    for j = 1, f do
-      stripe.fields[j] = {ARGV[arg], ARGV[arg + 1], ARGV[arg + 2]}
-      arg = arg + 3
-    end
-    stripes[i] = stripe
+    stripes[i] = {key = KEYS[first + i - 1], expire = ARGV[arg], f = f, at = arg + 2}
+    arg = arg + 2 + 3 * f
   end
   return stripes, arg
 end
@@ -25,16 +22,16 @@ end
 -- writer's next read finds it).
 local function cells_stale(stripes)
   for _, stripe in ipairs(stripes) do
-    local names = {}
-    for j, f in ipairs(stripe.fields) do
-      names[j] = f[1]
+    local names, at = {}, stripe.at
+    for j = 1, stripe.f do
+      names[j] = ARGV[at + 3 * j - 3]
     end
     local now = redis.pcall('HMGET', stripe.key, unpack(names))
     if now['err'] then
       return true
     end
-    for j, f in ipairs(stripe.fields) do
-      if (now[j] or '') ~= f[2] then
+    for j = 1, stripe.f do
+      if (now[j] or '') ~= ARGV[at + 3 * j - 2] then
         return true
       end
     end
@@ -45,11 +42,13 @@ end
 -- Puts back what the first `upto` hashes held when read (each field held it before the write).
 local function cells_restore(stripes, upto)
   for i = 1, upto do
-    for _, f in ipairs(stripes[i].fields) do
-      if f[2] == '' then
-        redis.call('HDEL', stripes[i].key, f[1])
+    local key, at = stripes[i].key, stripes[i].at
+    for j = 1, stripes[i].f do
+      local field, read = ARGV[at + 3 * j - 3], ARGV[at + 3 * j - 2]
+      if read == '' then
+        redis.call('HDEL', key, field)
       else
-        redis.call('HSET', stripes[i].key, f[1], f[2])
+        redis.call('HSET', key, field, read)
       end
     end
   end
@@ -59,13 +58,14 @@ end
 -- what it wrote and returns the error; nil when all landed.
 local function cells_write(stripes)
   for i, stripe in ipairs(stripes) do
-    local set, del = {}, {}
-    for _, f in ipairs(stripe.fields) do
-      if f[3] == '' then
-        del[#del + 1] = f[1]
+    local set, del, at = {}, {}, stripe.at
+    for j = 1, stripe.f do
+      local field, value = ARGV[at + 3 * j - 3], ARGV[at + 3 * j - 1]
+      if value == '' then
+        del[#del + 1] = field
       else
-        set[#set + 1] = f[1]
-        set[#set + 1] = f[3]
+        set[#set + 1] = field
+        set[#set + 1] = value
       end
     end
     -- HSET and HDEL answer a number, or an error as {err = ...}.
@@ -93,4 +93,3 @@ local function cells_expire(stripes)
     end
   end
 end
-

@@ -56,7 +56,7 @@ local w = tonumber(ARGV[9])
 local x = tonumber(ARGV[10])
 local m = (#KEYS - 3 - n - s - 3 * r) / 2
 
--- The cells rewrites: per hash, its expiry and {field, read, new} triples.
+-- The cells rewrites: per hash, its expiry and where its {field, read, new} triples are.
 local stripes, arg = cells_args(4 + n, s, 11 + n)
 local refused_windows = {}
 for i = 1, x do
