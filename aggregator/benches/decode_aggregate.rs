@@ -6,7 +6,8 @@
 //! `windowed`: the same in a namespace keeping `1m`, `1h` and `1d` windows (each event placed
 //! in its buckets too). `cells_plan`: what a flush of one group does with those buckets before
 //! it writes (the fields read, parsed, added to and written back), for the 10,000 counters'
-//! fields already holding every bucket their windows keep (48 each).
+//! fields already holding every bucket their windows keep (48 each), and for fields never
+//! written (`one_group_fresh`).
 //!
 //! `cargo bench -p tally-aggregator --bench decode_aggregate` (the benchmark command runs it).
 
@@ -156,17 +157,23 @@ fn windowed(c: &mut Criterion) {
             Value::Array(values.collect())
         })
         .collect();
+    // The same fields before their counters were ever written.
+    let fresh: Vec<Value> = (reads.stripes.iter())
+        .map(|(_, fields)| Value::Array(vec![Value::Nil; fields.len()]))
+        .collect();
     let mut group = c.benchmark_group("cells_plan");
     group.throughput(Throughput::Elements(batch.windows.len() as u64));
-    group.bench_function("one_group", |b| {
-        b.iter(|| {
-            let reads = Reads::new(&keyspace, batch.group, &batch.windows);
-            let got: Vec<Read> = (replies.iter().cloned())
-                .map(|r| Read::from_reply(r).expect("fields"))
-                .collect();
-            black_box(plan(&reads, got, &batch.windows, T0 + 120_000))
+    for (name, replies) in [("one_group", &replies), ("one_group_fresh", &fresh)] {
+        group.bench_function(name, |b| {
+            b.iter(|| {
+                let reads = Reads::new(&keyspace, batch.group, &batch.windows);
+                let got: Vec<Read> = (replies.iter().cloned())
+                    .map(|r| Read::from_reply(r).expect("fields"))
+                    .collect();
+                black_box(plan(&reads, got, &batch.windows, T0 + 120_000))
+            });
         });
-    });
+    }
     group.finish();
 }
 

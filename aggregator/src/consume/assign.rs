@@ -6,7 +6,6 @@ use std::time::{Instant, SystemTime};
 
 use rdkafka::TopicPartitionList;
 use rdkafka::consumer::{CommitMode, Consumer, ConsumerContext};
-use tally_common::window::Placer;
 use tokio::task::{JoinHandle, JoinSet};
 use tokio_util::sync::CancellationToken;
 
@@ -50,7 +49,6 @@ impl<S: Sink> Shared<S> {
                 ids: None,
                 epoch: epochs.remove(&partition).unwrap_or(0),
                 truncated_to: None,
-                placer: Placer::default(),
             };
             if let Some(action) = action {
                 self.execute(consumer, partition, &mut slot, action);

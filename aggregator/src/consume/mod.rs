@@ -37,7 +37,6 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use rdkafka::message::{BorrowedMessage, Message as _};
-use tally_common::window::Placer;
 use tally_common::{Keyspace, Namespaces};
 use tally_kafka::Fetcher;
 use tokio::sync::mpsc;
@@ -156,8 +155,6 @@ pub(crate) struct Slot {
     /// Where a leader change last truncated the partition's log under its position, until the
     /// acquisition that follows tells how much of it had been applied.
     truncated_to: Option<i64>,
-    /// Places events of windowed namespaces in their buckets.
-    placer: Placer,
 }
 
 /// A flush or a check, running as its own task.

@@ -5,7 +5,7 @@ use rdkafka::consumer::{Consumer, ConsumerContext};
 use rdkafka::error::KafkaResult;
 use rdkafka::message::BorrowedMessage;
 use tally_common::codec::Record;
-use tally_common::window::Placement;
+use tally_common::window::{Placement, Placer};
 use tally_common::{DeadLetterReason, codec};
 use tally_kafka::{Chunk, Fetched, Item};
 
@@ -25,13 +25,14 @@ impl<S: Sink> Shared<S> {
     ) {
         let mut parts = lock(&self.partitions);
         let mut read = 0;
+        let mut placer = Placer::default();
         for message in messages {
             match message {
                 Ok(message) => {
                     read += 1;
                     let message = Message::of(message);
                     if let Some(slot) = parts.map.get_mut(&message.partition) {
-                        self.handle_message(slot, consumer, &message);
+                        self.handle_message(slot, &mut placer, consumer, &message);
                     }
                 }
                 Err(error) => tracing::warn!(%error, "Kafka consumer error"),
@@ -160,6 +161,7 @@ impl<S: Sink> Shared<S> {
         }
         slot.machine.on_log_end(chunk.log_end);
         let mut read = 0;
+        let mut placer = Placer::default();
         for item in chunk.items() {
             match item {
                 Item::Record(record) => {
@@ -170,7 +172,7 @@ impl<S: Sink> Shared<S> {
                         payload: record.value,
                         timestamp_ms: (record.timestamp_ms >= 0).then_some(record.timestamp_ms),
                     };
-                    self.handle_message(slot, consumer, &message);
+                    self.handle_message(slot, &mut placer, consumer, &message);
                 }
                 Item::Undecodable {
                     first_offset,
@@ -212,9 +214,10 @@ impl<S: Sink> Shared<S> {
     }
 
     /// Decodes one message and routes it to its partition's state machine.
-    pub(super) fn handle_message<X: ConsumerContext, K: Consumer<X>>(
-        &self,
+    pub(super) fn handle_message<'s, X: ConsumerContext, K: Consumer<X>>(
+        &'s self,
         slot: &mut Slot,
+        placer: &mut Placer<'s>,
         consumer: &K,
         message: &Message<'_>,
     ) {
@@ -282,7 +285,7 @@ impl<S: Sink> Shared<S> {
                 );
                 // Only windowed namespaces pay for a placement.
                 placement = (!policy.windows.is_empty()).then(|| {
-                    let placed = (slot.placer).place(&policy.windows, event.ts_ms, kafka_ms);
+                    let placed = placer.place(&policy.windows, event.ts_ms, kafka_ms);
                     self.metrics.window_dropped(placed.late, placed.future);
                     placed
                 });
@@ -293,7 +296,7 @@ impl<S: Sink> Shared<S> {
                         group,
                         counter: &event.counter,
                         delta: event.delta,
-                        buckets: placement.as_ref().map_or(&[], Placement::buckets),
+                        buckets: placement.map_or(&[], Placement::buckets),
                         idle_deadline,
                     },
                     Some(actor) => Entry::Member {

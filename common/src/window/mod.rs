@@ -85,7 +85,7 @@ pub struct Bucket {
 }
 
 /// Where one event counts: up to [`MAX_WINDOWS`] buckets, and the windows it missed.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy)]
 pub struct Placement {
     buckets: [Bucket; MAX_WINDOWS],
     len: usize,
@@ -112,6 +112,15 @@ impl Default for Placement {
     }
 }
 
+impl PartialEq for Placement {
+    /// The same buckets and misses (whatever the slots past its buckets hold).
+    fn eq(&self, other: &Self) -> bool {
+        self.buckets() == other.buckets() && (self.late, self.future) == (other.late, other.future)
+    }
+}
+
+impl Eq for Placement {}
+
 impl Placement {
     /// The buckets it counts in.
     pub fn buckets(&self) -> &[Bucket] {
@@ -120,28 +129,25 @@ impl Placement {
 }
 
 /// [`Windows::place`] remembering its last answer: events read together mostly carry the same
-/// times (a catch-up reads thousands a millisecond), and their placement is then the same.
+/// times (a catch-up reads thousands a millisecond), and their placement is then the same. It
+/// borrows the windows it placed by, so that the same windows are known by their address.
 #[derive(Debug, Clone, Default)]
-pub struct Placer {
-    /// The windows, times and placement of the last event placed.
-    last: Option<(Windows, i64, Option<i64>, Placement)>,
+pub struct Placer<'a> {
+    /// The windows and times of the last event placed, and its placement.
+    last: Option<(&'a Windows, i64, Option<i64>)>,
+    placed: Placement,
 }
 
-impl Placer {
+impl<'a> Placer<'a> {
     /// `windows.place(ts_ms, kafka_ms)`.
-    pub fn place(&mut self, windows: &Windows, ts_ms: i64, kafka_ms: Option<i64>) -> Placement {
-        match &mut self.last {
-            Some((w, t, k, placed)) if *t == ts_ms && *k == kafka_ms && w == windows => *placed,
-            Some((w, t, k, placed)) if w == windows => {
-                (*t, *k, *placed) = (ts_ms, kafka_ms, windows.place(ts_ms, kafka_ms));
-                *placed
-            }
-            last => {
-                let placed = windows.place(ts_ms, kafka_ms);
-                *last = Some((windows.clone(), ts_ms, kafka_ms, placed));
-                placed
-            }
+    pub fn place(&mut self, windows: &'a Windows, ts_ms: i64, kafka_ms: Option<i64>) -> &Placement {
+        let hit = matches!(self.last, Some((w, t, k))
+            if t == ts_ms && k == kafka_ms && std::ptr::eq(w, windows));
+        if !hit {
+            self.last = Some((windows, ts_ms, kafka_ms));
+            windows.place_into(ts_ms, kafka_ms, &mut self.placed);
         }
+        &self.placed
     }
 }
 
@@ -243,6 +249,13 @@ impl Windows {
     /// (`None`: none).
     pub fn place(&self, ts_ms: i64, kafka_ms: Option<i64>) -> Placement {
         let mut placed = Placement::default();
+        self.place_into(ts_ms, kafka_ms, &mut placed);
+        placed
+    }
+
+    /// [`Windows::place`], written into `placed`.
+    fn place_into(&self, ts_ms: i64, kafka_ms: Option<i64>, placed: &mut Placement) {
+        (placed.len, placed.late, placed.future) = (0, 0, false);
         let kafka_ms = kafka_ms.filter(|k| *k > 0);
         let (t, reference) = match (ts_ms, kafka_ms) {
             (t, Some(k)) if t > 0 => (t, k),
@@ -251,12 +264,12 @@ impl Windows {
             _ => {
                 // No time at all: nothing to place it by.
                 placed.future = true;
-                return placed;
+                return;
             }
         };
         if t > reference.saturating_add(self.grace_ms) {
             placed.future = true;
-            return placed;
+            return;
         }
         for window in &self.list {
             let start = window.start_of(t);
@@ -271,7 +284,6 @@ impl Windows {
             };
             placed.len += 1;
         }
-        placed
     }
 
     /// How to read the last `span_ms`: the widest window whose width divides the span and that
@@ -448,7 +460,7 @@ mod tests {
             (&hour, 0, None),
         ] {
             assert_eq!(
-                placer.place(w, ts, kafka),
+                *placer.place(w, ts, kafka),
                 w.place(ts, kafka),
                 "{ts} {kafka:?}"
             );
