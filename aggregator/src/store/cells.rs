@@ -237,15 +237,21 @@ pub fn plan(reads: &Reads, got: Vec<Read>, windows: &[WindowDelta], now_ms: i64)
         let Some((c, changed)) = &mut cells[s][f] else {
             continue;
         };
-        // An overflow leaves the cells as they were: that delta is refused (`currents`), the
-        // field's others still apply (at-least-once writes the rest; exactly-once none).
-        if c.add(w.width_ms, w.start_ms, w.delta).is_err() {
-            continue;
-        }
-        // A delta is never 0 (a batch drops those), so the field changed.
-        *changed = true;
         let retention = w.expire_at_ms - w.start_ms - w.width_ms;
-        c.expire(w.width_ms, retention, now_ms);
+        if w.expire_at_ms <= now_ms {
+            // Its bucket has expired (a late event replayed long after): added, it would be
+            // dropped at once, so only the buckets the expiry drops change the field.
+            *changed |= c.expire(w.width_ms, retention, now_ms);
+        } else {
+            // An overflow leaves the cells as they were: that delta is refused (`currents`),
+            // the field's others still apply (at-least-once writes the rest; exactly-once none).
+            if c.add(w.width_ms, w.start_ms, w.delta).is_err() {
+                continue;
+            }
+            // A delta is never 0 (a batch drops those) and its bucket is kept: the field changed.
+            *changed = true;
+            c.expire(w.width_ms, retention, now_ms);
+        }
         expire_at[s] = expire_at[s].max(w.expire_at_ms);
     }
     let writes = (reads.stripes.iter().zip(got).zip(cells).zip(expire_at))
@@ -347,6 +353,30 @@ mod tests {
             ]
         );
         assert!((plan.writes.iter()).all(|s| s.expire_at_ms >= Some(now + 3 * MIN)));
+    }
+
+    #[test]
+    fn a_delta_into_an_expired_bucket_changes_only_what_the_expiry_drops() {
+        let ks = Keyspace::new("t".to_owned(), 1).expect("keyspace");
+        let now = 1_000 * HOUR;
+        // Its minute ended long before `now` (a replayed late event): expired on arrival.
+        let windows = [delta("a:1", MIN, 0, 1), delta("b:2", MIN, 0, 1)];
+        let reads = Reads::new(&ks, 0, &windows);
+        // a:1 holds a live minute only; b:2 also an expired one.
+        let live = format!("1m={}:4", now / MIN);
+        let held = |f: &str| match f {
+            "a:1" => Some(live.clone()),
+            _ => Some(format!("{live},{}:2", now / MIN - 10)),
+        };
+        let got: Vec<Read> = (reads.stripes.iter())
+            .map(|(_, fields)| Read::Fields(fields.iter().map(|f| held(f)).collect()))
+            .collect();
+        let plan = plan(&reads, got, &windows, now);
+        let written: Vec<(String, Option<String>)> = (plan.writes.iter())
+            .flat_map(|s| s.fields.iter())
+            .map(|f| (f.field.to_string(), f.value.clone()))
+            .collect();
+        assert_eq!(written, [("b:2".to_owned(), Some(live))]);
     }
 
     #[test]

@@ -140,15 +140,18 @@ impl Cells {
     }
 
     /// Drops the buckets of width `width_ms` that expired by `now_ms`: those that ended more
-    /// than `retention_ms` before it.
-    pub fn expire(&mut self, width_ms: i64, retention_ms: i64, now_ms: i64) {
+    /// than `retention_ms` before it. Returns whether there were any.
+    pub fn expire(&mut self, width_ms: i64, retention_ms: i64, now_ms: i64) -> bool {
         let window = self.window(width_ms);
         // Newest first: the expired ones are the window's last.
         let kept = self.cells[window.clone()].partition_point(|c| {
             let end = c.index.saturating_mul(width_ms).saturating_add(width_ms);
             end.saturating_add(retention_ms) > now_ms
         });
-        self.cells.drain(window.start + kept..window.end);
+        let expired = window.start + kept..window.end;
+        let any = !expired.is_empty();
+        self.cells.drain(expired);
+        any
     }
 
     /// The count of the bucket of width `width_ms` starting at `start_ms` (0 if none).
@@ -282,8 +285,10 @@ mod tests {
                 if expire == 0 {
                     // Keep buckets that end more than one width after `bucket`'s start.
                     let now = bucket * width + width;
-                    cells.expire(width, width, now);
+                    let dropped = cells.expire(width, width, now);
+                    let before = model.len();
                     model.retain(|&(mw, start): &(i64, i64), _| mw != width || start + 2 * mw > now);
+                    proptest::prop_assert_eq!(dropped, model.len() < before);
                     continue;
                 }
                 cells.add(width, bucket * width, delta).expect("small");
