@@ -125,6 +125,9 @@ pub fn markdown(r: &Results) -> String {
             ""
         }
     );
+    if let Some(line) = crate::report::window_rounds(&r.windows) {
+        let _ = writeln!(out, "\n{line}");
+    }
 
     let _ = writeln!(
         out,

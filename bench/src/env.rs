@@ -334,25 +334,27 @@ pub(crate) fn machine() -> String {
 
 /// Deletes this run's keys from the local Redis (topics stay; Kafka's retention removes them).
 pub(crate) async fn cleanup(env: &mut Env<'_>) {
-    let pattern = format!("{}*", env.run_id);
+    delete_matching(&mut env.redis, &format!("{}*", env.run_id)).await;
+}
+
+/// Deletes the keys matching `pattern` (best effort: a failure leaves them).
+pub(crate) async fn delete_matching(redis: &mut redis::aio::MultiplexedConnection, pattern: &str) {
     let mut cursor: u64 = 0;
     loop {
         let Ok((next, keys)): redis::RedisResult<(u64, Vec<String>)> = redis::cmd("SCAN")
             .arg(cursor)
             .arg("MATCH")
-            .arg(&pattern)
+            .arg(pattern)
             .arg("COUNT")
             .arg(10_000)
-            .query_async(&mut env.redis)
+            .query_async(redis)
             .await
         else {
             return;
         };
         if !keys.is_empty() {
-            let _: redis::RedisResult<()> = redis::cmd("UNLINK")
-                .arg(&keys)
-                .query_async(&mut env.redis)
-                .await;
+            let _: redis::RedisResult<()> =
+                redis::cmd("UNLINK").arg(&keys).query_async(redis).await;
         }
         if next == 0 {
             return;

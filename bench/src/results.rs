@@ -147,6 +147,11 @@ pub struct WindowsRun {
     pub catch_up: CatchUp,
     /// Redis memory added per distinct counter (`used_memory` after − before), bytes.
     pub memory_bytes_per_counter: f64,
+    /// Per round of the scenario, its events/s from launch over the 0-window run's of the same
+    /// round (the figures above are of the round with the median 3-window ratio). Empty in
+    /// results from before rounds.
+    #[serde(default)]
+    pub ratios: Vec<f64>,
 }
 
 /// Window sums of many counters, read back and timed.

@@ -3,7 +3,11 @@
 # drift between runs (20-30% on this 2-core machine) falls on both alike. Each run starts the
 # binary with a fresh consumer group and key prefix, times it from launch until
 # tally_events_flushed_total reaches N (read from its /metrics), and reports events/s and the
-# aggregator's CPU seconds per million events; its keys are deleted afterwards.
+# aggregator's CPU seconds per million events; its keys are deleted afterwards. At the end it
+# prints each round's rate ratio (new over old) and their median, with the median's 95%
+# confidence interval from the order statistics (nothing assumed of the noise's shape): on this
+# 2-core machine one binary against itself gives pairs from 0.90 to 1.12, so judge by the median
+# of many rounds, not by one.
 #
 #   deploy/local/ab.sh OLD_BINARY NEW_BINARY TOPIC N [ROUNDS]
 #
@@ -40,11 +44,33 @@ run() {
   kill "$pid"
   wait "$pid" 2>/dev/null || true
   redis-cli -p "$redis_port" --scan --pattern "$group*" | xargs -r -n 5000 redis-cli -p "$redis_port" unlink >/dev/null
-  awk -v l="$label" -v n="$events" -v s="$start" -v e="$end" -v c="$cpu" \
-    'BEGIN { printf "%-4s %9.0f events/s  %.2f CPU s per M events\n", l, n / (e - s), c * 1e6 / n }'
+  rate=$(awk -v n="$events" -v s="$start" -v e="$end" 'BEGIN { printf "%.0f", n / (e - s) }')
+  awk -v l="$label" -v r="$rate" -v c="$cpu" -v n="$events" \
+    'BEGIN { printf "%-4s %9.0f events/s  %.2f CPU s per M events\n", l, r, c * 1e6 / n }'
 }
 
+ratios=()
 for ((i = 1; i <= rounds; i++)); do
   run "$old" old "${AB_OLD_FLAGS:-}"
+  old_rate=$rate
   run "$new" new "${AB_NEW_FLAGS:-}"
+  ratios+=("$(awk -v a="$rate" -v b="$old_rate" 'BEGIN { printf "%.3f", a / b }')")
 done
+printf '%s\n' "${ratios[@]}" | sort -n | awk -v listed="${ratios[*]}" '
+  { r[NR] = $1 }
+  END {
+    n = NR
+    median = n % 2 ? r[(n + 1) / 2] : (r[n / 2] + r[n / 2 + 1]) / 2
+    # The widest k with P(Binomial(n, 1/2) < k) <= 2.5%: [r[k], r[n + 1 - k]] holds the median
+    # with at least 95% confidence.
+    k = 0; below = 0; term = 0.5 ^ n
+    for (j = 0; j < n; j++) {
+      if (below + term > 0.025) break
+      below += term; k = j + 1; term = term * (n - j) / (j + 1)
+    }
+    printf "new/old per round: %s\n", listed
+    printf "median %.2f, range %.2f-%.2f", median, r[1], r[n]
+    if (k >= 1) printf ", 95%% CI of the median %.2f-%.2f", r[k], r[n + 1 - k]
+    else printf " (too few rounds for a 95%% interval of the median)"
+    printf "\n"
+  }'

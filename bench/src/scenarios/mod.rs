@@ -142,12 +142,11 @@ pub async fn run_all(args: &Args) -> anyhow::Result<Results> {
     }
     if args.runs("windows") {
         let distinct = results.producer.first().map_or(0, |p| p.distinct_counters);
-        results.windows = windows(&mut env, &preloaded, args.events, distinct).await?;
-        if let Some(three) = results.windows.last() {
-            println!("windows: window sums read back, timed");
-            let prefix = &three.catch_up.key_prefix;
-            results.window_reads = window_reads(&env.args.redis_url, prefix).await?;
-        }
+        let scope = (preloaded.as_str(), args.events, distinct);
+        let (runs, prefix) = windows(&mut env, scope, args.windows_rounds).await?;
+        results.windows = runs;
+        println!("windows: window sums read back (the last 3-window run's keys), timed");
+        results.window_reads = window_reads(&env.args.redis_url, &prefix).await?;
     }
     if args.runs("expiry") {
         let distinct = results.producer.first().map_or(0, |p| p.distinct_counters);

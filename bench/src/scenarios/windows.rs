@@ -1,7 +1,7 @@
 //! What windowed counts cost: the exactly-once catch-up over the same preloaded topic with its
-//! namespace keeping 0, 1 (`1h`) and 3 (`1m`, `1h`, `1d`) windows, with the Redis commands per
-//! event and the memory each counter adds (`INFO memory`'s `used_memory` before and after each
-//! run, over the distinct counters). The preloaded events were produced moments before, so each
+//! namespace keeping 0, 1 (`1h`) and 3 (`1m`, `1h`, `1d`) windows, in alternated rounds, with
+//! the Redis commands per event and the memory each counter adds (`INFO memory`'s
+//! `used_memory` before and after each run, over the distinct counters). The preloaded events were produced moments before, so each
 //! counter has one live bucket per window, all in one cells field per counter.
 
 use std::time::Instant;
@@ -10,7 +10,7 @@ use anyhow::Context;
 use tally_common::window::Window;
 use tally_common::{Keyspace, Reader, RedisConn};
 
-use crate::env::Env;
+use crate::env::{Env, delete_matching};
 use crate::results::{CatchUp, WindowRead, WindowsRun};
 
 /// Redis's `used_memory`, in bytes.
@@ -61,27 +61,77 @@ pub(crate) async fn likes_variants<'v>(
     Ok(runs)
 }
 
+/// The windows kept by each variant of the windows scenario, and the `likes` namespace's entries.
+const VARIANTS: [(usize, &str); 3] = [
+    (0, ""),
+    (1, "windows = [\"1h\"]\n"),
+    (3, "windows = [\"1m\", \"1h\", \"1d\"]\n"),
+];
+
 /// The catch-up of `events` events on `topic` (`distinct` counters, all `likes:post:*`) with
-/// 0, 1 and 3 windows.
+/// 0, 1 and 3 windows, `rounds` times, each round in the order opposite to the last (the keys
+/// of earlier runs stay in Redis, and the machine drifts: neither then favours one variant).
+/// Each run's keys are deleted once its memory is measured, so that every run starts from the
+/// same keyspace, except the last 3-window run's, whose key prefix is returned (the window reads
+/// read them). Per variant: the run of the round with the median 3-window ratio, and every
+/// round's ratio to that round's 0-window run.
 pub(crate) async fn windows(
     env: &mut Env<'_>,
-    topic: &str,
-    events: u64,
-    distinct: u64,
-) -> anyhow::Result<Vec<WindowsRun>> {
-    let variants = [
-        ("0 windows", ""),
-        ("1 window", "windows = [\"1h\"]\n"),
-        ("3 windows", "windows = [\"1m\", \"1h\", \"1d\"]\n"),
-    ];
-    let runs = likes_variants(env, "windows", (topic, events, distinct), &variants).await?;
-    Ok((runs.into_iter().zip([0, 1, 3]))
-        .map(|((_, catch_up, memory), windows)| WindowsRun {
-            windows,
+    (topic, events, distinct): (&str, u64, u64),
+    rounds: u32,
+) -> anyhow::Result<(Vec<WindowsRun>, String)> {
+    // Per round, per variant: the catch-up and the memory it added per counter.
+    let mut runs: Vec<Vec<(CatchUp, f64)>> = Vec::new();
+    let mut kept = String::new();
+    for round in 1..=rounds {
+        let mut order: Vec<usize> = (0..VARIANTS.len()).collect();
+        if round % 2 == 0 {
+            order.reverse();
+        }
+        let mut got: Vec<Option<(CatchUp, f64)>> = vec![None; VARIANTS.len()];
+        for v in order {
+            let (windows, entries) = VARIANTS[v];
+            println!(
+                "windows: round {round} of {rounds}, {windows} window(s), over {events} events"
+            );
+            let namespaces = format!("[namespaces.likes]\n{entries}");
+            let run = catch_up_with_memory(env, topic, events, distinct, &namespaces).await?;
+            let prefix = &run.0.key_prefix;
+            if windows == 3 && round == rounds {
+                kept.clone_from(prefix);
+            } else {
+                delete_matching(&mut env.redis, &format!("{prefix}*")).await;
+            }
+            got[v] = Some(run);
+        }
+        runs.push(got.into_iter().flatten().collect());
+    }
+    let ratios: Vec<Vec<f64>> = (runs.iter())
+        .map(|round| {
+            let rate = |v: usize| round[v].0.events_per_second_from_launch;
+            (0..VARIANTS.len()).map(|v| rate(v) / rate(0)).collect()
+        })
+        .collect();
+    let three = VARIANTS.len() - 1;
+    let mut by_ratio: Vec<usize> = (0..runs.len()).collect();
+    by_ratio.sort_by(|&a, &b| ratios[a][three].total_cmp(&ratios[b][three]));
+    let median = by_ratio[by_ratio.len() / 2];
+    println!(
+        "  3 windows over 0, per round: {} (the median round's runs are reported)",
+        (ratios.iter())
+            .map(|r| format!("{:.2}", r[three]))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    let reported = (runs.swap_remove(median).into_iter().enumerate())
+        .map(|(v, (catch_up, memory))| WindowsRun {
+            windows: VARIANTS[v].0,
             memory_bytes_per_counter: memory,
             catch_up,
+            ratios: ratios.iter().map(|r| r[v]).collect(),
         })
-        .collect())
+        .collect();
+    Ok((reported, kept))
 }
 
 /// Window sums of 1,000 counters (`likes:post:1` to `likes:post:1000`) read back from the keys
