@@ -125,7 +125,7 @@ pub fn markdown(r: &Results) -> String {
             ""
         }
     );
-    if let Some(line) = crate::report::window_rounds(&r.windows) {
+    if let Some(line) = crate::results::window_rounds(&r.windows) {
         let _ = writeln!(out, "\n{line}");
     }
 

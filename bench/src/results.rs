@@ -327,3 +327,65 @@ impl Results {
             .map(|(_, c)| c)
     }
 }
+
+/// The windows scenario's rounds as a sentence: each variant's ratio to the 0-window run of
+/// its round, round by round, and their median; `None` for results from before rounds.
+pub(crate) fn window_rounds(windows: &[WindowsRun]) -> Option<String> {
+    let rounds = windows.first()?.ratios.len();
+    if rounds == 0 {
+        return None;
+    }
+    let variants: Vec<String> = (windows.iter().filter(|w| w.windows > 0))
+        .map(|w| {
+            let mut sorted = w.ratios.clone();
+            sorted.sort_by(f64::total_cmp);
+            let each: Vec<String> = w.ratios.iter().map(|r| format!("{r:.2}")).collect();
+            format!(
+                "{} window(s) {} (median {:.2})",
+                w.windows,
+                each.join(", "),
+                sorted[sorted.len() / 2]
+            )
+        })
+        .collect();
+    Some(format!(
+        "Over {rounds} rounds, each running the variants in the order opposite to the last, the rate over the same round's 0 windows: {}. The table shows the round with the median 3-window ratio.",
+        variants.join("; ")
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run(windows: usize, ratios: &[f64]) -> WindowsRun {
+        WindowsRun {
+            windows,
+            catch_up: CatchUp::default(),
+            memory_bytes_per_counter: 0.0,
+            ratios: ratios.to_vec(),
+        }
+    }
+
+    #[test]
+    fn window_rounds_give_each_ratio_and_the_median() {
+        let runs = [
+            run(0, &[1.0, 1.0, 1.0]),
+            run(1, &[0.9, 0.7, 0.8]),
+            run(3, &[0.75, 0.95, 0.72]),
+        ];
+        let line = window_rounds(&runs).expect("rounds");
+        assert!(line.starts_with("Over 3 rounds"), "{line}");
+        assert!(
+            line.contains("1 window(s) 0.90, 0.70, 0.80 (median 0.80)"),
+            "{line}"
+        );
+        assert!(
+            line.contains("3 window(s) 0.75, 0.95, 0.72 (median 0.75)"),
+            "{line}"
+        );
+        // Results from before rounds say nothing of them.
+        assert_eq!(window_rounds(&[run(0, &[]), run(3, &[])]), None);
+        assert_eq!(window_rounds(&[]), None);
+    }
+}
