@@ -2,12 +2,12 @@
 # Compares two tally-aggregator builds on one topic, alternating them, so that the machine's
 # drift between runs (20-30% on this 2-core machine) falls on both alike. Each run starts the
 # binary with a fresh consumer group and key prefix, times it from launch until
-# tally_events_flushed_total reaches N (read from its /metrics), and reports events/s and the
-# aggregator's CPU seconds per million events; its keys are deleted afterwards. At the end it
-# prints each round's rate ratio (new over old) and their median, with the median's 95%
-# confidence interval from the order statistics (nothing assumed of the noise's shape): on this
-# 2-core machine one binary against itself gives pairs from 0.90 to 1.12, so judge by the median
-# of many rounds, not by one.
+# tally_events_flushed_total reaches N (read from its /metrics), and reports events/s, the
+# aggregator's CPU seconds per million events and its peak RSS; its keys are deleted
+# afterwards. At the end it prints each round's rate ratio (new over old) and their median,
+# with the median's 95% confidence interval from the order statistics (nothing assumed of the
+# noise's shape): on this 2-core machine one binary against itself gives pairs from 0.90 to
+# 1.12, so judge by the median of many rounds, not by one.
 #
 #   deploy/local/ab.sh OLD_BINARY NEW_BINARY TOPIC N [ROUNDS]
 #
@@ -25,7 +25,7 @@ old=$1 new=$2 topic=$3 events=$4 rounds=${5:-3}
 ticks=$(getconf CLK_TCK)
 
 run() {
-  local bin=$1 label=$2 flags=$3 port group start end v cpu pid
+  local bin=$1 label=$2 flags=$3 port group start end v cpu pid rss
   port=$((19000 + RANDOM % 1000))
   group=ab-$RANDOM-$$
   start=$(date +%s.%N)
@@ -41,12 +41,13 @@ run() {
   done
   end=$(date +%s.%N)
   cpu=$(awk -v t="$ticks" '{ print ($14 + $15) / t }' "/proc/$pid/stat")
+  rss=$(awk '/^VmHWM/ { print $2 }' "/proc/$pid/status")
   kill "$pid"
   wait "$pid" 2>/dev/null || true
   redis-cli -p "$redis_port" --scan --pattern "$group*" | xargs -r -n 5000 redis-cli -p "$redis_port" unlink >/dev/null
   rate=$(awk -v n="$events" -v s="$start" -v e="$end" 'BEGIN { printf "%.0f", n / (e - s) }')
-  awk -v l="$label" -v r="$rate" -v c="$cpu" -v n="$events" \
-    'BEGIN { printf "%-4s %9.0f events/s  %.2f CPU s per M events\n", l, r, c * 1e6 / n }'
+  awk -v l="$label" -v r="$rate" -v c="$cpu" -v n="$events" -v m="$rss" \
+    'BEGIN { printf "%-4s %9.0f events/s  %.2f CPU s per M events  peak RSS %.0f MiB\n", l, r, c * 1e6 / n, m / 1024 }'
 }
 
 ratios=()

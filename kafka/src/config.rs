@@ -160,7 +160,7 @@ pub struct FetchConfig {
     /// `max.partition.fetch.bytes`).
     pub limits: FetchLimits,
     /// Most decompressed bytes handed out and not yet released by their reader: past it, no
-    /// new fetch is sent (`queued.max.messages.kbytes`).
+    /// new fetch is sent and no more of an answer is read (`queued.max.messages.kbytes`).
     pub max_buffered_bytes: usize,
     /// `auto.offset.reset`.
     pub offset_reset: OffsetReset,

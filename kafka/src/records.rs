@@ -152,6 +152,13 @@ pub struct Batches<'a> {
     pos: usize,
 }
 
+impl<'a> Batches<'a> {
+    /// The bytes not split into batches yet.
+    pub fn rest(&self) -> &'a [u8] {
+        &self.set[self.pos..]
+    }
+}
+
 impl<'a> Iterator for Batches<'a> {
     type Item = Result<RawBatch<'a>, Malformed>;
 

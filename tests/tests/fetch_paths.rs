@@ -7,7 +7,9 @@
 //! `auto.offset.reset` says (stays unread with `error`, goes on from the log's start by
 //! default), counted and logged. Quotas: under a broker's consumer byte-rate quota, tally's
 //! fetcher waits out each throttle and the catch-up runs at about the quota. Corruption: with `check.crcs=true`, a batch corrupted in the
-//! broker's own segment file is never counted nor read past, and is counted and logged.
+//! broker's own segment file is never counted nor read past, and is counted and logged. Memory:
+//! a fetch answer that decompresses to 250 times its size is read within tally's fetcher's
+//! budget (`queued.max.messages.kbytes`).
 
 use std::collections::HashMap;
 use std::io::Write;
@@ -16,9 +18,10 @@ use std::time::Duration;
 
 use rdkafka::ClientConfig;
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
+use tally_kafka::{FetchConfig, Fetched, Fetcher, Item, Start};
 use tally_tests::{
     AggregatorSetup, RedisServer, TempDir, assert_committed_to_end, assert_delivered, brokers,
-    enqueue_raw, http_get, unique, wait_for_totals,
+    create_topic, enqueue_raw, http_get, unique, wait_for_totals,
 };
 
 /// The counters every transaction writes to.
@@ -259,6 +262,73 @@ async fn batches_of_every_codec_count_exactly() {
     );
     aggregator.stop_gracefully().await;
     assert_committed_to_end(&setup.group, &setup.topic, 4);
+}
+
+/// Records whose values LZ4 compresses 250 to 1 (a hostile producer can do far better with
+/// zstd): one fetch answer of about 1 MiB holds 270 MB once decompressed. Tally's fetcher,
+/// with a budget of 8 MiB, hands them out in chunks as the reader frees room, so what it holds
+/// stays within the budget and a chunk; it used to decompress the whole answer into one chunk.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fetch_answer_that_decompresses_to_far_more_than_the_budget_is_held_within_it() {
+    const RECORDS: i64 = 300;
+    const SIZE: usize = 900_000;
+    const BUDGET: usize = 8 << 20;
+    let topic = unique("compressible");
+    create_topic(&topic, 1).await;
+    let producer: FutureProducer = ClientConfig::new()
+        .set("bootstrap.servers", brokers())
+        .set("compression.type", "lz4")
+        .set("linger.ms", "5")
+        .create()
+        .expect("producer");
+    let value = vec![b'x'; SIZE];
+    // A few at a time, so that the producer's own queue stays small.
+    for _ in 0..RECORDS / 50 {
+        let deliveries: Vec<_> = (0..50)
+            .map(|_| {
+                let record = FutureRecord::<(), _>::to(&topic).partition(0);
+                enqueue_raw(&producer, record.payload(&value[..]))
+            })
+            .collect();
+        assert_delivered(deliveries).await;
+    }
+
+    let budget_kb = (BUDGET / 1024).to_string();
+    let options = [
+        ("bootstrap.servers", brokers()),
+        ("queued.max.messages.kbytes", budget_kb),
+    ];
+    let config = FetchConfig::from_options(&topic, options.iter().map(|(k, v)| (*k, v.as_str())))
+        .expect("a valid configuration");
+    let (fetcher, mut rx) = Fetcher::start(config);
+    let epoch = fetcher.seek(0, Start::At(0), false);
+    let (mut next, mut chunks, mut peak) = (0, 0, 0);
+    while next < RECORDS {
+        let fetched = tokio::time::timeout(Duration::from_secs(30), rx.recv())
+            .await
+            .expect("records keep coming")
+            .expect("the fetcher runs");
+        let Fetched::Chunk(chunk) = fetched else {
+            continue;
+        };
+        peak = peak.max(fetcher.buffered_bytes());
+        assert_eq!((chunk.partition, chunk.epoch), (0, epoch));
+        chunks += 1;
+        for item in chunk.items() {
+            let Item::Record(record) = item else {
+                panic!("every batch reads: {item:?}");
+            };
+            assert_eq!(record.offset, next, "each record once, in order");
+            assert!(record.value == Some(&value[..]), "offset {next} read whole");
+            next += 1;
+        }
+    }
+    // A chunk stops at a quarter of the budget, its buffer at most twice what it holds.
+    assert!(
+        peak <= BUDGET + 8 * SIZE,
+        "{peak} bytes held at most, against a budget of {BUDGET}"
+    );
+    assert!(chunks >= RECORDS / 3, "{chunks} chunks");
 }
 
 /// Appends `events` events of delta 1 to `counter` in partition 0 of `topic`.

@@ -59,9 +59,10 @@ pub struct Chunk {
     budget: Arc<Budget>,
 }
 
-/// What a chunk with this data and these records counts against the fetcher's budget.
-fn held(data: &[u8], located: &[Located]) -> usize {
-    std::mem::size_of_val(data) + std::mem::size_of_val(located)
+/// What a chunk with this data and these records counts against the fetcher's budget: what
+/// they hold allocated, whatever they are filled with.
+fn held(data: &Vec<u8>, located: &Vec<Located>) -> usize {
+    data.capacity() + located.capacity() * std::mem::size_of::<Located>()
 }
 
 /// A record's place in its chunk.
@@ -224,11 +225,22 @@ pub(super) struct Budget {
     held: AtomicUsize,
     max: usize,
     freed: Notify,
-    spare: Mutex<Vec<(Vec<u8>, Vec<Located>)>>,
+    spare: Mutex<Spare>,
+}
+
+/// Buffers kept for reuse, and the bytes they hold allocated.
+#[derive(Debug, Default)]
+struct Spare {
+    buffers: Vec<(Vec<u8>, Vec<Located>)>,
+    bytes: usize,
 }
 
 /// Most buffers kept for reuse.
 const SPARE_BUFFERS: usize = 16;
+
+/// A chunk stops growing once it holds this share of the budget, so that the next one is read
+/// while its reader works through it.
+const CHUNK_SHARE: usize = 4;
 
 impl Budget {
     /// The bytes handed out and not yet dropped.
@@ -241,24 +253,48 @@ impl Budget {
             held: AtomicUsize::new(0),
             max: max.max(1),
             freed: Notify::new(),
-            spare: Mutex::new(Vec::new()),
+            spare: Mutex::new(Spare::default()),
         }
     }
 
     /// Empty buffers for a chunk's data and records, reused if some are spare.
     fn buffers(&self) -> (Vec<u8>, Vec<Located>) {
         let mut spare = self.spare.lock().unwrap_or_else(PoisonError::into_inner);
-        spare.pop().unwrap_or_default()
+        let (data, located) = spare.buffers.pop().unwrap_or_default();
+        spare.bytes -= held(&data, &located);
+        (data, located)
     }
 
-    /// Keeps a chunk's buffers for reuse, if there is room.
+    /// Keeps a chunk's buffers for reuse, if there is room: at most [`SPARE_BUFFERS`] of them,
+    /// holding no more than the budget together, so that idle buffers are bounded as chunks are.
     fn recycle(&self, mut data: Vec<u8>, mut located: Vec<Located>) {
         data.clear();
         located.clear();
+        let bytes = held(&data, &located);
         let mut spare = self.spare.lock().unwrap_or_else(PoisonError::into_inner);
-        if spare.len() < SPARE_BUFFERS && data.capacity() > 0 {
-            spare.push((data, located));
+        if data.capacity() > 0
+            && spare.buffers.len() < SPARE_BUFFERS
+            && spare.bytes + bytes <= self.max
+        {
+            spare.bytes += bytes;
+            spare.buffers.push((data, located));
         }
+    }
+
+    /// The bytes the spare buffers hold allocated.
+    #[cfg(test)]
+    fn spare_bytes(&self) -> usize {
+        self.spare
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .bytes
+    }
+
+    /// Whether a chunk being read, filled with `data` and `located` so far, is done growing:
+    /// it holds its share of the budget, or with the chunks handed out the whole budget.
+    fn full(&self, data: &[u8], located: &[Located]) -> bool {
+        let filled = std::mem::size_of_val(data) + std::mem::size_of_val(located);
+        filled >= (self.max / CHUNK_SHARE).max(1) || self.held() + filled >= self.max
     }
 
     pub(super) fn hold(&self, n: usize) {
@@ -272,7 +308,7 @@ impl Budget {
         }
     }
 
-    /// Waits until there is room for another fetch.
+    /// Waits until there is room for another fetch, or another chunk of one.
     pub(super) async fn room(&self) {
         loop {
             let freed = self.freed.notified();
@@ -284,66 +320,158 @@ impl Budget {
     }
 }
 
-/// A chunk, if the partition's answer held anything to hand out, and the next offset to fetch.
-pub(super) struct Built {
-    pub(super) chunk: Option<Chunk>,
-    pub(super) next: i64,
-    /// With `check.crcs`, a batch whose bytes do not match its CRC: why. Reading stopped before
-    /// it (`next` is where it starts), so nothing of it or after it was handed out.
-    pub(super) corrupt: Option<String>,
-    /// The leader epoch of the last batch read past (KIP-320's last fetched epoch), if any was.
-    pub(super) last_epoch: Option<i32>,
-}
-
 /// How records are read: the options that change it.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Copy)]
 pub(super) struct Reading {
     /// `check.crcs`.
     pub(super) check_crcs: bool,
     /// `isolation.level`.
     pub(super) isolation: Isolation,
+    /// The most one batch may hold once read (its records decompressed, and where each lies):
+    /// a batch past it is undecodable. Its records are located at 48 bytes each, so a batch of
+    /// tiny records that decompresses within [`compression::MAX_DECOMPRESSED_BYTES`] could
+    /// otherwise take seven times that.
+    pub(super) max_batch_bytes: usize,
 }
 
-/// Turns one partition's record set into a chunk: decompresses each batch, leaves out control
-/// batches and the batches of aborted transactions, and notes what cannot be read. With
-/// `check_crcs`, a batch that does not match its CRC ends the chunk before it.
-pub(super) fn chunk(
-    budget: &Arc<Budget>,
-    partition: i32,
-    epoch: u64,
-    start: i64,
-    part: &FetchPartition<'_>,
+impl Default for Reading {
+    fn default() -> Self {
+        Self {
+            check_crcs: false,
+            isolation: Isolation::default(),
+            max_batch_bytes: compression::MAX_DECOMPRESSED_BYTES,
+        }
+    }
+}
+
+/// One partition's records in a fetch answer, read into chunks as the budget makes room for
+/// them: each [`PartReader::chunk`] reads on where the last one stopped. A chunk holds whole
+/// batches: decompressed, control batches and the batches of aborted transactions left out,
+/// what cannot be read noted. With `check_crcs`, a batch that does not match its CRC ends the
+/// reading before it.
+pub(super) struct PartReader<'a> {
+    batches: records::Batches<'a>,
     reading: Reading,
-    scratch: &mut Vec<u8>,
-) -> Built {
-    let (mut data, mut located) = budget.buffers();
-    let mut pieces = Vec::new();
-    let mut next = start;
-    // Aborted transactions, by first offset; a producer is in `aborting` from its first aborted
-    // offset until its abort marker.
-    let mut aborted: Vec<(i64, i64)> = part.aborted.clone();
-    aborted.sort_unstable_by_key(|(_, first)| std::cmp::Reverse(*first));
-    let mut aborting: HashSet<i64> = HashSet::new();
-    let mut corrupt = None;
-    let mut last_epoch = None;
-    for batch in records::batches(part.records) {
+    /// The offset fetched from: records before it (in the first batch) are not items.
+    start: i64,
+    log_end: i64,
+    next: i64,
+    /// Aborted transactions not yet reached, by first offset, the last first; a producer is in
+    /// `aborting` from its first aborted offset until its abort marker.
+    aborted: Vec<(i64, i64)>,
+    aborting: HashSet<i64>,
+    corrupt: Option<String>,
+    last_epoch: Option<i32>,
+    done: bool,
+}
+
+/// What a chunk being read holds so far.
+struct Filling {
+    data: Vec<u8>,
+    located: Vec<Located>,
+    pieces: Vec<Piece>,
+}
+
+impl<'a> PartReader<'a> {
+    /// A reader of `part`'s records, fetched from `start`.
+    pub(super) fn new(part: &FetchPartition<'a>, start: i64, reading: Reading) -> Self {
+        let mut aborted = part.aborted.clone();
+        aborted.sort_unstable_by_key(|(_, first)| std::cmp::Reverse(*first));
+        Self {
+            batches: records::batches(part.records),
+            reading,
+            start,
+            log_end: part.log_end(reading.isolation),
+            next: start,
+            aborted,
+            aborting: HashSet::new(),
+            corrupt: None,
+            last_epoch: None,
+            done: false,
+        }
+    }
+
+    /// Whether every batch was read (or reading stopped at a corrupt one).
+    pub(super) fn done(&self) -> bool {
+        self.done
+    }
+
+    /// The next offset to fetch: after the last one read past.
+    pub(super) fn next(&self) -> i64 {
+        self.next
+    }
+
+    /// The leader epoch of the last batch read past (KIP-320's last fetched epoch), if any was.
+    pub(super) fn last_epoch(&self) -> Option<i32> {
+        self.last_epoch
+    }
+
+    /// With `check.crcs`, a batch whose bytes do not match its CRC: why, once. Reading stopped
+    /// before it (`next` is where it starts), so nothing of it or after it was handed out.
+    pub(super) fn take_corrupt(&mut self) -> Option<String> {
+        self.corrupt.take()
+    }
+
+    /// The next chunk: batches until it is [`Budget::full`], at least one so that reading always
+    /// moves on; `None` if nothing left holds anything to hand out (then the reader is done).
+    pub(super) fn chunk(
+        &mut self,
+        budget: &Arc<Budget>,
+        partition: i32,
+        epoch: u64,
+        scratch: &mut Vec<u8>,
+    ) -> Option<Chunk> {
+        let (data, located) = budget.buffers();
+        let mut f = Filling {
+            data,
+            located,
+            pieces: Vec::new(),
+        };
+        while !self.done && (f.pieces.is_empty() || !budget.full(&f.data, &f.located)) {
+            self.read_batch(&mut f, scratch);
+        }
+        if f.pieces.is_empty() {
+            budget.recycle(f.data, f.located);
+            return None;
+        }
+        budget.hold(held(&f.data, &f.located));
+        Some(Chunk {
+            partition,
+            epoch,
+            log_end: self.log_end,
+            start: self.start,
+            pieces: f.pieces,
+            data: f.data,
+            located: f.located,
+            budget: budget.clone(),
+        })
+    }
+
+    /// Reads the next batch into `f`, or finds the end.
+    fn read_batch(&mut self, f: &mut Filling, scratch: &mut Vec<u8>) {
+        let (start, reading, rest) = (self.start, self.reading, self.batches.rest());
+        let Some(batch) = self.batches.next() else {
+            self.done = true;
+            return;
+        };
         let batch = match batch {
             Ok(b) => b,
             Err(e) => {
                 // The rest of the set cannot be split into batches: hand it out as one
-                // undecodable stretch.
-                let at = data.len();
-                data.extend_from_slice(part.records);
-                // Its offsets are unknown: skip one offset at a time (each fetch from the next
-                // one returns the same batch until reading passes it), losing the least.
-                pieces.push(Piece::Undecodable {
-                    first_offset: next,
-                    last_offset: next,
-                    range: at..data.len(),
+                // undecodable stretch. Its offsets are unknown: skip one offset at a time (each
+                // fetch from the next one returns the same batch until reading passes it),
+                // losing the least.
+                let at = f.data.len();
+                f.data.extend_from_slice(rest);
+                f.pieces.push(Piece::Undecodable {
+                    first_offset: self.next,
+                    last_offset: self.next,
+                    range: at..f.data.len(),
                     reason: e.to_string(),
                 });
-                next += 1;
-                break;
+                self.next += 1;
+                self.done = true;
+                return;
             }
         };
         let (header, section, covered) = match batch {
@@ -358,41 +486,42 @@ pub(super) fn chunk(
                 bytes,
             } => {
                 if offset >= start {
-                    let at = data.len();
-                    data.extend_from_slice(bytes);
-                    pieces.push(Piece::Undecodable {
+                    let at = f.data.len();
+                    f.data.extend_from_slice(bytes);
+                    f.pieces.push(Piece::Undecodable {
                         first_offset: offset,
                         last_offset: offset,
-                        range: at..data.len(),
+                        range: at..f.data.len(),
                         reason: format!("message format v{magic} is not read (only v2)"),
                     });
                 }
-                next = next.max(offset + 1);
-                continue;
+                self.next = self.next.max(offset + 1);
+                return;
             }
         };
         let last = header.last_offset();
         if last < start {
-            continue;
+            return;
         }
         if let Some(computed) = (reading.check_crcs)
             .then(|| records::crc_mismatch(&header, covered))
             .flatten()
         {
-            corrupt = Some(format!(
+            self.corrupt = Some(format!(
                 "the batch of offsets {}..={last} does not match its CRC-32C ({:#010x} carried, {computed:#010x} computed): corrupted on a disk or the wire",
                 header.base_offset, header.crc,
             ));
-            break;
+            self.done = true;
+            return;
         }
-        next = next.max(last + 1);
-        last_epoch = Some(header.partition_leader_epoch);
-        while let Some(&(producer, first)) = aborted.last() {
+        self.next = self.next.max(last + 1);
+        self.last_epoch = Some(header.partition_leader_epoch);
+        while let Some(&(producer, first)) = self.aborted.last() {
             if first > last {
                 break;
             }
-            aborting.insert(producer);
-            aborted.pop();
+            self.aborting.insert(producer);
+            self.aborted.pop();
         }
         if header.is_control() {
             // A transaction's marker: read whether it aborts, hand nothing out.
@@ -406,81 +535,73 @@ pub(super) fn chunk(
                 }
             };
             if header.is_transactional() && marker == Some(Control::Abort) {
-                aborting.remove(&header.producer_id);
+                self.aborting.remove(&header.producer_id);
             }
-            continue;
+            return;
         }
-        if header.is_transactional() && aborting.contains(&header.producer_id) {
+        if header.is_transactional() && self.aborting.contains(&header.producer_id) {
             // Aborted: never decompressed, never handed out.
-            continue;
+            return;
         }
+        let first_offset = header.base_offset.max(start);
+        let undecodable = |f: &mut Filling, at: usize, reason: String| {
+            f.data.truncate(at);
+            f.data.extend_from_slice(section);
+            f.pieces.push(Piece::Undecodable {
+                first_offset,
+                last_offset: last,
+                range: at..f.data.len(),
+                reason,
+            });
+        };
         // Decompressed (or copied) straight into the chunk.
-        let at = data.len();
+        let at = f.data.len();
         let read = match header.compression() {
             records::Compression::None => {
-                data.extend_from_slice(section);
+                f.data.extend_from_slice(section);
                 Ok(())
             }
-            codec => compression::decompress(codec, section, &mut data),
+            codec => compression::decompress(codec, section, &mut f.data),
         };
         if let Err(e) = read {
-            data.truncate(at);
-            data.extend_from_slice(section);
-            pieces.push(Piece::Undecodable {
-                first_offset: header.base_offset.max(start),
-                last_offset: last,
-                range: at..data.len(),
-                reason: e.to_string(),
-            });
-            continue;
+            undecodable(f, at, e.to_string());
+            return;
         }
-        // Its records located now, on this task, rather than walked by the reader.
-        let first = located.len();
-        let mut malformed = None;
-        for record in Records::new(header, &data[at..]) {
+        // Its records located now, on this task, rather than walked by the reader; no more of
+        // them than the batch may hold.
+        let first = f.located.len();
+        let room = reading.max_batch_bytes.saturating_sub(f.data.len() - at);
+        let most = room / std::mem::size_of::<Located>();
+        let (mut malformed, mut too_large) = (None, false);
+        for record in Records::new(header, &f.data[at..]) {
+            if f.located.len() - first == most {
+                too_large = true;
+                break;
+            }
             match record {
                 Ok(record) if record.offset < start => {}
-                Ok(record) => located.push(Located {
+                Ok(record) => f.located.push(Located {
                     offset: record.offset,
                     timestamp_ms: record.timestamp_ms,
-                    key: Place::of(&data, record.key),
-                    value: Place::of(&data, record.value),
+                    key: Place::of(&f.data, record.key),
+                    value: Place::of(&f.data, record.value),
                 }),
                 Err(e) => malformed = Some(format!("a malformed record: {e}")),
             }
         }
-        pieces.push(Piece::Batch(BatchPiece {
+        if too_large {
+            f.located.truncate(first);
+            let max = reading.max_batch_bytes;
+            let reason = format!("the batch holds more than {max} bytes once its records are read");
+            undecodable(f, at, reason);
+            return;
+        }
+        f.pieces.push(Piece::Batch(BatchPiece {
             header,
-            range: at..data.len(),
-            records: first..located.len(),
+            range: at..f.data.len(),
+            records: first..f.located.len(),
             malformed,
         }));
-    }
-    if pieces.is_empty() {
-        budget.recycle(data, located);
-        return Built {
-            chunk: None,
-            next,
-            corrupt,
-            last_epoch,
-        };
-    }
-    budget.hold(held(&data, &located));
-    let chunk = Chunk {
-        partition,
-        epoch,
-        log_end: part.log_end(reading.isolation),
-        start,
-        pieces,
-        data,
-        located,
-        budget: budget.clone(),
-    };
-    Built {
-        chunk: Some(chunk),
-        next,
-        corrupt,
-        last_epoch,
     }
 }
 
@@ -493,6 +614,33 @@ mod tests {
 
     fn budget() -> Arc<Budget> {
         Arc::new(Budget::new(1 << 20))
+    }
+
+    /// What reading a partition's records in one chunk gave.
+    struct Built {
+        chunk: Option<Chunk>,
+        next: i64,
+        corrupt: Option<String>,
+    }
+
+    /// Reads `part`'s records from `start` into one chunk (the budget has room for them all).
+    fn chunk(
+        budget: &Arc<Budget>,
+        partition: i32,
+        epoch: u64,
+        start: i64,
+        part: &FetchPartition<'_>,
+        reading: Reading,
+        scratch: &mut Vec<u8>,
+    ) -> Built {
+        let mut reader = PartReader::new(part, start, reading);
+        let chunk = reader.chunk(budget, partition, epoch, scratch);
+        assert!(reader.done(), "one chunk holds them all");
+        Built {
+            chunk,
+            next: reader.next(),
+            corrupt: reader.take_corrupt(),
+        }
     }
 
     fn part(records: &[u8], aborted: Vec<(i64, i64)>) -> FetchPartition<'_> {
@@ -560,6 +708,7 @@ mod tests {
     const CHECKED: Reading = Reading {
         check_crcs: true,
         isolation: Isolation::ReadCommitted,
+        max_batch_bytes: compression::MAX_DECOMPRESSED_BYTES,
     };
 
     #[test]
@@ -623,6 +772,133 @@ mod tests {
         );
         assert_eq!(offsets(&built.chunk.expect("as written")), [3, 4, 6]);
         assert_eq!(built.next, 7);
+    }
+
+    /// A plain batch of one record at `offset` whose value is `size` bytes.
+    fn big_batch(offset: i64, size: usize) -> Vec<u8> {
+        let value = vec![b'x'; size];
+        batch(
+            &header(offset, 1, 0),
+            &records_section(&[(0, 0, None, Some(&value[..]))]),
+        )
+    }
+
+    #[test]
+    fn a_partition_is_read_in_chunks_as_the_budget_makes_room_for_them() {
+        // 40 batches of 1,000-byte records, a budget of 16,000 bytes: a chunk stops at a
+        // quarter of it, and none is read while the chunks held fill it.
+        let s = Arc::new(Budget::new(16_000));
+        let set: Vec<u8> = (0..40).flat_map(|o| big_batch(o, 1_000)).collect();
+        let part = part(&set, vec![]);
+        let mut reader = PartReader::new(&part, 0, Reading::default());
+        let (mut held, mut read, mut chunks, mut peak) = (Vec::new(), Vec::new(), 0, 0);
+        while !reader.done() {
+            // As the fetcher does: a chunk is read only while the budget has room.
+            while s.held() >= 16_000 {
+                let c: Chunk = held.remove(0);
+                read.extend(offsets(&c));
+            }
+            let Some(c) = reader.chunk(&s, 0, 1, &mut Vec::new()) else {
+                break;
+            };
+            assert!(c.data.len() < 4_000 + 1_100, "{} bytes", c.data.len());
+            chunks += 1;
+            held.push(c);
+            peak = peak.max(s.held());
+        }
+        read.extend(held.drain(..).flat_map(|c| offsets(&c)));
+        assert_eq!(
+            read,
+            (0..40).collect::<Vec<_>>(),
+            "each record once, in order"
+        );
+        assert_eq!(reader.next(), 40);
+        assert!(chunks >= 10, "{chunks} chunks");
+        // Held counts what the buffers hold allocated: at most the budget and one chunk's.
+        assert!(peak < 16_000 + 2 * (4_000 + 1_100 + 48 * 4), "peak {peak}");
+        assert_eq!(s.held(), 0);
+    }
+
+    #[test]
+    fn held_bytes_and_spare_buffers_count_what_is_allocated_within_the_budget() {
+        let s = Arc::new(Budget::new(10_000));
+        // A reused buffer is charged for all it holds, not for what a small chunk fills.
+        s.recycle(Vec::with_capacity(6_000), Vec::new());
+        assert_eq!(s.spare_bytes(), 6_000);
+        let set = plain_batch(0, 1, 0, -1);
+        let built = chunk(
+            &s,
+            0,
+            1,
+            0,
+            &part(&set, vec![]),
+            Reading::default(),
+            &mut Vec::new(),
+        );
+        let c = built.chunk.expect("as written");
+        assert!(c.data.capacity() >= 6_000 && c.data.len() < 100);
+        assert_eq!(s.held(), c.len_bytes());
+        assert!(s.held() >= 6_000, "{}", s.held());
+        assert_eq!(s.spare_bytes(), 0);
+        drop(c);
+        // Spare buffers together stay within the budget, however many chunks drop.
+        for _ in 0..5 {
+            s.recycle(Vec::with_capacity(4_000), Vec::new());
+        }
+        assert!(s.spare_bytes() <= 10_000, "{}", s.spare_bytes());
+        assert_eq!(s.held(), 0);
+    }
+
+    #[test]
+    fn a_transaction_aborted_in_one_chunk_is_known_in_the_next() {
+        // One batch a chunk. Producer 7 aborts offsets 0-1 (marker at 2), then commits 7-8
+        // (marker at 9): its later transaction is read, its aborted one never.
+        let s = Arc::new(Budget::new(1));
+        let set = [
+            plain_batch(0, 2, 0x10, 7),
+            control_batch(2, 7, 0),
+            plain_batch(3, 2, 0x10, 8),
+            control_batch(5, 8, 1),
+            plain_batch(6, 1, 0, -1),
+            plain_batch(7, 2, 0x10, 7),
+            control_batch(9, 7, 1),
+        ]
+        .concat();
+        let part = part(&set, vec![(7, 0)]);
+        let mut reader = PartReader::new(&part, 0, CHECKED);
+        let mut read = Vec::new();
+        while let Some(c) = reader.chunk(&s, 0, 1, &mut Vec::new()) {
+            assert_eq!(c.pieces.len(), 1);
+            read.extend(offsets(&c));
+        }
+        assert_eq!(read, [3, 4, 6, 7, 8]);
+        assert_eq!(reader.next(), 10);
+    }
+
+    #[test]
+    fn a_batch_that_holds_too_much_once_read_is_undecodable_and_reading_goes_on() {
+        let s = budget();
+        // 200 one-byte records: about 2 KB decompressed, but 9.6 KB where they lie.
+        let tiny = plain_batch(10, 200, 0, -1);
+        let set = [tiny, plain_batch(210, 1, 0, -1)].concat();
+        let reading = Reading {
+            max_batch_bytes: 4_000,
+            ..Reading::default()
+        };
+        let built = chunk(&s, 0, 1, 10, &part(&set, vec![]), reading, &mut Vec::new());
+        let c = built.chunk.expect("as written");
+        assert_eq!(offsets(&c), [-10, 210]);
+        let Some(Item::Undecodable {
+            last_offset,
+            reason,
+            ..
+        }) = c.items().next()
+        else {
+            panic!()
+        };
+        assert_eq!(last_offset, 209);
+        assert!(reason.contains("more than 4000 bytes"), "{reason}");
+        assert_eq!(built.next, 211);
     }
 
     #[test]

@@ -10,9 +10,13 @@
 //! # Order and flow
 //! A partition is in at most one request at a time, and its chunk is queued before it can be
 //! fetched again, so a partition's chunks arrive in log order even when its leadership moves.
-//! The bytes handed out and not yet dropped are counted: past `max_buffered_bytes` no broker
-//! sends another fetch until the reader catches up, so memory stays bounded while the reader is
-//! slow, exactly as librdkafka's `queued.max.messages.kbytes` bounds its prefetch.
+//! The bytes handed out and not yet dropped are counted as allocated: past `max_buffered_bytes`
+//! no broker sends another fetch, nor reads another chunk of an answer, until the reader
+//! catches up, as librdkafka's `queued.max.messages.kbytes` bounds its prefetch. A chunk is
+//! read only while the budget has room and stops at a quarter of it, so what the fetcher holds
+//! stays within the budget and one batch per broker however much an answer decompresses to
+//! (a batch is refused past 256 MiB once read); the buffers it keeps for reuse hold at most the
+//! budget again.
 //!
 //! # Failures
 //! A broker that cannot be reached, or that answers that it no longer leads a partition, makes
@@ -44,7 +48,7 @@ mod chunk;
 mod core;
 
 use self::core::{Answer, Claim, Core, Outcome, Read, Step};
-use chunk::{Budget, Reading, chunk};
+use chunk::{Budget, PartReader, Reading};
 pub use chunk::{Chunk, Item, Items};
 
 /// Shortest time between two metadata requests, however often fetches find leadership stale.
@@ -381,7 +385,8 @@ async fn broker_task(shared: Arc<Shared>, node: i32) {
                 match sent {
                     Ok(version) => {
                         let handled =
-                            fetched(&shared, node, &claims, &mut response, version, &mut scratch);
+                            fetched(&shared, node, &claims, &mut response, version, &mut scratch)
+                                .await;
                         handled.unwrap_or_else(|error| {
                             tracing::warn!(node, %error, "fetcher: a fetch response not used");
                             failed(&shared, &mut connection, node, &claims, None)
@@ -430,10 +435,12 @@ fn failed(
     outcome
 }
 
-/// A fetch answered: each partition's records read into a chunk, the core told, and the chunk
-/// queued under its lock, one partition after another (the reader starts on the first while
-/// the next is read); the partitions are released once all are queued.
-fn fetched(
+/// A fetch answered: each partition's records read into chunks, the core told, and each chunk
+/// queued under its lock, one after another (the reader starts on the first while the next is
+/// read); the partitions are released once all are queued. A chunk is read only while the
+/// budget has room, so however much the response decompresses to, what is held stays within
+/// the budget and one batch.
+async fn fetched(
     shared: &Shared,
     node: i32,
     claims: &[Claim],
@@ -451,42 +458,53 @@ fn fetched(
             let reading = Reading {
                 check_crcs: config.check_crcs,
                 isolation: config.isolation,
+                ..Reading::default()
             };
             let mut outcome = Outcome::default();
             for part in fetched.partitions(&config.topic) {
                 let claim = claims.iter().find(|c| c.partition == part.partition);
-                let (chunk, read) = match claim {
-                    Some(c) if !part.error.is_error() && part.diverging.is_none() => {
-                        let (budget, p) = (&shared.budget, c.partition);
-                        let built = chunk(budget, p, c.epoch, c.offset, &part, reading, scratch);
-                        let read = Read {
-                            next: built.next,
-                            last_epoch: built.last_epoch,
-                            corrupt: built.corrupt,
-                            diverging: false,
-                        };
-                        (built.chunk, Some(read))
-                    }
-                    _ => {
-                        let diverged = Read {
-                            next: -1,
-                            last_epoch: None,
-                            corrupt: None,
-                            diverging: true,
-                        };
-                        (None, part.diverging.is_some().then_some(diverged))
-                    }
-                };
-                let answer = Answer {
+                let answer = |read| Answer {
                     partition: part.partition,
                     error: part.error,
                     read,
                 };
-                let mut core = shared.lock();
-                if core.answer(claims, &answer, Instant::now(), &mut outcome)
-                    && let Some(chunk) = chunk
-                {
-                    let _ = shared.out.send(Fetched::Chunk(chunk));
+                let Some(c) = claim.filter(|_| !part.error.is_error() && part.diverging.is_none())
+                else {
+                    let diverged = Read {
+                        next: -1,
+                        last_epoch: None,
+                        corrupt: None,
+                        diverging: true,
+                    };
+                    let answer = answer(part.diverging.is_some().then_some(diverged));
+                    shared
+                        .lock()
+                        .answer(claims, &answer, Instant::now(), &mut outcome);
+                    continue;
+                };
+                let mut reader = PartReader::new(&part, c.offset, reading);
+                loop {
+                    let chunk = reader.chunk(&shared.budget, c.partition, c.epoch, scratch);
+                    let answer = answer(Some(Read {
+                        next: reader.next(),
+                        last_epoch: reader.last_epoch(),
+                        corrupt: reader.take_corrupt(),
+                        diverging: false,
+                    }));
+                    let current = {
+                        let mut core = shared.lock();
+                        let current = core.answer(claims, &answer, Instant::now(), &mut outcome);
+                        if current && let Some(chunk) = chunk {
+                            let _ = shared.out.send(Fetched::Chunk(chunk));
+                        }
+                        current
+                    };
+                    // All read, or the partition was sought elsewhere since (then the rest is
+                    // not wanted).
+                    if reader.done() || !current {
+                        break;
+                    }
+                    shared.budget.room().await;
                 }
             }
             let throttle = fetched.throttle_time_ms();
