@@ -11,12 +11,14 @@
 //! A partition is in at most one request at a time, and its chunk is queued before it can be
 //! fetched again, so a partition's chunks arrive in log order even when its leadership moves.
 //! The bytes handed out and not yet dropped are counted as allocated: past `max_buffered_bytes`
-//! no broker sends another fetch, nor reads another chunk of an answer, until the reader
-//! catches up, as librdkafka's `queued.max.messages.kbytes` bounds its prefetch. A chunk is
-//! read only while the budget has room and stops at a quarter of it, so what the fetcher holds
-//! stays within the budget and one batch per broker however much an answer decompresses to
-//! (a batch is refused past 256 MiB once read); the buffers it keeps for reuse hold at most the
-//! budget again.
+//! no more of an answer is read until the reader catches up, as librdkafka's
+//! `queued.max.messages.kbytes` bounds its prefetch. A chunk is read only while the budget has
+//! room and stops at a quarter of it, so what the fetcher holds stays within the budget and one
+//! batch per broker however much an answer decompresses to (a batch is refused past 256 MiB
+//! once read); the buffers it keeps for reuse hold at most the budget again. Each broker's next
+//! fetch is sent as soon as its last answer is handed out, so that it arrives while the reader
+//! still has the budget's worth to read: at most one answer per broker waits, compressed, for
+//! room (at most `fetch.max.bytes`).
 //!
 //! # Failures
 //! A broker that cannot be reached, or that answers that it no longer leads a partition, makes
@@ -317,7 +319,6 @@ async fn broker_task(shared: Arc<Shared>, node: i32) {
     let mut response = Vec::new();
     let mut scratch = Vec::new();
     loop {
-        shared.budget.room().await;
         // Registered before the core is asked, so that a wake-up in between is not lost.
         let work = shared.work.notified();
         let (step, address) = {
@@ -438,8 +439,8 @@ fn failed(
 /// A fetch answered: each partition's records read into chunks, the core told, and each chunk
 /// queued under its lock, one after another (the reader starts on the first while the next is
 /// read); the partitions are released once all are queued. A chunk is read only while the
-/// budget has room, so however much the response decompresses to, what is held stays within
-/// the budget and one batch.
+/// budget has room (this waits until it has), so however much the response decompresses to,
+/// what is held stays within the budget and one batch.
 async fn fetched(
     shared: &Shared,
     node: i32,
@@ -484,6 +485,7 @@ async fn fetched(
                 };
                 let mut reader = PartReader::new(&part, c.offset, reading);
                 loop {
+                    shared.budget.room().await;
                     let chunk = reader.chunk(&shared.budget, c.partition, c.epoch, scratch);
                     let answer = answer(Some(Read {
                         next: reader.next(),
@@ -504,7 +506,6 @@ async fn fetched(
                     if reader.done() || !current {
                         break;
                     }
-                    shared.budget.room().await;
                 }
             }
             let throttle = fetched.throttle_time_ms();
