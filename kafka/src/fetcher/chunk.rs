@@ -684,6 +684,18 @@ mod tests {
         )
     }
 
+    /// Producer 7 aborts offsets 0-1 (marker at 2); producer 8 commits 3-4 (marker at 5); a
+    /// plain batch at 6.
+    fn two_transactions() -> Vec<Vec<u8>> {
+        vec![
+            plain_batch(0, 2, 0x10, 7),
+            control_batch(2, 7, 0),
+            plain_batch(3, 2, 0x10, 8),
+            control_batch(5, 8, 1),
+            plain_batch(6, 1, 0, -1),
+        ]
+    }
+
     #[test]
     fn records_before_the_fetch_offset_are_not_items() {
         let s = budget();
@@ -751,16 +763,7 @@ mod tests {
     #[test]
     fn aborted_transactions_and_markers_are_left_out() {
         let s = budget();
-        // Producer 7 aborts offsets 0-1 (marker at 2); producer 8 commits 3-4 (marker at 5);
-        // a plain batch at 6.
-        let set = [
-            plain_batch(0, 2, 0x10, 7),
-            control_batch(2, 7, 0),
-            plain_batch(3, 2, 0x10, 8),
-            control_batch(5, 8, 1),
-            plain_batch(6, 1, 0, -1),
-        ]
-        .concat();
+        let set = two_transactions().concat();
         let built = chunk(
             &s,
             0,
@@ -854,16 +857,9 @@ mod tests {
         // One batch a chunk. Producer 7 aborts offsets 0-1 (marker at 2), then commits 7-8
         // (marker at 9): its later transaction is read, its aborted one never.
         let s = Arc::new(Budget::new(1));
-        let set = [
-            plain_batch(0, 2, 0x10, 7),
-            control_batch(2, 7, 0),
-            plain_batch(3, 2, 0x10, 8),
-            control_batch(5, 8, 1),
-            plain_batch(6, 1, 0, -1),
-            plain_batch(7, 2, 0x10, 7),
-            control_batch(9, 7, 1),
-        ]
-        .concat();
+        let mut set = two_transactions();
+        set.extend([plain_batch(7, 2, 0x10, 7), control_batch(9, 7, 1)]);
+        let set = set.concat();
         let part = part(&set, vec![(7, 0)]);
         let mut reader = PartReader::new(&part, 0, CHECKED);
         let mut read = Vec::new();
