@@ -48,8 +48,8 @@ pub struct Args {
     #[arg(long)]
     pub steady_rate: Option<f64>,
     /// Rounds of the windows scenario: each runs the catch-up with 0, 1 and 3 windows, in
-    /// alternating order (0, 1, 3, then 3, 1, 0), so that the machine's drift and the keys
-    /// earlier runs left fall on every variant alike; ratios are taken within a round.
+    /// alternating order (0, 1, 3, then 3, 1, 0), so that the machine's drift falls on every
+    /// variant alike; ratios are taken within a round.
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..))]
     pub windows_rounds: u32,
     /// Events of the hot-counter scenario (90% on one counter).

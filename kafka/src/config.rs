@@ -159,8 +159,9 @@ pub struct FetchConfig {
     /// Fetch sizes and wait (`fetch.wait.max.ms`, `fetch.min.bytes`, `fetch.max.bytes`,
     /// `max.partition.fetch.bytes`).
     pub limits: FetchLimits,
-    /// Most decompressed bytes handed out and not yet released by their reader: past it, no
-    /// new fetch is sent and no more of an answer is read (`queued.max.messages.kbytes`).
+    /// Most decompressed bytes handed out and not yet released by their reader, counted as
+    /// allocated: past it, no more of an answer is read into chunks, and each broker's next
+    /// answer waits, compressed, for room (`queued.max.messages.kbytes`).
     pub max_buffered_bytes: usize,
     /// `auto.offset.reset`.
     pub offset_reset: OffsetReset,

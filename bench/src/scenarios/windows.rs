@@ -1,8 +1,9 @@
 //! What windowed counts cost: the exactly-once catch-up over the same preloaded topic with its
 //! namespace keeping 0, 1 (`1h`) and 3 (`1m`, `1h`, `1d`) windows, in alternated rounds, with
 //! the Redis commands per event and the memory each counter adds (`INFO memory`'s
-//! `used_memory` before and after each run, over the distinct counters). The preloaded events were produced moments before, so each
-//! counter has one live bucket per window, all in one cells field per counter.
+//! `used_memory` before and after each run, over the distinct counters). The preloaded events
+//! were produced moments before, so each counter has one live bucket per window, all in one
+//! cells field per counter.
 
 use std::time::Instant;
 
@@ -69,11 +70,10 @@ const VARIANTS: [(usize, &str); 3] = [
 ];
 
 /// The catch-up of `events` events on `topic` (`distinct` counters, all `likes:post:*`) with
-/// 0, 1 and 3 windows, `rounds` times, each round in the order opposite to the last (the keys
-/// of earlier runs stay in Redis, and the machine drifts: neither then favours one variant).
-/// Each run's keys are deleted once its memory is measured, so that every run starts from the
-/// same keyspace, except the last 3-window run's, whose key prefix is returned (the window reads
-/// read them). Per variant: the run of the round with the median 3-window ratio, and every
+/// 0, 1 and 3 windows, `rounds` times, each round in the order opposite to the last (the
+/// machine drifts: then it favours no variant). Each run's keys are deleted once its memory is
+/// measured, so that every run starts from the same keyspace, except the last 3-window run's,
+/// whose key prefix is returned (the window reads read them). Per variant: the run of the round with the median 3-window ratio, and every
 /// round's ratio to that round's 0-window run.
 pub(crate) async fn windows(
     env: &mut Env<'_>,
