@@ -337,14 +337,12 @@ pub(crate) fn window_rounds(windows: &[WindowsRun]) -> Option<String> {
     }
     let variants: Vec<String> = (windows.iter().filter(|w| w.windows > 0))
         .map(|w| {
-            let mut sorted = w.ratios.clone();
-            sorted.sort_by(f64::total_cmp);
             let each: Vec<String> = w.ratios.iter().map(|r| format!("{r:.2}")).collect();
+            let median = crate::probe::quantile(&mut w.ratios.clone(), 0.5);
             format!(
-                "{} window(s) {} (median {:.2})",
+                "{} window(s) {} (median {median:.2})",
                 w.windows,
-                each.join(", "),
-                sorted[sorted.len() / 2]
+                each.join(", ")
             )
         })
         .collect();

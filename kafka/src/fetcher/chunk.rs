@@ -291,7 +291,9 @@ impl Budget {
     }
 
     /// Whether a chunk being read, filled with `data` and `located` so far, is done growing:
-    /// it holds its share of the budget, or with the chunks handed out the whole budget.
+    /// it holds its share of the budget, or with the chunks handed out the whole budget. What
+    /// it is filled with, not its capacity: a reused buffer's capacity would end every chunk at
+    /// its first batch (the chunk is charged its capacity once handed out).
     fn full(&self, data: &[u8], located: &[Located]) -> bool {
         let filled = std::mem::size_of_val(data) + std::mem::size_of_val(located);
         filled >= (self.max / CHUNK_SHARE).max(1) || self.held() + filled >= self.max
@@ -308,7 +310,7 @@ impl Budget {
         }
     }
 
-    /// Waits until there is room for another fetch, or another chunk of one.
+    /// Waits until there is room for another chunk.
     pub(super) async fn room(&self) {
         loop {
             let freed = self.freed.notified();
@@ -820,6 +822,17 @@ mod tests {
         // Held counts what the buffers hold allocated: at most the budget and one chunk's.
         assert!(peak < 16_000 + 2 * (4_000 + 1_100 + 48 * 4), "peak {peak}");
         assert_eq!(s.held(), 0);
+
+        // With other chunks holding all but 2,000 bytes of the budget, a chunk stops at the
+        // batch that fills the rest, short of its share.
+        let mut reader = PartReader::new(&part, 0, Reading::default());
+        s.hold(14_000);
+        let c = reader
+            .chunk(&s, 0, 1, &mut Vec::new())
+            .expect("a batch at least");
+        assert_eq!(offsets(&c), [0, 1]);
+        drop(c);
+        s.release(14_000);
     }
 
     #[test]
