@@ -53,6 +53,10 @@ pub enum StartError {
     /// The PostgreSQL store could not be set up (URL, connection, migrations).
     #[error("postgres: {0}")]
     Postgres(#[from] pg_schema::PgError),
+    /// The namespaces group a deduplicating namespace's likes otherwise than the deployment
+    /// keeps them (`tally_common::layout`).
+    #[error("{0}")]
+    Layout(#[from] tally_common::layout::LayoutError),
     /// `--fetch direct` with a Kafka option tally's fetcher does not support.
     #[error("--fetch direct: {0} (use --fetch auto or librdkafka)")]
     Fetch(#[from] tally_kafka::Unsupported),
@@ -223,6 +227,15 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<RunSumma
     };
     let summary = match postgres {
         None => {
+            let recorded = tally_common::layout::record_dedup_groupings(
+                &conn,
+                &config.keyspace,
+                &config.namespaces,
+            );
+            if let Err(e) = recorded.await {
+                server.abort();
+                return Err(e.into());
+            }
             let sink = RedisSink::new(
                 conn,
                 &config.redis,

@@ -40,7 +40,8 @@ pub const DEFAULT_SPREAD: u32 = 4;
 /// Most shard groups allowed: a read sums one key per group.
 pub const MAX_GROUPS: u32 = 1024;
 
-/// Which shard group an event's delta is written to. Spelled `partition` or `actor` everywhere:
+/// Which shard group an event's delta is written to. Spelled `partition`, `actor` or `counter`
+/// everywhere:
 /// the aggregator's `--grouping`, the namespace file, the `tally_build_info` label.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Deserialize)]
 pub enum GroupingRule {
@@ -53,17 +54,27 @@ pub enum GroupingRule {
     /// group): everything about one actor lives in one slot.
     #[serde(rename = "actor")]
     ByActor,
+    /// A stable hash of the counter id: everything about one counter (its share, and in a
+    /// namespace that deduplicates its one member set) lives in one slot, whatever the partition
+    /// or the actor. A flush then writes one run of likes per counter, not one per actor's group.
+    #[serde(rename = "counter")]
+    ByCounter,
 }
 
 impl GroupingRule {
     /// Every rule.
-    pub const ALL: [GroupingRule; 2] = [GroupingRule::ByPartition, GroupingRule::ByActor];
+    pub const ALL: [GroupingRule; 3] = [
+        GroupingRule::ByPartition,
+        GroupingRule::ByActor,
+        GroupingRule::ByCounter,
+    ];
 
     /// Its spelling.
     pub const fn as_str(self) -> &'static str {
         match self {
             GroupingRule::ByPartition => "partition",
             GroupingRule::ByActor => "actor",
+            GroupingRule::ByCounter => "counter",
         }
     }
 }
@@ -79,7 +90,9 @@ impl std::str::FromStr for GroupingRule {
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         (Self::ALL.into_iter())
             .find(|rule| rule.as_str() == s)
-            .ok_or_else(|| format!("unknown grouping rule {s:?}: expected partition or actor"))
+            .ok_or_else(|| {
+                format!("unknown grouping rule {s:?}: expected partition, actor or counter")
+            })
     }
 }
 
@@ -361,6 +374,11 @@ impl Keyspace {
         (stable_hash(actor.as_bytes()) % u64::from(self.groups)) as u32
     }
 
+    /// The group of `counter` (a stable hash): where it lives when grouped by counter.
+    pub fn group_for_counter(&self, counter: &str) -> u32 {
+        (stable_hash(counter.as_bytes()) % u64::from(self.groups)) as u32
+    }
+
     /// The group `counter`'s delta is written to under `rule`, from `partition` whose spread
     /// at the event is `spread` ([`Spread::at`]).
     pub fn group_for_event(
@@ -373,6 +391,7 @@ impl Keyspace {
     ) -> u32 {
         match (rule, actor) {
             (GroupingRule::ByActor, Some(actor)) => self.group_for_actor(actor),
+            (GroupingRule::ByCounter, _) => self.group_for_counter(counter),
             _ if spread <= 1 => self.group_for_partition(partition),
             _ => {
                 // `(home + part · (groups div spread)) mod groups` with one 64-bit division
@@ -388,6 +407,12 @@ impl Keyspace {
                 }
             }
         }
+    }
+
+    /// The hash recording where each deduplicating namespace keeps its member sets
+    /// (`crate::layout`): field `dedup:<namespace>`, value its grouping.
+    pub fn layout_key(&self) -> String {
+        format!("{}:layout", self.prefix)
     }
 
     /// The hash of ledger entries in `group`: per partition, the offset after the last message
@@ -455,11 +480,22 @@ impl Keyspace {
         format!("{}:{{g{group}}}:W:{stripe}", self.prefix)
     }
 
-    /// The set of actors whose like of `counter` is counted, for actors whose group is `group`
-    /// (deduplicating namespaces). It shares the group's slot with the counter's share there, so
-    /// the membership change and the increment it guards are one atomic operation.
+    /// The set of actors whose like of `counter` is counted in `group` (deduplicating
+    /// namespaces): the counter's group when grouped by counter, each actor's group when grouped
+    /// by actor. It shares the group's slot with the counter's share there, so the membership
+    /// change and the increment it guards are one atomic operation.
     pub fn member_key(&self, group: u32, counter: &str) -> String {
-        format!("{}:{{g{group}}}:m:{counter}", self.prefix)
+        let mut key = String::with_capacity(self.prefix.len() + counter.len() + 12);
+        self.write_member_key(&mut key, group, counter);
+        key
+    }
+
+    /// [`Keyspace::member_key`] into `out` (cleared first), reusing its allocation.
+    pub fn write_member_key(&self, out: &mut String, group: u32, counter: &str) {
+        use std::fmt::Write;
+        out.clear();
+        // Writing to a String cannot fail.
+        let _ = write!(out, "{}:{{g{group}}}:m:{counter}", self.prefix);
     }
 
     /// The group holding shard `shard` of a directly written counter: `(base + shard) mod N`,
@@ -684,6 +720,25 @@ mod tests {
         assert_eq!(groups.len(), 16);
         assert_eq!("actor".parse(), Ok(GroupingRule::ByActor));
         assert!("user".parse::<GroupingRule>().is_err());
+    }
+
+    #[test]
+    fn grouping_by_counter_ignores_the_partition_and_the_actor() {
+        let ks = Keyspace::default();
+        let rule = GroupingRule::ByCounter;
+        // Pinned: changing the hash would move every deduplicated counter's member set.
+        let group = ks.group_for_counter("likes:post:1");
+        assert_eq!(group, 0);
+        assert_eq!(ks.group_for_counter("likes:post:2"), 9);
+        for (partition, actor) in [(0, Some("u7")), (5, Some("u8")), (3, None)] {
+            let got = ks.group_for_event(rule, partition, actor, "likes:post:1", 4);
+            assert_eq!(got, group, "partition {partition}, actor {actor:?}");
+        }
+        let groups: std::collections::BTreeSet<u32> = (0..1000)
+            .map(|i| ks.group_for_counter(&format!("likes:post:{i}")))
+            .collect();
+        assert_eq!(groups.len(), 16);
+        assert_eq!("counter".parse(), Ok(GroupingRule::ByCounter));
     }
 
     #[test]

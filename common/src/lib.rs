@@ -7,6 +7,8 @@
 //!   [`codec::decode`] into a borrowed, validated [`codec::EventRef`].
 //! - [`keyspace`]: [`Keyspace`], the one place that builds Redis keys (prefix, shard groups,
 //!   Redis Cluster hash tags).
+//! - [`layout`]: where each deduplicating namespace keeps its member sets, recorded in Redis and
+//!   checked by every writer.
 //! - [`namespace`]: [`Namespaces`], each namespace's [`Policy`] (dedup, write path, cache TTL,
 //!   grouping, display), read from one TOML file.
 //! - [`connection`]: [`RedisTarget`] (a Redis URL, parsed once) and [`RedisConn`], a standalone
@@ -26,6 +28,7 @@ pub mod defaults;
 pub mod display;
 pub mod event;
 pub mod keyspace;
+pub mod layout;
 pub mod namespace;
 #[cfg(feature = "postgres")]
 pub mod pg;

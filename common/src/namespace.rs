@@ -10,7 +10,7 @@
 //! cache_ttl_ms = 5000
 //!
 //! [namespaces.likes]        # fields left out are taken from [defaults]
-//! dedup = true              # one like per actor; implies grouping = "actor"
+//! dedup = true              # one like per actor; implies grouping = "counter"
 //! cache_ttl_ms = 10000
 //! display_never_decreases = true
 //! ```
@@ -24,6 +24,10 @@ use serde::Deserialize;
 
 use crate::keyspace::GroupingRule;
 use crate::window::{WindowEntry, Windows};
+
+/// The widest idempotency window: 30 days (the aggregator keeps ids' timestamps as 32-bit
+/// milliseconds, 49 days, past the window).
+pub const MAX_IDEMPOTENCY_WINDOW_MS: i64 = 30 * 24 * 3_600_000;
 
 /// How a namespace's events reach Redis.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
@@ -57,8 +61,9 @@ pub struct Policy {
     /// How long a cached total is served before it is refreshed, in ms ("TTL is a product
     /// decision": 1 s for a live auction, 5-30 s for likes, minutes for totals).
     pub cache_ttl_ms: u64,
-    /// Which shard group deltas go to. Always [`GroupingRule::ByActor`] when `dedup` is set, so
-    /// that an actor's membership and the increment it guards share a slot.
+    /// Which shard group deltas go to. [`GroupingRule::ByCounter`] (or, as asked,
+    /// [`GroupingRule::ByActor`]) when `dedup` is set, so that a membership and the increment it
+    /// guards share a slot, whatever the partition.
     pub grouping: GroupingRule,
     /// How counts are displayed.
     pub display: DisplayStyle,
@@ -116,11 +121,15 @@ impl PolicyEntry {
             (Some(GroupingRule::ByPartition), true) => {
                 return Err(NamespaceError::Invalid {
                     namespace: name.to_owned(),
-                    why: "dedup needs grouping = \"actor\" (membership and increment share a slot)"
+                    why: "dedup needs grouping = \"counter\" or \"actor\" (a membership and \
+                          the increment it guards share a slot, whatever the partition)"
                         .to_owned(),
                 });
             }
-            (_, true) => GroupingRule::ByActor,
+            (Some(g), true) => g,
+            // An aggregator-wide `--grouping actor` keeps deduplicated counters by actor too.
+            (None, true) if base.grouping != GroupingRule::ByPartition => base.grouping,
+            (None, true) => GroupingRule::ByCounter,
             (Some(g), false) => g,
             (None, false) => base.grouping,
         };
@@ -149,6 +158,12 @@ impl PolicyEntry {
             Some(w) => Some(crate::window::parse_duration(w).map_err(invalid)?),
             None => base.idempotency_window_ms,
         };
+        if idempotency_window_ms.is_some_and(|w| w > MAX_IDEMPOTENCY_WINDOW_MS) {
+            return Err(invalid(
+                "an idempotency window is at most 30d (the aggregator holds every id of it)"
+                    .to_owned(),
+            ));
+        }
         if idempotency_window_ms.is_some() && write_path == WritePath::Direct {
             return Err(invalid(
                 "idempotency keys are acted on by the aggregator: a direct namespace cannot keep them"
@@ -393,7 +408,7 @@ write_path = "direct"
         let ns = Namespaces::from_toml(EXAMPLE).expect("valid");
         let likes = ns.policy("likes:post:42");
         assert!(likes.dedup);
-        assert_eq!(likes.grouping, GroupingRule::ByActor);
+        assert_eq!(likes.grouping, GroupingRule::ByCounter);
         assert_eq!(likes.cache_ttl_ms, 10_000);
         assert!(likes.display_never_decreases);
         let bids = ns.policy("bids:lot:7");
@@ -413,6 +428,10 @@ write_path = "direct"
         let ns = Namespaces::from_toml_with_grouping(EXAMPLE, Some(GroupingRule::ByActor))
             .expect("valid");
         assert_eq!(ns.policy("views:video:9").grouping, GroupingRule::ByActor);
+        assert_eq!(ns.policy("likes:post:1").grouping, GroupingRule::ByActor);
+        let by_actor = "[namespaces.likes]\ndedup = true\ngrouping = \"actor\"\n";
+        let ns = Namespaces::from_toml(by_actor).expect("valid");
+        assert_eq!(ns.policy("likes:post:1").grouping, GroupingRule::ByActor);
         let none = Namespaces::default();
         assert_eq!(none.policy("likes:post:1"), &Policy::default());
     }
@@ -463,6 +482,7 @@ write_path = "direct"
             "[namespaces.v]\nwindows = [\"1x\"]\n",
             "[namespaces.v]\nwindows = [\"10ms\"]\n",
             "[namespaces.b]\nwrite_path = \"direct\"\nidempotency_window = \"1m\"\n",
+            "[namespaces.v]\nidempotency_window = \"31d\"\n",
         ] {
             assert!(
                 matches!(

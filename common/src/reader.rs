@@ -119,20 +119,33 @@ impl Reader {
         &self.keyspace
     }
 
-    /// Whether `actor`'s like of `counter` is counted, in a namespace that deduplicates: one
-    /// `SISMEMBER` in the actor's group, whatever the topic's partition count.
+    /// Whether `actor`'s like of `counter` is counted, in a namespace that deduplicates: a
+    /// `SISMEMBER` of the set in the counter's group and, at the same time, of the one in the
+    /// actor's group (where namespaces grouped by actor keep it; `crate::layout`), whatever the
+    /// topic's partition count. A namespace keeps each like in one of the two.
     pub async fn has_liked(&self, counter: &str, actor: &str) -> Result<bool, ReadError> {
         validate_counter(counter)?;
         if let Some(store) = &self.store {
             return store.has_liked(counter, actor).await;
         }
-        let group = self.keyspace.group_for_actor(actor);
-        let mut conn = self.conn.clone();
-        Ok(redis::cmd("SISMEMBER")
-            .arg(self.keyspace.member_key(group, counter))
-            .arg(actor)
-            .query_async(&mut conn)
-            .await?)
+        let ks = &self.keyspace;
+        let is_member = |group: u32| {
+            let mut conn = self.conn.clone();
+            let key = ks.member_key(group, counter);
+            async move {
+                redis::cmd("SISMEMBER")
+                    .arg(key)
+                    .arg(actor)
+                    .query_async::<bool>(&mut conn)
+                    .await
+            }
+        };
+        let (by_counter, by_actor) = (ks.group_for_counter(counter), ks.group_for_actor(actor));
+        if by_counter == by_actor {
+            return Ok(is_member(by_counter).await?);
+        }
+        let (a, b) = tokio::try_join!(is_member(by_counter), is_member(by_actor))?;
+        Ok(a || b)
     }
 
     /// The `k` fastest-moving counters of `namespace` over the last minute, with their activity

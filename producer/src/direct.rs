@@ -45,6 +45,10 @@ pub enum DirectError {
     /// Redis failed or timed out; the write may or may not have landed.
     #[error("redis: {0}")]
     Redis(#[from] redis::RedisError),
+    /// This writer's grouping of a deduplicating namespace is not the deployment's; nothing
+    /// was written (`tally_common::layout`).
+    #[error("{0}")]
+    Layout(#[from] tally_common::layout::LayoutError),
     /// The PostgreSQL store failed.
     #[cfg(feature = "postgres")]
     #[error("postgres: {0}")]
@@ -69,6 +73,9 @@ struct Inner {
     writes: Mutex<HashMap<String, u64>>,
     like: redis::Script,
     unlike: redis::Script,
+    /// Set once the deployment's record of where likes are kept agrees with the namespaces
+    /// (checked before the first like or unlike).
+    layout_checked: tokio::sync::OnceCell<()>,
     /// The task reporting write rates every second.
     reporter: Mutex<Option<JoinHandle<()>>>,
     /// The store of record the increments go to instead of Redis's keys, if any.
@@ -113,6 +120,7 @@ impl DirectWriter {
             writes: Mutex::new(HashMap::new()),
             like: redis::Script::new(include_str!("scripts/like.lua")),
             unlike: redis::Script::new(include_str!("scripts/unlike.lua")),
+            layout_checked: tokio::sync::OnceCell::new(),
             reporter: Mutex::new(None),
             #[cfg(feature = "postgres")]
             store: std::sync::OnceLock::new(),
@@ -196,13 +204,19 @@ impl DirectWriter {
             return Ok(true);
         }
         let ks = &inner.keyspace;
-        let group = ks.group_for_actor(actor);
+        let rule = inner.namespaces.policy(counter).grouping;
+        let group = ks.group_for_event(rule, 0, Some(actor), counter, 1);
         #[cfg(feature = "postgres")]
         if let Some(store) = inner.store.get() {
             let changed = store.member(counter, actor, group, like).await?;
             inner.wrote(counter);
             return Ok(changed);
         }
+        (inner.layout_checked)
+            .get_or_try_init(|| {
+                tally_common::layout::record_dedup_groupings(&inner.conn, ks, &inner.namespaces)
+            })
+            .await?;
         let script = if like { &inner.like } else { &inner.unlike };
         let mut conn = inner.conn.clone();
         let changed: i64 = script

@@ -180,3 +180,70 @@ async fn a_like_storm_into_postgres_counts_each_actor_once() {
     let pg = tally_tests::postgres::PgServer::start().await;
     like_storm("likes-pg", &redis, &redis.url(), Some(&pg.url())).await;
 }
+
+/// Where likes are kept is recorded by the first writer and holds every writer after it: an
+/// aggregator grouping a namespace's likes otherwise than the record refuses to start and says
+/// why; a deployment that counted before records existed refuses the new grouping until told.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_writer_grouping_likes_otherwise_than_the_record_refuses_to_start() {
+    use tally_common::layout::{LayoutError, record_dedup_groupings};
+    use tally_common::{Namespaces, RedisConn};
+
+    let _serial = tally_tests::serial().await;
+    let redis = RedisServer::start().await;
+    let dir = TempDir::new("tally-layout");
+    let setup = AggregatorSetup::create("layout", &redis.url(), 4).await;
+    let conn = RedisConn::connect(&redis.url()).await.expect("connects");
+    let ks = setup.keyspace();
+    let by_counter = Namespaces::from_toml("[namespaces.likes]\ndedup = true\n").expect("valid");
+    let by_actor = "[namespaces.likes]\ndedup = true\ngrouping = \"actor\"\n";
+    let by_actor = Namespaces::from_toml(by_actor).expect("valid");
+
+    // A fresh deployment: plain counts first, then likes grouped by counter, recorded.
+    record_dedup_groupings(&conn, &ks, &Namespaces::default())
+        .await
+        .expect("nothing to record but the origin");
+    record_dedup_groupings(&conn, &ks, &by_counter)
+        .await
+        .expect("recorded");
+    let refused = record_dedup_groupings(&conn, &ks, &by_actor).await;
+    assert!(
+        matches!(&refused, Err(LayoutError::Mismatch { recorded, .. }) if recorded == "counter"),
+        "{refused:?}"
+    );
+
+    // The aggregator binary holds to the record too: it exits at once, naming the namespace.
+    let file = dir.path().join("by-actor.toml");
+    std::fs::write(
+        &file,
+        "[namespaces.likes]\ndedup = true\ngrouping = \"actor\"\n",
+    )
+    .expect("written");
+    let mut aggregator = setup.spawn(dir.path(), &["--namespaces", file.to_str().expect("utf-8")]);
+    let status = aggregator.wait_exit(Duration::from_secs(60)).await;
+    assert!(!status.success(), "{status:?}");
+    let log = aggregator.log();
+    assert!(
+        log.contains("\"likes\" keeps its likes grouped by counter"),
+        "{log}"
+    );
+
+    // A deployment that counted before records existed: ledgers, and no record.
+    let mut admin = tally_tests::connect(&redis.url()).await;
+    let old = tally_common::Keyspace::new("layout-old", 4).expect("valid");
+    let _: () = redis::cmd("HSET")
+        .arg(old.ledger_key(2))
+        .arg("0")
+        .arg("17")
+        .query_async(&mut admin)
+        .await
+        .expect("HSET");
+    let refused = record_dedup_groupings(&conn, &old, &by_counter).await;
+    assert!(
+        matches!(&refused, Err(LayoutError::Unrecorded { .. })),
+        "{refused:?}"
+    );
+    record_dedup_groupings(&conn, &old, &by_actor)
+        .await
+        .expect("likes kept where they were");
+}

@@ -69,7 +69,9 @@ pub enum Applied {
     /// The group lost writes the writer had seen land (its ledger entry, or its fence, is older
     /// than the writer's): Redis came back from a crash with an older state. Nothing written.
     RolledBack,
-    /// Nothing written, because these deltas or memberships cannot be applied.
+    /// Not written, because these deltas or memberships cannot be applied. No delta or window
+    /// delta was written; a counter's likes that landed before the refusal stay, since the
+    /// write tried again finds them done (`LikeRuns`).
     Rejected(Vec<Rejection>),
 }
 
@@ -96,16 +98,77 @@ pub struct Rejection {
 
 impl GroupWrite<'_> {
     /// What the script's 1-based `index` names: the deltas come first, then the window deltas,
-    /// then the memberships.
-    pub(crate) fn refused(&self, index: usize) -> Option<Refused> {
+    /// then the runs of likes (`runs`, built from this write's members), each naming every
+    /// membership of its counter. Empty if it names nothing.
+    pub(crate) fn refused(&self, index: usize, runs: &LikeRuns) -> Vec<Refused> {
         let deltas = self.deltas.len();
         let windows = deltas + self.windows.len();
-        match index.checked_sub(1)? {
-            i if i < deltas => Some(Refused::Delta(i)),
-            i if i < windows => Some(Refused::Window(i - deltas)),
-            i if i - windows < self.members.len() => Some(Refused::Member(i - windows)),
-            _ => None,
+        match index.checked_sub(1) {
+            None => Vec::new(),
+            Some(i) if i < deltas => vec![Refused::Delta(i)],
+            Some(i) if i < windows => vec![Refused::Window(i - deltas)],
+            Some(i) if i - windows < runs.len() => {
+                let (likes, unlikes) = runs.run(i - windows);
+                (likes.iter().chain(unlikes))
+                    .map(|&m| Refused::Member(m))
+                    .collect()
+            }
+            Some(_) => Vec::new(),
         }
+    }
+}
+
+/// A write's likes and unlikes in runs, one per counter, as `scripts/flush.lua` takes them:
+/// a run is one `SADD` of the counter's likers, one `SREM` of its unlikers and one `INCRBY` by
+/// what they changed, where each membership used to be four commands (`TYPE`, `GET`, `SADD` or
+/// `SREM`, `INCRBY`). A run is its own check, and idempotent: its set holds its likers and not
+/// its unlikers whatever it held before, and its count moved by exactly what the set did, so a
+/// run that landed in a write that was then refused or failed is found done when it is tried
+/// again.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LikeRuns {
+    /// Indexes into the members: each run's likes, then its unlikes, run after run.
+    order: Vec<usize>,
+    /// Per run: where it ends in `order`, and how many of it are likes.
+    ends: Vec<(usize, usize)>,
+}
+
+impl LikeRuns {
+    /// The runs of `members`, in counter order.
+    pub fn new(members: &[Member]) -> Self {
+        let mut order: Vec<usize> = (0..members.len()).collect();
+        order.sort_unstable_by(|&a, &b| {
+            let (a, b) = (&members[a], &members[b]);
+            (a.counter.cmp(&b.counter)).then(b.like.cmp(&a.like))
+        });
+        let mut ends = Vec::new();
+        let mut likes = 0;
+        for (at, &i) in order.iter().enumerate() {
+            likes += usize::from(members[i].like);
+            let next = order.get(at + 1).map(|&j| &members[j].counter);
+            if next != Some(&members[i].counter) {
+                ends.push((at + 1, likes));
+                likes = 0;
+            }
+        }
+        Self { order, ends }
+    }
+
+    /// How many runs (counters).
+    pub fn len(&self) -> usize {
+        self.ends.len()
+    }
+
+    /// Whether there is none.
+    pub fn is_empty(&self) -> bool {
+        self.ends.is_empty()
+    }
+
+    /// Run `k`'s members, as indexes into the members: its likes, then its unlikes.
+    pub fn run(&self, k: usize) -> (&[usize], &[usize]) {
+        let start = k.checked_sub(1).map_or(0, |j| self.ends[j].0);
+        let (end, likes) = self.ends[k];
+        self.order[start..end].split_at(likes)
     }
 }
 
@@ -167,17 +230,126 @@ mod tests {
             members: &members,
             watermark: None,
         };
-        let refused: Vec<Option<Refused>> = (0..6).map(|i| write.refused(i)).collect();
+        let runs = LikeRuns::new(&members);
+        let refused: Vec<Vec<Refused>> = (0..6).map(|i| write.refused(i, &runs)).collect();
         assert_eq!(
             refused,
             [
-                None,
-                Some(Refused::Delta(0)),
-                Some(Refused::Delta(1)),
-                Some(Refused::Window(0)),
-                Some(Refused::Member(0)),
-                None
+                vec![],
+                vec![Refused::Delta(0)],
+                vec![Refused::Delta(1)],
+                vec![Refused::Window(0)],
+                vec![Refused::Member(0)],
+                vec![]
             ]
         );
+    }
+
+    #[test]
+    fn likes_run_per_counter_likes_first() {
+        let m = |counter: &str, actor: &str, like| Member {
+            counter: counter.to_owned(),
+            actor: actor.to_owned(),
+            like,
+        };
+        let members = [
+            m("b", "u1", false),
+            m("a", "u1", true),
+            m("b", "u2", true),
+            m("c", "u3", false),
+            m("a", "u2", true),
+        ];
+        let runs = LikeRuns::new(&members);
+        assert_eq!(runs.len(), 3);
+        let mut a = runs.run(0).0.to_vec();
+        a.sort_unstable();
+        assert_eq!((a, runs.run(0).1), (vec![1, 4], &[][..]));
+        assert_eq!(runs.run(1), (&[2][..], &[0][..]));
+        assert_eq!(runs.run(2), (&[][..], &[3][..]));
+        assert!(LikeRuns::new(&[]).is_empty());
+    }
+
+    /// Applies `runs` of `members` as `scripts/flush.lua` does: per run, `SADD` of its likers and
+    /// `SREM` of its unlikers, the count moved by what they changed.
+    fn apply_runs(
+        members: &[Member],
+        sets: &mut std::collections::HashMap<String, std::collections::HashSet<String>>,
+        counts: &mut std::collections::HashMap<String, i64>,
+    ) {
+        let runs = LikeRuns::new(members);
+        for k in 0..runs.len() {
+            let (likes, unlikes) = runs.run(k);
+            let counter = &members[likes
+                .first()
+                .or(unlikes.first())
+                .copied()
+                .expect("a run is not empty")]
+            .counter;
+            let set = sets.entry(counter.clone()).or_default();
+            let added = (likes.iter())
+                .filter(|&&i| set.insert(members[i].actor.clone()))
+                .count() as i64;
+            let removed = (unlikes.iter())
+                .filter(|&&i| set.remove(&members[i].actor))
+                .count() as i64;
+            *counts.entry(counter.clone()).or_default() += added - removed;
+        }
+    }
+
+    /// The batched arithmetic (the last action per (counter, actor) in a batch, then one run per
+    /// counter) against applying every like and unlike one by one, over random streams cut
+    /// into random batches, each batch's runs applied once or, as after a crash before the
+    /// ledger moved, twice.
+    #[test]
+    fn runs_of_batched_likes_count_what_one_by_one_counts() {
+        use rand::{Rng, SeedableRng};
+        use std::collections::{HashMap, HashSet};
+
+        use super::super::batch::Batch;
+
+        for seed in 0..200 {
+            let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+            let counters = rng.random_range(1..6);
+            let actors = rng.random_range(1..12);
+            let mut one_sets: HashMap<String, HashSet<String>> = HashMap::new();
+            let mut one_counts: HashMap<String, i64> = HashMap::new();
+            let mut sets = HashMap::new();
+            let mut counts = HashMap::new();
+            let mut batch = Batch::default();
+            for offset in 0..rng.random_range(1..400) {
+                let counter = format!("likes:p:{}", rng.random_range(0..counters));
+                let actor = format!("u{}", rng.random_range(0..actors));
+                let like = rng.random_bool(0.6);
+                let set = one_sets.entry(counter.clone()).or_default();
+                let changed = if like {
+                    set.insert(actor.clone())
+                } else {
+                    set.remove(&actor)
+                };
+                *one_counts.entry(counter.clone()).or_default() +=
+                    i64::from(changed) * if like { 1 } else { -1 };
+                batch.add_member(0, &counter, &actor, like, offset);
+                if rng.random_bool(0.05) {
+                    let sealed = batch.seal().expect("not empty");
+                    let members = &sealed.groups[0].members;
+                    apply_runs(members, &mut sets, &mut counts);
+                    if rng.random_bool(0.3) {
+                        apply_runs(members, &mut sets, &mut counts);
+                    }
+                }
+            }
+            if let Some(sealed) = batch.seal() {
+                apply_runs(&sealed.groups[0].members, &mut sets, &mut counts);
+            }
+            one_counts.retain(|_, n| *n != 0);
+            counts.retain(|_, n| *n != 0);
+            sets.retain(|_, s: &mut HashSet<String>| !s.is_empty());
+            one_sets.retain(|_, s| !s.is_empty());
+            assert_eq!(counts, one_counts, "seed {seed}");
+            assert_eq!(sets, one_sets, "seed {seed}");
+            for (counter, set) in &sets {
+                assert_eq!(counts.get(counter).copied().unwrap_or(0), set.len() as i64);
+            }
+        }
     }
 }

@@ -154,7 +154,7 @@ settings! {
         retry_max_backoff_ms: u64 = 2_000, "TALLY_RETRY_MAX_BACKOFF_MS", [];
         /// Delivery guarantee
         delivery: Delivery = Delivery::default(), "TALLY_DELIVERY", [value_enum];
-        /// Which shard group an event's delta goes to: its partition's (partition) or its actor's (actor)
+        /// Which shard group an event's delta goes to: its partition's (partition), its actor's (actor) or its counter's (counter)
         grouping: GroupingRule = GroupingRule::default(), "TALLY_GROUPING", [];
         /// Raise a directly written counter's shard count when one shard takes more than this many writes per second; 0 turns the shard monitor off
         shard_threshold: u64 = 1_000, "TALLY_SHARD_THRESHOLD", [];

@@ -18,6 +18,7 @@ use tally_common::{DeadLetterReason, Keyspace, RedisConn, RedisTarget};
 
 use crate::machine::batch::WindowDelta;
 use crate::machine::verdict::window_rejections;
+use crate::machine::write::LikeRuns;
 use crate::operator::config::Atomicity;
 use crate::store::cells;
 use crate::store::sink::{
@@ -310,24 +311,46 @@ impl RedisSink {
                     .arg(rejection.reason.as_str());
             }
         }
-        for member in write.members {
-            invocation
-                .key(ks.member_key(write.group, &member.counter))
-                .key(ks.counter_key(write.group, &member.counter))
-                .arg(&member.actor)
-                .arg(if member.like { "1" } else { "0" });
+        // The runs of likes: every member set, then every counter key, then per run its likers
+        // and unlikers.
+        let runs = LikeRuns::new(write.members);
+        let counter_of = |k: usize| {
+            let (likes, unlikes) = runs.run(k);
+            let first = likes
+                .first()
+                .or(unlikes.first())
+                .copied()
+                .unwrap_or_default();
+            &write.members[first].counter
+        };
+        for k in 0..runs.len() {
+            ks.write_member_key(&mut key, write.group, counter_of(k));
+            invocation.key(&key);
+        }
+        for k in 0..runs.len() {
+            ks.write_counter_key(&mut key, write.group, counter_of(k));
+            invocation.key(&key);
+            let (likes, unlikes) = runs.run(k);
+            invocation.arg(likes.len()).arg(unlikes.len());
+            for &m in likes.iter().chain(unlikes) {
+                invocation.arg(&write.members[m].actor);
+            }
         }
         let mut conn = self.conn.clone();
         let reply: Vec<String> = invocation.invoke_async(&mut conn).await?;
         if reply.first().map(String::as_str) == Some("stale") {
             return Ok(None);
         }
-        fenced_flush_reply(&reply, write).map(Some)
+        fenced_flush_reply(&reply, write, &runs).map(Some)
     }
 }
 
 /// `scripts/flush.lua`'s reply, other than `{'stale'}`.
-fn fenced_flush_reply(reply: &[String], write: GroupWrite<'_>) -> Result<Applied, SinkError> {
+fn fenced_flush_reply(
+    reply: &[String],
+    write: GroupWrite<'_>,
+    runs: &LikeRuns,
+) -> Result<Applied, SinkError> {
     match reply.first().map(String::as_str) {
         Some("ok") => Ok(Applied::Written),
         Some("duplicate") => Ok(Applied::AlreadyApplied),
@@ -339,19 +362,27 @@ fn fenced_flush_reply(reply: &[String], write: GroupWrite<'_>) -> Result<Applied
         Some("failed") => Err(SinkError::from(RedisReply(
             reply.get(1).cloned().unwrap_or_default(),
         ))),
-        Some("rejected") => reply[1..]
-            .chunks(2)
-            .map(|pair| match pair {
+        Some("rejected") => {
+            let mut rejections = Vec::new();
+            for pair in reply[1..].chunks(2) {
                 // A reason not about the data is not a refusal: the write is retried.
-                [index, reason] => (index.parse().ok())
-                    .and_then(|i| write.refused(i))
-                    .zip(DeadLetterReason::from_script(reason))
-                    .map(|(refused, reason)| Rejection { refused, reason })
-                    .ok_or_else(|| unexpected(reply)),
-                _ => Err(unexpected(reply)),
-            })
-            .collect::<Result<_, _>>()
-            .map(Applied::Rejected),
+                let [index, reason] = pair else {
+                    return Err(unexpected(reply));
+                };
+                let refused = (index.parse().ok()).map(|i| write.refused(i, runs));
+                let reason = DeadLetterReason::from_script(reason);
+                let (Some(refused), Some(reason)) = (refused.filter(|r| !r.is_empty()), reason)
+                else {
+                    return Err(unexpected(reply));
+                };
+                rejections.extend(
+                    refused
+                        .into_iter()
+                        .map(|refused| Rejection { refused, reason }),
+                );
+            }
+            Ok(Applied::Rejected(rejections))
+        }
         _ => Err(unexpected(reply)),
     }
 }

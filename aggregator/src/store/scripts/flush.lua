@@ -1,14 +1,17 @@
 -- One exactly-once flush into one shard group: fence check, duplicate check, then every write,
 -- all in one slot, all or nothing. Lua has no rollback: a write Redis can undo exactly (INCRBY, a
 -- hash field whose old value is known) is its own check and is undone if any other is refused;
--- what it cannot undo (a reset's DEL, a membership's SADD or SREM) is checked before anything is
--- written.
+-- what it cannot undo (a reset's DEL) is checked before anything is written. A counter's likes
+-- are one run: one SADD of its likers, one SREM of its unlikers and one INCRBY by what they
+-- changed, together; a run is its own check, and one already applied is simply found done when
+-- the write is tried again (the set already holds its likers), so a refusal or failure after it
+-- need not undo it.
 --
 -- KEYS[1] fence hash    KEYS[2] ledger hash    KEYS[3] watermark hash
 -- KEYS[4 .. 3+n] counter keys of the n deltas
 -- KEYS[4+n .. 3+n+s] the s cells hashes (window buckets) this write rewrites fields of
 -- KEYS[4+n+s .. 3+n+s+3r] per reset: the counter's key, member set and compaction journal
--- KEYS[4+n+s+3r ..] per membership: the counter's member set, then its counter key
+-- KEYS[4+n+s+3r ..] the member sets of the m runs of likes, then their m counter keys
 -- ARGV[1] partition field ("<topic>/<partition>")    ARGV[2] the writer's epoch
 -- ARGV[3] the ledger entry the writer last saw here    ARGV[4] next offset (the entry after this write)
 -- ARGV[5] watermark value to store, or '' to leave the watermark alone
@@ -20,7 +23,7 @@
 -- then per cells hash: when it expires (ms since the epoch), f, then f times: a field (a
 --   counter), the value the writer read ('' for none) and the value to write ('' to delete)
 -- then x times: a refused window delta's index (n + its place among the window deltas) and why
--- then per membership: the actor, then '1' (like) or '0' (unlike)
+-- then per run: l, u, then the l actors who like the counter and the u who unlike it
 --
 -- The writer reads the cells fields and computes their new values (tally_common::window::cells);
 -- if any field no longer holds what it read, the script writes nothing and returns {'stale'}, and
@@ -29,7 +32,7 @@
 -- Returns {'ok'}, {'fenced', current epoch or '0'}, {'duplicate', ledger entry},
 -- {'rolled_back', ledger entry} (the group lost writes the writer had seen land), {'stale'},
 -- {'rejected', index, reason, index, reason, ...} with 1-based indexes: deltas first, then
--- window deltas (index n + i), then memberships (index n + w + j, w the window deltas), or
+-- window deltas (index n + i), then runs of likes (index n + w + k, w the window deltas), or
 -- {'failed', error}.
 --
 -- A delta is rejected only for a reason read from the data: the key holds another type, a string
@@ -55,6 +58,7 @@ local r = tonumber(ARGV[8])
 local w = tonumber(ARGV[9])
 local x = tonumber(ARGV[10])
 local m = (#KEYS - 3 - n - s - 3 * r) / 2
+local mk = 3 + n + s + 3 * r
 
 -- The cells rewrites: per hash, its expiry and where its {field, read, new} triples are.
 local stripes, arg = cells_args(4 + n, s, 11 + n)
@@ -187,7 +191,6 @@ local function check(first, count, arg, base)
 end
 
 do
-  local mk = 3 + n + s + 3 * r
   local denied = forbidden({
     {'incrby', n > 0 and KEYS[4] or nil, '1'},
     {'hset', s > 0 and KEYS[4 + n] or nil, 'x', '1'},
@@ -196,7 +199,7 @@ do
     {'del', r > 0 and KEYS[4 + n + s] or nil},
     {'sadd', m > 0 and KEYS[mk + 1] or nil, 'x'},
     {'srem', m > 0 and KEYS[mk + 1] or nil, 'x'},
-    {'incrby', m > 0 and KEYS[mk + 2] or nil, '1'},
+    {'incrby', m > 0 and KEYS[mk + m + 1] or nil, '1'},
     {'hset', KEYS[2], field, '0'},
     {'hset', ARGV[5] ~= '' and KEYS[3] or nil, field, '0'},
   })
@@ -211,28 +214,47 @@ if x == 0 and cells_stale(stripes) then
   return {'stale'}
 end
 
--- Memberships are checked before anything is written: SADD and SREM cannot be undone as
--- cheaply as INCRBY. Their refusals are listed after the deltas'.
-local refused_members = {}
-local mk = 3 + n + s + 3 * r
-for j = 1, m do
-  local set = KEYS[mk + 2 * j - 1]
-  local kind = redis.call('TYPE', set)['ok']
-  local reason = nil
-  if kind ~= 'none' and kind ~= 'set' then
-    reason = 'wrong_type'
-  else
-    local counter = redis.pcall('GET', KEYS[mk + 2 * j])
-    if type(counter) ~= 'table' then
-      reason = refusal(counter, '1')
-    elseif string.sub(counter['err'] or '', 1, 10) == 'WRONGTYPE ' then
-      reason = 'wrong_type'
-    else
-      return {'failed', counter['err'] or 'unknown error'}
-    end
+-- The runs of likes: run k's set is KEYS[mk + k], its counter KEYS[mk + m + k]; its l likers
+-- are ARGV[at[k] .. at[k] + l - 1] and its u unlikers the u after them.
+local at, likes, unlikes = {}, {}, {}
+do
+  local a = ma + 1
+  for k = 1, m do
+    likes[k], unlikes[k] = tonumber(ARGV[a]), tonumber(ARGV[a + 1])
+    at[k] = a + 2
+    a = a + 2 + likes[k] + unlikes[k]
   end
-  if reason then
-    refuse(refused_members, n + w + j, reason)
+end
+
+-- Each run's counter is checked before anything is written (one MGET per 1,000): its likes
+-- may add up to l and its unlikes take u. Where a reset or a refused window delta makes
+-- everything be checked first, each run's set is too; otherwise a set of another type is
+-- found by its SADD or SREM, which then write nothing. Refusals are listed after the deltas'.
+local refused_members = {}
+local slow = r > 0 or x > 0
+if m > 0 then
+  local current = values(mk + m + 1, mk + 2 * m)
+  for k = 1, m do
+    local reason = nil
+    if current[k] == true then
+      reason = 'wrong_type'
+    elseif current[k] then
+      if likes[k] > 0 then
+        reason = refusal(current[k], tostring(likes[k]))
+      end
+      if not reason and unlikes[k] > 0 then
+        reason = refusal(current[k], '-' .. unlikes[k])
+      end
+    end
+    if not reason and slow then
+      local kind = redis.call('TYPE', KEYS[mk + k])['ok']
+      if kind ~= 'none' and kind ~= 'set' then
+        reason = 'wrong_type'
+      end
+    end
+    if reason then
+      refuse(refused_members, n + w + k, reason)
+    end
   end
 end
 
@@ -252,6 +274,50 @@ if r > 0 or x > 0 or #refused_members > 0 then
   end
   for i = 1, 3 * r do
     redis.call('DEL', KEYS[3 + n + s + i])
+  end
+end
+-- The runs of likes, before the deltas: a run that Redis refuses writes nothing, and one that
+-- landed needs no undo (see the top). Members go in slices of 1,000 (Lua's unpack has a limit).
+-- Returns how many members it changed, and the error that stopped it, if any.
+local function members(command, set, from, count)
+  local changed = 0
+  for first = from, from + count - 1, 1000 do
+    local got = redis.pcall(command, set, unpack(ARGV, first, math.min(first + 999, from + count - 1)))
+    if type(got) == 'table' then
+      return changed, got['err'] or 'unknown error'
+    end
+    changed = changed + got
+  end
+  return changed, nil
+end
+do
+  local refused_runs = false
+  for k = 1, m do
+    local set, counter, a, l, u = KEYS[mk + k], KEYS[mk + m + k], at[k], likes[k], unlikes[k]
+    local added, removed, err = 0, 0, nil
+    if l > 0 then
+      added, err = members('SADD', set, a, l)
+    end
+    if not err and u > 0 then
+      removed, err = members('SREM', set, a + l, u)
+    end
+    if added ~= removed then
+      -- Checked above: the counter takes any sum of its run. Counted even when an error
+      -- stopped the run half way, so that its set and its count always agree.
+      redis.call('INCRBY', counter, added - removed)
+    end
+    if err then
+      if string.sub(err, 1, 10) == 'WRONGTYPE ' and added == 0 and removed == 0 then
+        refuse(rejected, n + w + k, 'wrong_type')
+        refused_runs = true
+      else
+        return {'failed', err}
+      end
+    end
+  end
+  if refused_runs then
+    -- Only without refused window deltas or resets: those checked every set first.
+    return rejected
   end
 end
 do
@@ -332,17 +398,6 @@ do
     return rejected
   end
   cells_expire(stripes)
-end
-for j = 1, m do
-  local set, counter = KEYS[mk + 2 * j - 1], KEYS[mk + 2 * j]
-  local actor = ARGV[ma + 2 * j - 1]
-  if ARGV[ma + 2 * j] == '1' then
-    if redis.call('SADD', set, actor) == 1 then
-      redis.call('INCRBY', counter, 1)
-    end
-  elseif redis.call('SREM', set, actor) == 1 then
-    redis.call('INCRBY', counter, -1)
-  end
 end
 redis.call('HSET', KEYS[2], field, ARGV[4])
 if ARGV[5] ~= '' then

@@ -1,0 +1,202 @@
+//! Where a deployment keeps each deduplicating namespace's member sets, recorded in Redis so
+//! that no writer puts likes where earlier ones are not.
+//!
+//! A like is counted once because its actor is in exactly one set: the counter's group's when
+//! the namespace is grouped by counter (the default since this record exists), each actor's
+//! group's when grouped by actor (the layout before). A writer that used the other layout would
+//! count again every like already counted, and miss every unlike of one. So the first writer
+//! records each namespace's grouping in the hash `<prefix>:layout` (field `dedup:<namespace>`,
+//! `dedup:*` for the defaults) and every writer after it checks its own against the record.
+//!
+//! The first writer also records the deployment's origin: `recorded` for one that starts under
+//! these records, `unrecorded` for one that counted before them (its groups hold ledgers and
+//! the hash does not exist). An unrecorded deployment may hold likes grouped by actor, so in it
+//! a deduplicating namespace with no record and a grouping other than `actor` refuses to start
+//! until the operator says which layout is there (`docs/operations.md`).
+
+use crate::RedisConn;
+use crate::keyspace::{GroupingRule, Keyspace};
+use crate::namespace::{Namespaces, Policy};
+
+/// Why a writer may not write likes with the grouping it was given.
+#[derive(Debug, thiserror::Error)]
+pub enum LayoutError {
+    /// The deployment records another grouping for the namespace.
+    #[error(
+        "namespace {namespace:?} keeps its likes grouped by {recorded} ({key} field {field}), \
+         but this writer is configured with grouping = {configured:?}: set grouping = \
+         {recorded:?} in its namespace file (changing a namespace's layout needs its member \
+         sets moved, which tally does not do yet)"
+    )]
+    Mismatch {
+        /// The namespace (`*` for the defaults).
+        namespace: String,
+        /// The grouping recorded.
+        recorded: String,
+        /// The grouping configured.
+        configured: GroupingRule,
+        /// The record's key.
+        key: String,
+        /// The record's field.
+        field: String,
+    },
+    /// The deployment counted before layouts were recorded: its likes may be grouped by actor.
+    #[error(
+        "namespace {namespace:?} deduplicates with grouping = \"counter\", but this deployment \
+         (key prefix {prefix:?}) counted before tally recorded where likes are kept, when they \
+         were kept grouped by actor: set grouping = \"actor\" in the namespace to keep counting \
+         them there or, if this deployment never deduplicated that namespace, record the new \
+         layout with `redis-cli HSET {key} {field} counter`"
+    )]
+    Unrecorded {
+        /// The namespace (`*` for the defaults).
+        namespace: String,
+        /// The deployment's key prefix.
+        prefix: String,
+        /// The record's key.
+        key: String,
+        /// The record's field.
+        field: String,
+    },
+    /// Redis failed.
+    #[error("redis: {0}")]
+    Redis(#[from] redis::RedisError),
+}
+
+/// The hash field recording `namespace`'s grouping (`*`: the defaults).
+fn field(namespace: &str) -> String {
+    format!("dedup:{namespace}")
+}
+
+/// The deduplicating namespaces of `namespaces` with their groupings (`*` for the defaults).
+fn deduplicating(namespaces: &Namespaces) -> Vec<(String, GroupingRule)> {
+    let listed = namespaces.listed().map(|(name, p)| (name.to_owned(), p));
+    (listed.chain([("*".to_owned(), namespaces.defaults())]))
+        .filter(|(_, p): &(String, &Policy)| p.dedup)
+        .map(|(name, p)| (name, p.grouping))
+        .collect()
+}
+
+/// The field recording whether the deployment began under these records (`recorded`) or
+/// counted before them (`unrecorded`): set by the first writer to check, never changed.
+const ORIGIN_FIELD: &str = "origin";
+
+/// Records the grouping of each deduplicating namespace of `namespaces` where none is recorded,
+/// and checks it where one is: see the module's doc.
+pub async fn record_dedup_groupings(
+    conn: &RedisConn,
+    keyspace: &Keyspace,
+    namespaces: &Namespaces,
+) -> Result<(), LayoutError> {
+    let key = keyspace.layout_key();
+    let mut conn = conn.clone();
+    let mut origin: Option<String> = redis::cmd("HGET")
+        .arg(&key)
+        .arg(ORIGIN_FIELD)
+        .query_async(&mut conn)
+        .await?;
+    if origin.is_none() {
+        // A deployment whose groups hold ledgers but no record counted before records
+        // existed. The first writer decides; a racing one reads its decision.
+        let before = if has_ledgers(&mut conn, keyspace).await? {
+            "unrecorded"
+        } else {
+            "recorded"
+        };
+        let _: bool = redis::cmd("HSETNX")
+            .arg(&key)
+            .arg(ORIGIN_FIELD)
+            .arg(before)
+            .query_async(&mut conn)
+            .await?;
+        origin = redis::cmd("HGET")
+            .arg(&key)
+            .arg(ORIGIN_FIELD)
+            .query_async(&mut conn)
+            .await?;
+    }
+    let unrecorded_origin = origin.as_deref() == Some("unrecorded");
+    for (namespace, grouping) in deduplicating(namespaces) {
+        let field = field(&namespace);
+        let recorded: Option<String> = redis::cmd("HGET")
+            .arg(&key)
+            .arg(&field)
+            .query_async(&mut conn)
+            .await?;
+        let recorded = match recorded {
+            Some(recorded) => recorded,
+            None => {
+                // Writers before records kept likes grouped by actor, the only layout then.
+                if unrecorded_origin && grouping != GroupingRule::ByActor {
+                    return Err(LayoutError::Unrecorded {
+                        namespace,
+                        prefix: keyspace.prefix().to_owned(),
+                        key,
+                        field,
+                    });
+                }
+                // Another writer may record at the same moment: the first one wins, and the
+                // check below holds everyone to it.
+                let _: bool = redis::cmd("HSETNX")
+                    .arg(&key)
+                    .arg(&field)
+                    .arg(grouping.as_str())
+                    .query_async(&mut conn)
+                    .await?;
+                redis::cmd("HGET")
+                    .arg(&key)
+                    .arg(&field)
+                    .query_async(&mut conn)
+                    .await?
+            }
+        };
+        if recorded != grouping.as_str() {
+            return Err(LayoutError::Mismatch {
+                namespace,
+                recorded,
+                configured: grouping,
+                key,
+                field,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Whether any group holds a ledger: whether an aggregator has flushed into this deployment.
+async fn has_ledgers(conn: &mut RedisConn, keyspace: &Keyspace) -> redis::RedisResult<bool> {
+    for group in 0..keyspace.groups() {
+        let exists: bool = redis::cmd("EXISTS")
+            .arg(keyspace.ledger_key(group))
+            .query_async(conn)
+            .await?;
+        if exists {
+            return Ok(true);
+        }
+    }
+    Ok(false)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_deduplicating_namespaces_are_recorded_with_their_grouping() {
+        let text = "[defaults]\ndedup = false\n[namespaces.likes]\ndedup = true\n\
+                    [namespaces.votes]\ndedup = true\ngrouping = \"actor\"\n[namespaces.views]\n";
+        let ns = Namespaces::from_toml(text).expect("valid");
+        assert_eq!(
+            deduplicating(&ns),
+            [
+                ("likes".to_owned(), GroupingRule::ByCounter),
+                ("votes".to_owned(), GroupingRule::ByActor),
+            ]
+        );
+        let all = Namespaces::from_toml("[defaults]\ndedup = true\n").expect("valid");
+        assert_eq!(
+            deduplicating(&all),
+            [("*".to_owned(), GroupingRule::ByCounter)]
+        );
+    }
+}
