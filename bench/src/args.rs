@@ -52,6 +52,10 @@ pub struct Args {
     /// variant alike; ratios are taken within a round.
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..))]
     pub windows_rounds: u32,
+    /// Rounds of the dedup and idempotency scenarios: each runs the catch-up without and with
+    /// the feature, in alternating order; ratios are taken within a round.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..))]
+    pub rounds: u32,
     /// Events of the hot-counter scenario (90% on one counter).
     #[arg(long, default_value_t = 2_000_000)]
     pub hot_events: u64,
@@ -68,8 +72,8 @@ pub struct Args {
     /// PostgreSQL for the postgres scenario (`deploy/local/start.sh` starts this one).
     #[arg(long, default_value = "postgres://tally@127.0.0.1:5433/postgres")]
     pub postgres_url: String,
-    /// Run only these scenarios (producer, catch-up, json, postgres, windows, dedup, expiry,
-    /// idempotency, partitions, rebalance, naive, yardsticks, steady, steady-windows, hot,
+    /// Run only these scenarios (producer, catch-up, json, postgres, windows, dedup, members,
+    /// expiry, idempotency, partitions, rebalance, naive, yardsticks, steady, steady-windows, hot,
     /// cardinality, reads, micro); all when empty.
     #[arg(long, value_delimiter = ',')]
     pub only: Vec<String>,

@@ -128,6 +128,9 @@ pub fn markdown(r: &Results) -> String {
     if let Some(line) = crate::results::window_rounds(&r.windows) {
         let _ = writeln!(out, "\n{line}");
     }
+    if let Some(line) = crate::results::dedup_rounds(&r.dedup) {
+        let _ = writeln!(out, "\n{line}");
+    }
 
     let _ = writeln!(
         out,
@@ -194,6 +197,30 @@ pub fn markdown(r: &Results) -> String {
             or_dash(p.statements_per_event, 6),
             p.postgres_cpu_seconds_per_million
         );
+    }
+    if !r.members.is_empty() {
+        let _ = writeln!(
+            out,
+            "\n### What a like holds\n\nRedis memory per membership (an actor in a counter's \
+             member set, `dedup = true`), the set's key included, by members per set and by the \
+             shape of the actor ids (`--only members`). Integer ids are kept as an intset while \
+             a set holds at most `set-max-intset-entries` (512 by default) of them.\n\n\
+             | members per set | string ids (`u123456`), bytes | integer ids (`123456`), bytes |\n\
+             |---|---|---|"
+        );
+        let sizes = (r.members.iter().map(|m| m.members_per_set))
+            .collect::<std::collections::BTreeSet<_>>();
+        for size in sizes {
+            let bytes = |integer: bool| {
+                (r.members.iter())
+                    .find(|m| m.members_per_set == size && m.integer_ids == integer)
+                    .map_or("-".to_owned(), |m| {
+                        let intset = if m.intset { " (intset)" } else { "" };
+                        format!("{:.1}{intset}", m.bytes_per_membership)
+                    })
+            };
+            let _ = writeln!(out, "| {size} | {} | {} |", bytes(false), bytes(true));
+        }
     }
 
     plan(&mut out, r);

@@ -524,6 +524,22 @@ pub fn markdown(args: &Args, r: &Results) -> String {
             a.redis_commands_per_event,
             b.redis_commands_per_event,
         );
+        if !with.ratios.is_empty() {
+            let mut sorted = with.ratios.clone();
+            sorted.sort_by(f64::total_cmp);
+            let _ = writeln!(
+                out,
+                "\nOver {} alternated rounds, the rate with the window over the same round's without: {} (median {:.2}, from {:.2} to {:.2}); the figures above are the median round's.",
+                sorted.len(),
+                (with.ratios.iter())
+                    .map(|r| format!("{r:.2}"))
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                crate::probe::quantile(&mut sorted.clone(), 0.5),
+                sorted[0],
+                sorted[sorted.len() - 1]
+            );
+        }
     }
     if let Some(s) = &r.steady {
         let _ = writeln!(

@@ -191,6 +191,24 @@ pub struct DedupRun {
     pub memory_bytes_per_counter: f64,
     /// The same over the events, bytes.
     pub memory_bytes_per_event: f64,
+    /// With dedup on: per round of the scenario, its events/s from launch over the dedup-off
+    /// run's of the same round (the figures above are of the round with the median ratio).
+    /// Empty with dedup off, and in results from before rounds.
+    #[serde(default)]
+    pub ratios: Vec<f64>,
+}
+
+/// Redis memory per membership (an actor in a counter's member set).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct MembershipMemory {
+    /// Whether the actor ids were integers (`123456`) rather than strings (`u123456`).
+    pub integer_ids: bool,
+    /// Members per set.
+    pub members_per_set: u64,
+    /// `used_memory` added per membership, the sets' keys included, bytes.
+    pub bytes_per_membership: f64,
+    /// Whether Redis kept the sets as intsets (integers, at most `set-max-intset-entries`).
+    pub intset: bool,
 }
 
 /// The catch-up with or without expiring counters.
@@ -211,6 +229,11 @@ pub struct IdempotencyRun {
     pub window: String,
     /// The catch-up.
     pub catch_up: CatchUp,
+    /// With a window: per round, its events/s from launch over the run without's of the same
+    /// round (the figures above are of the round with the median ratio). Empty without a
+    /// window, and in results from before rounds.
+    #[serde(default)]
+    pub ratios: Vec<f64>,
 }
 
 /// One rebalance under a steady stream (`scenarios::rebalance`).
@@ -292,6 +315,9 @@ pub struct Results {
     pub dedup: Vec<DedupRun>,
     /// The catch-up of events with ids, without and with an idempotency window.
     pub idempotency: Vec<IdempotencyRun>,
+    /// Redis memory per membership of a member set, by set size and actor id shape.
+    #[serde(default)]
+    pub members: Vec<MembershipMemory>,
     /// Decode + aggregate on one core (criterion), events per second, per format.
     pub micro: Vec<(String, f64)>,
     /// Partitions added to a live topic.
@@ -352,6 +378,26 @@ pub(crate) fn window_rounds(windows: &[WindowsRun]) -> Option<String> {
     ))
 }
 
+/// The dedup scenario's rounds in a sentence: each round's ratio (dedup on over off) and
+/// their median and spread. `None` before rounds.
+pub(crate) fn dedup_rounds(dedup: &[DedupRun]) -> Option<String> {
+    let on = dedup.iter().find(|d| d.dedup)?;
+    if on.ratios.is_empty() {
+        return None;
+    }
+    let each: Vec<String> = on.ratios.iter().map(|r| format!("{r:.2}")).collect();
+    let mut sorted = on.ratios.clone();
+    sorted.sort_by(f64::total_cmp);
+    let median = crate::probe::quantile(&mut on.ratios.clone(), 0.5);
+    Some(format!(
+        "Over {} rounds, each running the variants in the order opposite to the last, dedup on over off in the same round: {} (median {median:.2}, from {:.2} to {:.2}). The table shows the round with the median ratio.",
+        on.ratios.len(),
+        each.join(", "),
+        sorted[0],
+        sorted[sorted.len() - 1]
+    ))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -385,5 +431,22 @@ mod tests {
         // Results from before rounds say nothing of them.
         assert_eq!(window_rounds(&[run(0, &[]), run(3, &[])]), None);
         assert_eq!(window_rounds(&[]), None);
+    }
+
+    #[test]
+    fn dedup_rounds_give_each_ratio_the_median_and_the_spread() {
+        let run = |dedup: bool, ratios: &[f64]| DedupRun {
+            dedup,
+            catch_up: CatchUp::default(),
+            memory_bytes_per_counter: 0.0,
+            memory_bytes_per_event: 0.0,
+            ratios: ratios.to_vec(),
+        };
+        let line = dedup_rounds(&[run(false, &[]), run(true, &[0.6, 0.5, 0.7])]).expect("rounds");
+        assert!(
+            line.contains("0.60, 0.50, 0.70 (median 0.60, from 0.50 to 0.70)"),
+            "{line}"
+        );
+        assert_eq!(dedup_rounds(&[run(false, &[]), run(true, &[])]), None);
     }
 }

@@ -16,7 +16,6 @@
 //! about n / 2^64 for n ids in a window); an event stamped more than [`CLOCK_SKEW_MS`] before the
 //! newest event of its partition may find its first occurrence already forgotten.
 
-use std::collections::{HashMap, VecDeque};
 use std::hash::{BuildHasher, Hasher};
 use std::time::{Duration, Instant};
 
@@ -43,68 +42,241 @@ pub fn id_key(counter: &str, event_id: &str) -> u64 {
     h.finish()
 }
 
-/// The ids one partition counted over the last window.
+/// Shards of a [`RecentIds`]: each grows (and is swept) on its own, so that growing copies a
+/// sixty-fourth of the ids at a time, and the shards, sized apart, do not all grow at once.
+const SHARDS: usize = 64;
+/// A shard is swept of forgotten ids, and grown if it is still over [`GROW_LOAD`], when an
+/// insertion would fill it past this share of its slots.
+const MAX_LOAD: f64 = 0.85;
+/// After a sweep, a shard fuller than this is rebuilt at [`REBUILT_LOAD`].
+const GROW_LOAD: f64 = 0.65;
+/// The load a rebuilt shard starts at: its slots average about 1.4 per id held over its growth
+/// (16 bytes each: about 22.5 bytes per id).
+const REBUILT_LOAD: f64 = 0.6;
+/// Fewest slots in a shard.
+const MIN_SLOTS: usize = 16;
+
+/// One id held: its key (0: an empty slot), the offset of the occurrence that counted (1 +
+/// its distance from the set's base offset; 0: before the base) and its Kafka timestamp (ms
+/// after the set's base time). 16 bytes.
+#[derive(Debug, Clone, Copy, Default)]
+struct Slot {
+    key: u64,
+    at: u32,
+    stamp: u32,
+}
+
+/// A shard: open addressing with linear probing, slot `key * len / 2^64` first.
+#[derive(Debug, Clone, Default)]
+struct Shard {
+    slots: Vec<Slot>,
+    held: usize,
+}
+
+impl Shard {
+    fn with_slots(slots: usize) -> Self {
+        Self {
+            slots: vec![Slot::default(); slots.max(MIN_SLOTS)],
+            held: 0,
+        }
+    }
+
+    /// Where `key` is, or the empty slot where it would go.
+    fn find(&self, key: u64) -> usize {
+        let n = self.slots.len();
+        let mut i = ((u128::from(key) * n as u128) >> 64) as usize;
+        loop {
+            let k = self.slots[i].key;
+            if k == key || k == 0 {
+                return i;
+            }
+            i += 1;
+            if i == n {
+                i = 0;
+            }
+        }
+    }
+
+    /// Rebuilt with `slots` slots, keeping only the ids `keep` keeps.
+    fn rebuild(&mut self, slots: usize, keep: impl Fn(&Slot) -> bool) {
+        let old = std::mem::replace(self, Self::with_slots(slots));
+        for slot in old.slots.into_iter().filter(|s| s.key != 0 && keep(s)) {
+            let i = self.find(slot.key);
+            self.slots[i] = slot;
+            self.held += 1;
+        }
+    }
+}
+
+/// The ids one partition counted over the last window: per id, the 64-bit key of (counter,
+/// id) with the offset and Kafka timestamp of the occurrence that counted, in 16 bytes, and
+/// about 22.5 bytes per id held with the slots kept free (measured by the bench's idempotency
+/// scenario, `docs/capacity.md`). Ids stamped before the keep horizon are forgotten when
+/// their shard is swept: when it fills up, and each shard once every quarter of the horizon.
 #[derive(Debug, Clone)]
 pub struct RecentIds {
-    /// Key → (offset, Kafka timestamp) of the occurrence that counted.
-    first: HashMap<u64, (i64, i64), foldhash::fast::RandomState>,
-    /// Keys in the order they were recorded, with their timestamp, for forgetting old ones.
-    order: VecDeque<(i64, u64)>,
-    /// The newest Kafka timestamp seen.
+    shards: Vec<Shard>,
+    /// Offsets are kept relative to this one.
+    base_offset: i64,
+    /// Timestamps are kept relative to this one, never after the keep horizon.
+    base_ms: i64,
+    /// The newest Kafka timestamp seen (`i64::MIN`: none yet).
     newest_ms: i64,
     /// How long an id is kept: the widest window plus [`CLOCK_SKEW_MS`].
     keep_ms: i64,
+    /// When the newest timestamp passes this, the shards are swept, one per insertion.
+    sweep_at_ms: i64,
+    /// The next shard to sweep, [`SHARDS`] when none is due.
+    sweeping: usize,
 }
 
 impl RecentIds {
     /// An empty set keeping ids for `widest_window_ms` plus the clock skew allowed.
     pub fn new(widest_window_ms: i64) -> Self {
+        // Shards sized apart, so that they reach their limits (and grow) at different times.
+        let shards = (0..SHARDS)
+            .map(|i| {
+                let spread = (1.0 / REBUILT_LOAD).powf(i as f64 / SHARDS as f64);
+                Shard::with_slots((MIN_SLOTS as f64 * spread).ceil() as usize)
+            })
+            .collect();
         Self {
-            first: HashMap::default(),
-            order: VecDeque::new(),
+            shards,
+            base_offset: 0,
+            base_ms: 0,
             newest_ms: i64::MIN,
             keep_ms: widest_window_ms.saturating_add(CLOCK_SKEW_MS),
+            sweep_at_ms: i64::MIN,
+            sweeping: SHARDS,
         }
     }
 
-    /// Ids held.
+    /// Ids held (forgotten ones included until their shard is swept).
     pub fn len(&self) -> usize {
-        self.first.len()
+        self.shards.iter().map(|s| s.held).sum()
     }
 
     /// Whether none is held.
     pub fn is_empty(&self) -> bool {
-        self.first.is_empty()
+        self.len() == 0
+    }
+
+    /// Bytes of slots held.
+    pub fn bytes(&self) -> usize {
+        let slots: usize = self.shards.iter().map(|s| s.slots.len()).sum();
+        slots * std::mem::size_of::<Slot>()
     }
 
     /// Whether the event at `offset`, stamped `kafka_ms`, repeats an occurrence of `key` counted
     /// at an earlier offset at most `window_ms` before it; if not, it is the occurrence that
     /// counts and is recorded.
     pub fn is_repeat(&mut self, key: u64, offset: i64, kafka_ms: i64, window_ms: i64) -> bool {
-        if let Some(&(at, stamped)) = self.first.get(&key)
-            && at < offset
-            && stamped >= kafka_ms.saturating_sub(window_ms)
-        {
-            return true;
+        let key = key.max(1);
+        if self.newest_ms == i64::MIN {
+            self.base_offset = offset;
+            self.base_ms = kafka_ms.saturating_sub(self.keep_ms);
+            self.sweep_at_ms = kafka_ms.saturating_add(self.keep_ms / 4);
         }
-        self.first.insert(key, (offset, kafka_ms));
-        self.order.push_back((kafka_ms, key));
         self.newest_ms = self.newest_ms.max(kafka_ms);
-        self.forget_old();
+        self.fit(offset);
+        let (base_offset, base_ms) = (self.base_offset, self.base_ms);
+        let shard = &mut self.shards[(key % SHARDS as u64) as usize];
+        let i = shard.find(key);
+        let slot = shard.slots[i];
+        if slot.key == key {
+            let earlier = slot.at == 0 || base_offset + i64::from(slot.at) - 1 < offset;
+            let stamped = base_ms + i64::from(slot.stamp);
+            if earlier && stamped >= kafka_ms.saturating_sub(window_ms) {
+                return true;
+            }
+        }
+        // Stamped before the horizon, it would be forgotten at once.
+        if kafka_ms < self.newest_ms.saturating_sub(self.keep_ms) || kafka_ms < base_ms {
+            return false;
+        }
+        let recorded = Slot {
+            key,
+            at: (offset - base_offset + 1) as u32,
+            stamp: (kafka_ms - base_ms) as u32,
+        };
+        if slot.key == key {
+            shard.slots[i] = recorded;
+        } else if (shard.held + 1) as f64 > shard.slots.len() as f64 * MAX_LOAD {
+            self.sweep(key % SHARDS as u64, true);
+            let shard = &mut self.shards[(key % SHARDS as u64) as usize];
+            let i = shard.find(key);
+            shard.slots[i] = recorded;
+            shard.held += 1;
+        } else {
+            shard.slots[i] = recorded;
+            shard.held += 1;
+        }
+        self.sweep_some();
         false
     }
 
-    /// Forgets ids stamped more than `keep_ms` before the newest.
-    fn forget_old(&mut self) {
+    /// Moves the bases so that `offset` and the newest timestamp fit in a slot.
+    fn fit(&mut self, offset: i64) {
+        let ahead = offset - self.base_offset + 1;
+        if (1..=i64::from(u32::MAX)).contains(&ahead)
+            && self.newest_ms - self.base_ms <= i64::from(u32::MAX)
+        {
+            return;
+        }
+        let (old_offset, old_ms) = (self.base_offset, self.base_ms);
+        // Half the range behind the offset (all of it ahead, for an offset read again from
+        // before the base), the time base at the horizon.
+        let new_offset = if ahead < 1 {
+            offset
+        } else {
+            offset - i64::from(u32::MAX / 2)
+        };
+        let new_ms = (self.newest_ms.saturating_sub(self.keep_ms)).max(old_ms);
+        (self.base_offset, self.base_ms) = (new_offset, new_ms);
+        for shard in &mut self.shards {
+            let slots = shard.slots.len();
+            shard.rebuild(slots, |s| old_ms + i64::from(s.stamp) >= new_ms);
+            for s in shard.slots.iter_mut().filter(|s| s.key != 0) {
+                s.stamp = (old_ms + i64::from(s.stamp) - new_ms) as u32;
+                if s.at != 0 {
+                    let at = old_offset + i64::from(s.at) - 1 - new_offset + 1;
+                    s.at = at.clamp(0, i64::from(u32::MAX)) as u32;
+                }
+            }
+        }
+    }
+
+    /// Sweeps shard `index` of the ids stamped before the horizon, and grows it if it is
+    /// still full enough (`grow`) or shrinks it if it is mostly empty.
+    fn sweep(&mut self, index: u64, grow: bool) {
         let horizon = self.newest_ms.saturating_sub(self.keep_ms);
-        while let Some(&(stamped, key)) = self.order.front() {
-            if stamped >= horizon {
-                break;
-            }
-            self.order.pop_front();
-            if self.first.get(&key).is_some_and(|(_, s)| *s == stamped) {
-                self.first.remove(&key);
-            }
+        let base_ms = self.base_ms;
+        let keep = |s: &Slot| base_ms + i64::from(s.stamp) >= horizon;
+        let shard = &mut self.shards[index as usize];
+        let live = shard.slots.iter().filter(|s| s.key != 0 && keep(s)).count();
+        let slots = shard.slots.len();
+        let sized = ((live + 1) as f64 / REBUILT_LOAD).ceil() as usize;
+        let target = if grow && (live + 1) as f64 > slots as f64 * GROW_LOAD {
+            sized
+        } else if (live as f64) < slots as f64 * REBUILT_LOAD / 4.0 {
+            sized.min(slots)
+        } else {
+            slots
+        };
+        if live < shard.held || target != slots {
+            shard.rebuild(target, keep);
+        }
+    }
+
+    /// Every quarter of the keep horizon, sweeps the shards, one per call.
+    fn sweep_some(&mut self) {
+        if self.sweeping == SHARDS && self.newest_ms >= self.sweep_at_ms {
+            self.sweeping = 0;
+            self.sweep_at_ms = self.newest_ms.saturating_add(self.keep_ms / 4);
+        }
+        if self.sweeping < SHARDS {
+            self.sweep(self.sweeping as u64, false);
+            self.sweeping += 1;
         }
     }
 }
@@ -264,8 +436,66 @@ mod tests {
         }
         // Stamped up to 99 s: ids stamped before 99 - 60 - 60 = -21 s... all kept.
         assert_eq!(ids.len(), 100);
-        ids.is_repeat(id_key("c", "late"), 100, 300_000, MIN);
-        // Horizon 300 - 120 = 180 s: every earlier id forgotten.
-        assert_eq!(ids.len(), 1);
+        // Horizon 300 - 120 = 180 s: every earlier id forgotten, as the shards are swept (one
+        // per id recorded, the next quarter of the horizon).
+        for i in 0..SHARDS as i64 {
+            ids.is_repeat(id_key("c", &format!("late{i}")), 100 + i, 300_000, MIN);
+        }
+        assert_eq!(ids.len(), SHARDS);
+        assert!(!ids.is_repeat(id_key("c", "e99"), 200, 300_000, MIN));
+    }
+
+    /// Against a reference that never forgets, over random streams whose timestamps run back at
+    /// most the skew allowed: the same decision for every event, through sweeps, growth,
+    /// shrinking, offsets that jump past the slots' range and offsets read again.
+    #[test]
+    fn decides_as_a_set_that_never_forgets_within_the_skew() {
+        use rand::{Rng, SeedableRng};
+        for seed in 0..40 {
+            let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+            let window = rng.random_range(1..20) * 1_000;
+            let mut ids = RecentIds::new(window);
+            let mut reference: std::collections::HashMap<u64, (i64, i64)> = Default::default();
+            let (mut offset, mut newest) = (rng.random_range(0..1_000_000i64), 0i64);
+            let distinct = rng.random_range(10..5_000u64);
+            for _ in 0..20_000 {
+                offset += match rng.random_range(0..1000) {
+                    0 => 3_000_000_000,
+                    1 => -rng.random_range(0..50),
+                    _ => 1,
+                };
+                newest += rng.random_range(0..200);
+                let ts = newest - rng.random_range(0..CLOCK_SKEW_MS);
+                let key = id_key("c", &rng.random_range(0..distinct).to_string());
+                let expected = match reference.get(&key) {
+                    Some(&(at, stamped)) => at < offset && stamped >= ts - window,
+                    None => false,
+                };
+                if !expected {
+                    reference.insert(key, (offset, ts));
+                }
+                assert_eq!(
+                    ids.is_repeat(key, offset, ts, window),
+                    expected,
+                    "seed {seed}, offset {offset}"
+                );
+            }
+            assert!(ids.len() <= reference.len());
+        }
+    }
+
+    #[test]
+    fn ids_held_cost_about_22_bytes() {
+        let mut ids = RecentIds::new(60 * MIN);
+        for n in 1..=1_000_000i64 {
+            ids.is_repeat(id_key("c", &n.to_string()), n, n, 60 * MIN);
+            if n % 100_000 == 0 {
+                let per_id = ids.bytes() as f64 / ids.len() as f64;
+                assert!(
+                    (18.0..=27.0).contains(&per_id),
+                    "{per_id} bytes per id at {n}"
+                );
+            }
+        }
     }
 }

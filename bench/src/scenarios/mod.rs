@@ -6,6 +6,7 @@ mod dedup;
 mod expiry;
 mod idempotency;
 mod json;
+mod members;
 mod naive;
 mod partitions;
 mod postgres;
@@ -24,6 +25,7 @@ use dedup::dedup;
 use expiry::expiry;
 use idempotency::idempotency;
 use json::json_catch_up;
+use members::members;
 use naive::naive;
 use partitions::new_partitions;
 use postgres::{postgres_catch_up, postgres_reads};
@@ -154,7 +156,11 @@ pub async fn run_all(args: &Args) -> anyhow::Result<Results> {
     }
     if args.runs("dedup") {
         let distinct = results.producer.first().map_or(0, |p| p.distinct_counters);
-        results.dedup = dedup(&mut env, &preloaded, args.events, distinct).await?;
+        let scope = (preloaded.as_str(), args.events, distinct);
+        results.dedup = dedup(&mut env, scope, args.rounds).await?;
+    }
+    if args.runs("members") {
+        results.members = members(&mut env).await?;
     }
     if args.runs("idempotency") {
         results.idempotency = idempotency(&mut env).await?;

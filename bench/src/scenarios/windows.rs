@@ -15,7 +15,9 @@ use crate::env::{Env, delete_matching};
 use crate::results::{CatchUp, WindowRead, WindowsRun};
 
 /// Redis's `used_memory`, in bytes.
-async fn used_memory(conn: &mut redis::aio::MultiplexedConnection) -> anyhow::Result<f64> {
+pub(crate) async fn used_memory(
+    conn: &mut redis::aio::MultiplexedConnection,
+) -> anyhow::Result<f64> {
     let info: String = redis::cmd("INFO").arg("memory").query_async(conn).await?;
     info.lines()
         .find_map(|l| l.strip_prefix("used_memory:"))
