@@ -3,8 +3,9 @@
 # drift between runs (20-30% on this 2-core machine) falls on both alike. Each run starts the
 # binary with a fresh consumer group and key prefix, times it from launch until
 # tally_events_flushed_total reaches N (read from its /metrics), and reports events/s, the
-# aggregator's CPU seconds per million events and its peak RSS; its keys are deleted
-# afterwards. At the end it prints each round's rate ratio (new over old) and their median,
+# aggregator's CPU seconds per million events, its peak RSS and redis-server's CPU per event
+# (INFO cpu before and after); its keys are deleted afterwards. At the end it prints each
+# round's rate ratio (new over old) and their median,
 # with the median's 95% confidence interval from the order statistics (nothing assumed of the
 # noise's shape): on this 2-core machine one binary against itself gives pairs from 0.90 to
 # 1.12, so judge by the median of many rounds, not by one.
@@ -24,10 +25,16 @@ die() { log "$*"; exit 1; }
 old=$1 new=$2 topic=$3 events=$4 rounds=${5:-3}
 ticks=$(getconf CLK_TCK)
 
+# redis-server's CPU seconds so far (user + system).
+redis_cpu() {
+  redis-cli -p "$redis_port" info cpu | awk -F: '/^used_cpu_(sys|user):/ { s += $2 } END { printf "%.4f", s }'
+}
+
 run() {
-  local bin=$1 label=$2 flags=$3 port group start end v cpu pid rss
+  local bin=$1 label=$2 flags=$3 port group start end v cpu pid rss redis_before redis_after
   port=$((19000 + RANDOM % 1000))
   group=ab-$RANDOM-$$
+  redis_before=$(redis_cpu)
   start=$(date +%s.%N)
   "$bin" --brokers "127.0.0.1:$kafka_port" --redis-url "redis://127.0.0.1:$redis_port" \
     --topic "$topic" --group "$group" --key-prefix "$group" \
@@ -40,6 +47,7 @@ run() {
     sleep 0.02
   done
   end=$(date +%s.%N)
+  redis_after=$(redis_cpu)
   cpu=$(awk -v t="$ticks" '{ print ($14 + $15) / t }' "/proc/$pid/stat")
   rss=$(awk '/^VmHWM/ { print $2 }' "/proc/$pid/status")
   kill "$pid"
@@ -47,7 +55,8 @@ run() {
   redis-cli -p "$redis_port" --scan --pattern "$group*" | xargs -r -n 5000 redis-cli -p "$redis_port" unlink >/dev/null
   rate=$(awk -v n="$events" -v s="$start" -v e="$end" 'BEGIN { printf "%.0f", n / (e - s) }')
   awk -v l="$label" -v r="$rate" -v c="$cpu" -v n="$events" -v m="$rss" \
-    'BEGIN { printf "%-4s %9.0f events/s  %.2f CPU s per M events  peak RSS %.0f MiB\n", l, r, c * 1e6 / n, m / 1024 }'
+    -v rc="$(awk -v a="$redis_before" -v b="$redis_after" 'BEGIN { print b - a }')" \
+    'BEGIN { printf "%-4s %9.0f events/s  %.2f CPU s per M events  peak RSS %.0f MiB  redis-server %.2f CPU-us per event\n", l, r, c * 1e6 / n, m / 1024, rc * 1e6 / n }'
 }
 
 ratios=()
