@@ -227,14 +227,32 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<RunSumma
     };
     let summary = match postgres {
         None => {
-            let recorded = tally_common::layout::record_dedup_groupings(
-                &conn,
-                &config.keyspace,
-                &config.namespaces,
-            );
-            if let Err(e) = recorded.await {
-                server.abort();
-                return Err(e.into());
+            // A store that fails is retried, never fatal; a layout that disagrees is.
+            let mut backoff = std::time::Duration::from_millis(100);
+            loop {
+                let recorded = tally_common::layout::record_dedup_groupings(
+                    &conn,
+                    &config.keyspace,
+                    &config.namespaces,
+                );
+                match recorded.await {
+                    Ok(()) => break,
+                    Err(tally_common::layout::LayoutError::Redis(e)) => {
+                        tracing::warn!(error = %e, "recording the layout of likes failed; retrying");
+                        tokio::select! {
+                            () = shutdown.cancelled() => {
+                                server.abort();
+                                return Ok(RunSummary { drained: 0, not_drained: Vec::new() });
+                            }
+                            () = tokio::time::sleep(backoff) => {}
+                        }
+                        backoff = (backoff * 2).min(std::time::Duration::from_secs(2));
+                    }
+                    Err(e) => {
+                        server.abort();
+                        return Err(e.into());
+                    }
+                }
             }
             let sink = RedisSink::new(
                 conn,

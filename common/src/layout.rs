@@ -8,7 +8,7 @@
 //! records each namespace's grouping in the hash `<prefix>:layout` (field `dedup:<namespace>`,
 //! `dedup:*` for the defaults) and every writer after it checks its own against the record.
 //!
-//! The first writer also records the deployment's origin: `recorded` for one that starts under
+//! The first writer with a deduplicating namespace also records the deployment's origin: `recorded` for one that starts under
 //! these records, `unrecorded` for one that counted before them (its groups hold ledgers and
 //! the hash does not exist). An unrecorded deployment may hold likes grouped by actor, so in it
 //! a deduplicating namespace with no record and a grouping other than `actor` refuses to start
@@ -88,6 +88,12 @@ pub async fn record_dedup_groupings(
     keyspace: &Keyspace,
     namespaces: &Namespaces,
 ) -> Result<(), LayoutError> {
+    let wanted = deduplicating(namespaces);
+    if wanted.is_empty() {
+        // Nothing to record: a writer without likes needs Redis for nothing here (it may start
+        // while Redis is down).
+        return Ok(());
+    }
     let key = keyspace.layout_key();
     let mut conn = conn.clone();
     let mut origin: Option<String> = redis::cmd("HGET")
@@ -116,7 +122,7 @@ pub async fn record_dedup_groupings(
             .await?;
     }
     let unrecorded_origin = origin.as_deref() == Some("unrecorded");
-    for (namespace, grouping) in deduplicating(namespaces) {
+    for (namespace, grouping) in wanted {
         let field = field(&namespace);
         let recorded: Option<String> = redis::cmd("HGET")
             .arg(&key)
