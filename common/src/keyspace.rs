@@ -501,7 +501,7 @@ impl Keyspace {
     /// The group holding shard `shard` of a directly written counter: `(base + shard) mod N`,
     /// where `base` is a stable hash of the counter id. Shard 0 is the counter's base group.
     pub fn shard_group(&self, counter: &str, shard: u32) -> u32 {
-        let base = stable_hash(counter.as_bytes()) % u64::from(self.groups);
+        let base = u64::from(self.group_for_counter(counter));
         ((base + u64::from(shard)) % u64::from(self.groups)) as u32
     }
 

@@ -46,16 +46,7 @@ pub(crate) async fn dedup(
     }
     let rate = |run: &(CatchUp, f64)| run.0.events_per_second_from_launch;
     let ratios: Vec<f64> = runs.iter().map(|[off, on]| rate(on) / rate(off)).collect();
-    let mut by_ratio: Vec<usize> = (0..runs.len()).collect();
-    by_ratio.sort_by(|&a, &b| ratios[a].total_cmp(&ratios[b]));
-    let median = by_ratio[by_ratio.len() / 2];
-    println!(
-        "  dedup on over off, per round: {} (the median round's runs are reported)",
-        (ratios.iter())
-            .map(|r| format!("{r:.2}"))
-            .collect::<Vec<_>>()
-            .join(", ")
-    );
+    let median = crate::scenarios::median_round(&ratios, "dedup on over off");
     Ok((runs.swap_remove(median).into_iter().zip(VARIANTS))
         .map(|((catch_up, memory), (dedup, _))| DedupRun {
             dedup,

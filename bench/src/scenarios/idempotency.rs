@@ -53,16 +53,7 @@ pub(crate) async fn idempotency(env: &mut Env<'_>) -> anyhow::Result<Vec<Idempot
     }
     let rate = |c: &CatchUp| c.events_per_second_from_launch;
     let ratios: Vec<f64> = rounds.iter().map(|[a, b]| rate(b) / rate(a)).collect();
-    let mut by_ratio: Vec<usize> = (0..rounds.len()).collect();
-    by_ratio.sort_by(|&a, &b| ratios[a].total_cmp(&ratios[b]));
-    let median = by_ratio[by_ratio.len() / 2];
-    println!(
-        "  window over none, per round: {} (the median round's runs are reported)",
-        (ratios.iter())
-            .map(|r| format!("{r:.2}"))
-            .collect::<Vec<_>>()
-            .join(", ")
-    );
+    let median = crate::scenarios::median_round(&ratios, "window over none");
     let runs = (rounds.swap_remove(median).into_iter().zip(variants))
         .map(|(catch_up, (window, _))| IdempotencyRun {
             window: window.to_owned(),
