@@ -46,7 +46,7 @@ pub(crate) async fn dedup(
     }
     let rate = |run: &(CatchUp, f64)| run.0.events_per_second_from_launch;
     let ratios: Vec<f64> = runs.iter().map(|[off, on]| rate(on) / rate(off)).collect();
-    let median = crate::scenarios::median_round(&ratios, "dedup on over off");
+    let median = super::rounds::median_round(&ratios, "dedup on over off");
     Ok((runs.swap_remove(median).into_iter().zip(VARIANTS))
         .map(|((catch_up, memory), (dedup, _))| DedupRun {
             dedup,

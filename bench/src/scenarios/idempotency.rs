@@ -53,7 +53,7 @@ pub(crate) async fn idempotency(env: &mut Env<'_>) -> anyhow::Result<Vec<Idempot
     }
     let rate = |c: &CatchUp| c.events_per_second_from_launch;
     let ratios: Vec<f64> = rounds.iter().map(|[a, b]| rate(b) / rate(a)).collect();
-    let median = crate::scenarios::median_round(&ratios, "window over none");
+    let median = super::rounds::median_round(&ratios, "window over none");
     let runs = (rounds.swap_remove(median).into_iter().zip(variants))
         .map(|(catch_up, (window, _))| IdempotencyRun {
             window: window.to_owned(),

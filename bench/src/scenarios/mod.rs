@@ -12,6 +12,7 @@ mod partitions;
 mod postgres;
 mod reads;
 mod rebalance;
+mod rounds;
 mod steady;
 mod windows;
 mod yardsticks;
@@ -255,19 +256,4 @@ pub async fn run_all(args: &Args) -> anyhow::Result<Results> {
     }
     cleanup(&mut env).await;
     Ok(results)
-}
-
-/// The round with the median ratio of `ratios` (one per round), printed as `label, per round:`
-/// with every round's ratio.
-pub(crate) fn median_round(ratios: &[f64], label: &str) -> usize {
-    let mut by_ratio: Vec<usize> = (0..ratios.len()).collect();
-    by_ratio.sort_by(|&a, &b| ratios[a].total_cmp(&ratios[b]));
-    println!(
-        "  {label}, per round: {} (the median round's runs are reported)",
-        (ratios.iter())
-            .map(|r| format!("{r:.2}"))
-            .collect::<Vec<_>>()
-            .join(", ")
-    );
-    by_ratio[by_ratio.len() / 2]
 }
