@@ -255,18 +255,26 @@ async fn refused_membership_is_listed_after_the_deltas(atomicity: Atomicity) {
         .hset(ks.counter_key(GROUP, "liked:1"), "not", "a counter")
         .await
         .expect("HSET");
+    // A like count that is not an integer Redis reads, and one a like would take past 64 bits.
+    let _: () = conn
+        .set(ks.counter_key(GROUP, "liked:3"), "007")
+        .await
+        .expect("SET");
+    let _: () = conn
+        .set(ks.counter_key(GROUP, "liked:4"), i64::MAX)
+        .await
+        .expect("SET");
     let deltas = [("fine:1".to_owned(), 2), ("text:1".to_owned(), 1)];
+    let like = |counter: &str| Member {
+        counter: counter.to_owned(),
+        actor: "u1".to_owned(),
+        like: true,
+    };
     let members = [
-        Member {
-            counter: "liked:2".to_owned(),
-            actor: "u1".to_owned(),
-            like: true,
-        },
-        Member {
-            counter: "liked:1".to_owned(),
-            actor: "u1".to_owned(),
-            like: true,
-        },
+        like("liked:2"),
+        like("liked:1"),
+        like("liked:3"),
+        like("liked:4"),
     ];
     let applied = sink
         .apply_fenced(write(epoch, &deltas, &[], &members))
@@ -284,6 +292,8 @@ async fn refused_membership_is_listed_after_the_deltas(atomicity: Atomicity) {
         vec![
             (Refused::Delta(1), DeadLetterReason::NotAnInteger),
             (Refused::Member(1), DeadLetterReason::WrongType),
+            (Refused::Member(2), DeadLetterReason::NotAnInteger),
+            (Refused::Member(3), DeadLetterReason::Overflow),
         ],
         "{atomicity:?}"
     );

@@ -93,6 +93,16 @@ struct Sums {
 
 const _: () = assert!(std::mem::size_of::<Sums>() == 32);
 
+/// How many memberships count as one entry toward `Size::max_counters`, whose point is to
+/// bound how long one flush script runs. A counter's likes are one run in the script (an
+/// `SADD`, an `SREM`, an `INCRBY`, its type check: ~10 us of Redis whatever the run's
+/// length, measured with `INFO commandstats` over the likes workload), and each membership
+/// adds ~0.5 us to its run, where a counter's delta costs 6-7 us (a new key): so a counter with
+/// likes counts as one entry, and every 8 memberships as one more. Counting each membership
+/// as a whole entry cut a catch-up into flushes that wrote each counter's likes several times
+/// over, about ten members to a run.
+const MEMBERSHIPS_PER_ENTRY: usize = 8;
+
 /// `Sums::first` of a counter no windowed event has reached.
 const NO_PLACEMENT: u32 = u32::MAX;
 
@@ -136,9 +146,11 @@ impl Sums {
 struct GroupBuffer {
     /// Summed delta (and bucket deltas) per counter id.
     deltas: HashMap<String, Sums, Hasher>,
-    /// The last action per (counter, actor): only the last one matters, since membership is a
-    /// state, not a sum.
-    members: HashMap<(String, String), bool, Hasher>,
+    /// The last action per counter and actor: only the last one matters, since membership is
+    /// a state, not a sum. Kept per counter, so that an event allocates nothing for a counter
+    /// or an actor the batch already holds, and the sealed batch lists each counter's
+    /// memberships together (one run each, `crate::machine::write::LikeRuns`).
+    members: HashMap<String, HashMap<String, bool, Hasher>, Hasher>,
     /// Counters to clear before this batch's writes (resets).
     resets: Vec<String>,
 }
@@ -172,8 +184,12 @@ pub struct Batch {
     /// Per shard group (one entry per group that has anything; a partition grouped by
     /// partition has at most its spread's).
     groups: Vec<(u32, GroupBuffer)>,
-    /// Distinct (group, counter) and (group, counter, actor) entries over all groups.
+    /// Distinct (group, counter) entries over all groups: counters with deltas, counters with
+    /// likes (a run each), resets and expiry records.
     entries: usize,
+    /// Distinct (group, counter, actor) memberships over all groups; every
+    /// [`MEMBERSHIPS_PER_ENTRY`] of them count as one more entry.
+    memberships: usize,
     /// Malformed messages waiting to be copied to the dead-letter topic.
     dead_letters: Vec<DeadLetter>,
     /// In namespaces that expire counters: the latest idle deadline per counter written since
@@ -432,13 +448,9 @@ impl Batch {
                 let mut held_members = Vec::new();
                 if held_deadline.is_some() {
                     for (g, buffer) in &mut self.groups {
-                        buffer.members.retain(|(c, actor), like| {
-                            let ours = c == counter;
-                            if ours {
-                                held_members.push((*g, actor.clone(), *like));
-                            }
-                            !ours
-                        });
+                        if let Some(actors) = buffer.members.remove(counter) {
+                            held_members.extend(actors.into_iter().map(|(a, like)| (*g, a, like)));
+                        }
                     }
                 }
                 self.expiries.push(PendingExpiry {
@@ -464,7 +476,7 @@ impl Batch {
             if let Some(sums) = buffer.deltas.get_mut(counter) {
                 sums.total = 0;
             }
-            buffer.members.retain(|(c, _), _| c != counter);
+            buffer.members.remove(counter);
         }
         for expiry in &mut self.expiries {
             if expiry.counter == counter {
@@ -485,12 +497,22 @@ impl Batch {
     /// Adds a like (or unlike) of `counter` by `actor` at `offset`, bound for `group` (the
     /// actor's). A later action of the same actor on the same counter replaces it.
     pub fn add_member(&mut self, group: u32, counter: &str, actor: &str, like: bool, offset: i64) {
-        let members = &mut self.group(group).members;
-        if members
-            .insert((counter.to_owned(), actor.to_owned()), like)
-            .is_none()
-        {
-            self.entries += 1;
+        let i = self.group_index(group);
+        let members = &mut self.groups[i].1.members;
+        // Look up by &str first: a counter or an actor already in the batch allocates nothing.
+        let actors = match members.get_mut(counter) {
+            Some(actors) => actors,
+            None => {
+                self.entries += 1;
+                members.entry(counter.to_owned()).or_default()
+            }
+        };
+        match actors.get_mut(actor) {
+            Some(last) => *last = like,
+            None => {
+                actors.insert(actor.to_owned(), like);
+                self.memberships += 1;
+            }
         }
         self.advance(offset);
     }
@@ -541,7 +563,8 @@ impl Batch {
 
     /// Whether the batch hit a size limit and must be flushed now.
     pub fn is_full(&self, size: &Size) -> bool {
-        self.events >= size.max_events || self.entries >= size.max_counters
+        self.events >= size.max_events
+            || self.entries + self.memberships / MEMBERSHIPS_PER_ENTRY >= size.max_counters
     }
 
     /// Whether the batch must be flushed at `now`. Live: full, or its partition's flush time
@@ -576,13 +599,13 @@ impl Batch {
                         .map(|(counter, sums)| (counter, sums.total))
                         .collect(),
                     resets: buffer.resets,
-                    members: buffer
-                        .members
-                        .into_iter()
-                        .map(|((counter, actor), like)| Member {
-                            counter,
-                            actor,
-                            like,
+                    members: (buffer.members.into_iter())
+                        .flat_map(|(counter, actors)| {
+                            actors.into_iter().map(move |(actor, like)| Member {
+                                counter: counter.clone(),
+                                actor,
+                                like,
+                            })
                         })
                         .collect(),
                 })
@@ -874,6 +897,31 @@ mod tests {
         // The same counter in another group is another entry.
         b.add(1, "a", 1, 2);
         assert!(b.is_full(&limits().live));
+    }
+
+    #[test]
+    fn a_counters_likes_count_as_one_entry_and_every_eight_memberships_as_one_more() {
+        let size = Size {
+            max_events: 100,
+            max_counters: 3,
+        };
+        let mut b = Batch::default();
+        // One counter with 7 likers and an unlike: 1 + 8 / 8 = 2 entries, of 3.
+        for actor in 0..8 {
+            b.add_member(0, "a", &format!("u{actor}"), actor != 7, actor);
+        }
+        b.add_member(0, "a", "u1", false, 8);
+        assert!(!b.is_full(&size));
+        // A second counter is the third entry.
+        b.add_member(4, "b", "u1", true, 9);
+        assert!(b.is_full(&size));
+        let sealed = b.seal().expect("not empty");
+        assert_eq!(sealed.writes(), 9, "nine memberships");
+        let members = &(sealed.groups.iter())
+            .find(|g| g.group == 0)
+            .expect("group 0")
+            .members;
+        assert!(members.iter().any(|m| m.actor == "u1" && !m.like));
     }
 
     #[test]

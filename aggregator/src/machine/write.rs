@@ -2,6 +2,8 @@
 //! what they answer ([`Applied`], [`Stamp`], [`Marked`], the [`Rejection`]s): the vocabulary
 //! of `crate::store::sink`'s seam, without the I/O.
 
+use std::collections::HashSet;
+
 use tally_common::DeadLetterReason;
 
 use super::batch::{Member, PendingExpiry, WindowDelta};
@@ -134,8 +136,39 @@ pub struct LikeRuns {
 }
 
 impl LikeRuns {
-    /// The runs of `members`, in counter order.
+    /// The runs of `members`: in the order of their counters' first memberships when the
+    /// members list each counter's together (a sealed batch does), in counter order otherwise.
     pub fn new(members: &[Member]) -> Self {
+        Self::grouped(members).unwrap_or_else(|| Self::sorted(members))
+    }
+
+    /// The runs of `members` in one pass, or `None` if a counter comes back after another's
+    /// (a write whose refused members were taken out).
+    fn grouped(members: &[Member]) -> Option<Self> {
+        let mut order = Vec::with_capacity(members.len());
+        let mut ends = Vec::new();
+        let mut seen: HashSet<&str, foldhash::fast::RandomState> = HashSet::default();
+        let mut start = 0;
+        while let Some(first) = members.get(start) {
+            let counter = first.counter.as_str();
+            if !seen.insert(counter) {
+                return None;
+            }
+            let end = (members[start..].iter())
+                .position(|m| m.counter != counter)
+                .map_or(members.len(), |n| start + n);
+            let before = order.len();
+            order.extend((start..end).filter(|&i| members[i].like));
+            let likes = order.len() - before;
+            order.extend((start..end).filter(|&i| !members[i].like));
+            ends.push((order.len(), likes));
+            start = end;
+        }
+        Some(Self { order, ends })
+    }
+
+    /// The runs of `members`, in counter order.
+    fn sorted(members: &[Member]) -> Self {
         let mut order: Vec<usize> = (0..members.len()).collect();
         order.sort_unstable_by(|&a, &b| {
             let (a, b) = (&members[a], &members[b]);
@@ -267,6 +300,20 @@ mod tests {
         assert_eq!(runs.run(1), (&[2][..], &[0][..]));
         assert_eq!(runs.run(2), (&[][..], &[3][..]));
         assert!(LikeRuns::new(&[]).is_empty());
+        // Each counter's memberships together (as sealed): the same runs in one pass, in the
+        // order the counters come.
+        let grouped = [
+            m("b", "u1", false),
+            m("b", "u2", true),
+            m("a", "u1", true),
+            m("a", "u2", true),
+            m("c", "u3", false),
+        ];
+        let runs = LikeRuns::new(&grouped);
+        assert_eq!(runs.len(), 3);
+        assert_eq!(runs.run(0), (&[1][..], &[0][..]));
+        assert_eq!(runs.run(1), (&[2, 3][..], &[][..]));
+        assert_eq!(runs.run(2), (&[][..], &[4][..]));
     }
 
     /// Applies `runs` of `members` as `scripts/flush.lua` does: per run, `SADD` of its likers and

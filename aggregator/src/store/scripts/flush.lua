@@ -101,6 +101,13 @@ local function overflows(a, b)
     or high < -9223372037 or (high == -9223372037 and low < 145224192)
 end
 
+-- Whether `current` (a counter key's value) is an integer Redis reads (no leading zero, no
+-- '-0') of at most 15 characters: a run's likes and unlikes (far fewer than 10^15) cannot take
+-- it past 64 bits, so the exact check below is only for values near the limits.
+local function small_integer(current)
+  return #current <= 15 and (current == '0' or string.find(current, '^%-?[1-9]%d*$') ~= nil)
+end
+
 -- Why `delta` cannot be added to `current` (the key's value as MGET returned it), or nil.
 local function refusal(current, delta)
   if current then
@@ -238,7 +245,7 @@ if m > 0 then
     local reason = nil
     if current[k] == true then
       reason = 'wrong_type'
-    elseif current[k] then
+    elseif current[k] and not small_integer(current[k]) then
       if likes[k] > 0 then
         reason = refusal(current[k], tostring(likes[k]))
       end
