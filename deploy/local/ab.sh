@@ -53,6 +53,8 @@ run() {
   kill "$pid"
   wait "$pid" 2>/dev/null || true
   redis-cli -p "$redis_port" --scan --pattern "$group*" | xargs -r -n 5000 redis-cli -p "$redis_port" unlink >/dev/null
+  # UNLINK frees big sets in a background thread, whose CPU would land on the next run.
+  until redis-cli -p "$redis_port" info memory | grep -q '^lazyfree_pending_objects:0'; do sleep 0.05; done
   rate=$(awk -v n="$events" -v s="$start" -v e="$end" 'BEGIN { printf "%.0f", n / (e - s) }')
   awk -v l="$label" -v r="$rate" -v c="$cpu" -v n="$events" -v m="$rss" \
     -v rc="$(awk -v a="$redis_before" -v b="$redis_after" 'BEGIN { print b - a }')" \

@@ -266,7 +266,7 @@ async fn refused_membership_is_listed_after_the_deltas(atomicity: Atomicity) {
         .expect("SET");
     let deltas = [("fine:1".to_owned(), 2), ("text:1".to_owned(), 1)];
     let like = |counter: &str| Member {
-        counter: counter.to_owned(),
+        counter: counter.into(),
         actor: "u1".to_owned(),
         like: true,
     };

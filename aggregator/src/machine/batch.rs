@@ -19,8 +19,8 @@ use super::pace::{FlushClock, Limits, Pace, Size};
 /// or removes it and takes 1 back only if it was.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
 pub struct Member {
-    /// The counter.
-    pub counter: String,
+    /// The counter, shared by its memberships in a batch.
+    pub counter: Arc<str>,
     /// Who.
     pub actor: String,
     /// Like (true) or unlike (false).
@@ -272,9 +272,9 @@ impl SealedBatch {
                 // A later action of the same actor on the counter (after its last expiry
                 // record) is in the batch already, and wins.
                 let members = &mut group_batch(&mut self.groups, group).members;
-                if !(members.iter()).any(|m| m.counter == counter && m.actor == actor) {
+                if !(members.iter()).any(|m| *m.counter == *counter && m.actor == actor) {
                     members.push(Member {
-                        counter: counter.to_owned(),
+                        counter: Arc::from(counter),
                         actor: actor.to_owned(),
                         like,
                     });
@@ -601,8 +601,9 @@ impl Batch {
                     resets: buffer.resets,
                     members: (buffer.members.into_iter())
                         .flat_map(|(counter, actors)| {
+                            let counter: Arc<str> = Arc::from(counter);
                             actors.into_iter().map(move |(actor, like)| Member {
-                                counter: counter.clone(),
+                                counter: Arc::clone(&counter),
                                 actor,
                                 like,
                             })
@@ -812,7 +813,7 @@ mod tests {
         let mut members = sealed.groups[0].members.clone();
         members.sort();
         let m = |c: &str, a: &str, like| Member {
-            counter: c.to_owned(),
+            counter: c.into(),
             actor: a.to_owned(),
             like,
         };

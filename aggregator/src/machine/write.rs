@@ -150,12 +150,12 @@ impl LikeRuns {
         let mut seen: HashSet<&str, foldhash::fast::RandomState> = HashSet::default();
         let mut start = 0;
         while let Some(first) = members.get(start) {
-            let counter = first.counter.as_str();
+            let counter = &*first.counter;
             if !seen.insert(counter) {
                 return None;
             }
             let end = (members[start..].iter())
-                .position(|m| m.counter != counter)
+                .position(|m| *m.counter != *counter)
                 .map_or(members.len(), |n| start + n);
             let before = order.len();
             order.extend((start..end).filter(|&i| members[i].like));
@@ -247,7 +247,7 @@ mod tests {
             delta: 1,
         }];
         let members = [Member {
-            counter: "c".to_owned(),
+            counter: "c".into(),
             actor: "u".to_owned(),
             like: true,
         }];
@@ -281,7 +281,7 @@ mod tests {
     #[test]
     fn likes_run_per_counter_likes_first() {
         let m = |counter: &str, actor: &str, like| Member {
-            counter: counter.to_owned(),
+            counter: counter.into(),
             actor: actor.to_owned(),
             like,
         };
@@ -332,14 +332,14 @@ mod tests {
                 .copied()
                 .expect("a run is not empty")]
             .counter;
-            let set = sets.entry(counter.clone()).or_default();
+            let set = sets.entry(counter.to_string()).or_default();
             let added = (likes.iter())
                 .filter(|&&i| set.insert(members[i].actor.clone()))
                 .count() as i64;
             let removed = (unlikes.iter())
                 .filter(|&&i| set.remove(&members[i].actor))
                 .count() as i64;
-            *counts.entry(counter.clone()).or_default() += added - removed;
+            *counts.entry(counter.to_string()).or_default() += added - removed;
         }
     }
 

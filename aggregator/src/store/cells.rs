@@ -15,6 +15,7 @@ use tally_kafka::backoff::Backoff;
 
 use crate::machine::batch::WindowDelta;
 use crate::machine::verdict::Current;
+use crate::store::script_call::ScriptCall;
 
 type Hasher = foldhash::fast::RandomState;
 
@@ -142,7 +143,7 @@ impl StripeWrite {
     /// Adds this hash's rewrite to a script built on `scripts/cells_lib.lua`: its key, then its
     /// expiry (`''` to leave it), its field count and, per field, the field, the value read and
     /// the value to write (`''` for none).
-    pub fn add_to(&self, invocation: &mut redis::ScriptInvocation<'_>) {
+    pub fn add_to(&self, invocation: &mut ScriptCall<'_>) {
         invocation
             .key(&self.key)
             .arg(self.expire_at_ms.map(|t| t.to_string()).unwrap_or_default())

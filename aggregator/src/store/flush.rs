@@ -394,8 +394,8 @@ fn rejected_letters(
                 Refused::Member(i) => {
                     let m = &members[i];
                     let delta = if m.like { 1 } else { -1 };
-                    let payload = serde_json::json!({ "counter": m.counter, "actor": m.actor, "delta": delta });
-                    (m.counter.as_str(), payload, delta)
+                    let payload = serde_json::json!({ "counter": &*m.counter, "actor": m.actor, "delta": delta });
+                    (&*m.counter, payload, delta)
                 }
             };
             DeadLetter {

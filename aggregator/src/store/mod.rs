@@ -8,6 +8,7 @@
 //! - [`pg_sink`]: [`pg_sink::PgSink`], PostgreSQL as the store of record.
 //! - `memory_sink`: an in-memory sink for the unit tests of the loop.
 //! - [`flush`]: making a sealed batch durable through the sink, with retries.
+//! - [`script_call`]: one `EVALSHA`, its keys and arguments each in one buffer.
 //! - [`cells`]: window deltas as rewrites of the counters' cells hashes, planned from a read.
 //! - [`fence`]: owning a partition in exactly-once mode (epochs, fences, ledgers, watermark).
 //!
@@ -21,6 +22,7 @@ pub mod flush;
 mod memory_sink;
 pub mod pg_sink;
 pub mod redis_sink;
+pub mod script_call;
 pub mod sink;
 pub mod store_error;
 pub mod transactions;

@@ -193,7 +193,7 @@ impl PgSink {
         let ledger: Option<i64> = row.as_ref().and_then(|r| r.get(1));
         // Every share the write touches, and every share it resets, locked in counter order.
         let mut touched: Vec<&str> = (write.deltas.iter().map(|(c, _)| c.as_str()))
-            .chain(write.members.iter().map(|m| m.counter.as_str()))
+            .chain(write.members.iter().map(|m| &*m.counter))
             .collect();
         touched.sort_unstable();
         touched.dedup();
@@ -250,8 +250,9 @@ impl PgSink {
                 tokio::try_join!(tx.prepare_cached(&sql.like), tx.prepare_cached(&sql.unlike))?;
             let changes = write.members.iter().map(|member| {
                 let statement = if member.like { &like } else { &unlike };
-                let params: [&(dyn tokio_postgres::types::ToSql + Sync); 3] =
-                    [&member.counter, &member.actor, &shard];
+                let counter: &str = &member.counter;
+                let params: [Box<dyn tokio_postgres::types::ToSql + Sync + Send + '_>; 3] =
+                    [Box::new(counter), Box::new(&member.actor), Box::new(&shard)];
                 tx.execute_raw(statement, params)
             });
             futures_util::future::try_join_all(changes).await?;

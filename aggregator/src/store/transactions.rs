@@ -303,7 +303,7 @@ impl Transactions {
             // A counter reset here first starts with no members and no share.
             let mut states = states;
             for (state, m) in states.iter_mut().zip(write.members) {
-                if write.resets.contains(&m.counter) {
+                if write.resets.iter().any(|c| **c == *m.counter) {
                     state.member = Some(false);
                     state.counter = Current::Missing;
                 }

@@ -19,6 +19,7 @@ use tally_common::window::cells::{Cells, STRIPES};
 use tally_common::{Keyspace, Namespaces, RedisConn};
 
 use crate::store::cells::{FieldWrite, MAX_STALE_READS, Rereads, StripeWrite};
+use crate::store::script_call::ScriptCall;
 
 /// Fields read per `HSCAN` call, and keys per `SCAN` call.
 const BATCH: usize = 1_000;
@@ -74,13 +75,13 @@ async fn rewrite(
     stripe: &StripeWrite,
     extra: &[(String, String)],
 ) -> Result<bool, UpkeepError> {
-    let mut invocation = script.prepare_invoke();
+    let mut invocation = ScriptCall::new(script);
     invocation.arg(1);
     stripe.add_to(&mut invocation);
     for (old, value) in extra {
         invocation.key(old).arg(value);
     }
-    let reply: Vec<String> = invocation.invoke_async(&mut conn.clone()).await?;
+    let reply: Vec<String> = invocation.invoke(&mut conn.clone()).await?;
     match reply.first().map(String::as_str) {
         Some("ok") => Ok(true),
         Some("stale") => Ok(false),

@@ -7,6 +7,7 @@ use super::{RedisSink, unexpected};
 use crate::machine::batch::WindowDelta;
 use crate::machine::verdict::window_rejections;
 use crate::store::cells::{self, MAX_STALE_READS, Rereads};
+use crate::store::script_call::ScriptCall;
 use crate::store::sink::{Rejection, SinkError, SinkErrorKind};
 use crate::store::store_error::RedisReply;
 
@@ -47,13 +48,13 @@ impl RedisSink {
             if plan.writes.is_empty() {
                 return Ok(refused);
             }
-            let mut invocation = self.scripts.cells.prepare_invoke();
+            let mut invocation = ScriptCall::new(&self.scripts.cells);
             invocation.arg(plan.writes.len());
             for stripe in &plan.writes {
                 stripe.add_to(&mut invocation);
             }
             let mut conn = self.conn.clone();
-            let reply: Vec<String> = invocation.invoke_async(&mut conn).await?;
+            let reply: Vec<String> = invocation.invoke(&mut conn).await?;
             match reply.first().map(String::as_str) {
                 Some("ok") => return Ok(refused),
                 Some("stale") if rereads.again().await => {}

@@ -21,6 +21,7 @@ use crate::machine::verdict::window_rejections;
 use crate::machine::write::LikeRuns;
 use crate::operator::config::Atomicity;
 use crate::store::cells;
+use crate::store::script_call::ScriptCall;
 use crate::store::sink::{
     Applied, GroupWrite, IdleWrite, Marked, Refused, Rejection, Sink, SinkError, SinkErrorKind,
     Stamp,
@@ -219,7 +220,7 @@ fn parse_number<T: std::str::FromStr>(reply: &[String], at: usize) -> Result<T, 
 impl RedisSink {
     async fn script_mark_idle(&self, write: IdleWrite<'_>) -> Result<Marked, SinkError> {
         let ks = &self.keyspace;
-        let mut invocation = self.scripts.idle.prepare_invoke();
+        let mut invocation = ScriptCall::new(&self.scripts.idle);
         invocation
             .key(ks.fence_key(write.home))
             .key(ks.watermark_key(write.home))
@@ -239,7 +240,7 @@ impl RedisSink {
             invocation.arg(counter).arg(*deadline);
         }
         let mut conn = self.conn.clone();
-        let reply: Vec<String> = invocation.invoke_async(&mut conn).await?;
+        let reply: Vec<String> = invocation.invoke(&mut conn).await?;
         match reply.first().map(String::as_str) {
             Some("ok") if reply.len() == write.expiries.len() + 1 => Ok(Marked::Decided(
                 reply[1..].iter().map(|d| d == "1").collect(),
@@ -274,7 +275,18 @@ impl RedisSink {
     ) -> Result<Option<Applied>, SinkError> {
         let ks = &self.keyspace;
         let refused = window_rejections(&plan.currents, write.windows);
-        let mut invocation = self.scripts.flush.prepare_invoke();
+        let runs = LikeRuns::new(write.members);
+        let fields: usize = plan.writes.iter().map(|s| s.fields.len()).sum();
+        let mut invocation = ScriptCall::with_capacity(
+            &self.scripts.flush,
+            3 + write.deltas.len() + plan.writes.len() + 3 * write.resets.len() + 2 * runs.len(),
+            10 + write.deltas.len()
+                + 2 * plan.writes.len()
+                + 3 * fields
+                + 2 * refused.len()
+                + 2 * runs.len()
+                + write.members.len(),
+        );
         invocation
             .key(ks.fence_key(write.group))
             .key(ks.ledger_key(write.group))
@@ -313,7 +325,6 @@ impl RedisSink {
         }
         // The runs of likes: every member set, then every counter key, then per run its likers
         // and unlikers.
-        let runs = LikeRuns::new(write.members);
         let counter_of = |k: usize| {
             let (likes, unlikes) = runs.run(k);
             let first = likes
@@ -337,7 +348,7 @@ impl RedisSink {
             }
         }
         let mut conn = self.conn.clone();
-        let reply: Vec<String> = invocation.invoke_async(&mut conn).await?;
+        let reply: Vec<String> = invocation.invoke(&mut conn).await?;
         if reply.first().map(String::as_str) == Some("stale") {
             return Ok(None);
         }
