@@ -142,8 +142,10 @@ impl Trending {
             for (counter, delta) in &group.deltas {
                 feed(counter, delta.unsigned_abs());
             }
-            for member in &group.members {
-                feed(&member.counter, 1);
+            // A counter's memberships come together (a sealed batch lists them so): one feed
+            // per counter, weighted by how many there are.
+            for run in group.members.chunk_by(|a, b| a.counter == b.counter) {
+                feed(&run[0].counter, run.len() as u64);
             }
         }
         warm.sort_unstable();
