@@ -15,8 +15,9 @@ use std::time::{Duration, Instant, SystemTime};
 pub struct Size {
     /// Flush once this many messages are buffered.
     pub max_events: usize,
-    /// Flush once this many distinct (group, counter) entries are buffered: bounds how long one
-    /// flush script runs.
+    /// Flush once this many distinct (group, counter) entries are buffered (a counter's likes
+    /// are one entry, and every 8 memberships one more: `batch::MEMBERSHIPS_PER_ENTRY`): bounds
+    /// how long one flush script runs.
     pub max_counters: usize,
 }
 
