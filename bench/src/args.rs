@@ -73,7 +73,7 @@ pub struct Args {
     #[arg(long, default_value = "postgres://tally@127.0.0.1:5433/postgres")]
     pub postgres_url: String,
     /// Run only these scenarios (producer, catch-up, json, postgres, windows, dedup, members,
-    /// expiry, idempotency, partitions, rebalance, naive, yardsticks, steady, steady-windows, hot,
+    /// expiry, idempotency, partitions, rebalance, naive, yardsticks, steady, steady-windows, steady-likes, hot,
     /// cardinality, reads, micro); all when empty.
     #[arg(long, value_delimiter = ',')]
     pub only: Vec<String>,

@@ -556,6 +556,14 @@ pub fn markdown(args: &Args, r: &Results) -> String {
             s.flush_interval_ms + 250.0
         );
     }
+    if let Some(s) = &r.steady_likes {
+        let _ = writeln!(
+            out,
+            "\n## Steady state of likes\n\nLikes and unlikes (15%) of 50,000 users, `dedup = true` on the load's counters and the probes (each probe a like): {} (the target: p99 within the flush interval plus 250 ms, {:.0} ms).",
+            steady_figures(s),
+            s.flush_interval_ms + 250.0
+        );
+    }
     if !r.reads.is_empty() {
         let _ = writeln!(
             out,

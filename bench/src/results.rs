@@ -296,6 +296,9 @@ pub struct Results {
     /// The same with three windows (`1m`, `1h`, `1d`) on every counter, at 50,000 events/s.
     #[serde(default)]
     pub steady_windows: Option<Steady>,
+    /// The same with likes counted once per user (`dedup = true`) at 50,000 events/s.
+    #[serde(default)]
+    pub steady_likes: Option<Steady>,
     /// 90% of events on one counter.
     pub hot: Option<CatchUp>,
     /// One event per counter, a million counters.

@@ -12,11 +12,13 @@ use crate::probe;
 use crate::results::Steady;
 
 /// The steady state at `rate` events/s; `namespaces`, a namespace file's text, configures the
-/// aggregator's namespaces (the load's counters are `likes:*`, the probes `probe:*`).
+/// aggregator's namespaces (the load's counters are `likes:*`, the probes `probe:*`). With
+/// `likes`, the load is likes and unlikes (15%) of 50,000 users, and each probe a like.
 pub(crate) async fn steady(
     env: &mut Env<'_>,
     rate: f64,
     namespaces: Option<&str>,
+    likes: bool,
 ) -> anyhow::Result<Steady> {
     let topic = env.name("steady");
     env.create_topic(&topic, env.args.partitions).await?;
@@ -54,6 +56,11 @@ pub(crate) async fn steady(
             &(rate as u64).to_string(),
         ])
         .args(["--counters", &env.args.counters.to_string()])
+        .args(if likes {
+            &["--actors", "50000", "--negative-share", "0.15"][..]
+        } else {
+            &[]
+        })
         .stdout(Stdio::piped())
         .spawn()
         .context("tally load")?;
@@ -70,7 +77,11 @@ pub(crate) async fn steady(
         i += 1;
         let (producer, reader) = (producer.clone(), reader.clone());
         probes.push(tokio::spawn(async move {
-            producer.add(&counter, 1).await?;
+            if likes {
+                producer.like(&counter, "probe").await?;
+            } else {
+                producer.add(&counter, 1).await?;
+            }
             let sent = Instant::now();
             loop {
                 if reader.get(&counter).await? >= 1 {
