@@ -107,6 +107,11 @@ pub struct Statements {
     /// `$1` counter, `$2` actor, `$3` shard: an unlike; takes 1 from the share if the actor was
     /// a member.
     pub unlike: String,
+    /// `$1` counters, `$2` actors (pairs, each pair once), `$3` shard: [`Sql::like`] for
+    /// every pair in one statement; each counter's share gains the number of new members.
+    pub likes: String,
+    /// The same for unlikes: each counter's share loses the number of members removed.
+    pub unlikes: String,
     /// `$1` counter, `$2` actor: a row if the actor's like counts.
     pub has_liked: String,
 }
@@ -169,6 +174,22 @@ impl Schema {
                  RETURNING counter) \
                  INSERT INTO {s}.shares AS t (counter, shard, value) SELECT counter, $3, -1 FROM removed \
                  ON CONFLICT (counter, shard) DO UPDATE SET value = t.value - 1"
+            ),
+            likes: format!(
+                "WITH added AS (INSERT INTO {s}.members (counter, actor, shard) \
+                 SELECT c, a, $3::int FROM unnest($1::text[], $2::text[]) AS m(c, a) \
+                 ON CONFLICT DO NOTHING RETURNING counter), \
+                 n AS (SELECT counter, count(*) AS k FROM added GROUP BY counter) \
+                 INSERT INTO {s}.shares AS t (counter, shard, value) SELECT counter, $3, k FROM n \
+                 ON CONFLICT (counter, shard) DO UPDATE SET value = t.value + EXCLUDED.value"
+            ),
+            unlikes: format!(
+                "WITH removed AS (DELETE FROM {s}.members AS m \
+                 USING unnest($1::text[], $2::text[]) AS u(c, a) \
+                 WHERE m.counter = u.c AND m.actor = u.a RETURNING m.counter), \
+                 n AS (SELECT counter, count(*) AS k FROM removed GROUP BY counter) \
+                 INSERT INTO {s}.shares AS t (counter, shard, value) SELECT counter, $3, -k FROM n \
+                 ON CONFLICT (counter, shard) DO UPDATE SET value = t.value + EXCLUDED.value"
             ),
             has_liked: format!("SELECT 1 FROM {s}.members WHERE counter = $1 AND actor = $2"),
             totals: format!(

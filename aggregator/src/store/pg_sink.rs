@@ -242,20 +242,23 @@ impl PgSink {
             .collect();
         tx.execute(&sql.upsert_shares, &[&shard, &touched, &values])
             .await?;
-        // In order, as the script: a like counts if the actor was not a member, an unlike if
-        // it was. Prepared once, and pipelined: the statements go out in order without waiting
-        // for each answer (tokio-postgres sends them as the futures are first polled, in order).
-        if !write.members.is_empty() {
-            let (like, unlike) =
-                tokio::try_join!(tx.prepare_cached(&sql.like), tx.prepare_cached(&sql.unlike))?;
-            let changes = write.members.iter().map(|member| {
-                let statement = if member.like { &like } else { &unlike };
-                let counter: &str = &member.counter;
-                let params: [Box<dyn tokio_postgres::types::ToSql + Sync + Send + '_>; 3] =
-                    [Box::new(counter), Box::new(&member.actor), Box::new(&shard)];
-                tx.execute_raw(statement, params)
-            });
-            futures_util::future::try_join_all(changes).await?;
+        // As the script: a like counts if the actor was not a member, an unlike if it was. A
+        // batch holds one action per (counter, actor), so their order does not matter: all the
+        // likes go in one statement and all the unlikes in another, which was one statement per
+        // membership (the likes workload ran at 12-15 k events/s that way).
+        for like in [true, false] {
+            let (counters, actors): (Vec<&str>, Vec<&str>) = (write.members.iter())
+                .filter(|m| m.like == like)
+                .map(|m| (&*m.counter, m.actor.as_str()))
+                .unzip();
+            if counters.is_empty() {
+                continue;
+            }
+            let statement = tx
+                .prepare_cached(if like { &sql.likes } else { &sql.unlikes })
+                .await?;
+            tx.execute(&statement, &[&counters, &actors, &shard])
+                .await?;
         }
         tx.execute(&sql.set_ledger, &[&write.field, &shard, &write.next_offset])
             .await?;
