@@ -11,9 +11,10 @@
 //! fenced, already applied, rolled back, or a delta that would overflow 64 bits), then clears
 //! the group's part of each reset (the counter's share row here and the `members` rows whose
 //! like it holds), applies the deltas as one multi-row upsert (`INSERT … ON CONFLICT … DO
-//! UPDATE SET value = value + EXCLUDED.value`), applies likes and unlikes through `members` in
-//! the batch's order (a like adds 1 only if the actor was not a member, an unlike takes 1 only
-//! if it was), moves the ledger, stores the watermark when asked, and commits. So a crash, a
+//! UPDATE SET value = value + EXCLUDED.value`), applies the likes and then the unlikes through
+//! `members`, one statement each (a like adds 1 only if the actor was not a member, an unlike
+//! takes 1 only if it was; a batch holds one action per counter and actor, so the order between
+//! them is moot), moves the ledger, stores the watermark when asked, and commits. So a crash, a
 //! retried flush whose first attempt committed, and a zombie owner all end with every offset
 //! applied once, as with Redis.
 //!
