@@ -228,7 +228,10 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<RunSumma
     let summary = match postgres {
         None => {
             // A store that fails is retried, never fatal; a layout that disagrees is.
-            let mut backoff = std::time::Duration::from_millis(100);
+            let mut backoff = tally_kafka::backoff::Backoff::new(
+                std::time::Duration::from_millis(100),
+                std::time::Duration::from_secs(2),
+            );
             loop {
                 let recorded = tally_common::layout::record_dedup_groupings(
                     &conn,
@@ -244,9 +247,8 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<RunSumma
                                 server.abort();
                                 return Ok(RunSummary { drained: 0, not_drained: Vec::new() });
                             }
-                            () = tokio::time::sleep(backoff) => {}
+                            () = backoff.wait() => {}
                         }
-                        backoff = (backoff * 2).min(std::time::Duration::from_secs(2));
                     }
                     Err(e) => {
                         server.abort();

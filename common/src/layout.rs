@@ -8,9 +8,9 @@
 //! records each namespace's grouping in the hash `<prefix>:layout` (field `dedup:<namespace>`,
 //! `dedup:*` for the defaults) and every writer after it checks its own against the record.
 //!
-//! The first writer with a deduplicating namespace also records the deployment's origin: `recorded` for one that starts under
-//! these records, `unrecorded` for one that counted before them (its groups hold ledgers and
-//! the hash does not exist). An unrecorded deployment may hold likes grouped by actor, so in it
+//! The first writer with a deduplicating namespace also records the deployment's origin:
+//! `recorded` for one that starts under these records, `unrecorded` for one that counted before
+//! them (its groups hold ledgers and the hash does not exist). An unrecorded deployment may hold likes grouped by actor, so in it
 //! a deduplicating namespace with no record and a grouping other than `actor` refuses to start
 //! until the operator says which layout is there (`docs/operations.md`).
 

@@ -378,10 +378,19 @@ mod tests {
                 batch.add_member(0, &counter, &actor, like, offset);
                 if rng.random_bool(0.05) {
                     let sealed = batch.seal().expect("not empty");
-                    let members = &sealed.groups[0].members;
-                    apply_runs(members, &mut sets, &mut counts);
+                    // As sealed (each counter's members together: the one-pass runs), or in
+                    // actor order (counters mixed, as after a refusal: the sorted runs).
+                    let grouped = sealed.groups[0].members.clone();
+                    let mut mixed = grouped.clone();
+                    mixed.sort_by(|a, b| a.actor.cmp(&b.actor));
+                    let (first, again) = if rng.random_bool(0.5) {
+                        (&grouped, &mixed)
+                    } else {
+                        (&mixed, &grouped)
+                    };
+                    apply_runs(first, &mut sets, &mut counts);
                     if rng.random_bool(0.3) {
-                        apply_runs(members, &mut sets, &mut counts);
+                        apply_runs(again, &mut sets, &mut counts);
                     }
                 }
             }
