@@ -8,6 +8,7 @@
 //! ledger rewind after a truncated log is cross-checked the same way.
 
 use tally_aggregator::RedisSink;
+use tally_aggregator::machine::likes::Likes;
 use tally_aggregator::operator::config::Atomicity;
 use tally_aggregator::pg_schema::{self, Schema};
 use tally_aggregator::store::pg_sink::PgSink;
@@ -279,7 +280,7 @@ async fn apply(sink: &impl Sink, field: &str, case: &Case) -> Applied {
         deltas: &deltas,
         windows: &[],
         resets: &[],
-        members: &[],
+        members: Likes::NONE,
         watermark: None,
     };
     sink.apply_fenced(write).await.expect("the store answers")

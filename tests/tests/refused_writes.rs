@@ -7,7 +7,8 @@
 
 use redis::AsyncCommands;
 use tally_aggregator::RedisSink;
-use tally_aggregator::machine::batch::{Member, WindowDelta};
+use tally_aggregator::machine::batch::WindowDelta;
+use tally_aggregator::machine::likes::Likes;
 use tally_aggregator::operator::config::Atomicity;
 use tally_aggregator::store::sink::{Applied, GroupWrite, Refused, Rejection, Sink, Stamp};
 use tally_common::{DeadLetterReason, Keyspace, RedisConn, RedisTarget};
@@ -38,7 +39,7 @@ fn write<'a>(
     epoch: u64,
     deltas: &'a [(String, i64)],
     windows: &'a [WindowDelta],
-    members: &'a [Member],
+    members: &'a Likes,
 ) -> GroupWrite<'a> {
     GroupWrite {
         group: GROUP,
@@ -157,7 +158,7 @@ async fn refused_write_leaves_nothing_behind(atomicity: Atomicity) {
     }
 
     let applied = sink
-        .apply_fenced(write(epoch, &deltas, &windows, &[]))
+        .apply_fenced(write(epoch, &deltas, &windows, Likes::NONE))
         .await
         .expect("write");
     let Applied::Rejected(rejections) = applied else {
@@ -208,12 +209,12 @@ async fn refused_write_leaves_nothing_behind(atomicity: Atomicity) {
         .collect();
     let windows = &windows[..2];
     let applied = sink
-        .apply_fenced(write(epoch, &accepted, windows, &[]))
+        .apply_fenced(write(epoch, &accepted, windows, Likes::NONE))
         .await
         .expect("write");
     assert_eq!(applied, Applied::Written, "{atomicity:?}");
     let again = sink
-        .apply_fenced(write(epoch, &accepted, windows, &[]))
+        .apply_fenced(write(epoch, &accepted, windows, Likes::NONE))
         .await
         .expect("write");
     assert_eq!(again, Applied::AlreadyApplied, "{atomicity:?}");
@@ -265,17 +266,9 @@ async fn refused_membership_is_listed_after_the_deltas(atomicity: Atomicity) {
         .await
         .expect("SET");
     let deltas = [("fine:1".to_owned(), 2), ("text:1".to_owned(), 1)];
-    let like = |counter: &str| Member {
-        counter: counter.into(),
-        actor: "u1".to_owned(),
-        like: true,
-    };
-    let members = [
-        like("liked:2"),
-        like("liked:1"),
-        like("liked:3"),
-        like("liked:4"),
-    ];
+    let members = Likes::from_actions(
+        ["liked:2", "liked:1", "liked:3", "liked:4"].map(|counter| (counter, "u1", true)),
+    );
     let applied = sink
         .apply_fenced(write(epoch, &deltas, &[], &members))
         .await
@@ -488,7 +481,7 @@ async fn racing_flushes_of_one_counters_buckets_lose_nothing() {
                         deltas: &deltas,
                         windows: &windows,
                         resets: &[],
-                        members: &[],
+                        members: Likes::NONE,
                         watermark: None,
                     };
                     let applied = sink.apply_fenced(write).await.expect("write");

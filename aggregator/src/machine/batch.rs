@@ -12,20 +12,8 @@ use std::time::Instant;
 use tally_common::window::Bucket;
 
 use super::letter::DeadLetter;
+use super::likes::{LikeTable, Likes};
 use super::pace::{FlushClock, Limits, Pace, Size};
-
-/// A like (`like == true`) or unlike of `counter` by `actor`, in a deduplicating namespace: the
-/// flush adds the actor to the counter's membership set and counts 1 only if it was not there,
-/// or removes it and takes 1 back only if it was.
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
-pub struct Member {
-    /// The counter, shared by its memberships in a batch.
-    pub counter: Arc<str>,
-    /// Who.
-    pub actor: String,
-    /// Like (true) or unlike (false).
-    pub like: bool,
-}
 
 /// A delta for one time bucket of a counter in a windowed namespace (`tally_common::window`).
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
@@ -147,10 +135,8 @@ struct GroupBuffer {
     /// Summed delta (and bucket deltas) per counter id.
     deltas: HashMap<String, Sums, Hasher>,
     /// The last action per counter and actor: only the last one matters, since membership is
-    /// a state, not a sum. Kept per counter, so that an event allocates nothing for a counter
-    /// or an actor the batch already holds, and the sealed batch lists each counter's
-    /// memberships together (one run each, `crate::machine::write::LikeRuns`).
-    members: HashMap<String, HashMap<String, bool, Hasher>, Hasher>,
+    /// a state, not a sum.
+    members: LikeTable,
     /// Counters to clear before this batch's writes (resets).
     resets: Vec<String>,
 }
@@ -167,8 +153,8 @@ pub struct GroupBatch {
     /// Counters whose share (and member set, and compaction journal) here is cleared before
     /// the deltas and memberships are applied.
     pub resets: Vec<String>,
-    /// Likes and unlikes, one per (counter, actor).
-    pub members: Vec<Member>,
+    /// Likes and unlikes, one per (counter, actor), in a run per counter.
+    pub members: Likes,
 }
 
 impl GroupBatch {
@@ -267,19 +253,20 @@ impl SealedBatch {
                 }
             }
         }
-        for (counter, members) in carried_members {
-            for ((group, actor), like) in members {
-                // A later action of the same actor on the counter (after its last expiry
-                // record) is in the batch already, and wins.
-                let members = &mut group_batch(&mut self.groups, group).members;
-                if !(members.iter()).any(|m| *m.counter == *counter && m.actor == actor) {
-                    members.push(Member {
-                        counter: Arc::from(counter),
-                        actor: actor.to_owned(),
-                        like,
-                    });
-                }
+        let mut carried_likes: HashMap<u32, Vec<(&str, &str, bool)>> = HashMap::new();
+        for (counter, members) in &carried_members {
+            for (&(group, actor), &like) in members {
+                carried_likes
+                    .entry(group)
+                    .or_default()
+                    .push((counter, actor, like));
             }
+        }
+        for (group, carried) in carried_likes {
+            // A later action of the same actor on the counter (after its last expiry record)
+            // is in the batch already, and wins.
+            let members = &mut group_batch(&mut self.groups, group).members;
+            *members = std::mem::take(members).with_absent(carried);
         }
         for g in &mut self.groups {
             g.deltas.retain(|(_, d)| *d != 0);
@@ -448,9 +435,8 @@ impl Batch {
                 let mut held_members = Vec::new();
                 if held_deadline.is_some() {
                     for (g, buffer) in &mut self.groups {
-                        if let Some(actors) = buffer.members.remove(counter) {
-                            held_members.extend(actors.into_iter().map(|(a, like)| (*g, a, like)));
-                        }
+                        let actors = buffer.members.remove(counter);
+                        held_members.extend(actors.into_iter().map(|(a, like)| (*g, a, like)));
                     }
                 }
                 self.expiries.push(PendingExpiry {
@@ -497,23 +483,9 @@ impl Batch {
     /// Adds a like (or unlike) of `counter` by `actor` at `offset`, bound for `group` (the
     /// actor's). A later action of the same actor on the same counter replaces it.
     pub fn add_member(&mut self, group: u32, counter: &str, actor: &str, like: bool, offset: i64) {
-        let i = self.group_index(group);
-        let members = &mut self.groups[i].1.members;
-        // Look up by &str first: a counter or an actor already in the batch allocates nothing.
-        let actors = match members.get_mut(counter) {
-            Some(actors) => actors,
-            None => {
-                self.entries += 1;
-                members.entry(counter.to_owned()).or_default()
-            }
-        };
-        match actors.get_mut(actor) {
-            Some(last) => *last = like,
-            None => {
-                actors.insert(actor.to_owned(), like);
-                self.memberships += 1;
-            }
-        }
+        let added = self.group(group).members.set(counter, actor, like);
+        self.entries += usize::from(added.run);
+        self.memberships += usize::from(added.membership);
         self.advance(offset);
     }
 
@@ -599,16 +571,7 @@ impl Batch {
                         .map(|(counter, sums)| (counter, sums.total))
                         .collect(),
                     resets: buffer.resets,
-                    members: (buffer.members.into_iter())
-                        .flat_map(|(counter, actors)| {
-                            let counter: Arc<str> = Arc::from(counter);
-                            actors.into_iter().map(move |(actor, like)| Member {
-                                counter: Arc::clone(&counter),
-                                actor,
-                                like,
-                            })
-                        })
-                        .collect(),
+                    members: buffer.members.seal(),
                 })
                 .filter(|g| g.writes() > 0)
                 .collect(),
@@ -625,6 +588,7 @@ impl Batch {
 mod tests {
     use std::time::{Duration, SystemTime};
 
+    use super::super::likes::Like;
     use super::*;
 
     fn deltas(group: u32, deltas: &[(&str, i64)]) -> GroupBatch {
@@ -633,7 +597,7 @@ mod tests {
             deltas: deltas.iter().map(|(c, d)| ((*c).to_owned(), *d)).collect(),
             windows: Vec::new(),
             resets: Vec::new(),
-            members: Vec::new(),
+            members: Likes::default(),
         }
     }
 
@@ -713,7 +677,7 @@ mod tests {
             assert_eq!(sealed.expiries[0].held_members.len(), 2);
             sealed.settle(&[expired]);
             let mut members: Vec<(u32, String, bool)> = (sealed.groups.iter())
-                .flat_map(|g| g.members.iter().map(|m| (g.group, m.actor.clone(), m.like)))
+                .flat_map(|g| (g.members.iter()).map(|m| (g.group, m.actor.to_owned(), m.like)))
                 .collect();
             members.sort();
             if expired {
@@ -810,11 +774,11 @@ mod tests {
         b.add_member(2, "likes:p:1", "u2", true, 3);
         b.add_member(2, "likes:p:2", "u1", true, 4);
         let sealed = b.seal().expect("not empty");
-        let mut members = sealed.groups[0].members.clone();
+        let mut members: Vec<Like> = sealed.groups[0].members.iter().collect();
         members.sort();
-        let m = |c: &str, a: &str, like| Member {
-            counter: c.into(),
-            actor: a.to_owned(),
+        let m = |counter, actor, like| Like {
+            counter,
+            actor,
             like,
         };
         assert_eq!(

@@ -5,6 +5,7 @@
 //!
 //! - [`partition`]: one partition as a state machine: what to flush, commit, pause, acquire.
 //! - [`batch`]: one partition's buffer, and a sealed batch per group.
+//! - [`likes`]: a batch's likes and unlikes per group, and their runs once sealed.
 //! - [`pace`]: when a batch must be flushed (its limits, its pace, its flush clock).
 //! - [`ownership`]: an exactly-once owner's epoch and ledgers, and where a partition resumes.
 //! - [`outcome`]: how a flush or a check ended.
@@ -14,6 +15,7 @@
 
 pub mod batch;
 pub mod letter;
+pub mod likes;
 pub mod outcome;
 pub mod ownership;
 pub mod pace;

@@ -132,6 +132,7 @@ pub fn flush_verdict(
 
 #[cfg(test)]
 mod tests {
+    use super::super::likes::Likes;
     use super::*;
 
     fn rejection(refused: Refused, reason: DeadLetterReason) -> Rejection {
@@ -148,7 +149,7 @@ mod tests {
             deltas,
             windows: &[],
             resets: &[],
-            members: &[],
+            members: Likes::NONE,
             watermark: None,
         }
     }

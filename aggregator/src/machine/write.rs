@@ -2,11 +2,10 @@
 //! what they answer ([`Applied`], [`Stamp`], [`Marked`], the [`Rejection`]s): the vocabulary
 //! of `crate::store::sink`'s seam, without the I/O.
 
-use std::collections::HashSet;
-
 use tally_common::DeadLetterReason;
 
-use super::batch::{Member, PendingExpiry, WindowDelta};
+use super::batch::{PendingExpiry, WindowDelta};
+use super::likes::Likes;
 
 /// One exactly-once write into one shard group.
 #[derive(Debug, Clone, Copy)]
@@ -28,8 +27,10 @@ pub struct GroupWrite<'a> {
     pub windows: &'a [WindowDelta],
     /// Counters to clear here first (resets): their share, member set and compaction journal.
     pub resets: &'a [String],
-    /// Likes and unlikes: membership changes, each counting only if it changes the membership.
-    pub members: &'a [Member],
+    /// Likes and unlikes: membership changes, each counting only if it changes the membership,
+    /// in a run per counter (one `SADD` of its likers, one `SREM` of its unlikers and one
+    /// `INCRBY` by what they changed in `scripts/flush.lua`).
+    pub members: &'a Likes,
     /// The watermark to store in this group in the same operation, if it is the home group.
     pub watermark: Option<&'a str>,
 }
@@ -73,7 +74,9 @@ pub enum Applied {
     RolledBack,
     /// Not written, because these deltas or memberships cannot be applied. No delta or window
     /// delta was written; a counter's likes that landed before the refusal stay, since the
-    /// write tried again finds them done (`LikeRuns`).
+    /// write tried again finds them done (a run is idempotent: its set holds its likers and
+    /// not its unlikers whatever it held before, and its count moved by exactly what the set
+    /// did).
     Rejected(Vec<Rejection>),
 }
 
@@ -100,108 +103,22 @@ pub struct Rejection {
 
 impl GroupWrite<'_> {
     /// What the script's 1-based `index` names: the deltas come first, then the window deltas,
-    /// then the runs of likes (`runs`, built from this write's members), each naming every
-    /// membership of its counter. Empty if it names nothing.
-    pub(crate) fn refused(&self, index: usize, runs: &LikeRuns) -> Vec<Refused> {
+    /// then the runs of likes, each naming every membership of its counter. Empty if it names
+    /// nothing.
+    pub(crate) fn refused(&self, index: usize) -> Vec<Refused> {
         let deltas = self.deltas.len();
         let windows = deltas + self.windows.len();
         match index.checked_sub(1) {
             None => Vec::new(),
             Some(i) if i < deltas => vec![Refused::Delta(i)],
             Some(i) if i < windows => vec![Refused::Window(i - deltas)],
-            Some(i) if i - windows < runs.len() => {
-                let (likes, unlikes) = runs.run(i - windows);
-                (likes.iter().chain(unlikes))
-                    .map(|&m| Refused::Member(m))
+            Some(i) if i - windows < self.members.runs() => {
+                (self.members.run(i - windows).members())
+                    .map(Refused::Member)
                     .collect()
             }
             Some(_) => Vec::new(),
         }
-    }
-}
-
-/// A write's likes and unlikes in runs, one per counter, as `scripts/flush.lua` takes them:
-/// a run is one `SADD` of the counter's likers, one `SREM` of its unlikers and one `INCRBY` by
-/// what they changed, where each membership used to be four commands (`TYPE`, `GET`, `SADD` or
-/// `SREM`, `INCRBY`). A run is its own check, and idempotent: its set holds its likers and not
-/// its unlikers whatever it held before, and its count moved by exactly what the set did, so a
-/// run that landed in a write that was then refused or failed is found done when it is tried
-/// again.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct LikeRuns {
-    /// Indexes into the members: each run's likes, then its unlikes, run after run.
-    order: Vec<usize>,
-    /// Per run: where it ends in `order`, and how many of it are likes.
-    ends: Vec<(usize, usize)>,
-}
-
-impl LikeRuns {
-    /// The runs of `members`: in the order of their counters' first memberships when the
-    /// members list each counter's together (a sealed batch does), in counter order otherwise.
-    pub fn new(members: &[Member]) -> Self {
-        Self::grouped(members).unwrap_or_else(|| Self::sorted(members))
-    }
-
-    /// The runs of `members` in one pass, or `None` if a counter comes back after another's
-    /// (a write whose refused members were taken out).
-    fn grouped(members: &[Member]) -> Option<Self> {
-        let mut order = Vec::with_capacity(members.len());
-        let mut ends = Vec::new();
-        let mut seen: HashSet<&str, foldhash::fast::RandomState> = HashSet::default();
-        let mut start = 0;
-        while let Some(first) = members.get(start) {
-            let counter = &*first.counter;
-            if !seen.insert(counter) {
-                return None;
-            }
-            let end = (members[start..].iter())
-                .position(|m| *m.counter != *counter)
-                .map_or(members.len(), |n| start + n);
-            let before = order.len();
-            order.extend((start..end).filter(|&i| members[i].like));
-            let likes = order.len() - before;
-            order.extend((start..end).filter(|&i| !members[i].like));
-            ends.push((order.len(), likes));
-            start = end;
-        }
-        Some(Self { order, ends })
-    }
-
-    /// The runs of `members`, in counter order.
-    fn sorted(members: &[Member]) -> Self {
-        let mut order: Vec<usize> = (0..members.len()).collect();
-        order.sort_unstable_by(|&a, &b| {
-            let (a, b) = (&members[a], &members[b]);
-            (a.counter.cmp(&b.counter)).then(b.like.cmp(&a.like))
-        });
-        let mut ends = Vec::new();
-        let mut likes = 0;
-        for (at, &i) in order.iter().enumerate() {
-            likes += usize::from(members[i].like);
-            let next = order.get(at + 1).map(|&j| &members[j].counter);
-            if next != Some(&members[i].counter) {
-                ends.push((at + 1, likes));
-                likes = 0;
-            }
-        }
-        Self { order, ends }
-    }
-
-    /// How many runs (counters).
-    pub fn len(&self) -> usize {
-        self.ends.len()
-    }
-
-    /// Whether there is none.
-    pub fn is_empty(&self) -> bool {
-        self.ends.is_empty()
-    }
-
-    /// Run `k`'s members, as indexes into the members: its likes, then its unlikes.
-    pub fn run(&self, k: usize) -> (&[usize], &[usize]) {
-        let start = k.checked_sub(1).map_or(0, |j| self.ends[j].0);
-        let (end, likes) = self.ends[k];
-        self.order[start..end].split_at(likes)
     }
 }
 
@@ -246,11 +163,7 @@ mod tests {
             expire_at_ms: 120_000,
             delta: 1,
         }];
-        let members = [Member {
-            counter: "c".into(),
-            actor: "u".to_owned(),
-            like: true,
-        }];
+        let members = Likes::from_actions([("c", "u", true)]);
         let write = GroupWrite {
             group: 0,
             field: "t/0",
@@ -263,8 +176,7 @@ mod tests {
             members: &members,
             watermark: None,
         };
-        let runs = LikeRuns::new(&members);
-        let refused: Vec<Vec<Refused>> = (0..6).map(|i| write.refused(i, &runs)).collect();
+        let refused: Vec<Vec<Refused>> = (0..6).map(|i| write.refused(i)).collect();
         assert_eq!(
             refused,
             [
@@ -278,75 +190,28 @@ mod tests {
         );
     }
 
-    #[test]
-    fn likes_run_per_counter_likes_first() {
-        let m = |counter: &str, actor: &str, like| Member {
-            counter: counter.into(),
-            actor: actor.to_owned(),
-            like,
-        };
-        let members = [
-            m("b", "u1", false),
-            m("a", "u1", true),
-            m("b", "u2", true),
-            m("c", "u3", false),
-            m("a", "u2", true),
-        ];
-        let runs = LikeRuns::new(&members);
-        assert_eq!(runs.len(), 3);
-        let mut a = runs.run(0).0.to_vec();
-        a.sort_unstable();
-        assert_eq!((a, runs.run(0).1), (vec![1, 4], &[][..]));
-        assert_eq!(runs.run(1), (&[2][..], &[0][..]));
-        assert_eq!(runs.run(2), (&[][..], &[3][..]));
-        assert!(LikeRuns::new(&[]).is_empty());
-        // Each counter's memberships together (as sealed): the same runs in one pass, in the
-        // order the counters come.
-        let grouped = [
-            m("b", "u1", false),
-            m("b", "u2", true),
-            m("a", "u1", true),
-            m("a", "u2", true),
-            m("c", "u3", false),
-        ];
-        let runs = LikeRuns::new(&grouped);
-        assert_eq!(runs.len(), 3);
-        assert_eq!(runs.run(0), (&[1][..], &[0][..]));
-        assert_eq!(runs.run(1), (&[2, 3][..], &[][..]));
-        assert_eq!(runs.run(2), (&[][..], &[4][..]));
-    }
-
-    /// Applies `runs` of `members` as `scripts/flush.lua` does: per run, `SADD` of its likers and
-    /// `SREM` of its unlikers, the count moved by what they changed.
+    /// Applies `members` as `scripts/flush.lua` does: per run, `SADD` of its likers and `SREM`
+    /// of its unlikers, the count moved by what they changed.
     fn apply_runs(
-        members: &[Member],
+        members: &Likes,
         sets: &mut std::collections::HashMap<String, std::collections::HashSet<String>>,
         counts: &mut std::collections::HashMap<String, i64>,
     ) {
-        let runs = LikeRuns::new(members);
-        for k in 0..runs.len() {
-            let (likes, unlikes) = runs.run(k);
-            let counter = &members[likes
-                .first()
-                .or(unlikes.first())
-                .copied()
-                .expect("a run is not empty")]
-            .counter;
-            let set = sets.entry(counter.to_string()).or_default();
-            let added = (likes.iter())
-                .filter(|&&i| set.insert(members[i].actor.clone()))
+        for run in members.each_run() {
+            let set = sets.entry(run.counter.to_owned()).or_default();
+            let added = (run.likes)
+                .filter(|&i| set.insert(members.actor(i).to_owned()))
                 .count() as i64;
-            let removed = (unlikes.iter())
-                .filter(|&&i| set.remove(&members[i].actor))
+            let removed = (run.unlikes)
+                .filter(|&i| set.remove(members.actor(i)))
                 .count() as i64;
-            *counts.entry(counter.to_string()).or_default() += added - removed;
+            *counts.entry(run.counter.to_owned()).or_default() += added - removed;
         }
     }
 
     /// The batched arithmetic (the last action per (counter, actor) in a batch, then one run per
-    /// counter) against applying every like and unlike one by one, over random streams cut
-    /// into random batches, each batch's runs applied once or, as after a crash before the
-    /// ledger moved, twice.
+    /// counter) against applying every like, unlike and reset one by one, over random streams
+    /// cut into random batches, each batch's runs applied once or twice.
     #[test]
     fn runs_of_batched_likes_count_what_one_by_one_counts() {
         use rand::{Rng, SeedableRng};
@@ -363,8 +228,29 @@ mod tests {
             let mut sets = HashMap::new();
             let mut counts = HashMap::new();
             let mut batch = Batch::default();
+            // A sealed batch's resets clear their counters, then its runs apply; as after a
+            // refusal that followed runs that landed (never with resets: those check
+            // everything first), the runs may apply again.
+            let mut apply = |batch: &mut Batch, rng: &mut rand::rngs::StdRng| {
+                let Some(sealed) = batch.seal() else { return };
+                let group = &sealed.groups[0];
+                for counter in &group.resets {
+                    sets.remove(counter);
+                    counts.remove(counter);
+                }
+                apply_runs(&group.members, &mut sets, &mut counts);
+                if group.resets.is_empty() && rng.random_bool(0.3) {
+                    apply_runs(&group.members, &mut sets, &mut counts);
+                }
+            };
             for offset in 0..rng.random_range(1..400) {
                 let counter = format!("likes:p:{}", rng.random_range(0..counters));
+                if rng.random_bool(0.02) {
+                    one_sets.remove(&counter);
+                    one_counts.remove(&counter);
+                    batch.reset(&counter, 0..1, offset);
+                    continue;
+                }
                 let actor = format!("u{}", rng.random_range(0..actors));
                 let like = rng.random_bool(0.6);
                 let set = one_sets.entry(counter.clone()).or_default();
@@ -377,26 +263,10 @@ mod tests {
                     i64::from(changed) * if like { 1 } else { -1 };
                 batch.add_member(0, &counter, &actor, like, offset);
                 if rng.random_bool(0.05) {
-                    let sealed = batch.seal().expect("not empty");
-                    // As sealed (each counter's members together: the one-pass runs), or in
-                    // actor order (counters mixed, as after a refusal: the sorted runs).
-                    let grouped = sealed.groups[0].members.clone();
-                    let mut mixed = grouped.clone();
-                    mixed.sort_by(|a, b| a.actor.cmp(&b.actor));
-                    let (first, again) = if rng.random_bool(0.5) {
-                        (&grouped, &mixed)
-                    } else {
-                        (&mixed, &grouped)
-                    };
-                    apply_runs(first, &mut sets, &mut counts);
-                    if rng.random_bool(0.3) {
-                        apply_runs(again, &mut sets, &mut counts);
-                    }
+                    apply(&mut batch, &mut rng);
                 }
             }
-            if let Some(sealed) = batch.seal() {
-                apply_runs(&sealed.groups[0].members, &mut sets, &mut counts);
-            }
+            apply(&mut batch, &mut rng);
             one_counts.retain(|_, n| *n != 0);
             counts.retain(|_, n| *n != 0);
             sets.retain(|_, s: &mut HashSet<String>| !s.is_empty());

@@ -195,6 +195,7 @@ impl<S: Sink> Flusher<S> {
                             rejected.iter().map(|r| r.refused).collect();
                         refused.sort_unstable_by(|a, b| b.cmp(a));
                         refused.dedup();
+                        let mut members = Vec::new();
                         for r in refused {
                             match r {
                                 Refused::Delta(i) => {
@@ -203,11 +204,10 @@ impl<S: Sink> Flusher<S> {
                                 Refused::Window(i) => {
                                     g.windows.swap_remove(i);
                                 }
-                                Refused::Member(i) => {
-                                    g.members.swap_remove(i);
-                                }
+                                Refused::Member(i) => members.push(i),
                             }
                         }
+                        g.members.remove(&members);
                     }
                 }
             }
@@ -392,10 +392,10 @@ fn rejected_letters(
                     (&*w.counter, payload, w.delta)
                 }
                 Refused::Member(i) => {
-                    let m = &members[i];
+                    let m = members.get(i);
                     let delta = if m.like { 1 } else { -1 };
-                    let payload = serde_json::json!({ "counter": &*m.counter, "actor": m.actor, "delta": delta });
-                    (&*m.counter, payload, delta)
+                    let payload = serde_json::json!({ "counter": m.counter, "actor": m.actor, "delta": delta });
+                    (m.counter, payload, delta)
                 }
             };
             DeadLetter {

@@ -194,7 +194,7 @@ impl PgSink {
         let ledger: Option<i64> = row.as_ref().and_then(|r| r.get(1));
         // Every share the write touches, and every share it resets, locked in counter order.
         let mut touched: Vec<&str> = (write.deltas.iter().map(|(c, _)| c.as_str()))
-            .chain(write.members.iter().map(|m| &*m.counter))
+            .chain(write.members.each_run().map(|run| run.counter))
             .collect();
         touched.sort_unstable();
         touched.dedup();
@@ -219,7 +219,7 @@ impl PgSink {
         let members: Vec<MemberState> = (write.members.iter())
             .map(|m| MemberState {
                 member: Some(false),
-                counter: current(&m.counter),
+                counter: current(m.counter),
             })
             .collect();
         if let Some(verdict) = flush_verdict(fence, ledger, &currents, &[], &members, &write) {
@@ -250,7 +250,7 @@ impl PgSink {
         for like in [true, false] {
             let (counters, actors): (Vec<&str>, Vec<&str>) = (write.members.iter())
                 .filter(|m| m.like == like)
-                .map(|m| (&*m.counter, m.actor.as_str()))
+                .map(|m| (m.counter, m.actor))
                 .unzip();
             if counters.is_empty() {
                 continue;

@@ -233,8 +233,8 @@ impl Transactions {
             .iter()
             .map(|m| {
                 (
-                    ks.member_key(write.group, &m.counter),
-                    ks.counter_key(write.group, &m.counter),
+                    ks.member_key(write.group, m.counter),
+                    ks.counter_key(write.group, m.counter),
                 )
             })
             .collect();
@@ -254,8 +254,8 @@ impl Transactions {
             reads.get(key);
         }
         cells_reads.add_to(&mut reads);
-        for ((set, counter), m) in member_keys.iter().zip(write.members) {
-            reads.sismember(set, &m.actor).get(counter);
+        for ((set, counter), m) in member_keys.iter().zip(write.members.iter()) {
+            reads.sismember(set, m.actor).get(counter);
         }
         let n = counter_keys.len();
         let w = cells_reads.stripes.len();
@@ -302,8 +302,8 @@ impl Transactions {
                 .collect::<Result<Vec<_>, SinkError>>()?;
             // A counter reset here first starts with no members and no share.
             let mut states = states;
-            for (state, m) in states.iter_mut().zip(write.members) {
-                if write.resets.iter().any(|c| **c == *m.counter) {
+            for (state, m) in states.iter_mut().zip(write.members.iter()) {
+                if write.resets.iter().any(|c| c == m.counter) {
                     state.member = Some(false);
                     state.counter = Current::Missing;
                 }
@@ -330,18 +330,16 @@ impl Transactions {
             rewrite_cells(&mut writes, &cells.writes);
             // Reads saw each set before any of this batch's changes; one actor appears once per
             // counter in a batch, so each change is decided on what the set holds now.
-            for (((set, counter), m), state) in member_keys.iter().zip(write.members).zip(&states) {
+            for (((set, counter), m), state) in
+                member_keys.iter().zip(write.members.iter()).zip(&states)
+            {
                 match (m.like, state.member) {
                     (true, Some(false)) => {
-                        writes
-                            .sadd(set, &m.actor)
-                            .ignore()
-                            .incr(counter, 1)
-                            .ignore();
+                        writes.sadd(set, m.actor).ignore().incr(counter, 1).ignore();
                     }
                     (false, Some(true)) => {
                         writes
-                            .srem(set, &m.actor)
+                            .srem(set, m.actor)
                             .ignore()
                             .incr(counter, -1)
                             .ignore();

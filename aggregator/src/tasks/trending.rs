@@ -142,10 +142,9 @@ impl Trending {
             for (counter, delta) in &group.deltas {
                 feed(counter, delta.unsigned_abs());
             }
-            // A counter's memberships come together (a sealed batch lists them so): one feed
-            // per counter, weighted by how many there are.
-            for run in group.members.chunk_by(|a, b| a.counter == b.counter) {
-                feed(&run[0].counter, run.len() as u64);
+            // One feed per counter's run of likes, weighted by how many there are.
+            for run in group.members.each_run() {
+                feed(run.counter, run.members().len() as u64);
             }
         }
         warm.sort_unstable();

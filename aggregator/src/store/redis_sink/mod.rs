@@ -18,7 +18,6 @@ use tally_common::{DeadLetterReason, Keyspace, RedisConn, RedisTarget};
 
 use crate::machine::batch::WindowDelta;
 use crate::machine::verdict::window_rejections;
-use crate::machine::write::LikeRuns;
 use crate::operator::config::Atomicity;
 use crate::store::cells;
 use crate::store::script_call::ScriptCall;
@@ -275,17 +274,17 @@ impl RedisSink {
     ) -> Result<Option<Applied>, SinkError> {
         let ks = &self.keyspace;
         let refused = window_rejections(&plan.currents, write.windows);
-        let runs = LikeRuns::new(write.members);
+        let likes = write.members;
         let fields: usize = plan.writes.iter().map(|s| s.fields.len()).sum();
         let mut invocation = ScriptCall::with_capacity(
             &self.scripts.flush,
-            3 + write.deltas.len() + plan.writes.len() + 3 * write.resets.len() + 2 * runs.len(),
+            3 + write.deltas.len() + plan.writes.len() + 3 * write.resets.len() + 2 * likes.runs(),
             10 + write.deltas.len()
                 + 2 * plan.writes.len()
                 + 3 * fields
                 + 2 * refused.len()
-                + 2 * runs.len()
-                + write.members.len(),
+                + 2 * likes.runs()
+                + likes.len(),
         );
         invocation
             .key(ks.fence_key(write.group))
@@ -325,26 +324,16 @@ impl RedisSink {
         }
         // The runs of likes: every member set, then every counter key, then per run its likers
         // and unlikers.
-        let counter_of = |k: usize| {
-            let (likes, unlikes) = runs.run(k);
-            let first = likes
-                .first()
-                .or(unlikes.first())
-                .copied()
-                .unwrap_or_default();
-            &write.members[first].counter
-        };
-        for k in 0..runs.len() {
-            ks.write_member_key(&mut key, write.group, counter_of(k));
+        for run in likes.each_run() {
+            ks.write_member_key(&mut key, write.group, run.counter);
             invocation.key(&key);
         }
-        for k in 0..runs.len() {
-            ks.write_counter_key(&mut key, write.group, counter_of(k));
+        for run in likes.each_run() {
+            ks.write_counter_key(&mut key, write.group, run.counter);
             invocation.key(&key);
-            let (likes, unlikes) = runs.run(k);
-            invocation.arg(likes.len()).arg(unlikes.len());
-            for &m in likes.iter().chain(unlikes) {
-                invocation.arg(&write.members[m].actor);
+            invocation.arg(run.likes.len()).arg(run.unlikes.len());
+            for m in run.members() {
+                invocation.arg(likes.actor(m));
             }
         }
         let mut conn = self.conn.clone();
@@ -352,16 +341,12 @@ impl RedisSink {
         if reply.first().map(String::as_str) == Some("stale") {
             return Ok(None);
         }
-        fenced_flush_reply(&reply, write, &runs).map(Some)
+        fenced_flush_reply(&reply, write).map(Some)
     }
 }
 
 /// `scripts/flush.lua`'s reply, other than `{'stale'}`.
-fn fenced_flush_reply(
-    reply: &[String],
-    write: GroupWrite<'_>,
-    runs: &LikeRuns,
-) -> Result<Applied, SinkError> {
+fn fenced_flush_reply(reply: &[String], write: GroupWrite<'_>) -> Result<Applied, SinkError> {
     match reply.first().map(String::as_str) {
         Some("ok") => Ok(Applied::Written),
         Some("duplicate") => Ok(Applied::AlreadyApplied),
@@ -380,7 +365,7 @@ fn fenced_flush_reply(
                 let [index, reason] = pair else {
                     return Err(unexpected(reply));
                 };
-                let refused = (index.parse().ok()).map(|i| write.refused(i, runs));
+                let refused = (index.parse().ok()).map(|i| write.refused(i));
                 let reason = DeadLetterReason::from_script(reason);
                 let (Some(refused), Some(reason)) = (refused.filter(|r| !r.is_empty()), reason)
                 else {
