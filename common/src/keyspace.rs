@@ -446,10 +446,22 @@ impl Keyspace {
     /// Writes the key holding `counter`'s share in `group` into `out` (cleared first), so that a
     /// flush can reuse one buffer for all its keys.
     pub fn write_counter_key(&self, out: &mut String, group: u32, counter: &str) {
-        use std::fmt::Write;
+        self.write_group_key(out, group, "c", counter);
+    }
+
+    /// `<prefix>:{g<group>}:<kind>:<counter>` into `out` (cleared first), piece by piece: one
+    /// is written per delta and per run of likes of a flush, and `write!` took a quarter of the
+    /// time of a long-tail flush's keys in formatting machinery.
+    fn write_group_key(&self, out: &mut String, group: u32, kind: &str, counter: &str) {
         out.clear();
-        // Writing to a String cannot fail.
-        let _ = write!(out, "{}:{{g{group}}}:c:{counter}", self.prefix);
+        out.reserve(self.prefix.len() + kind.len() + counter.len() + 16);
+        out.push_str(&self.prefix);
+        out.push_str(":{g");
+        out.push_str(itoa::Buffer::new().format(group));
+        out.push_str("}:");
+        out.push_str(kind);
+        out.push(':');
+        out.push_str(counter);
     }
 
     /// The key holding `counter`'s share in `group` of the bucket of width `width_ms` starting at
@@ -492,10 +504,7 @@ impl Keyspace {
 
     /// [`Keyspace::member_key`] into `out` (cleared first), reusing its allocation.
     pub fn write_member_key(&self, out: &mut String, group: u32, counter: &str) {
-        use std::fmt::Write;
-        out.clear();
-        // Writing to a String cannot fail.
-        let _ = write!(out, "{}:{{g{group}}}:m:{counter}", self.prefix);
+        self.write_group_key(out, group, "m", counter);
     }
 
     /// The group holding shard `shard` of a directly written counter: `(base + shard) mod N`,
@@ -827,6 +836,8 @@ mod tests {
     fn counter_of_key_inverts_counter_key() {
         let ks = Keyspace::new("test-1", 16).expect("valid");
         let key = ks.counter_key(11, "likes:post:42");
+        assert_eq!(key, "test-1:{g11}:c:likes:post:42");
+        assert_eq!(ks.member_key(0, "a"), "test-1:{g0}:m:a");
         assert_eq!(ks.counter_of_key(&key), Some("likes:post:42"));
         assert_eq!(ks.counter_of_key("test-1:{gx}:c:a"), None);
         assert_eq!(ks.counter_of_key("other:{g1}:c:a"), None);

@@ -34,47 +34,67 @@ const BUCKET_TTL_S: i64 = 120;
 /// The Space-Saving sketch (Metwally et al.): `capacity` counters with their estimated activity.
 /// A new counter arriving when it is full replaces the smallest entry and inherits its count, so
 /// estimates never undercount and every heavy hitter stays in.
+///
+/// On a long tail nearly every counter is new, so the replacement is the common case: it scans
+/// the entries' counts (one array) and reuses the replaced entry's strings. Scanning a map with
+/// ties broken by name, and allocating a key per replacement, was a quarter of the
+/// aggregator's CPU on a catch-up where every event is a distinct counter (perf, session 28).
 #[derive(Debug, Clone)]
 pub struct SpaceSaving {
     capacity: usize,
-    counts: HashMap<String, u64>,
+    /// Each entry's estimated activity.
+    counts: Vec<u64>,
+    /// Each entry's counter.
+    names: Vec<String>,
+    /// Where each counter's entry is.
+    slots: HashMap<String, usize, foldhash::fast::RandomState>,
 }
 
 impl SpaceSaving {
     /// An empty sketch of `capacity` entries.
     pub fn new(capacity: usize) -> Self {
+        let capacity = capacity.max(1);
         Self {
-            capacity: capacity.max(1),
-            counts: HashMap::with_capacity(capacity),
+            capacity,
+            counts: Vec::with_capacity(capacity),
+            names: Vec::with_capacity(capacity),
+            slots: HashMap::with_capacity_and_hasher(capacity, Default::default()),
         }
     }
 
     /// Adds `weight` of activity to `counter`.
     pub fn add(&mut self, counter: &str, weight: u64) {
-        if let Some(count) = self.counts.get_mut(counter) {
-            *count += weight;
+        if let Some(&i) = self.slots.get(counter) {
+            self.counts[i] += weight;
             return;
         }
         if self.counts.len() < self.capacity {
-            self.counts.insert(counter.to_owned(), weight);
+            self.slots.insert(counter.to_owned(), self.counts.len());
+            self.counts.push(weight);
+            self.names.push(counter.to_owned());
             return;
         }
-        let Some((smallest, floor)) = self
-            .counts
-            .iter()
-            .min_by(|a, b| a.1.cmp(b.1).then_with(|| b.0.cmp(a.0)))
-            .map(|(k, v)| (k.clone(), *v))
-        else {
+        // The smallest entry (the first of equals) makes room, and its count is inherited.
+        let Some(i) = (0..self.counts.len()).min_by_key(|&i| self.counts[i]) else {
             return;
         };
-        self.counts.remove(&smallest);
-        self.counts.insert(counter.to_owned(), floor + weight);
+        let name = &mut self.names[i];
+        let (mut key, _) = (self.slots)
+            .remove_entry(name.as_str())
+            .expect("every entry has a slot");
+        key.clear();
+        key.push_str(counter);
+        name.clear();
+        name.push_str(counter);
+        self.slots.insert(key, i);
+        self.counts[i] += weight;
     }
 
     /// The `k` largest entries, largest first.
     pub fn top(&self, k: usize) -> Vec<(String, u64)> {
-        let mut all: Vec<(String, u64)> =
-            self.counts.iter().map(|(c, n)| (c.clone(), *n)).collect();
+        let mut all: Vec<(String, u64)> = (self.names.iter().cloned())
+            .zip(self.counts.iter().copied())
+            .collect();
         all.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
         all.truncate(k);
         all
@@ -233,8 +253,12 @@ mod tests {
         }
         let top: Vec<String> = sketch.top(3).into_iter().map(|(c, _)| c).collect();
         assert_eq!(top, ["likes:hot:a", "likes:hot:b", "likes:hot:c"]);
-        assert!(sketch.counts.len() <= 8);
-        // Estimates never undercount.
+        assert!(sketch.counts.len() <= 8 && sketch.slots.len() == sketch.counts.len());
+        // Estimates never undercount, and they add up to all the activity fed.
         assert!(sketch.top(1)[0].1 >= 1_250);
+        assert_eq!(sketch.counts.iter().sum::<u64>(), 1_000 + 250 * 10);
+        for (i, name) in sketch.names.iter().enumerate() {
+            assert_eq!(sketch.slots[name], i, "{name}");
+        }
     }
 }
