@@ -3,18 +3,23 @@
 //! offset only once everything before it is durable.
 //!
 //! # Layout
-//! The folders follow the architecture, from the core up:
+//! The folders are layers, from the ground up; each imports only those below it (the
+//! `layering` test of `tally-common` checks it):
 //! - [`machine`]: the core, with no I/O: one partition as a state machine (what to flush,
-//!   commit, pause), its batch and flush triggers, what a write is, and the fence decisions.
+//!   commit, pause), its batch and flush triggers, what a write is, and the exactly-once and
+//!   expiry decisions.
 //! - [`store`]: the stores: the [`Sink`] seam, [`RedisSink`] (Lua scripts, or transactions),
-//!   PostgreSQL, what each store's errors say, the flush with its retries and owning a
-//!   partition in exactly-once mode (epochs, fences, ledgers, watermark).
-//! - [`consume`]: the Kafka side: the loop ([`Aggregator`]), the record source (librdkafka's
-//!   consumer or tally's fetcher), messages decoded and routed, actions carried out,
-//!   assignments, revokes and drains, the rebalance callbacks, dead letters and idempotency keys.
+//!   PostgreSQL, what each store's errors say, and owning a partition in exactly-once mode
+//!   (epochs, fences, ledgers, watermark).
 //! - [`tasks`]: the side tasks: trending, expiry, the shard monitor, compaction.
-//! - [`operator`]: the operator's surface: configuration, metrics, and the HTTP endpoint.
-//!   Credentials and shutdown on signals are `tally_ops`'s.
+//! - [`consume`]: the Kafka side: the loop ([`Aggregator`]), the record source (librdkafka's
+//!   consumer or tally's fetcher), messages decoded and routed, actions carried out, the flush
+//!   with its retries, assignments, revokes and drains, the rebalance callbacks, dead letters,
+//!   idempotency keys and the expirer.
+//!
+//! Beside them, [`operator`]: the operator's surface (configuration, metrics, the HTTP
+//! endpoint), which the layers above the core use and which uses the core only. Credentials
+//! and shutdown on signals are `tally_ops`'s.
 
 pub mod consume;
 pub mod machine;
@@ -28,9 +33,8 @@ use std::time::Duration;
 use rdkafka::ClientConfig;
 use tokio_util::sync::CancellationToken;
 
-use consume::dead_letter;
+use consume::{dead_letter, flush};
 use operator::{config, http, metrics};
-use store::flush;
 use tasks::{shard_monitor, trending};
 
 pub use consume::daemon::Aggregator;

@@ -163,7 +163,7 @@ impl Env<'_> {
             .env(
                 "RUST_LOG",
                 std::env::var("RUST_LOG")
-                    .unwrap_or_else(|_| "info,tally_aggregator::store::flush=debug".into()),
+                    .unwrap_or_else(|_| "info,tally_aggregator::consume::flush=debug".into()),
             )
             .stderr(std::fs::File::create(
                 self.args.out.join(format!("aggregator-{log}.log")),

@@ -246,6 +246,54 @@ fn no_cycle_of_modules_in_any_crate() {
     println!("module edges per crate: {counted:?}");
 }
 
+/// The edges between rooms, each crate's top-level modules: every edge between two modules of
+/// different rooms, as an edge between their rooms (the crate root, which declares the rooms
+/// and re-exports from them, is left out).
+fn room_edges(edges: &BTreeSet<(Module, Module)>) -> BTreeSet<(Module, Module)> {
+    (edges.iter())
+        .filter(|(from, to)| !from.is_empty() && !to.is_empty() && from[0] != to[0])
+        .map(|(from, to)| (from[..1].to_vec(), to[..1].to_vec()))
+        .collect()
+}
+
+/// Rooms form layers: no two rooms of a crate reach each other, though no two of their files
+/// need import each other for them to (a file of `store` importing `tasks`, one of `tasks`
+/// importing `consume`, one of `consume` importing `store`).
+#[test]
+fn no_cycle_of_rooms_in_any_crate() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let mut found = Vec::new();
+    let mut counted = BTreeMap::new();
+    for crate_dir in CRATES {
+        let edges = edges(&root.join(crate_dir));
+        let rooms = room_edges(&edges);
+        counted.insert(crate_dir, rooms.len());
+        for component in cycles(&rooms) {
+            let names: Vec<String> = component.iter().map(|m| name(crate_dir, m)).collect();
+            // One file edge per room edge of a cycle through the component, to show where.
+            let cycle = one_cycle(&rooms, &component);
+            let why: Vec<String> = (cycle.windows(2))
+                .filter_map(|pair| {
+                    (edges.iter())
+                        .find(|(f, t)| f.first() == pair[0].first() && t.first() == pair[1].first())
+                        .map(|(f, t)| format!("{} -> {}", name(crate_dir, f), name(crate_dir, t)))
+                })
+                .collect();
+            found.push(format!(
+                "{}
+  e.g. {}",
+                names.join(", "),
+                why.join(", ")
+            ));
+        }
+    }
+    assert!(
+        counted["aggregator/src"] >= 5,
+        "too few room edges found to trust the check: {counted:?}"
+    );
+    assert!(found.is_empty(), "rooms in cycles:\n{}", found.join("\n"));
+}
+
 #[test]
 fn the_checker_sees_a_cycle_when_there_is_one() {
     let dir = std::env::temp_dir().join(format!("tally-layering-{}", std::process::id()));
@@ -277,6 +325,15 @@ fn the_checker_sees_a_cycle_when_there_is_one() {
         one_cycle(&e, &cycles(&e)[0]),
         [m("a"), m("b"), m("b/c"), m("a")]
     );
+    // Rooms: b/c -> a and a -> b make rooms a and b a cycle, though a and b/c were one
+    // already; with b/c importing b/d only, the files have no cycle and the rooms none.
+    assert_eq!(cycles(&room_edges(&e)), vec![vec![m("a"), m("b")]]);
+    std::fs::write(dir.join("b/c.rs"), "use super::d;\n").expect("c");
+    std::fs::write(dir.join("b/d.rs"), "fn f() { crate::a::y(); }\n").expect("d");
+    std::fs::write(dir.join("b/mod.rs"), "mod c;\nmod d;\n").expect("b");
+    let e = edges(&dir);
+    assert!(cycles(&e).is_empty(), "{e:?}");
+    assert_eq!(cycles(&room_edges(&e)), vec![vec![m("a"), m("b")]]);
     std::fs::remove_dir_all(dir).ok();
 }
 
@@ -335,24 +392,44 @@ fn no_file_over_700_lines_of_production_code() {
     assert!(over.is_empty(), "files too long:\n{}", over.join("\n"));
 }
 
-/// The aggregator's core (`aggregator/src/machine`: the partition state machine, its batch,
-/// ownership and outcomes) imports no other module of the crate: nothing that does I/O.
+/// The aggregator's rooms from the ground up: `machine` (the core, no I/O), `store`, `tasks`,
+/// `consume`. A room imports only rooms below it. `operator` (configuration, metrics, the HTTP
+/// endpoint) stands beside them: the rooms above the core may use it, and it uses the core only.
+const AGGREGATOR_ROOMS: [&str; 4] = ["machine", "store", "tasks", "consume"];
+
 #[test]
-fn the_aggregators_core_imports_nothing_above_it() {
+fn the_aggregators_rooms_import_only_rooms_below_them() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
     let edges = edges(&root.join("aggregator/src"));
-    let core = |m: &Module| m.first().is_some_and(|s| s == "machine");
+    let level = |room: &str| AGGREGATOR_ROOMS.iter().position(|r| *r == room);
+    let allowed = |from: &str, to: &str| match (from, to) {
+        ("operator", to) => to == "machine",
+        (from, "operator") => from != "machine",
+        (from, to) => level(from).zip(level(to)).is_some_and(|(f, t)| t < f),
+    };
+    let rooms: BTreeSet<&str> = (edges.iter())
+        .flat_map(|(f, t)| [f, t])
+        .filter_map(|m| m.first().map(String::as_str))
+        .collect();
+    let unplaced: Vec<&&str> = (rooms.iter())
+        .filter(|r| **r != "operator" && level(r).is_none())
+        .collect();
+    assert!(
+        unplaced.is_empty(),
+        "rooms with no place in the layers: {unplaced:?}"
+    );
     let up: Vec<String> = (edges.iter())
-        .filter(|(from, to)| core(from) && !core(to))
+        .filter(|(from, to)| !from.is_empty() && !to.is_empty() && from[0] != to[0])
+        .filter(|(from, to)| !allowed(&from[0], &to[0]))
         .map(|(from, to)| format!("{} -> {}", from.join("::"), to.join("::")))
         .collect();
     assert!(
-        edges.iter().any(|(from, _)| core(from)),
-        "the core's edges are found"
+        rooms.len() == AGGREGATOR_ROOMS.len() + 1,
+        "every room's edges are found: {rooms:?}"
     );
     assert!(
         up.is_empty(),
-        "the core imports from above it:\n{}",
+        "imports of rooms not below:\n{}",
         up.join("\n")
     );
 }

@@ -9,10 +9,10 @@ use rdkafka::consumer::{CommitMode, Consumer, ConsumerContext};
 use tokio::task::{JoinHandle, JoinSet};
 use tokio_util::sync::CancellationToken;
 
+use crate::consume::flush::Flusher;
 use crate::machine::outcome::{FlushOutcome, Standing};
 use crate::machine::partition::{Drain, NotDrained, Partition};
 use crate::operator::config::Delivery;
-use crate::store::flush::Flusher;
 use crate::store::sink::Sink;
 
 use super::{Drained, Shared, Slot, Task, lock};

@@ -17,10 +17,10 @@ use tokio_util::sync::CancellationToken;
 
 use tally_kafka::{Fetched, Fetcher};
 
+use crate::consume::flush::Flusher;
 use crate::consume::idempotency::WarmUp;
 use crate::consume::rebalance::AggregatorContext;
 use crate::consume::{LoopSettings, Report, RunSummary, Shared};
-use crate::store::flush::Flusher;
 use crate::store::sink::Sink;
 
 /// Most messages taken from librdkafka's queue in one go (one lock of the partitions, one
@@ -157,11 +157,7 @@ impl<S: Sink> Aggregator<S> {
         let mut stream = self.consumer.stream();
         if let Some(shortest) = shared.settings.namespaces.shortest_expiry_ms() {
             let every = crate::tasks::expiry::interval(shortest);
-            tokio::spawn(crate::tasks::expiry::run(
-                shared.clone(),
-                every,
-                shutdown.clone(),
-            ));
+            tokio::spawn(super::expirer::run(shared.clone(), every, shutdown.clone()));
         }
         loop {
             tokio::select! {

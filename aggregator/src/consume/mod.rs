@@ -8,6 +8,9 @@
 //!   one task.
 //! - [`rebalance`]: the consumer's context: the rebalance callbacks, statistics and logs.
 //! - [`dead_letter`]: the dead-letter topic for malformed messages.
+//! - `expirer`: expiry records written into the partitions this aggregator owns.
+//! - [`flush`]: making a sealed batch durable through the sink, with retries, its refused
+//!   writes dead-lettered and its counters fed to trending.
 //! - [`idempotency`]: idempotency keys, decided from the log and warmed up from it.
 //! - `source`: where records come from (librdkafka's consumer or tally's fetcher), the one
 //!   place that tells the two read paths apart.
@@ -43,6 +46,7 @@ use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
+use crate::consume::flush::Flusher;
 use crate::consume::idempotency::{RecentIds, WarmUp};
 use crate::machine::outcome::{FlushOutcome, Standing};
 use crate::machine::ownership::{Owner, Resume};
@@ -50,7 +54,6 @@ use crate::machine::pace::Limits;
 use crate::machine::partition::Partition;
 use crate::operator::config::Delivery;
 use crate::operator::metrics::Metrics;
-use crate::store::flush::Flusher;
 use crate::store::sink::Sink;
 use source::Source;
 
@@ -58,6 +61,8 @@ mod act;
 mod assign;
 pub mod daemon;
 pub mod dead_letter;
+mod expirer;
+pub mod flush;
 pub mod idempotency;
 pub mod rebalance;
 mod route;

@@ -130,6 +130,15 @@ pub fn flush_verdict(
     (!rejected.is_empty()).then_some(Applied::Rejected(rejected))
 }
 
+/// Whether a counter expires at its expiry record: `last` is its deadline in the index (the
+/// latest of its events before this batch since its last expiry, if any), `held` the latest of
+/// its events earlier in the batch, `deadline` the record's clock. Idle means: it had an event
+/// since its last expiry (else there is nothing to clear), and every one's deadline has passed.
+/// `scripts/idle.lua` decides the same way (`crate::tasks::expiry` explains expiry).
+pub fn expires(last: Option<i64>, held: Option<i64>, deadline: i64) -> bool {
+    last.max(held).is_some_and(|latest| latest <= deadline)
+}
+
 #[cfg(test)]
 mod tests {
     use super::super::likes::Likes;
@@ -264,5 +273,16 @@ mod tests {
         assert_eq!(watermark_refusal(Some(5), 4), Some(Applied::Fenced));
         assert_eq!(watermark_refusal(Some(3), 4), Some(Applied::RolledBack));
         assert_eq!(watermark_refusal(None, 4), Some(Applied::RolledBack));
+    }
+
+    #[test]
+    fn a_counter_expires_only_if_it_was_touched_and_every_touch_is_past_its_deadline() {
+        assert!(!expires(None, None, 100), "nothing to clear");
+        assert!(expires(Some(100), None, 100));
+        assert!(expires(None, Some(90), 100));
+        assert!(expires(Some(50), Some(90), 100));
+        assert!(!expires(Some(101), None, 100));
+        assert!(!expires(Some(50), Some(101), 100));
+        assert!(!expires(Some(150), Some(90), 100));
     }
 }

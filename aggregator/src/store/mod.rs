@@ -7,7 +7,6 @@
 //!   scripts.
 //! - [`pg_sink`]: [`pg_sink::PgSink`], PostgreSQL as the store of record.
 //! - `memory_sink`: an in-memory sink for the unit tests of the loop.
-//! - [`flush`]: making a sealed batch durable through the sink, with retries.
 //! - [`script_call`]: one `EVALSHA`, its keys and arguments each in one buffer.
 //! - [`cells`]: window deltas as rewrites of the counters' cells hashes, planned from a read.
 //! - [`fence`]: owning a partition in exactly-once mode (epochs, fences, ledgers, watermark).
@@ -17,9 +16,8 @@
 
 pub mod cells;
 pub mod fence;
-pub mod flush;
 #[cfg(test)]
-mod memory_sink;
+pub(crate) mod memory_sink;
 pub mod pg_sink;
 pub mod redis_sink;
 pub mod script_call;

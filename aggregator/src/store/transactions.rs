@@ -509,7 +509,7 @@ impl Transactions {
                     Some(d) => d == "1",
                     None => {
                         let expired =
-                            crate::tasks::expiry::expires(last, e.held_deadline, e.deadline_ms);
+                            crate::machine::verdict::expires(last, e.held_deadline, e.deadline_ms);
                         writes
                             .hset(&expired_key, e.offset, if expired { "1" } else { "0" })
                             .ignore();
