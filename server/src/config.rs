@@ -7,14 +7,14 @@
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Duration;
 
-use serde::Deserialize;
 use tally_common::{RedisTarget, defaults};
 use tally_ops::ConfigError;
-use tally_ops::config::{PostgresTarget, Store, parse_key_value, read_toml};
-use tally_ops::secrets::{self, Secrets};
+use tally_ops::config::{PostgresTarget, Store};
+use tally_ops::secrets::Secrets;
+use tally_ops::settings::{FileAndKafka, with_defaults_in_help};
 
 /// The defaults of the settings below.
 pub mod default {
@@ -28,56 +28,39 @@ pub mod default {
     pub const POSTGRES_STATEMENT_TIMEOUT_MS: u64 = 5_000;
 }
 
-/// Settings as given by a file, the environment or flags: every field optional.
-#[derive(Debug, Default, Clone, Deserialize, clap::Args)]
-#[serde(deny_unknown_fields)]
-pub struct Settings {
-    /// Address to listen on; anything but loopback needs a token file [default: 127.0.0.1:8080]
-    #[arg(long, env = "TALLY_LISTEN")]
-    pub listen: Option<SocketAddr>,
-    /// TOML file of API tokens (their SHA-256) and scopes; without one, only loopback [default: none]
-    #[arg(long, env = "TALLY_TOKENS")]
-    pub tokens: Option<PathBuf>,
-    /// PEM certificate chain: serve HTTPS (with --tls-key) [default: none, plain HTTP]
-    #[arg(long, env = "TALLY_TLS_CERT", requires = "tls_key")]
-    pub tls_cert: Option<PathBuf>,
-    /// PEM private key (PKCS#8) of --tls-cert [default: none]
-    #[arg(long, env = "TALLY_TLS_KEY", requires = "tls_cert")]
-    pub tls_key: Option<PathBuf>,
-    /// Redis URL (a password only through TALLY_REDIS_URL, TALLY_REDIS_PASSWORD or the file) [default: redis://127.0.0.1:6379]
-    #[arg(long, env = "TALLY_REDIS_URL", hide_env_values = true)]
-    pub redis_url: Option<String>,
-    /// Prefix of every Redis key, as given to the aggregator [default: tally]
-    #[arg(long, env = "TALLY_KEY_PREFIX")]
-    pub key_prefix: Option<String>,
-    /// Shard groups, as given to the aggregator [default: 16]
-    #[arg(long, env = "TALLY_SHARD_GROUPS")]
-    pub shard_groups: Option<u32>,
-    /// Namespace policies file, as given to the aggregator [default: none]
-    #[arg(long, env = "TALLY_NAMESPACES")]
-    pub namespaces: Option<PathBuf>,
-    /// Kafka bootstrap servers [default: 127.0.0.1:9092]
-    #[arg(long, env = "TALLY_BROKERS")]
-    pub brokers: Option<String>,
-    /// Topic events are appended to [default: tally.events]
-    #[arg(long, env = "TALLY_TOPIC")]
-    pub topic: Option<String>,
-    /// The aggregators' consumer group, for the pipeline's committed offsets [default: tally-aggregator]
-    #[arg(long, env = "TALLY_GROUP")]
-    pub group: Option<String>,
-    /// Longest POST /v1/events waits for Kafka to acknowledge its events, in ms [default: 5000]
-    #[arg(long, env = "TALLY_PRODUCE_TIMEOUT_MS")]
-    pub produce_timeout_ms: Option<u64>,
-    /// Where the aggregator stores counts: redis, or postgres (the share rows, read on a cache miss; Redis keeps the cache of totals) [default: redis]
-    #[arg(long, env = "TALLY_STORE", value_enum)]
-    pub store: Option<Store>,
-    /// PostgreSQL, with --store postgres (a password only through TALLY_POSTGRES_PASSWORD, TALLY_POSTGRES_URL or the file) [default: none]
-    #[arg(long, env = "TALLY_POSTGRES_URL", hide_env_values = true)]
-    pub postgres_url: Option<String>,
-    /// Raw librdkafka options (the file's `[kafka]` table).
-    #[arg(skip)]
-    #[serde(default)]
-    pub kafka: BTreeMap<String, String>,
+tally_ops::settings! {
+    defaulted {
+        /// Address to listen on; anything but loopback needs a token file
+        listen: SocketAddr = default::LISTEN.parse().expect("a valid address"), "TALLY_LISTEN", [];
+        /// Redis URL (a password only through TALLY_REDIS_URL, TALLY_REDIS_PASSWORD or the file)
+        redis_url: String = defaults::REDIS_URL.to_owned(), "TALLY_REDIS_URL", [hide_env_values = true];
+        /// Prefix of every Redis key, as given to the aggregator
+        key_prefix: String = defaults::KEY_PREFIX.to_owned(), "TALLY_KEY_PREFIX", [];
+        /// Shard groups, as given to the aggregator
+        shard_groups: u32 = defaults::SHARD_GROUPS, "TALLY_SHARD_GROUPS", [];
+        /// Kafka bootstrap servers
+        brokers: String = defaults::BROKERS.to_owned(), "TALLY_BROKERS", [];
+        /// Topic events are appended to
+        topic: String = defaults::TOPIC.to_owned(), "TALLY_TOPIC", [];
+        /// The aggregators' consumer group, for the pipeline's committed offsets
+        group: String = defaults::GROUP.to_owned(), "TALLY_GROUP", [];
+        /// Longest POST /v1/events waits for Kafka to acknowledge its events, in ms
+        produce_timeout_ms: u64 = default::PRODUCE_TIMEOUT_MS, "TALLY_PRODUCE_TIMEOUT_MS", [];
+        /// Where the aggregator stores counts: redis, or postgres (the share rows, read on a cache miss; Redis keeps the cache of totals)
+        store: Store = Store::default(), "TALLY_STORE", [value_enum];
+    }
+    optional {
+        /// TOML file of API tokens (their SHA-256) and scopes; without one, only loopback [default: none]
+        tokens: PathBuf, "TALLY_TOKENS", [];
+        /// PEM certificate chain: serve HTTPS (with --tls-key) [default: none, plain HTTP]
+        tls_cert: PathBuf, "TALLY_TLS_CERT", [requires = "tls_key"];
+        /// PEM private key (PKCS#8) of --tls-cert [default: none]
+        tls_key: PathBuf, "TALLY_TLS_KEY", [requires = "tls_cert"];
+        /// Namespace policies file, as given to the aggregator [default: none]
+        namespaces: PathBuf, "TALLY_NAMESPACES", [];
+        /// PostgreSQL, with --store postgres (a password only through TALLY_POSTGRES_PASSWORD, TALLY_POSTGRES_URL or the file) [default: none]
+        postgres_url: String, "TALLY_POSTGRES_URL", [hide_env_values = true];
+    }
 }
 
 /// The command line of `tally-server`.
@@ -88,13 +71,10 @@ pub struct Settings {
     about = "Serve tally's counts over HTTP: totals, events, likes, the top counters, and an operator console"
 )]
 pub struct Cli {
-    /// TOML file of settings (same names as the flags, with underscores); flags and TALLY_*
-    /// variables override it.
-    #[arg(long, env = "TALLY_CONFIG")]
-    pub config: Option<PathBuf>,
-    /// A raw librdkafka option for the producer and the pipeline's reader, key=value; repeatable.
-    #[arg(long = "kafka-option", env = "TALLY_KAFKA_OPTIONS", hide_env_values = true, value_delimiter = ',', value_parser = parse_key_value)]
-    pub kafka_options: Vec<(String, String)>,
+    /// `--config` and `--kafka-option` (for the producer and the pipeline's reader), as every
+    /// tally daemon takes them.
+    #[command(flatten)]
+    pub given: FileAndKafka,
     /// Every other setting.
     #[command(flatten)]
     pub settings: Settings,
@@ -152,61 +132,26 @@ impl std::fmt::Debug for Config {
 }
 
 impl Settings {
-    /// Reads settings from a TOML file.
-    pub fn from_file(path: &Path) -> Result<Self, ConfigError> {
-        read_toml(path)
-    }
-
-    /// These settings, with every field that `over` sets replaced by its value.
-    pub fn overridden_by(mut self, over: Settings) -> Self {
-        macro_rules! take {
-            ($($field:ident),*) => { $( if over.$field.is_some() { self.$field = over.$field; } )* };
-        }
-        take!(
-            listen,
-            tokens,
-            tls_cert,
-            tls_key,
-            redis_url,
-            key_prefix,
-            shard_groups,
-            namespaces,
-            brokers,
-            topic,
-            group,
-            produce_timeout_ms,
-            store,
-            postgres_url
-        );
-        self.kafka.extend(over.kafka);
-        self
-    }
-
     /// Fills in defaults and checks the values.
     pub fn resolve(self) -> Result<Config, ConfigError> {
-        let redis_url = self
-            .redis_url
-            .unwrap_or_else(|| defaults::REDIS_URL.to_owned());
-        let redis = RedisTarget::parse(&redis_url).map_err(|e| ConfigError::Invalid {
+        let v = self.values();
+        let redis = RedisTarget::parse(&v.redis_url).map_err(|e| ConfigError::Invalid {
             name: "redis_url",
             why: e.to_string(),
         })?;
-        let produce_timeout_ms = self
-            .produce_timeout_ms
-            .unwrap_or(default::PRODUCE_TIMEOUT_MS);
-        if produce_timeout_ms == 0 {
+        if v.produce_timeout_ms == 0 {
             return Err(ConfigError::Invalid {
                 name: "produce_timeout_ms",
                 why: "must be above 0".to_owned(),
             });
         }
         let postgres = PostgresTarget::from_settings(
-            self.store.unwrap_or_default(),
-            self.postgres_url,
+            v.store,
+            v.postgres_url,
             default::POSTGRES_POOL_SIZE,
             default::POSTGRES_STATEMENT_TIMEOUT_MS,
         )?;
-        let tls = match (self.tls_cert, self.tls_key) {
+        let tls = match (v.tls_cert, v.tls_key) {
             (Some(cert), Some(key)) => Some((cert, key)),
             (None, None) => None,
             (Some(_), None) | (None, Some(_)) => {
@@ -219,37 +164,38 @@ impl Settings {
         Ok(Config {
             postgres,
             tls,
-            listen: self
-                .listen
-                .unwrap_or_else(|| default::LISTEN.parse().expect("a valid address")),
-            tokens: self.tokens,
+            listen: v.listen,
+            tokens: v.tokens,
             redis,
-            key_prefix: self
-                .key_prefix
-                .unwrap_or_else(|| defaults::KEY_PREFIX.to_owned()),
-            shard_groups: self.shard_groups.unwrap_or(defaults::SHARD_GROUPS),
-            namespaces: self.namespaces,
-            brokers: self.brokers.unwrap_or_else(|| defaults::BROKERS.to_owned()),
-            topic: self.topic.unwrap_or_else(|| defaults::TOPIC.to_owned()),
-            group: self.group.unwrap_or_else(|| defaults::GROUP.to_owned()),
-            produce_timeout: Duration::from_millis(produce_timeout_ms),
-            kafka: self.kafka,
+            key_prefix: v.key_prefix,
+            shard_groups: v.shard_groups,
+            namespaces: v.namespaces,
+            brokers: v.brokers,
+            topic: v.topic,
+            group: v.group,
+            produce_timeout: Duration::from_millis(v.produce_timeout_ms),
+            kafka: v.kafka,
         })
     }
 }
 
 impl Cli {
+    /// The command line's grammar, with each setting's default in its help.
+    pub fn command() -> clap::Command {
+        with_defaults_in_help(
+            <Self as clap::CommandFactory>::command(),
+            &Settings::defaults(),
+        )
+    }
+
     /// Builds the command line from parsed `matches`, refusing secrets given as flags.
     pub fn from_matches(matches: &clap::ArgMatches) -> Result<Self, ConfigError> {
         let cli =
             <Self as clap::FromArgMatches>::from_arg_matches(matches).unwrap_or_else(|e| e.exit());
-        let from_command_line =
-            |id: &str| matches.value_source(id) == Some(clap::parser::ValueSource::CommandLine);
-        secrets::refuse_secret_flags(
-            &cli.kafka_options,
+        cli.given.refuse_secret_flags(
             cli.settings.redis_url.as_deref(),
             cli.settings.postgres_url.as_deref(),
-            from_command_line,
+            matches,
         )?;
         Ok(cli)
     }
@@ -257,14 +203,8 @@ impl Cli {
     /// Resolves the command line (with the file it names, if any) and `secrets` into a
     /// [`Config`]. Secrets override the same options from the file or flags.
     pub fn into_config_with(self, secrets: Secrets) -> Result<Config, ConfigError> {
-        let base = match &self.config {
-            Some(path) => Settings::from_file(path)?,
-            None => Settings::default(),
-        };
-        let mut over = self.settings;
-        over.kafka.extend(self.kafka_options);
-        over.kafka.extend(secrets.kafka.clone());
-        let mut config = base.overridden_by(over).resolve()?;
+        let mut config =
+            Settings::layered(&self.given, self.settings, &secrets.kafka)?.resolve()?;
         config.redis = secrets.redis_target(config.redis)?;
         if let Some(postgres) = &mut config.postgres {
             postgres.password = secrets.postgres_password.clone();
@@ -275,7 +215,7 @@ impl Cli {
 
 #[cfg(test)]
 mod tests {
-    use clap::{CommandFactory, FromArgMatches};
+    use clap::FromArgMatches;
 
     use super::*;
 
@@ -315,6 +255,22 @@ mod tests {
             Duration::from_millis(default::PRODUCE_TIMEOUT_MS)
         );
         assert!(toml::from_str::<Settings>("lisen = \"x\"").is_err());
+    }
+
+    #[test]
+    fn the_example_file_follows_the_declaration() {
+        let path =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/server.example.toml");
+        let text = std::fs::read_to_string(&path).expect("the example file");
+        let wrong = tally_ops::settings::example_mismatches(
+            &text,
+            &Settings::names(),
+            &Settings::defaults(),
+        );
+        assert!(wrong.is_empty(), "deploy/server.example.toml: {wrong:?}");
+        Settings::from_file(&path)
+            .and_then(Settings::resolve)
+            .expect("the example file resolves");
     }
 
     #[test]

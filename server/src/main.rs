@@ -8,7 +8,6 @@
 use std::sync::Arc;
 
 use anyhow::{Context, bail};
-use clap::CommandFactory;
 use rdkafka::ClientConfig;
 use tally_common::{CachedReader, Keyspace, Namespaces, Reader, RedisConn, pg};
 use tally_ops::secrets::Secrets;

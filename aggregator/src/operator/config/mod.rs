@@ -10,7 +10,6 @@
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -20,13 +19,14 @@ use crate::machine::pace::{Limits, Size};
 pub use tally_ops::ConfigError;
 use tally_ops::config::positive;
 pub use tally_ops::config::{PostgresTarget, Store, parse_key_value, read_toml};
-use tally_ops::secrets::{self, Secrets};
+use tally_ops::secrets::Secrets;
 
 mod choices;
 mod settings;
 
 pub use choices::{Atomicity, Delivery, Fetch, LogFormat};
-pub use settings::{Settings, Shown, Values, with_defaults_in_help};
+pub use settings::{Settings, Values, with_defaults_in_help};
+pub use tally_ops::settings::{FileAndKafka, Shown};
 
 /// The command line of `tally-aggregator`.
 #[derive(Debug, clap::Parser)]
@@ -36,13 +36,9 @@ pub use settings::{Settings, Shown, Values, with_defaults_in_help};
     about = "Sums counter events from Kafka in micro-batches and flushes them to sharded Redis keys"
 )]
 pub struct Cli {
-    /// TOML file of settings (same names as the flags, with underscores); flags and TALLY_*
-    /// variables override it.
-    #[arg(long, env = "TALLY_CONFIG")]
-    pub config: Option<PathBuf>,
-    /// A raw librdkafka option, key=value; repeatable.
-    #[arg(long = "kafka-option", env = "TALLY_KAFKA_OPTIONS", hide_env_values = true, value_delimiter = ',', value_parser = parse_key_value)]
-    pub kafka_options: Vec<(String, String)>,
+    /// `--config` and `--kafka-option`, as every tally daemon takes them.
+    #[command(flatten)]
+    pub given: FileAndKafka,
     /// Every other setting.
     #[command(flatten)]
     pub settings: Settings,
@@ -135,11 +131,6 @@ impl std::fmt::Debug for Config {
 }
 
 impl Settings {
-    /// Reads settings from a TOML file.
-    pub fn from_file(path: &Path) -> Result<Self, ConfigError> {
-        read_toml(path)
-    }
-
     /// Fills in defaults and checks the values.
     pub fn resolve(self) -> Result<Config, ConfigError> {
         let v = self.values();
@@ -337,13 +328,10 @@ impl Cli {
     pub fn from_matches(matches: &clap::ArgMatches) -> Result<Self, ConfigError> {
         let cli =
             <Self as clap::FromArgMatches>::from_arg_matches(matches).unwrap_or_else(|e| e.exit());
-        let from_command_line =
-            |id: &str| matches.value_source(id) == Some(clap::parser::ValueSource::CommandLine);
-        secrets::refuse_secret_flags(
-            &cli.kafka_options,
+        cli.given.refuse_secret_flags(
             cli.settings.redis_url.as_deref(),
             cli.settings.postgres_url.as_deref(),
-            from_command_line,
+            matches,
         )?;
         Ok(cli)
     }
@@ -357,14 +345,8 @@ impl Cli {
     /// Resolves the command line (with the file it names, if any) and `secrets` into a
     /// [`Config`]. Secrets override the same options from the file or flags.
     pub fn into_config_with(self, secrets: Secrets) -> Result<Config, ConfigError> {
-        let base = match &self.config {
-            Some(path) => Settings::from_file(path)?,
-            None => Settings::default(),
-        };
-        let mut over = self.settings;
-        over.kafka.extend(self.kafka_options);
-        over.kafka.extend(secrets.kafka.clone());
-        let mut config = base.overridden_by(over).resolve()?;
+        let mut config =
+            Settings::layered(&self.given, self.settings, &secrets.kafka)?.resolve()?;
         config.redis = secrets.redis_target(config.redis)?;
         if let Some(postgres) = &mut config.postgres {
             postgres.password = secrets.postgres_password.clone();
@@ -375,6 +357,8 @@ impl Cli {
 
 #[cfg(test)]
 mod tests {
+    use std::path::Path;
+
     use clap::Parser;
 
     use super::*;
@@ -508,23 +492,15 @@ mod tests {
     fn the_example_file_and_the_k8s_config_follow_the_declaration() {
         let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/aggregator.example.toml");
         let text = std::fs::read_to_string(&path).expect("the example file");
-        let table: toml::Table = toml::from_str(&text).expect("TOML");
-        // Every setting is in the example (those without a default may be commented out), each
-        // that has a default at its default.
-        for name in Settings::names() {
-            assert!(
-                text.contains(&format!("{name} = ")),
-                "the example file lacks {name}"
-            );
-        }
-        for (name, default) in Settings::defaults() {
-            let value = table.get(name);
-            let shown = match value.unwrap_or_else(|| panic!("{name} is commented out")) {
-                toml::Value::String(s) => s.clone(),
-                other => other.to_string(),
-            };
-            assert_eq!(shown, default, "{name} in the example file");
-        }
+        let wrong = tally_ops::settings::example_mismatches(
+            &text,
+            &Settings::names(),
+            &Settings::defaults(),
+        );
+        assert!(
+            wrong.is_empty(),
+            "deploy/aggregator.example.toml: {wrong:?}"
+        );
         let k8s: Settings = toml::from_str(&k8s_config()).expect("the k8s config's keys");
         k8s.resolve().expect("the k8s config resolves");
     }

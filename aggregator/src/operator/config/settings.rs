@@ -1,118 +1,27 @@
-//! Every setting of the aggregator, declared once: its name (the flag `--name-with-dashes`, the
-//! file's key `name_with_underscores`), its environment variable, its type, its default and its
-//! help. From that one declaration come [`Settings`] (what a file, the environment or flags
-//! gave: each field optional), the merge of one over another ([`Settings::overridden_by`]),
-//! [`Values`] (every default filled in), the `[default: ...]` of each flag's help
-//! ([`with_defaults_in_help`]), and [`Settings::defaults`] (with `Settings::names` in tests),
-//! which a test holds `deploy/aggregator.example.toml` and the Kubernetes config to.
+//! Every setting of the aggregator, declared once with `tally_ops::settings!` (as
+//! `tally-server`'s are): [`Settings`] (what a file, the environment or flags gave), their merge
+//! ([`Settings::overridden_by`]), [`Values`] (every default filled in), the `[default: ...]` of
+//! each flag's help ([`with_defaults_in_help`]), and [`Settings::defaults`] (with
+//! `Settings::names` in tests), which a test holds `deploy/aggregator.example.toml` and the
+//! Kubernetes config to.
 
-use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
-use serde::Deserialize;
 use tally_common::{GroupingRule, defaults};
-
 use tally_ops::config::Store;
+use tally_ops::settings::{Shown, value_enum_name};
 
 use super::choices::{Atomicity, Delivery, Fetch, LogFormat};
 
-/// How a default is written in the help and in the example file.
-pub trait Shown {
-    /// The value as a flag would take it.
-    fn shown(&self) -> String;
-}
-
-macro_rules! shown_by_display {
-    ($($t:ty),*) => { $( impl Shown for $t { fn shown(&self) -> String { self.to_string() } } )* };
-}
-shown_by_display!(String, u32, u64, usize, SocketAddr);
-
 macro_rules! shown_by_value_enum {
     ($($t:ty),*) => {
-        $( impl Shown for $t {
-            fn shown(&self) -> String {
-                clap::ValueEnum::to_possible_value(self)
-                    .map(|p| p.get_name().to_owned())
-                    .unwrap_or_default()
-            }
-        } )*
+        $( impl Shown for $t { fn shown(&self) -> String { value_enum_name(self) } } )*
     };
 }
-shown_by_value_enum!(LogFormat, Delivery, Atomicity, Fetch, Store);
+shown_by_value_enum!(LogFormat, Delivery, Atomicity, Fetch);
 
-impl Shown for GroupingRule {
-    fn shown(&self) -> String {
-        self.as_str().to_owned()
-    }
-}
-
-/// Declares the settings: `defaulted` ones have a default, `optional` ones have none (or one
-/// that depends on another setting, said in their help). `[...]` holds extra `#[arg]` options.
-macro_rules! settings {
-    (
-        defaulted {
-            $( $(#[doc = $doc:literal])* $name:ident: $ty:ty = $default:expr, $env:literal, [$($arg:tt)*]; )*
-        }
-        optional {
-            $( $(#[doc = $odoc:literal])* $oname:ident: $oty:ty, $oenv:literal, [$($oarg:tt)*]; )*
-        }
-    ) => {
-        /// Settings as given by a file, the environment or flags: every field optional.
-        #[derive(Debug, Default, Clone, Deserialize, clap::Args)]
-        #[serde(deny_unknown_fields)]
-        pub struct Settings {
-            $( $(#[doc = $doc])* #[arg(long, env = $env, $($arg)*)] pub $name: Option<$ty>, )*
-            $( $(#[doc = $odoc])* #[arg(long, env = $oenv, $($oarg)*)] pub $oname: Option<$oty>, )*
-            /// Raw librdkafka options (the file's `[kafka]` table).
-            #[arg(skip)]
-            #[serde(default)]
-            pub kafka: BTreeMap<String, String>,
-        }
-
-        /// Every setting with its default filled in; the optional ones as given.
-        #[derive(Debug, Clone)]
-        pub struct Values {
-            $( $(#[doc = $doc])* pub $name: $ty, )*
-            $( $(#[doc = $odoc])* pub $oname: Option<$oty>, )*
-            /// Raw librdkafka options.
-            pub kafka: BTreeMap<String, String>,
-        }
-
-        impl Settings {
-            /// These settings, with every field that `over` sets replaced by its value (and
-            /// `over`'s Kafka options added over these).
-            pub fn overridden_by(mut self, over: Settings) -> Self {
-                $( if over.$name.is_some() { self.$name = over.$name; } )*
-                $( if over.$oname.is_some() { self.$oname = over.$oname; } )*
-                self.kafka.extend(over.kafka);
-                self
-            }
-
-            /// Every default filled in.
-            pub fn values(self) -> Values {
-                Values {
-                    $( $name: self.$name.unwrap_or_else(|| $default), )*
-                    $( $oname: self.$oname, )*
-                    kafka: self.kafka,
-                }
-            }
-
-            /// Each setting that has a default, with the default as a flag takes it.
-            pub fn defaults() -> Vec<(&'static str, String)> {
-                vec![ $( (stringify!($name), Shown::shown(&{ let d: $ty = $default; d })), )* ]
-            }
-
-            /// Every setting's name, as the file spells it (for the checks of the example file).
-            #[cfg(test)]
-            pub fn names() -> Vec<&'static str> {
-                vec![ $( stringify!($name), )* $( stringify!($oname), )* ]
-            }
-        }
-    };
-}
-
-settings! {
+tally_ops::settings! {
     defaulted {
         /// Kafka bootstrap servers
         brokers: String = defaults::BROKERS.to_owned(), "TALLY_BROKERS", [];
@@ -185,15 +94,5 @@ settings! {
 
 /// `command` with `[default: ...]` added to the help of each setting that has a default.
 pub fn with_defaults_in_help(command: clap::Command) -> clap::Command {
-    let defaults = Settings::defaults();
-    command.mut_args(|arg| {
-        let id = arg.get_id().as_str();
-        match defaults.iter().find(|(name, _)| *name == id) {
-            Some((_, value)) => {
-                let help = arg.get_help().map(ToString::to_string).unwrap_or_default();
-                arg.help(format!("{help} [default: {value}]"))
-            }
-            None => arg,
-        }
-    })
+    tally_ops::settings::with_defaults_in_help(command, &Settings::defaults())
 }
