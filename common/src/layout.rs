@@ -8,9 +8,11 @@
 //! records each namespace's grouping in the hash `<prefix>:layout` (field `dedup:<namespace>`,
 //! `dedup:*` for the defaults) and every writer after it checks its own against the record.
 //!
-//! The first writer with a deduplicating namespace also records the deployment's origin:
-//! `recorded` for one that starts under these records, `unrecorded` for one that counted before
-//! them (its groups hold ledgers and the hash does not exist). An unrecorded deployment may hold likes grouped by actor, so in it
+//! The first writer also records the deployment's origin: `recorded` for one that starts under
+//! these records, `unrecorded` for one that counted before them (its groups hold ledgers and
+//! the hash does not exist). A writer without deduplicating namespaces records it too, when
+//! Redis answers at its start, so that a deployment that counts plain events first and turns
+//! likes on later is known to have started here. An unrecorded deployment may hold likes grouped by actor, so in it
 //! a deduplicating namespace with no record and a grouping other than `actor` refuses to start
 //! until the operator says which layout is there (`docs/operations.md`).
 
@@ -89,39 +91,16 @@ pub async fn record_dedup_groupings(
     namespaces: &Namespaces,
 ) -> Result<(), LayoutError> {
     let wanted = deduplicating(namespaces);
-    if wanted.is_empty() {
-        // Nothing to record: a writer without likes needs Redis for nothing here (it may start
-        // while Redis is down).
-        return Ok(());
-    }
     let key = keyspace.layout_key();
     let mut conn = conn.clone();
-    let mut origin: Option<String> = redis::cmd("HGET")
-        .arg(&key)
-        .arg(ORIGIN_FIELD)
-        .query_async(&mut conn)
-        .await?;
-    if origin.is_none() {
-        // A deployment whose groups hold ledgers but no record counted before records
-        // existed. The first writer decides; a racing one reads its decision.
-        let before = if has_ledgers(&mut conn, keyspace).await? {
-            "unrecorded"
-        } else {
-            "recorded"
-        };
-        let _: bool = redis::cmd("HSETNX")
-            .arg(&key)
-            .arg(ORIGIN_FIELD)
-            .arg(before)
-            .query_async(&mut conn)
-            .await?;
-        origin = redis::cmd("HGET")
-            .arg(&key)
-            .arg(ORIGIN_FIELD)
-            .query_async(&mut conn)
-            .await?;
+    if wanted.is_empty() {
+        // Only the origin, and only if Redis answers: a writer without likes needs Redis for
+        // nothing else here, and may start while Redis is down (a later writer records it
+        // then, from the ledgers it finds).
+        let _ = origin(&mut conn, keyspace, &key).await;
+        return Ok(());
     }
-    let unrecorded_origin = origin.as_deref() == Some("unrecorded");
+    let unrecorded_origin = origin(&mut conn, keyspace, &key).await? == "unrecorded";
     for (namespace, grouping) in wanted {
         let field = field(&namespace);
         let recorded: Option<String> = redis::cmd("HGET")
@@ -167,6 +146,40 @@ pub async fn record_dedup_groupings(
         }
     }
     Ok(())
+}
+
+/// The deployment's origin, recorded first if it is not: a deployment whose groups hold
+/// ledgers but no record counted before records existed. The first writer decides; a racing
+/// one reads its decision.
+async fn origin(
+    conn: &mut RedisConn,
+    keyspace: &Keyspace,
+    key: &str,
+) -> redis::RedisResult<String> {
+    let recorded: Option<String> = redis::cmd("HGET")
+        .arg(key)
+        .arg(ORIGIN_FIELD)
+        .query_async(conn)
+        .await?;
+    if let Some(origin) = recorded {
+        return Ok(origin);
+    }
+    let before = if has_ledgers(conn, keyspace).await? {
+        "unrecorded"
+    } else {
+        "recorded"
+    };
+    let _: bool = redis::cmd("HSETNX")
+        .arg(key)
+        .arg(ORIGIN_FIELD)
+        .arg(before)
+        .query_async(conn)
+        .await?;
+    redis::cmd("HGET")
+        .arg(key)
+        .arg(ORIGIN_FIELD)
+        .query_async(conn)
+        .await
 }
 
 /// Whether any group holds a ledger: whether an aggregator has flushed into this deployment.

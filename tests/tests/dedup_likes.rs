@@ -199,10 +199,19 @@ async fn a_writer_grouping_likes_otherwise_than_the_record_refuses_to_start() {
     let by_actor = "[namespaces.likes]\ndedup = true\ngrouping = \"actor\"\n";
     let by_actor = Namespaces::from_toml(by_actor).expect("valid");
 
-    // A fresh deployment: plain counts first, then likes grouped by counter, recorded.
+    // A fresh deployment: plain counts first (a writer without likes records the origin, then
+    // its flushes write ledgers), then likes grouped by counter, recorded.
     record_dedup_groupings(&conn, &ks, &Namespaces::default())
         .await
         .expect("nothing to record but the origin");
+    let mut admin = tally_tests::connect(&redis.url()).await;
+    let _: () = redis::cmd("HSET")
+        .arg(ks.ledger_key(1))
+        .arg("0")
+        .arg("41")
+        .query_async(&mut admin)
+        .await
+        .expect("HSET");
     record_dedup_groupings(&conn, &ks, &by_counter)
         .await
         .expect("recorded");
@@ -229,7 +238,6 @@ async fn a_writer_grouping_likes_otherwise_than_the_record_refuses_to_start() {
     );
 
     // A deployment that counted before records existed: ledgers, and no record.
-    let mut admin = tally_tests::connect(&redis.url()).await;
     let old = tally_common::Keyspace::new("layout-old", 4).expect("valid");
     let _: () = redis::cmd("HSET")
         .arg(old.ledger_key(2))
