@@ -24,6 +24,10 @@ use tokio_util::sync::CancellationToken;
 use crate::machine::batch::SealedBatch;
 use crate::operator::metrics::Metrics;
 
+/// The trending maps' hasher: a batch's every counter is looked up in them (its namespace's
+/// sketch, the hot set), so foldhash rather than SipHash, as the batch's own maps.
+type Hasher = foldhash::fast::RandomState;
+
 /// Entries per namespace sketch.
 pub const SKETCH_CAPACITY: usize = 64;
 /// Top counters per namespace published and kept hot.
@@ -47,7 +51,7 @@ pub struct SpaceSaving {
     /// Each entry's counter.
     names: Vec<String>,
     /// Where each counter's entry is.
-    slots: HashMap<String, usize, foldhash::fast::RandomState>,
+    slots: HashMap<String, usize, Hasher>,
 }
 
 impl SpaceSaving {
@@ -105,9 +109,9 @@ impl SpaceSaving {
 #[derive(Debug)]
 pub struct Trending {
     /// Per namespace, the sketch since the last publish.
-    sketches: Mutex<HashMap<String, SpaceSaving>>,
+    sketches: Mutex<HashMap<String, SpaceSaving, Hasher>>,
     /// The counters kept warm: the last published top of every namespace.
-    hot: RwLock<Arc<HashSet<String>>>,
+    hot: RwLock<Arc<HashSet<String, Hasher>>>,
     /// Exact reads for warming, and where to publish.
     reader: Reader,
     /// Cache TTLs.
@@ -120,8 +124,8 @@ impl Trending {
     /// Trending state publishing through `reader`'s connection and keyspace.
     pub fn new(reader: Reader, namespaces: Arc<Namespaces>) -> Self {
         Self {
-            sketches: Mutex::new(HashMap::new()),
-            hot: RwLock::new(Arc::new(HashSet::new())),
+            sketches: Mutex::new(HashMap::default()),
+            hot: RwLock::new(Arc::new(HashSet::default())),
             reader,
             namespaces,
             metrics: None,
@@ -190,7 +194,7 @@ impl Trending {
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_secs())
             / TOP_BUCKET_S;
-        let mut hot = HashSet::new();
+        let mut hot = HashSet::default();
         let mut activity = Vec::new();
         let ks = self.reader.keyspace();
         for (namespace, sketch) in &sketches {
