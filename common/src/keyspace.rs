@@ -438,7 +438,7 @@ impl Keyspace {
 
     /// The key holding `counter`'s share in `group`.
     pub fn counter_key(&self, group: u32, counter: &str) -> String {
-        let mut key = String::with_capacity(self.prefix.len() + counter.len() + 12);
+        let mut key = String::new();
         self.write_counter_key(&mut key, group, counter);
         key
     }
@@ -497,7 +497,7 @@ impl Keyspace {
     /// by actor. It shares the group's slot with the counter's share there, so the membership
     /// change and the increment it guards are one atomic operation.
     pub fn member_key(&self, group: u32, counter: &str) -> String {
-        let mut key = String::with_capacity(self.prefix.len() + counter.len() + 12);
+        let mut key = String::new();
         self.write_member_key(&mut key, group, counter);
         key
     }

@@ -205,13 +205,17 @@ async fn a_writer_grouping_likes_otherwise_than_the_record_refuses_to_start() {
         .await
         .expect("nothing to record but the origin");
     let mut admin = tally_tests::connect(&redis.url()).await;
-    let _: () = redis::cmd("HSET")
-        .arg(ks.ledger_key(1))
-        .arg("0")
-        .arg("41")
-        .query_async(&mut admin)
-        .await
-        .expect("HSET");
+    // A flush's ledger entry for partition 0 in the ledger hash `key`.
+    async fn ledger(admin: &mut redis::aio::MultiplexedConnection, key: String, entry: i64) {
+        let _: () = redis::cmd("HSET")
+            .arg(key)
+            .arg("0")
+            .arg(entry)
+            .query_async(admin)
+            .await
+            .expect("HSET");
+    }
+    ledger(&mut admin, ks.ledger_key(1), 41).await;
     record_dedup_groupings(&conn, &ks, &by_counter)
         .await
         .expect("recorded");
@@ -239,13 +243,7 @@ async fn a_writer_grouping_likes_otherwise_than_the_record_refuses_to_start() {
 
     // A deployment that counted before records existed: ledgers, and no record.
     let old = tally_common::Keyspace::new("layout-old", 4).expect("valid");
-    let _: () = redis::cmd("HSET")
-        .arg(old.ledger_key(2))
-        .arg("0")
-        .arg("17")
-        .query_async(&mut admin)
-        .await
-        .expect("HSET");
+    ledger(&mut admin, old.ledger_key(2), 17).await;
     let refused = record_dedup_groupings(&conn, &old, &by_counter).await;
     assert!(
         matches!(&refused, Err(LayoutError::Unrecorded { .. })),

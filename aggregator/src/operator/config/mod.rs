@@ -18,7 +18,7 @@ use tally_common::{GroupingRule, Keyspace, Namespaces, Policy, RedisTarget};
 use crate::machine::pace::{Limits, Size};
 pub use tally_ops::ConfigError;
 use tally_ops::config::positive;
-pub use tally_ops::config::{PostgresTarget, Store, parse_key_value, read_toml};
+pub use tally_ops::config::{PostgresTarget, Store};
 use tally_ops::secrets::Secrets;
 
 mod choices;
