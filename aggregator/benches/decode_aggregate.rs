@@ -85,7 +85,7 @@ fn aggregate(namespaces: &Namespaces, keyspace: &Keyspace, payloads: &[Vec<u8>])
             3,
             event.actor.as_deref(),
             &event.counter,
-            tally_common::keyspace::DEFAULT_SPREAD,
+            tally_common::keyspace::Fan::of(tally_common::keyspace::DEFAULT_SPREAD),
         );
         let buckets = if policy.windows.is_empty() {
             &[][..]

@@ -61,6 +61,10 @@ pub enum StartError {
     /// keeps them (`tally_common::layout`).
     #[error("{0}")]
     Layout(#[from] tally_common::layout::LayoutError),
+    /// The deployment's group plan is unreadable, or was made for another `--shard-groups`
+    /// (`tally_common::regroup`).
+    #[error("{0}")]
+    Groups(#[from] tally_common::regroup::PlanError),
     /// `--fetch direct` with a Kafka option tally's fetcher does not support.
     #[error("--fetch direct: {0} (use --fetch auto or librdkafka)")]
     Fetch(#[from] tally_kafka::Unsupported),
@@ -258,6 +262,14 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<RunSumma
                         server.abort();
                         return Err(e.into());
                     }
+                }
+            }
+            // Each acquisition checks the plan too; a start refuses a wrong count at once.
+            match tally_common::regroup::read_plan(&conn, &config.keyspace).await {
+                Ok(_) | Err(tally_common::regroup::PlanError::Redis(_)) => {}
+                Err(e) => {
+                    server.abort();
+                    return Err(e.into());
                 }
             }
             let sink = RedisSink::new(

@@ -52,6 +52,24 @@ pub(crate) enum Command {
     /// Upkeep of the window buckets: drop expired ones, or migrate the keys of the old layout.
     #[command(subcommand)]
     Windows(WindowsCommand),
+    /// Grow a running deployment's shard groups (more Redis Cluster masters can then take its
+    /// writes): readers sum the new groups first, then aggregators place new offsets in them,
+    /// within seconds and without a restart. Prints each step, then waits for every partition's
+    /// owner to move; exit 1 if some did not within --wait (they move when an owner runs).
+    Regroup(RegroupArgs),
+}
+
+#[derive(Debug, clap::Args)]
+pub(crate) struct RegroupArgs {
+    /// The new number of shard groups (at least the one in use; --shard-groups stays the
+    /// deployment's original count).
+    #[arg(long)]
+    pub(crate) to: u32,
+    /// Seconds to wait for every partition's owner to move (0: do not wait).
+    #[arg(long, default_value_t = 60)]
+    pub(crate) wait: u64,
+    #[command(flatten)]
+    pub(crate) redis: RedisArgs,
 }
 
 #[derive(Debug, Subcommand)]

@@ -14,7 +14,7 @@ use clap::Parser;
 use tally_aggregator::tasks::compact::{CompactError, Compactor};
 use tally_cli::load::{self, LoadSpec};
 use tally_cli::{audit, dead_letters, verify};
-use tally_common::{CachedReader, Reader, pg};
+use tally_common::{CachedReader, Reader, pg, regroup};
 use tally_kafka::backoff::Backoff;
 use tally_ops::config::Store;
 use tally_producer::ProducerConfig;
@@ -23,8 +23,8 @@ mod args;
 
 use args::{
     AuditArgs, Cli, Command, CompactArgs, CounterArgs, DeadLetterArgs, DeadLettersCommand, GetArgs,
-    LikeArgs, LikedArgs, LoadArgs, RedisArgs, ReplayArgs, ResetArgs, TopArgs, VerifyArgs,
-    WindowsCommand,
+    LikeArgs, LikedArgs, LoadArgs, RedisArgs, RegroupArgs, ReplayArgs, ResetArgs, TopArgs,
+    VerifyArgs, WindowsCommand,
 };
 
 #[tokio::main]
@@ -45,6 +45,7 @@ async fn main() -> anyhow::Result<ExitCode> {
         Command::DeadLetters(DeadLettersCommand::Replay(args)) => replay_dead_letters(&args),
         Command::Windows(WindowsCommand::Sweep(args)) => sweep_windows(args).await,
         Command::Windows(WindowsCommand::Migrate(args)) => migrate_windows(args).await,
+        Command::Regroup(args) => regroup(args).await,
     };
     // Output piped into a reader that stops early (`tally load | head`): what was asked for is
     // done, so end quietly, as the reader intended, instead of reporting an error.
@@ -286,10 +287,11 @@ async fn shards(args: CounterArgs) -> anyhow::Result<ExitCode> {
         "value",
         "writes/s"
     )?;
-    for (group, (value, earlier)) in (0..ks.groups()).zip(after.iter().zip(&before)) {
+    for (group, (value, earlier)) in after.iter().zip(&before).enumerate() {
         let Some(value) = value else {
             continue;
         };
+        let group = group as u32;
         let shard = (0..ks.groups()).find(|s| ks.shard_group(counter, *s) == group);
         let rate = value - earlier.unwrap_or(0);
         writeln!(
@@ -299,6 +301,41 @@ async fn shards(args: CounterArgs) -> anyhow::Result<ExitCode> {
         )?;
     }
     Ok(ExitCode::SUCCESS)
+}
+
+async fn regroup(args: RegroupArgs) -> anyhow::Result<ExitCode> {
+    let reader = args.redis.reader().await?;
+    let (conn, ks) = (reader.conn(), reader.keyspace());
+    let say = |step: &str| {
+        let _ = writeln!(out(), "{step}");
+    };
+    let plan = regroup::grow(conn, ks, args.to, say).await?;
+    let deadline = std::time::Instant::now() + Duration::from_secs(args.wait);
+    loop {
+        let progress = regroup::progress(conn, ks).await?;
+        let total = progress.moved.len() + progress.pending.len();
+        if progress.pending.is_empty() {
+            writeln!(
+                out(),
+                "every partition ({total}) places new offsets in {} groups",
+                plan.write
+            )?;
+            return Ok(ExitCode::SUCCESS);
+        }
+        if std::time::Instant::now() >= deadline {
+            writeln!(
+                out(),
+                "{} of {total} partitions place new offsets in {} groups; not yet moved (each moves when its owner runs):",
+                progress.moved.len(),
+                plan.write
+            )?;
+            for (partition, groups) in &progress.pending {
+                writeln!(out(), "  {partition} ({groups} groups)")?;
+            }
+            return Ok(ExitCode::FAILURE);
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
 }
 
 async fn top(args: TopArgs) -> anyhow::Result<ExitCode> {

@@ -102,62 +102,114 @@ pub fn partition_field(topic: &str, partition: i32) -> String {
     format!("{topic}/{partition}")
 }
 
+/// How one stretch of a partition's log is placed: its counters spread over `k` groups out of
+/// `groups` (`None`: the deployment's original count, [`Keyspace::groups`]; a re-grouping,
+/// [`crate::regroup`], records the count it moved the partition to).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Fan {
+    /// How many groups the stretch's counters spread over.
+    pub k: u32,
+    /// Out of how many groups; `None` for the deployment's original count.
+    pub groups: Option<u32>,
+}
+
+impl Fan {
+    /// A spread of `k` over the deployment's original groups.
+    pub const fn of(k: u32) -> Self {
+        Self { k, groups: None }
+    }
+
+    /// A spread of `k` over `groups` groups, recorded as the original count when it is that.
+    pub fn over(k: u32, groups: u32, original: u32) -> Self {
+        Self {
+            k: k.min(groups),
+            groups: (groups != original).then_some(groups),
+        }
+    }
+
+    /// The number of groups, given the deployment's original count.
+    pub fn groups_of(&self, original: u32) -> u32 {
+        self.groups.unwrap_or(original)
+    }
+}
+
 /// How many groups one partition's counters are spread over, offset by offset.
 ///
 /// Grouped by partition, the message at offset `o` of partition `p` adds counter `c` into group
-/// `(home(p) + (hash(c) mod k) * (N div k)) mod N`, where `k = spread.at(o)`: a catch-up flush
-/// of 15,000 counters is then `k` scripts of about 15,000/`k` each, so that no single script
-/// holds Redis for long, while each counter of a partition still lives in one group. The stride
-/// `N div k` keeps the groups that partitions share few: with 8 partitions, 16 groups and a
-/// spread of 4, every group takes the counters of two partitions.
+/// `(home(p) + (hash(c) mod k) * (N div k)) mod N`, where `k` and `N` are [`Spread::fan_at`]`(o)`:
+/// a catch-up flush of 15,000 counters is then `k` scripts of about 15,000/`k` each, so that no
+/// single script holds Redis for long, while each counter of a partition still lives in one
+/// group. The stride `N div k` keeps the groups that partitions share few: with 8 partitions, 16
+/// groups and a spread of 4, every group takes the counters of two partitions.
 ///
 /// The exactly-once skip rule (a message below a group's ledger entry is not applied there again)
 /// needs every replay of a message to place it in the group its first attempt did. So a
-/// partition's spread only changes at an offset that no group has applied yet (the highest
-/// ledger entry when a new owner takes the partition), and the partition remembers, in its
-/// watermark, the spread of every stretch of its log: legacy watermarks, without one, were
-/// written at a spread of 1.
+/// partition's spread (and its group count, after a re-grouping) only changes at an offset that
+/// no group has applied yet (the highest ledger entry when a new owner takes the partition), and
+/// the partition remembers, in its watermark, the fan of every stretch of its log: legacy
+/// watermarks, without one, were written at a spread of 1 over the original groups.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Spread {
-    /// `(until, k)`, in offset order: offsets below `until`, and at or above the step before,
-    /// were spread over `k` groups.
-    steps: Vec<(i64, u32)>,
-    /// The spread of every offset after the last step.
-    then: u32,
+    /// `(until, fan)`, in offset order: offsets below `until`, and at or above the step before,
+    /// were placed so.
+    steps: Vec<(i64, Fan)>,
+    /// The fan of every offset after the last step.
+    then: Fan,
 }
 
 impl Spread {
-    /// The same spread at every offset.
+    /// The same spread at every offset, over the original groups.
     pub const fn uniform(k: u32) -> Self {
+        Self::fixed(Fan::of(k))
+    }
+
+    /// The same fan at every offset.
+    pub const fn fixed(fan: Fan) -> Self {
         Self {
             steps: Vec::new(),
-            then: k,
+            then: fan,
         }
     }
 
     /// The spread of the message at `offset`.
     pub fn at(&self, offset: i64) -> u32 {
+        self.fan_at(offset).k
+    }
+
+    /// How the message at `offset` is placed.
+    pub fn fan_at(&self, offset: i64) -> Fan {
         (self.steps.iter())
             .find(|(until, _)| offset < *until)
-            .map_or(self.then, |(_, k)| *k)
+            .map_or(self.then, |(_, fan)| *fan)
     }
 
     /// The spread of offsets from here on.
     pub fn current(&self) -> u32 {
+        self.then.k
+    }
+
+    /// How offsets from here on are placed.
+    pub fn current_fan(&self) -> Fan {
         self.then
     }
 
-    /// This spread up to `from`, then `k`: what a new owner uses when no group has applied
-    /// anything at or after `from`.
+    /// This spread up to `from`, then `k` over the original groups.
     #[must_use]
     pub fn then(&self, k: u32, from: i64) -> Self {
-        let mut steps: Vec<(i64, u32)> = Vec::with_capacity(self.steps.len() + 1);
+        self.then_fan(Fan::of(k), from)
+    }
+
+    /// This spread up to `from`, then `fan`: what a new owner uses when no group has applied
+    /// anything at or after `from`.
+    #[must_use]
+    pub fn then_fan(&self, fan: Fan, from: i64) -> Self {
+        let mut steps: Vec<(i64, Fan)> = Vec::with_capacity(self.steps.len() + 1);
         let mut covered = 0;
-        for &(until, spread) in &self.steps {
+        for &(until, placed) in &self.steps {
             if covered >= from {
                 break;
             }
-            steps.push((until.min(from), spread));
+            steps.push((until.min(from), placed));
             covered = until;
         }
         if covered < from {
@@ -171,10 +223,10 @@ impl Spread {
             }
             same
         });
-        while steps.last().is_some_and(|(_, spread)| *spread == k) {
+        while steps.last().is_some_and(|(_, placed)| *placed == fan) {
             steps.pop();
         }
-        Self { steps, then: k }
+        Self { steps, then: fan }
     }
 }
 
@@ -208,18 +260,26 @@ impl Watermark {
 
     /// Its stored form: `<next_offset>;<group>=<ledger>;...`, then the spread's steps as
     /// `;s=<k>@<until>` and its current value as `;s=<k>` (left out when it is a uniform 1, so
-    /// that such a watermark reads as it did before spreads existed).
+    /// that such a watermark reads as it did before spreads existed); a fan over other than the
+    /// original groups is `<k>/<groups>`.
     pub fn encode(&self) -> String {
         use std::fmt::Write as _;
         let mut out = self.next_offset.to_string();
         for (group, ledger) in &self.ledgers {
             let _ = write!(out, ";{group}={ledger}");
         }
-        for (until, k) in &self.spread.steps {
-            let _ = write!(out, ";s={k}@{until}");
+        let fan = |out: &mut String, fan: &Fan| {
+            let _ = write!(out, ";s={}", fan.k);
+            if let Some(groups) = fan.groups {
+                let _ = write!(out, "/{groups}");
+            }
+        };
+        for (until, placed) in &self.spread.steps {
+            fan(&mut out, placed);
+            let _ = write!(out, "@{until}");
         }
         if self.spread != Spread::uniform(1) {
-            let _ = write!(out, ";s={}", self.spread.then);
+            fan(&mut out, &self.spread.then);
         }
         out
     }
@@ -251,10 +311,10 @@ impl Watermark {
                     {
                         return None;
                     }
-                    spread.steps.push((until, positive(k)?));
+                    spread.steps.push((until, fan(k)?));
                 }
                 None => {
-                    spread.then = positive(value)?;
+                    spread.then = fan(value)?;
                     ended = true;
                 }
             }
@@ -272,6 +332,17 @@ impl Watermark {
 
 fn positive(text: &str) -> Option<u32> {
     text.parse().ok().filter(|k| *k > 0)
+}
+
+/// A stored fan: `<k>` or `<k>/<groups>`.
+fn fan(text: &str) -> Option<Fan> {
+    Some(match text.split_once('/') {
+        None => Fan::of(positive(text)?),
+        Some((k, groups)) => Fan {
+            k: positive(k)?,
+            groups: Some(positive(groups).filter(|g| *g <= MAX_GROUPS)?),
+        },
+    })
 }
 
 /// FNV-1a, 64 bits: a hash that never changes across processes, platforms or Rust versions,
@@ -379,34 +450,43 @@ impl Keyspace {
         (stable_hash(counter.as_bytes()) % u64::from(self.groups)) as u32
     }
 
-    /// The group `counter`'s delta is written to under `rule`, from `partition` whose spread
-    /// at the event is `spread` ([`Spread::at`]).
+    /// The group `counter`'s delta is written to under `rule`, from `partition` whose fan at
+    /// the event is `fan` ([`Spread::fan_at`]). Grouped by actor or by counter, a delta stays in
+    /// its group of the original count whatever the fan: likes and the increments they guard
+    /// share a slot, and a re-grouping moves only what partitions place.
     pub fn group_for_event(
         &self,
         rule: GroupingRule,
         partition: i32,
         actor: Option<&str>,
         counter: &str,
-        spread: u32,
+        fan: Fan,
     ) -> u32 {
+        let groups = fan.groups_of(self.groups);
+        let home = partition.unsigned_abs() % groups;
         match (rule, actor) {
             (GroupingRule::ByActor, Some(actor)) => self.group_for_actor(actor),
             (GroupingRule::ByCounter, _) => self.group_for_counter(counter),
-            _ if spread <= 1 => self.group_for_partition(partition),
+            _ if fan.k <= 1 => home,
             _ => {
                 // `(home + part · (groups div spread)) mod groups` with one 64-bit division
                 // (this runs once per event): both terms are below `groups` (a spread is at
                 // most the groups), so their sum is below twice it.
-                let part = (stable_hash(counter.as_bytes()) % u64::from(spread)) as u32;
-                let home = self.group_for_partition(partition);
-                let group = home + part * (self.groups / spread);
-                if group >= self.groups {
-                    group - self.groups
+                let part = (stable_hash(counter.as_bytes()) % u64::from(fan.k)) as u32;
+                let group = home + part * (groups / fan.k);
+                if group >= groups {
+                    group - groups
                 } else {
                     group
                 }
             }
         }
+    }
+
+    /// The key of the deployment's group plan (`crate::regroup`): how many groups writers use
+    /// and readers sum, when a re-grouping changed them.
+    pub fn plan_key(&self) -> String {
+        format!("{}:groups", self.prefix)
     }
 
     /// The hash recording where each deduplicating namespace keeps its member sets
@@ -717,7 +797,7 @@ mod tests {
         let ks = Keyspace::default();
         // Pinned values: changing the hash would move every actor's state to another group.
         let event = |rule, partition, actor: Option<&str>| {
-            ks.group_for_event(rule, partition, actor, "c", 4)
+            ks.group_for_event(rule, partition, actor, "c", Fan::of(4))
         };
         assert_eq!(event(GroupingRule::ByActor, 0, Some("u7")), 5);
         assert_eq!(event(GroupingRule::ByActor, 3, Some("u7")), 5);
@@ -740,7 +820,7 @@ mod tests {
         assert_eq!(group, 0);
         assert_eq!(ks.group_for_counter("likes:post:2"), 9);
         for (partition, actor) in [(0, Some("u7")), (5, Some("u8")), (3, None)] {
-            let got = ks.group_for_event(rule, partition, actor, "likes:post:1", 4);
+            let got = ks.group_for_event(rule, partition, actor, "likes:post:1", Fan::of(4));
             assert_eq!(got, group, "partition {partition}, actor {actor:?}");
         }
         let groups: std::collections::BTreeSet<u32> = (0..1000)
@@ -755,14 +835,20 @@ mod tests {
         let ks = Keyspace::default();
         let rule = GroupingRule::ByPartition;
         // Pinned: changing the hash would move counters between groups under a running log.
-        assert_eq!(ks.group_for_event(rule, 3, None, "c", 4), 11);
-        assert_eq!(ks.group_for_event(rule, 3, None, "likes:post:1", 4), 3);
-        assert_eq!(ks.group_for_event(rule, 3, None, "c", 1), 3);
+        assert_eq!(ks.group_for_event(rule, 3, None, "c", Fan::of(4)), 11);
+        assert_eq!(
+            ks.group_for_event(rule, 3, None, "likes:post:1", Fan::of(4)),
+            3
+        );
+        assert_eq!(ks.group_for_event(rule, 3, None, "c", Fan::of(1)), 3);
         let mut seen = std::collections::BTreeMap::<u32, usize>::new();
         for i in 0..4000 {
             let counter = format!("likes:post:{i}");
-            let group = ks.group_for_event(rule, 14, None, &counter, 4);
-            assert_eq!(group, ks.group_for_event(rule, 14, None, &counter, 4));
+            let group = ks.group_for_event(rule, 14, None, &counter, Fan::of(4));
+            assert_eq!(
+                group,
+                ks.group_for_event(rule, 14, None, &counter, Fan::of(4))
+            );
             *seen.entry(group).or_default() += 1;
         }
         // From home group 14, every 4th, wrapping past the last group.
@@ -771,7 +857,8 @@ mod tests {
         let mut partitions: Vec<std::collections::BTreeSet<i32>> = vec![Default::default(); 16];
         for p in 0..8 {
             for i in 0..400 {
-                let group = ks.group_for_event(rule, p, None, &format!("likes:post:{i}"), 4);
+                let group =
+                    ks.group_for_event(rule, p, None, &format!("likes:post:{i}"), Fan::of(4));
                 partitions[group as usize].insert(p);
             }
         }
@@ -830,6 +917,52 @@ mod tests {
         for bad in bad {
             assert_eq!(Watermark::parse(bad), None, "{bad}");
         }
+    }
+
+    #[test]
+    fn a_regrouped_stretch_records_its_count_and_places_over_it() {
+        let ks = Keyspace::new("t", 4).expect("valid");
+        let rule = GroupingRule::ByPartition;
+        // Grown to 8 at offset 100, spread 2: the stretch before stays over the original 4.
+        let spread = Spread::uniform(2).then_fan(Fan::over(2, 8, 4), 100);
+        assert_eq!(spread.fan_at(99), Fan::of(2));
+        assert_eq!(
+            spread.fan_at(100),
+            Fan {
+                k: 2,
+                groups: Some(8)
+            }
+        );
+        let w = Watermark::new(120, &[100, -1, 80, -1, 120], spread.clone());
+        assert_eq!(w.encode(), "120;0=100;2=80;4=120;s=2@100;s=2/8");
+        assert_eq!(Watermark::parse(&w.encode()), Some(w));
+        for bad in ["1;s=2/0", "1;s=2/x", "1;s=2/2000", "1;s=/8"] {
+            assert_eq!(Watermark::parse(bad), None, "{bad}");
+        }
+        // Partition 5's home is 5 mod 8 = 5 over 8 groups, 5 mod 4 = 1 over the original 4.
+        let mut before = std::collections::BTreeSet::new();
+        let mut after = std::collections::BTreeSet::new();
+        for i in 0..400 {
+            let counter = format!("c{i}");
+            before.insert(ks.group_for_event(rule, 5, None, &counter, spread.fan_at(0)));
+            after.insert(ks.group_for_event(rule, 5, None, &counter, spread.fan_at(100)));
+        }
+        assert_eq!(before.into_iter().collect::<Vec<_>>(), [1, 3]);
+        assert_eq!(after.into_iter().collect::<Vec<_>>(), [1, 5]);
+        // Likes stay beside their sets, in the original groups, whatever the fan.
+        let wide = Fan::over(2, 8, 4);
+        let by_counter = ks.group_for_event(GroupingRule::ByCounter, 5, None, "c", wide);
+        assert_eq!(by_counter, ks.group_for_counter("c"));
+        assert!(by_counter < 4);
+        // A spread wider than the new count is cut to it.
+        assert_eq!(
+            Fan::over(8, 2, 16),
+            Fan {
+                k: 2,
+                groups: Some(2)
+            }
+        );
+        assert_eq!(Fan::over(4, 16, 16), Fan::of(4));
     }
 
     #[test]

@@ -16,6 +16,8 @@
 //! - [`dead_letter`]: [`DeadLetterReason`], why a message went to the dead-letter topic.
 //! - [`defaults`]: the default brokers, topics, group, Redis URL, key prefix and shard groups.
 //! - [`reader`]: [`Reader`], exact counter totals by summing shards (`MGET`, pipelines).
+//! - [`regroup`]: the group plan (how many shard groups writers use and readers sum) and
+//!   growing a live deployment's groups.
 //! - [`cache`]: [`CachedReader`], totals cached per namespace TTL in the process and in Redis,
 //!   with one refresh per counter in flight (no stampede).
 //! - [`display`]: counts rendered for people (`9,847`, `10.2K`).
@@ -33,6 +35,7 @@ pub mod namespace;
 #[cfg(feature = "postgres")]
 pub mod pg;
 pub mod reader;
+pub mod regroup;
 pub mod window;
 
 pub use cache::{CacheStats, CachedReader};

@@ -12,6 +12,7 @@
 use crate::connection::{RedisConn, query_each};
 use crate::event::{EventError, validate_counter};
 use crate::keyspace::{Keyspace, Watermark, partition_field};
+use crate::regroup::{PlanError, PlanLease};
 use crate::window::Window;
 use crate::window::cells::{Cells, STRIPES};
 
@@ -62,6 +63,18 @@ pub enum ReadError {
     /// The store of record (PostgreSQL) failed or timed out.
     #[error("the store of record: {0}")]
     Store(#[source] Box<dyn std::error::Error + Send + Sync>),
+    /// The deployment's group plan is unreadable, or was made for another group count.
+    #[error("{0}")]
+    Groups(String),
+}
+
+impl From<PlanError> for ReadError {
+    fn from(error: PlanError) -> Self {
+        match error {
+            PlanError::Redis(e) => Self::Redis(e),
+            other => Self::Groups(other.to_string()),
+        }
+    }
 }
 
 /// What a store of record answers with.
@@ -90,6 +103,8 @@ pub struct Reader {
     keyspace: Keyspace,
     /// Where totals and shares are read instead of Redis's keys, if the counts live elsewhere.
     store: Option<std::sync::Arc<dyn StoreOfRecord>>,
+    /// How many groups to sum (`crate::regroup`), asked for once a lease.
+    plan: PlanLease,
 }
 
 impl Reader {
@@ -99,7 +114,17 @@ impl Reader {
             conn,
             keyspace,
             store: None,
+            plan: PlanLease::default(),
         }
+    }
+
+    /// How many shard groups a read sums now: every group that may hold shares
+    /// (`crate::regroup`).
+    pub async fn groups(&self) -> Result<u32, ReadError> {
+        if self.store.is_some() {
+            return Ok(self.keyspace.groups());
+        }
+        Ok(self.plan.current(&self.conn, &self.keyspace).await?.read)
     }
 
     /// The same reader, reading totals and shares from `store` (Redis then keeps only the
@@ -186,7 +211,7 @@ impl Reader {
         if let Some(store) = &self.store {
             return store.shares(counter, ks.groups()).await;
         }
-        let gets = (0..ks.groups())
+        let gets = (0..self.groups().await?)
             .map(|group| {
                 let mut get = redis::cmd("GET");
                 get.arg(ks.counter_key(group, counter));
@@ -257,7 +282,7 @@ impl Reader {
             return store.totals(&counters).await;
         }
         let ks = &self.keyspace;
-        let mgets = (0..ks.groups())
+        let mgets = (0..self.groups().await?)
             .map(|group| {
                 let mut mget = redis::cmd("MGET");
                 for c in counters {
@@ -383,11 +408,12 @@ impl Reader {
             return Ok(Vec::new());
         }
         let ks = &self.keyspace;
+        let groups = self.groups().await?;
         let stripes: Vec<u64> = counters.iter().map(|c| ks.cells_stripe(c)).collect();
         let mut hashes: Vec<(String, Vec<&str>)> = Vec::new();
         // Per group, then per counter: its hash and field, as indexes into `hashes`.
-        let mut at: Vec<(usize, usize)> = Vec::with_capacity(counters.len() * ks.groups() as usize);
-        for group in 0..ks.groups() {
+        let mut at: Vec<(usize, usize)> = Vec::with_capacity(counters.len() * groups as usize);
+        for group in 0..groups {
             // Per stripe, its hash's index in `hashes` (usize::MAX: none yet).
             let mut seen = [usize::MAX; STRIPES as usize];
             for (counter, stripe) in counters.iter().zip(&stripes) {
@@ -408,8 +434,7 @@ impl Reader {
             })
             .collect();
         let rows: Vec<Vec<Option<String>>> = query_each(&self.conn, commands).await?;
-        let mut out: Vec<Vec<Cells>> =
-            vec![Vec::with_capacity(ks.groups() as usize); counters.len()];
+        let mut out: Vec<Vec<Cells>> = vec![Vec::with_capacity(groups as usize); counters.len()];
         for (n, (h, f)) in at.into_iter().enumerate() {
             let i = n % counters.len();
             let cells = match rows

@@ -21,6 +21,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use rand::Rng;
 use tally_common::event::{validate_counter, validate_delta};
+use tally_common::keyspace::Fan;
 use tally_common::{EventError, Keyspace, Namespaces, RedisConn};
 use tokio::task::JoinHandle;
 
@@ -205,7 +206,7 @@ impl DirectWriter {
         }
         let ks = &inner.keyspace;
         let rule = inner.namespaces.policy(counter).grouping;
-        let group = ks.group_for_event(rule, 0, Some(actor), counter, 1);
+        let group = ks.group_for_event(rule, 0, Some(actor), counter, Fan::of(1));
         #[cfg(feature = "postgres")]
         if let Some(store) = inner.store.get() {
             let changed = store.member(counter, actor, group, like).await?;

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use rdkafka::ClientConfig;
 use rdkafka::producer::{FutureProducer, FutureRecord};
-use tally_common::keyspace::DEFAULT_SPREAD;
+use tally_common::keyspace::{DEFAULT_SPREAD, Fan};
 use tally_tests::{AggregatorSetup, RedisServer, TempDir, read_dead_letters, wait_for_totals};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -21,7 +21,7 @@ async fn deltas_redis_cannot_take_are_dead_lettered_and_the_rest_counts() {
     let keyspace = setup.keyspace();
     let group = |counter: &str| {
         let rule = tally_common::GroupingRule::ByPartition;
-        keyspace.group_for_event(rule, 0, None, counter, DEFAULT_SPREAD)
+        keyspace.group_for_event(rule, 0, None, counter, Fan::of(DEFAULT_SPREAD))
     };
     let near_max = i64::MAX - 10;
     let mut conn = tally_tests::connect(&redis.url()).await;

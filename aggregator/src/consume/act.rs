@@ -23,7 +23,17 @@ impl<S: Sink> Shared<S> {
         let now = Instant::now();
         let mut parts = lock(&self.partitions);
         let (mut buffered, mut paused, mut catching_up) = (0, 0, 0);
+        let (version, write, _) = self.plan.get();
+        let original = self.settings.keyspace.groups();
         for (&partition, slot) in parts.map.iter_mut() {
+            for action in slot.machine.on_regrouped(write, version, original) {
+                tracing::info!(
+                    partition,
+                    groups = write,
+                    "re-grouped: taking the partition again"
+                );
+                self.execute(consumer, partition, slot, action);
+            }
             let (pace, action) = (slot.machine).on_tick(
                 &self.settings.limits,
                 self.settings.check_idle_interval,

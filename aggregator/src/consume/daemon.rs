@@ -155,6 +155,7 @@ impl<S: Sink> Aggregator<S> {
         let mut tick = tokio::time::interval(period);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
         let mut stream = self.consumer.stream();
+        tokio::spawn(super::refresh_plan(shared.clone(), shutdown.clone()));
         if let Some(shortest) = shared.settings.namespaces.shortest_expiry_ms() {
             let every = crate::tasks::expiry::interval(shortest);
             tokio::spawn(super::expirer::run(shared.clone(), every, shutdown.clone()));

@@ -457,6 +457,7 @@ mod tests {
 
     use rdkafka::ClientConfig;
     use tally_common::Keyspace;
+    use tally_common::keyspace::Fan;
     use tokio_util::sync::CancellationToken;
 
     use super::*;
@@ -751,10 +752,10 @@ mod tests {
         offsets
             .filter_map(|offset| {
                 let counter = &counters[(offset % 40) as usize];
-                let spread = p.spread_at(offset).expect("owned");
+                let fan = p.fan_at(offset).expect("owned");
                 let rule = tally_common::GroupingRule::ByPartition;
                 let entry = Entry::Delta {
-                    group: keyspace.group_for_event(rule, 0, None, counter, spread),
+                    group: keyspace.group_for_event(rule, 0, None, counter, fan),
                     counter,
                     delta: 1,
                     buckets: &[],
@@ -837,5 +838,90 @@ mod tests {
             (Resume::At(120), 1, 2)
         );
         assert_eq!(sink.snapshot().watermarks, before);
+    }
+
+    #[tokio::test]
+    async fn growing_the_groups_mid_log_places_later_offsets_in_the_new_ones_and_counts_once() {
+        let sink = MemorySink::default();
+        let flusher = flusher(&sink);
+        let never = CancellationToken::new();
+        let totals = |n| (0..40).all(|c| sink.snapshot().total(&format!("c{c}")) == n);
+        let in_new_groups = || {
+            (sink.snapshot().counters.iter())
+                .filter(|((group, _), value)| *group >= 4 && **value != 0)
+                .count()
+        };
+
+        // Four groups, spread 2: offsets 0..40.
+        let (owner, resume) = acquire_spread(&sink, 2).await;
+        assert_eq!(owner.ledgers.len(), 4);
+        let mut p = positioned(owner, resume);
+        let outcome = run_flush(&flusher, feed_spread(&mut p, 0..40), &never).await;
+        assert!(matches!(
+            outcome,
+            FlushOutcome::Durable {
+                next_offset: 40,
+                ..
+            }
+        ));
+        assert_eq!(in_new_groups(), 0);
+
+        // Re-grouped to 8: the next owner stamps 8 groups and places offsets from 40 in 8.
+        let mut state = sink.snapshot();
+        state.plan = Some("v=2;origin=4;write=8;read=8".to_owned());
+        sink.restore(state);
+        let (owner, resume) = acquire_spread(&sink, 2).await;
+        assert_eq!(
+            (owner.ledgers.len(), owner.plan_version, resume),
+            (8, 2, Resume::At(40))
+        );
+        assert_eq!(owner.spread.fan_at(39), Fan::of(2));
+        assert_eq!(
+            owner.spread.fan_at(40),
+            Fan {
+                k: 2,
+                groups: Some(8)
+            }
+        );
+        let stored = sink.snapshot().watermarks.values().next().cloned();
+        assert!(stored.expect("a watermark").ends_with(";s=2@40;s=2/8"));
+
+        // Its flush of 40..80 crashes after its first group write.
+        let mut p = positioned(owner, resume);
+        let flush = feed_spread(&mut p, 40..80);
+        sink.fail_after(1, u32::MAX);
+        let cancel = cancelled_soon();
+        assert_eq!(
+            run_flush(&flusher, flush, &cancel).await,
+            FlushOutcome::Cancelled
+        );
+        sink.fail_next(0);
+
+        // The next owner replays 40..80 as first placed, and every event counts once.
+        let (owner, resume) = acquire_spread(&sink, 2).await;
+        assert_eq!(resume, Resume::At(40));
+        let mut p = positioned(owner, resume);
+        let outcome = run_flush(&flusher, feed_spread(&mut p, 40..120), &never).await;
+        assert!(matches!(
+            outcome,
+            FlushOutcome::Durable {
+                next_offset: 120,
+                ..
+            }
+        ));
+        assert!(totals(3), "{:?}", sink.snapshot().counters);
+        assert!(in_new_groups() > 0, "{:?}", sink.snapshot().counters);
+
+        // A plan made for another original count is refused, for good.
+        let mut state = sink.snapshot();
+        state.plan = Some("v=3;origin=16;write=16;read=16".to_owned());
+        sink.restore(state);
+        let refused = fence::acquire(&sink, &keyspace(), TOPIC, 0, 2)
+            .await
+            .expect_err("another origin");
+        assert!(
+            refused.to_string().contains("created with 16 shard groups"),
+            "{refused}"
+        );
     }
 }

@@ -36,10 +36,12 @@
 //! `shutdown_timeout`).
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use rdkafka::message::{BorrowedMessage, Message as _};
+use tally_common::regroup::{self, GroupPlan, PLAN_LEASE};
 use tally_common::{Keyspace, Namespaces};
 use tally_kafka::Fetcher;
 use tokio::sync::mpsc;
@@ -234,6 +236,66 @@ pub(crate) struct Shared<S> {
     warm_up: Option<Arc<WarmUp>>,
     /// Where the partitions' records come from: librdkafka's consumer or tally's fetcher.
     pub(crate) source: Source,
+    /// The deployment's group plan as last read ([`refresh_plan`]).
+    pub(crate) plan: PlanCell,
+}
+
+/// The deployment's group plan (`tally_common::regroup`) as the loop last read it: the count
+/// at-least-once writes place new offsets in, and the one resets and expiries clear.
+#[derive(Debug)]
+pub(crate) struct PlanCell {
+    version: AtomicU64,
+    write: AtomicU32,
+    read: AtomicU32,
+}
+
+impl PlanCell {
+    fn new(plan: &GroupPlan) -> Self {
+        Self {
+            version: AtomicU64::new(plan.version),
+            write: AtomicU32::new(plan.write),
+            read: AtomicU32::new(plan.read),
+        }
+    }
+
+    /// Keeps `plan` unless a later one is held.
+    fn set(&self, plan: &GroupPlan) {
+        if plan.version >= self.version.load(Ordering::Acquire) {
+            self.write.store(plan.write, Ordering::Release);
+            self.read.store(plan.read, Ordering::Release);
+            self.version.store(plan.version, Ordering::Release);
+        }
+    }
+
+    /// `(version, write, read)`.
+    pub(crate) fn get(&self) -> (u64, u32, u32) {
+        (
+            self.version.load(Ordering::Acquire),
+            self.write.load(Ordering::Acquire),
+            self.read.load(Ordering::Acquire),
+        )
+    }
+}
+
+/// Reads the deployment's group plan every [`PLAN_LEASE`] until `shutdown`, so that owners
+/// notice a re-grouping (`Shared::tick`) within about a second.
+pub(crate) async fn refresh_plan<S: Sink>(shared: Arc<Shared<S>>, shutdown: CancellationToken) {
+    let keyspace = &shared.settings.keyspace;
+    loop {
+        tokio::select! {
+            () = shutdown.cancelled() => return,
+            () = tokio::time::sleep(PLAN_LEASE) => {}
+        }
+        let stored = match shared.flusher.sink.read_plan().await {
+            Ok(stored) => stored,
+            // The store is down: owners will find out when they write.
+            Err(_) => continue,
+        };
+        match regroup::checked(keyspace, keyspace.plan_key(), stored.as_deref()) {
+            Ok(plan) => shared.plan.set(&plan),
+            Err(error) => tracing::error!(%error, "the group plan cannot be used"),
+        }
+    }
 }
 
 /// A partition's recent ids as of `resume`, read from the log on a blocking thread.
@@ -276,7 +338,6 @@ impl<S: Sink> Shared<S> {
         let (done_tx, done_rx) = mpsc::unbounded_channel();
         let metrics = flusher.metrics.clone();
         let shared = Arc::new(Shared {
-            settings,
             partitions: Mutex::new(Partitions::default()),
             flusher,
             metrics,
@@ -284,8 +345,10 @@ impl<S: Sink> Shared<S> {
             flushes: std::sync::atomic::AtomicU64::new(0),
             hard_stop: CancellationToken::new(),
             runtime: tokio::runtime::Handle::current(),
+            plan: PlanCell::new(&GroupPlan::initial(settings.keyspace.groups())),
             warm_up: warm_up.map(Arc::new),
             source: Source::new(fetcher),
+            settings,
         });
         (shared, done_rx)
     }

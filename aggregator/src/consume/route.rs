@@ -5,6 +5,7 @@ use rdkafka::consumer::{Consumer, ConsumerContext};
 use rdkafka::error::KafkaResult;
 use rdkafka::message::BorrowedMessage;
 use tally_common::codec::Record;
+use tally_common::keyspace::Fan;
 use tally_common::window::{Placement, Placer};
 use tally_common::{DeadLetterReason, codec};
 use tally_kafka::{Chunk, Fetched, Item};
@@ -264,24 +265,26 @@ impl<S: Sink> Shared<S> {
             Ok(Record::Expiry(expiry)) => Entry::Expire {
                 counter: &expiry.counter,
                 deadline_ms: expiry.deadline_ms,
-                groups: self.settings.keyspace.groups(),
+                groups: self.groups_holding_shares(slot),
             },
             Ok(Record::Event(event)) if event.reset => Entry::Reset {
                 counter: &event.counter,
-                groups: self.settings.keyspace.groups(),
+                groups: self.groups_holding_shares(slot),
             },
             Ok(Record::Event(event)) => {
                 let policy = self.settings.namespaces.policy(&event.counter);
                 let actor = event.actor.as_deref();
                 let keyspace = &self.settings.keyspace;
-                let spread =
-                    (slot.machine.spread_at(offset)).unwrap_or(self.settings.partition_spread);
+                let fan = slot.machine.fan_at(offset).unwrap_or_else(|| {
+                    let (_, write, _) = self.plan.get();
+                    Fan::over(self.settings.partition_spread, write, keyspace.groups())
+                });
                 let group = keyspace.group_for_event(
                     policy.grouping,
                     partition,
                     actor,
                     &event.counter,
-                    spread,
+                    fan,
                 );
                 // Only windowed namespaces pay for a placement.
                 placement = (!policy.windows.is_empty()).then(|| {
@@ -337,6 +340,16 @@ impl<S: Sink> Shared<S> {
 
     /// Hands the message at `offset` to its partition's state machine and carries out what it
     /// decides.
+    /// How many groups may hold a counter's shares, for a reset or an expiry to clear: every
+    /// group its owner stamped (every group readers summed when it was acquired), else every
+    /// group readers sum now.
+    fn groups_holding_shares(&self, slot: &Slot) -> u32 {
+        match slot.machine.ledgers() {
+            Some(ledgers) => ledgers.len() as u32,
+            None => self.plan.get().2,
+        }
+    }
+
     pub(super) fn deliver<X: ConsumerContext, K: Consumer<X>>(
         &self,
         consumer: &K,

@@ -18,6 +18,8 @@ pub struct Owner {
     /// How the partition's counters spread over groups along its log: the recorded stretches
     /// some group may have applied, then this owner's configured spread.
     pub spread: Spread,
+    /// The version of the group plan it was acquired under (`tally_common::regroup`).
+    pub plan_version: u64,
 }
 
 impl Owner {

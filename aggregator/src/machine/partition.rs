@@ -17,6 +17,7 @@
 
 use std::time::{Duration, Instant, SystemTime};
 
+use tally_common::keyspace::Fan;
 use tally_common::window::Bucket;
 
 use super::batch::{Batch, SealedBatch};
@@ -233,6 +234,28 @@ impl Partition {
     /// partition acquired again, resuming from what the store holds; a flush or check in
     /// flight ends first. With at-least-once, reading just goes on where the fetcher moved.
     pub(crate) fn on_truncated(&mut self) -> Vec<Action> {
+        self.take_again()
+    }
+
+    /// The deployment was re-grouped (`tally_common::regroup`): an owner placing new offsets
+    /// in another count of groups than the plan's takes the partition again, which places them
+    /// in the plan's count from the first offset no group has applied. Its buffer, placed the
+    /// old way, is dropped and read again; a flush or check in flight ends first.
+    pub(crate) fn on_regrouped(&mut self, write: u32, version: u64, original: u32) -> Vec<Action> {
+        match &self.state {
+            Ownership::Owned(owner)
+                if owner.plan_version < version
+                    && owner.spread.current_fan().groups_of(original) != write
+                    && !self.restart =>
+            {
+                self.take_again()
+            }
+            _ => Vec::new(),
+        }
+    }
+
+    /// Drops the buffer and acquires the partition again once what is in flight ends.
+    fn take_again(&mut self) -> Vec<Action> {
         if !matches!(self.state, Ownership::Owned(_)) {
             // Acquiring (it seeks when done), fenced, or at-least-once.
             return Vec::new();
@@ -254,11 +277,11 @@ impl Partition {
         }
     }
 
-    /// The spread of the message at `offset`, in exactly-once mode (the loop's configured one
-    /// otherwise).
-    pub(crate) fn spread_at(&self, offset: i64) -> Option<u32> {
+    /// How the message at `offset` is placed, in exactly-once mode (the loop's configured
+    /// spread over the plan's groups otherwise).
+    pub(crate) fn fan_at(&self, offset: i64) -> Option<Fan> {
         match &self.state {
-            Ownership::Owned(owner) => Some(owner.spread.at(offset)),
+            Ownership::Owned(owner) => Some(owner.spread.fan_at(offset)),
             _ => None,
         }
     }
@@ -648,6 +671,7 @@ impl Draining {
 mod tests {
     use super::*;
     use crate::machine::pace::Size;
+    use tally_common::keyspace::Spread;
 
     const INTERVAL: Duration = Duration::from_millis(1_000);
 
@@ -672,7 +696,8 @@ mod tests {
             home: 0,
             epoch: 7,
             ledgers,
-            spread: tally_common::keyspace::Spread::uniform(1),
+            spread: Spread::uniform(1),
+            plan_version: 0,
         }
     }
 
@@ -907,6 +932,52 @@ mod tests {
         assert!(matches!(p.on_seek(true, now), Action::Resume));
         assert_eq!(p.on_message(1, delta("c"), &limits).0, Handled::Skipped);
         assert_eq!(p.on_message(2, delta("c"), &limits).0, Handled::Buffered);
+    }
+
+    #[test]
+    fn a_newer_plan_with_another_count_takes_the_partition_again_after_its_flush() {
+        let now = Instant::now();
+        let limits = limits();
+        // The owner places in the 4 original groups under plan version 0.
+        let mut p = owned(now, vec![-1]);
+        feed(&mut p, 0..2);
+        assert!(p.on_regrouped(4, 1, 4).is_empty(), "the same count");
+        assert!(p.on_regrouped(8, 0, 4).is_empty(), "not a newer plan");
+        let actions = p.on_regrouped(8, 1, 4);
+        assert!(matches!(
+            actions.as_slice(),
+            [Action::Pause, Action::Acquire]
+        ));
+        assert_eq!(p.pending_events(), 0, "placed the old way: read again");
+        // With a flush in flight: it lands first, then the partition is taken again, once.
+        let mut p = owned(now, vec![-1]);
+        let flush = feed(&mut p, 0..4);
+        assert_eq!(flushed_offset(&flush), Some(4));
+        assert!(matches!(
+            p.on_regrouped(8, 1, 4).as_slice(),
+            [Action::Pause]
+        ));
+        assert!(p.on_regrouped(8, 1, 4).is_empty());
+        let durable = FlushOutcome::Durable {
+            next_offset: 4,
+            owner: Some(owner(vec![4])),
+        };
+        let actions = p.on_flushed(durable, &limits, now);
+        assert!(matches!(
+            actions.as_slice(),
+            [Action::Commit(4), Action::Pause, Action::Acquire]
+        ));
+        // An owner acquired under the new plan is left alone.
+        let mut moved = owner(vec![4]);
+        moved.spread = Spread::fixed(Fan {
+            k: 1,
+            groups: Some(8),
+        });
+        moved.plan_version = 1;
+        p.on_acquired(moved, Resume::At(4), None);
+        assert!(matches!(p.on_seek(true, now), Action::Resume));
+        assert!(p.on_regrouped(8, 1, 4).is_empty());
+        assert!(unfenced(now).on_regrouped(8, 1, 4).is_empty());
     }
 
     #[test]

@@ -21,18 +21,20 @@
 //! new event arrives.
 
 use tally_common::Keyspace;
-use tally_common::keyspace::partition_field;
+use tally_common::keyspace::{Fan, partition_field};
 pub use tally_common::keyspace::{Spread, Watermark};
+use tally_common::regroup;
 
 use crate::machine::ownership::{Owner, Resume, resume_offset};
 use crate::store::sink::{Applied, Sink, SinkError, Stamp};
 
-/// Takes ownership of `partition`: a new epoch, stamped into every group's fence, and the resume
-/// offset. The owner spreads counters over `spread` groups from the first offset no group has
-/// applied (see [`Spread`]); when that changes the recorded spread, the new one is stored in the
-/// watermark before anything is written under it. Fails (to be retried by the caller) on a
-/// Redis error, or if a newer owner took the partition meanwhile; fails for good on a stored
-/// watermark it cannot read.
+/// Takes ownership of `partition`: a new epoch, stamped into every group's fence (every group
+/// readers sum, after a re-grouping: `tally_common::regroup`), and the resume offset. The owner
+/// spreads counters over `spread` of the groups the deployment's plan writes, from the first
+/// offset no group has applied (see [`Spread`]); when that changes the recorded fan, the new one
+/// is stored in the watermark before anything is written under it. Fails (to be retried by the
+/// caller) on a Redis error, or if a newer owner took the partition meanwhile; fails for good on
+/// a stored watermark or plan it cannot read, or a plan made for another group count.
 pub async fn acquire<S: Sink>(
     sink: &S,
     keyspace: &Keyspace,
@@ -42,7 +44,11 @@ pub async fn acquire<S: Sink>(
 ) -> Result<(Owner, Resume), SinkError> {
     let field = partition_field(topic, partition);
     let home = keyspace.group_for_partition(partition);
-    let (epoch, ledgers) = take_epoch(sink, keyspace.groups(), home, &field).await?;
+    let stored = sink.read_plan().await?;
+    let plan = regroup::checked(keyspace, keyspace.plan_key(), stored.as_deref())
+        .map_err(|e| SinkError::fatal(e.to_string()))?;
+    let width = plan.read.max(keyspace.groups());
+    let (epoch, ledgers) = take_epoch(sink, width, home, &field).await?;
     let watermark = match sink.read_watermark(home, &field).await? {
         None => None,
         // Read as absent, an unreadable watermark would lose the partition's spread history,
@@ -62,7 +68,8 @@ pub async fn acquire<S: Sink>(
         field,
         home,
         epoch,
-        spread: recorded.then(spread, unapplied),
+        spread: recorded.then_fan(Fan::over(spread, plan.write, keyspace.groups()), unapplied),
+        plan_version: plan.version,
         ledgers,
     };
     if owner.spread != recorded {
@@ -78,10 +85,12 @@ pub async fn acquire<S: Sink>(
                 "storing the partition's new spread was refused ({written:?}): another owner took it"
             )));
         }
+        let fan = owner.spread.current_fan();
         tracing::info!(
             partition,
             from_offset = unapplied,
-            spread,
+            spread = fan.k,
+            groups = fan.groups_of(keyspace.groups()),
             "the partition's spread changes"
         );
     }

@@ -28,6 +28,8 @@ pub(crate) struct State {
     epochs: HashMap<(u32, String), u64>,
     /// `(home, field)` → the watermark.
     pub(crate) watermarks: HashMap<(u32, String), String>,
+    /// The stored group plan, if any.
+    pub(crate) plan: Option<String>,
 }
 
 impl State {
@@ -263,5 +265,9 @@ impl Sink for MemorySink {
             .reach()
             .map(|state| state.watermarks.get(&(home, field.to_owned())).cloned());
         std::future::ready(read)
+    }
+
+    fn read_plan(&self) -> impl Future<Output = Result<Option<String>, SinkError>> + Send {
+        std::future::ready(self.reach().map(|state| state.plan.clone()))
     }
 }

@@ -217,4 +217,10 @@ pub trait Sink: Clone + Send + Sync + 'static {
         home: u32,
         field: &str,
     ) -> impl Future<Output = Result<Option<String>, SinkError>> + Send;
+
+    /// The deployment's stored group plan (`tally_common::regroup`), if it was re-grouped. A
+    /// store that cannot be re-grouped has none.
+    fn read_plan(&self) -> impl Future<Output = Result<Option<String>, SinkError>> + Send {
+        std::future::ready(Ok(None))
+    }
 }

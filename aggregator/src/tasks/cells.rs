@@ -123,7 +123,9 @@ pub async fn sweep(
 ) -> Result<SweepReport, UpkeepError> {
     let script = script();
     let mut report = SweepReport::default();
-    for group in 0..keyspace.groups() {
+    let plan = tally_common::regroup::read_plan(conn, keyspace).await;
+    let groups = plan.map_or(keyspace.groups(), |p| p.read.max(keyspace.groups()));
+    for group in 0..groups {
         for stripe in 0..STRIPES {
             let key = keyspace.cells_key_of_stripe(group, stripe);
             let mut cursor: u64 = 0;

@@ -91,6 +91,9 @@ pub struct Compactor {
     /// How long a counter's shares must stay unchanged before it is compacted.
     cold_after: Duration,
     epoch: u64,
+    /// The groups its epoch is stamped in: every group readers summed when it started
+    /// (`tally_common::regroup`). Shares in later groups wait for the next compactor.
+    groups: u32,
     take: redis::Script,
     give: redis::Script,
     done: redis::Script,
@@ -119,13 +122,18 @@ impl Compactor {
             return Err(CompactError::Cluster);
         }
         let sink = RedisSink::scripts_only(conn.clone(), keyspace.clone());
-        let (epoch, _) = take_epoch(&sink, keyspace.groups(), 0, FIELD).await?;
+        let plan = tally_common::regroup::read_plan(&conn, &keyspace)
+            .await
+            .map_err(|e| CompactError::Fence(SinkError::fatal(e.to_string())))?;
+        let groups = plan.read.max(keyspace.groups());
+        let (epoch, _) = take_epoch(&sink, groups, 0, FIELD).await?;
         Ok(Self {
             conn,
             keyspace,
             namespaces,
             cold_after,
             epoch,
+            groups,
             take: redis::Script::new(include_str!("../store/scripts/compact_take.lua")),
             give: redis::Script::new(include_str!("../store/scripts/compact_give.lua")),
             done: redis::Script::new(include_str!("../store/scripts/compact_done.lua")),
@@ -221,7 +229,9 @@ impl Compactor {
                 .query_async(&mut conn)
                 .await?;
             for key in &keys {
-                if let Some((group, kind, counter)) = self.keyspace.parse_compaction_key(key) {
+                if let Some((group, kind, counter)) = self.keyspace.parse_compaction_key(key)
+                    && group < self.groups
+                {
                     let entry = found.entry(counter.to_owned()).or_default();
                     match kind {
                         CompactionKey::Share => entry.shares.push(group),

@@ -600,6 +600,14 @@ impl Sink for RedisSink {
             .query_async(&mut conn)
             .await?)
     }
+
+    async fn read_plan(&self) -> Result<Option<String>, SinkError> {
+        let mut conn = self.conn.clone();
+        Ok(redis::cmd("GET")
+            .arg(self.keyspace.plan_key())
+            .query_async(&mut conn)
+            .await?)
+    }
 }
 
 impl RedisSink {
