@@ -52,16 +52,18 @@ pub(crate) enum Command {
     /// Upkeep of the window buckets: drop expired ones, or migrate the keys of the old layout.
     #[command(subcommand)]
     Windows(WindowsCommand),
-    /// Grow a running deployment's shard groups (more Redis Cluster masters can then take its
-    /// writes): readers sum the new groups first, then aggregators place new offsets in them,
-    /// within seconds and without a restart. Prints each step, then waits for every partition's
-    /// owner to move; exit 1 if some did not within --wait (they move when an owner runs).
+    /// Change a running deployment's number of shard groups, without a restart. Growing (more
+    /// Redis Cluster masters can then take its writes): readers sum the new groups first, then
+    /// aggregators place new offsets in them. Shrinking, down to the original count: writers
+    /// first, then the retired groups' shares are folded into the groups left, then readers.
+    /// Prints each step and waits for every partition's owner to move; exit 1 if some did not
+    /// within --wait (run it again: it picks up where it stopped).
     Regroup(RegroupArgs),
 }
 
 #[derive(Debug, clap::Args)]
 pub(crate) struct RegroupArgs {
-    /// The new number of shard groups (at least the one in use; --shard-groups stays the
+    /// The new number of shard groups (at least the original count; --shard-groups stays the
     /// deployment's original count).
     #[arg(long)]
     pub(crate) to: u32,

@@ -12,9 +12,10 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::Parser;
 use tally_aggregator::tasks::compact::{CompactError, Compactor};
+use tally_aggregator::tasks::regroup::RegroupFailure;
 use tally_cli::load::{self, LoadSpec};
 use tally_cli::{audit, dead_letters, verify};
-use tally_common::{CachedReader, Reader, pg, regroup};
+use tally_common::{CachedReader, Reader, pg};
 use tally_kafka::backoff::Backoff;
 use tally_ops::config::Store;
 use tally_producer::ProducerConfig;
@@ -305,36 +306,28 @@ async fn shards(args: CounterArgs) -> anyhow::Result<ExitCode> {
 
 async fn regroup(args: RegroupArgs) -> anyhow::Result<ExitCode> {
     let reader = args.redis.reader().await?;
-    let (conn, ks) = (reader.conn(), reader.keyspace());
     let say = |step: &str| {
         let _ = writeln!(out(), "{step}");
     };
-    let plan = regroup::grow(conn, ks, args.to, say).await?;
-    let deadline = std::time::Instant::now() + Duration::from_secs(args.wait);
-    loop {
-        let progress = regroup::progress(conn, ks).await?;
-        let total = progress.moved.len() + progress.pending.len();
-        if progress.pending.is_empty() {
+    let wait = Duration::from_secs(args.wait);
+    match tally_aggregator::tasks::regroup::regroup(
+        reader.conn(),
+        reader.keyspace(),
+        args.to,
+        wait,
+        say,
+    )
+    .await
+    {
+        Ok(_) => Ok(ExitCode::SUCCESS),
+        Err(RegroupFailure::NotMoved { .. }) if args.wait == 0 => {
             writeln!(
                 out(),
-                "every partition ({total}) places new offsets in {} groups",
-                plan.write
+                "not waiting for the partitions to move (--wait 0): run the command again to finish"
             )?;
-            return Ok(ExitCode::SUCCESS);
+            Ok(ExitCode::SUCCESS)
         }
-        if std::time::Instant::now() >= deadline {
-            writeln!(
-                out(),
-                "{} of {total} partitions place new offsets in {} groups; not yet moved (each moves when its owner runs):",
-                progress.moved.len(),
-                plan.write
-            )?;
-            for (partition, groups) in &progress.pending {
-                writeln!(out(), "  {partition} ({groups} groups)")?;
-            }
-            return Ok(ExitCode::FAILURE);
-        }
-        tokio::time::sleep(Duration::from_millis(250)).await;
+        Err(error) => Err(error.into()),
     }
 }
 

@@ -193,6 +193,22 @@ impl Spread {
         self.then
     }
 
+    /// The offset from which no message is placed in more than `groups` groups (0 if none ever
+    /// was), or `None` if messages from here on are; `original` is the deployment's original
+    /// count. A re-grouping that retires groups waits for every partition's watermark to pass it.
+    pub fn within_from(&self, groups: u32, original: u32) -> Option<i64> {
+        if self.then.groups_of(original) > groups {
+            return None;
+        }
+        Some(
+            (self.steps.iter())
+                .filter(|(_, fan)| fan.groups_of(original) > groups)
+                .map(|(until, _)| *until)
+                .max()
+                .unwrap_or(0),
+        )
+    }
+
     /// This spread up to `from`, then `k` over the original groups.
     #[must_use]
     pub fn then(&self, k: u32, from: i64) -> Self {
@@ -954,6 +970,11 @@ mod tests {
         let by_counter = ks.group_for_event(GroupingRule::ByCounter, 5, None, "c", wide);
         assert_eq!(by_counter, ks.group_for_counter("c"));
         assert!(by_counter < 4);
+        // Everything past offset 100 stays within 8 groups; nothing ever went beyond 8.
+        assert_eq!(spread.within_from(4, 4), None);
+        assert_eq!(spread.within_from(8, 4), Some(0));
+        let back = spread.then_fan(Fan::of(2), 300);
+        assert_eq!(back.within_from(4, 4), Some(300));
         // A spread wider than the new count is cut to it.
         assert_eq!(
             Fan::over(8, 2, 16),

@@ -209,10 +209,11 @@ impl PlanLease {
 pub struct Progress {
     /// The plan now stored.
     pub plan: GroupPlan,
-    /// Partitions whose watermark places new offsets in `plan.write` groups.
+    /// Partitions whose watermark places new offsets in `plan.write` groups, with everything
+    /// they placed in more groups than that applied.
     pub moved: Vec<String>,
-    /// Partitions whose watermark still places them in another count: their owner has not
-    /// taken them again yet (or none runs).
+    /// The other partitions, with the count their new offsets go to: their owner has not taken
+    /// them again yet (or none runs), or has not flushed past what it placed the old way.
     pub pending: Vec<(String, u32)>,
 }
 
@@ -302,11 +303,16 @@ pub async fn progress(conn: &RedisConn, keyspace: &Keyspace) -> Result<Progress,
             .arg(keyspace.watermark_key(home))
             .query_async(&mut conn.clone())
             .await?;
+        let original = keyspace.groups();
         for (field, text) in watermarks {
-            let groups = Watermark::parse(&text).map_or(keyspace.groups(), |w| {
-                w.spread.current_fan().groups_of(keyspace.groups())
-            });
-            if groups == plan.write {
+            let Some(watermark) = Watermark::parse(&text) else {
+                pending.push((field, original));
+                continue;
+            };
+            let groups = watermark.spread.current_fan().groups_of(original);
+            let past = (watermark.spread.within_from(plan.write, original))
+                .is_some_and(|from| from == 0 || watermark.next_offset >= from);
+            if groups == plan.write && past {
                 moved.push(field);
             } else {
                 pending.push((field, groups));

@@ -1,10 +1,14 @@
-//! Growing a live deployment's shard groups: two aggregators count a paced load of 120,000
-//! events on four partitions; halfway, `tally regroup --to 32` moves them from the original 16
-//! groups to 32 without a restart, and one of them is SIGKILLed right after, so that the other
-//! takes its partitions over under the new plan. Throughout, a reader polls the busiest counters:
-//! no total it reads ever goes down (every delta is positive), so no read missed a group. In the
-//! end every counter is exact, `tally audit` finds no drift, and the counters' later writes sit
-//! in the new groups.
+//! Re-grouping a live deployment, both ways, under load: two aggregators count a paced load of
+//! 240,000 events on four partitions. `tally regroup --to 32` grows the original 16 groups to
+//! 32 without a restart, and one aggregator is SIGKILLed right after, so that the other takes
+//! its partitions over under the new plan. Then `tally regroup --to 16` shrinks back while the
+//! load goes on: writers move first (a first attempt, with the aggregator SIGSTOPped, gives up
+//! after its wait without folding; the second finishes), the retired groups' shares are folded
+//! into the groups left, readers move last; a third aggregator replaces the second (SIGKILLed) under the final
+//! plan. Throughout, a reader polls the busiest counters: no total it reads ever goes down
+//! (every delta is positive), so no read missed a group or counted a folded share twice. In the
+//! end every counter is exact, `tally audit` finds no drift, the second half of the load went to
+//! the new groups, and no share is left in the retired ones.
 
 use std::process::Command;
 use std::sync::Arc;
@@ -13,12 +17,12 @@ use std::time::Duration;
 
 use tally_cli::load::LoadSpec;
 use tally_tests::{
-    AggregatorSetup, RedisServer, TempDir, binary, finish_load, seed, start_load, unique,
+    AggregatorSetup, RedisServer, TempDir, binary, connect, finish_load, seed, start_load, unique,
     wait_for_totals,
 };
 
 const PARTITIONS: i32 = 4;
-const EVENTS: u64 = 120_000;
+const EVENTS: u64 = 240_000;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn growing_the_groups_under_load_and_a_sigkill_counts_every_event_once() {
@@ -69,23 +73,11 @@ async fn growing_the_groups_under_load_and_a_sigkill_counts_every_event_once() {
     };
 
     tokio::time::sleep(Duration::from_secs(4)).await;
-    let regroup = Command::new(binary("tally"))
-        .args(["regroup", "--to", "32", "--wait", "60"])
-        .args(["--redis-url", &setup.redis_url])
-        .args(["--key-prefix", &setup.key_prefix])
-        .output()
-        .expect("tally regroup runs");
-    let stdout = String::from_utf8_lossy(&regroup.stdout);
-    eprintln!("{stdout}{}", String::from_utf8_lossy(&regroup.stderr));
+    let grown = regroup(&setup, "32");
+    assert!(grown.contains("readers sum 32 groups"), "{grown}");
     assert!(
-        regroup.status.success(),
-        "tally regroup: {}",
-        regroup.status
-    );
-    assert!(stdout.contains("readers sum 32 groups"), "{stdout}");
-    assert!(
-        stdout.contains("every partition (4) places new offsets in 32 groups"),
-        "{stdout}"
+        grown.contains("every partition (4) places new offsets in 32 groups"),
+        "{grown}"
     );
     doomed.kill();
     assert!(
@@ -95,34 +87,99 @@ async fn growing_the_groups_under_load_and_a_sigkill_counts_every_event_once() {
         "{}",
         doomed.log()
     );
+    // The second half of the load goes to the new groups too.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let reader = redis.reader(setup.keyspace()).await;
+    assert_eq!(reader.groups().await.expect("the plan"), 32);
+    let in_new_groups = shares_in(&redis.url(), &setup, 16..32).await;
+    assert!(in_new_groups > 0, "no share in groups 16..32");
+
+    // Shrinking waits for every writer to move before it folds: with the only aggregator
+    // stopped, it gives up after the wait with writers moved in the plan and readers still
+    // summing 32, and a second run, once the aggregator runs again, finishes.
+    survivor.signal("STOP");
+    let (done, stopped) = run_regroup(&setup, "16", "3");
+    survivor.signal("CONT");
+    assert!(!done, "{stopped}");
+    assert!(
+        stopped.contains("writers place new offsets in 16 groups (from 32)"),
+        "{stopped}"
+    );
+    assert!(
+        stopped.contains("did not move within the wait"),
+        "{stopped}"
+    );
+    assert!(!stopped.contains("folded"), "{stopped}");
+    let shrunk = regroup(&setup, "16");
+    assert!(
+        shrunk.contains("every partition (4) places new offsets in 16 groups"),
+        "{shrunk}"
+    );
+    assert!(shrunk.contains("into their base groups"), "{shrunk}");
+    assert!(shrunk.contains("readers sum 16 groups"), "{shrunk}");
+    let third = member("third");
+    let mut last = setup.spawn(dir.path(), &["--kafka-option", &third]);
+    last.wait_metric("tally_assigned_partitions", 1.0, Duration::from_secs(60))
+        .await;
+    survivor.kill();
 
     let sent = finish_load(load, EVENTS).await;
-    let reader = redis.reader(setup.keyspace()).await;
     wait_for_totals(&reader, &sent.totals, Duration::from_secs(90)).await;
     stop.store(true, Ordering::Relaxed);
     let reads = poller.await.expect("no read went down");
     assert!(reads > 50, "the reader polled throughout: {reads} reads");
-    assert!(reader.groups().await.expect("the plan") == 32);
-
-    // The load's second half went to the new groups too.
-    let mut in_new_groups = 0;
-    for counter in sent.totals.keys().take(200) {
-        let shares = reader.shares(counter).await.expect("shares");
-        assert_eq!(shares.len(), 32);
-        in_new_groups += shares[16..].iter().flatten().count();
-    }
-    assert!(in_new_groups > 0, "no share in groups 16..32");
-    survivor.stop_gracefully().await;
+    assert_eq!(reader.groups().await.expect("the plan"), 16);
+    assert_eq!(shares_in(&redis.url(), &setup, 16..32).await, 0);
+    last.stop_gracefully().await;
     setup.assert_audit_clean(&[], sent.totals.len());
 
-    // A second run is a no-op, and shrinking is refused with a clear error.
-    let again = Command::new(binary("tally"))
-        .args(["regroup", "--to", "8", "--wait", "0"])
+    // Below the original count is refused with a clear error.
+    let (done, below) = run_regroup(&setup, "8", "0");
+    assert!(!done);
+    assert!(
+        below.contains("shrinks down to its original 16 shard groups at most, not 8"),
+        "{below}"
+    );
+}
+
+/// Runs `tally regroup --to <to>` on the setup's deployment and asserts it succeeded; returns
+/// what it printed.
+fn regroup(setup: &AggregatorSetup, to: &str) -> String {
+    let (done, printed) = run_regroup(setup, to, "60");
+    assert!(done, "tally regroup --to {to}: {printed}");
+    printed
+}
+
+/// Runs `tally regroup --to <to> --wait <wait>`; returns whether it succeeded, and what it
+/// printed (stdout, then stderr).
+fn run_regroup(setup: &AggregatorSetup, to: &str, wait: &str) -> (bool, String) {
+    let run = Command::new(binary("tally"))
+        .args(["regroup", "--to", to, "--wait", wait])
         .args(["--redis-url", &setup.redis_url])
         .args(["--key-prefix", &setup.key_prefix])
         .output()
         .expect("tally regroup runs");
-    let stderr = String::from_utf8_lossy(&again.stderr);
-    assert!(!again.status.success());
-    assert!(stderr.contains("shrinking from 32 to 8"), "{stderr}");
+    let printed = format!(
+        "{}{}",
+        String::from_utf8_lossy(&run.stdout),
+        String::from_utf8_lossy(&run.stderr)
+    );
+    eprintln!("{printed}");
+    (run.status.success(), printed)
+}
+
+/// How many shares and compaction journals the setup's keyspace holds in `groups`.
+async fn shares_in(url: &str, setup: &AggregatorSetup, groups: std::ops::Range<u32>) -> usize {
+    let mut conn = connect(url).await;
+    let mut found = 0;
+    for group in groups {
+        let pattern = format!("{}:{{g{group}}}:[cj]:*", setup.key_prefix);
+        let keys: Vec<String> = redis::cmd("KEYS")
+            .arg(&pattern)
+            .query_async(&mut conn)
+            .await
+            .expect("KEYS");
+        found += keys.len();
+    }
+    found
 }

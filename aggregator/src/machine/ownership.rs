@@ -44,14 +44,19 @@ pub enum Resume {
 /// Without a watermark nothing is known to be applied everywhere: resume from the beginning (the
 /// skip rule then passes over whatever some group had applied). With one, resume from it, unless
 /// a group's ledger entry is now below what it was when the watermark was stored: that group lost
-/// writes, so rewind to its ledger entry to re-feed it.
+/// writes, so rewind to its ledger entry to re-feed it. Groups past `ledgers` (retired by a
+/// re-grouping) are left out.
 pub fn resume_offset(watermark: Option<&Watermark>, ledgers: &[i64]) -> Resume {
     let Some(watermark) = watermark else {
         return Resume::Beginning;
     };
     let mut from = watermark.next_offset;
     for &(group, recorded) in &watermark.ledgers {
-        let current = ledgers.get(group as usize).copied().unwrap_or(-1);
+        // A group past the owner's was retired by a re-grouping, its shares folded into the
+        // groups left: what it lost no longer counts.
+        let Some(&current) = ledgers.get(group as usize) else {
+            continue;
+        };
         if current < recorded {
             from = from.min(current);
         }

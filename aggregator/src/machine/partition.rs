@@ -342,9 +342,15 @@ impl Partition {
             Entry::DeadLetter { group, .. } => (*group, None),
             Entry::Repeat | Entry::Reset { .. } | Entry::Expire { .. } => (None, None),
         };
+        // A group past the owner's ledgers was retired by a re-grouping after everything it
+        // was ever placed was applied there and folded into the groups left
+        // (`tally_common::regroup`): a replay of an older stretch skips it.
         let already_applied = group.is_some_and(|group| {
-            self.ledgers()
-                .is_some_and(|ledgers| offset < ledgers[group as usize])
+            self.ledgers().is_some_and(|ledgers| {
+                ledgers
+                    .get(group as usize)
+                    .is_none_or(|ledger| offset < *ledger)
+            })
         });
         let handled = if already_applied {
             self.buffer.skip(offset);
@@ -978,6 +984,22 @@ mod tests {
         assert!(matches!(p.on_seek(true, now), Action::Resume));
         assert!(p.on_regrouped(8, 1, 4).is_empty());
         assert!(unfenced(now).on_regrouped(8, 1, 4).is_empty());
+    }
+
+    #[test]
+    fn a_replay_placed_in_a_retired_group_is_skipped() {
+        let limits = limits();
+        // The owner stamped 2 groups: group 5 was folded away before it acquired.
+        let mut p = owned(Instant::now(), vec![-1, -1]);
+        let retired = Entry::Delta {
+            group: 5,
+            counter: "c",
+            delta: 1,
+            buckets: &[],
+            idle_deadline: None,
+        };
+        assert_eq!(p.on_message(0, retired, &limits).0, Handled::Skipped);
+        assert_eq!(p.on_message(1, delta("c"), &limits).0, Handled::Buffered);
     }
 
     #[test]

@@ -224,4 +224,15 @@ mod tests {
             Resume::Beginning
         );
     }
+
+    #[test]
+    fn a_retired_group_is_not_a_rollback() {
+        // Recorded over 6 groups; the owner now stamps 4 (groups 4 and 5 were folded away).
+        let w = Watermark::new(120, &[-1, 100, -1, 120, 90, 110], Spread::uniform(1));
+        assert_eq!(
+            resume_offset(Some(&w), &[-1, 100, -1, 120]),
+            Resume::At(120)
+        );
+        assert_eq!(resume_offset(Some(&w), &[-1, 70, -1, 120]), Resume::At(70));
+    }
 }

@@ -338,6 +338,63 @@ impl Compactor {
         }
     }
 
+    /// Moves every share in `groups`, whatever its age, into its counter's base share, and
+    /// finishes every move journaled there: a re-grouping retiring those groups
+    /// (`crate::tasks::regroup`), once no writer places anything in them. Returns the moves
+    /// made; a pass that makes none found the groups empty.
+    pub async fn fold(&self, groups: std::ops::Range<u32>) -> Result<usize, CompactError> {
+        let mut moves = 0;
+        let mut conn = self.conn.clone();
+        for group in groups {
+            if group >= self.groups {
+                return Err(CompactError::Protocol(format!(
+                    "group {group} is past the {} this compactor stamped",
+                    self.groups
+                )));
+            }
+            let pattern = format!("{}:{{g{group}}}:[cj]:*", self.keyspace.prefix());
+            let mut cursor: u64 = 0;
+            loop {
+                let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
+                    .arg(cursor)
+                    .arg("MATCH")
+                    .arg(&pattern)
+                    .arg("COUNT")
+                    .arg(1000)
+                    .query_async(&mut conn)
+                    .await?;
+                for key in &keys {
+                    let Some((from, kind, counter)) = self.keyspace.parse_compaction_key(key)
+                    else {
+                        continue;
+                    };
+                    let base = self.keyspace.shard_group(counter, 0);
+                    match kind {
+                        CompactionKey::Share => {
+                            moves += usize::from(self.move_share(counter, from, base).await?);
+                        }
+                        CompactionKey::Journal => {
+                            let journal: Option<String> =
+                                redis::cmd("GET").arg(key).query_async(&mut conn).await?;
+                            if let Some((id, amount)) =
+                                journal.as_deref().and_then(|j| j.split_once(':'))
+                            {
+                                self.finish(counter, from, base, id, amount).await?;
+                                moves += 1;
+                            }
+                        }
+                        CompactionKey::Moved { .. } => {}
+                    }
+                }
+                if next == 0 {
+                    break;
+                }
+                cursor = next;
+            }
+        }
+        Ok(moves)
+    }
+
     /// Steps 2 and 3 of a journaled move.
     async fn finish(
         &self,

@@ -5,9 +5,11 @@
 //! - [`shard_monitor`]: raises the shard counts of directly written counters that run hot.
 //! - [`cells`]: the window cells' sweep of expired buckets, and the migration from bucket keys.
 //! - [`compact`]: collapsing cold counters' shares into one key, crash-safe (`tally compact`).
+//! - [`regroup`]: growing and shrinking a live deployment's shard groups (`tally regroup`).
 
 pub mod cells;
 pub mod compact;
 pub mod expiry;
+pub mod regroup;
 pub mod shard_monitor;
 pub mod trending;

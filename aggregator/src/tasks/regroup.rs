@@ -1,0 +1,236 @@
+//! Re-grouping a live deployment (`tally regroup`): growing, as `tally_common::regroup` does it,
+//! and shrinking, which retires groups and so folds their shares back.
+//!
+//! Shrinking from `read` groups to `to` goes the other way round from growing:
+//!
+//! 1. **Writers first.** The plan's `write` drops to `to`; each aggregator takes its partitions
+//!    again within a second or so, placing new offsets in `to` groups. Readers still sum `read`.
+//! 2. **Wait** until every partition's watermark has passed the last offset it placed in more
+//!    than `to` groups: from then on no replay writes a retired group again (an owner skips
+//!    groups past the ones it stamps, `crate::machine::partition`), and every offset placed in
+//!    one is applied there.
+//! 3. **Fold** every share of the retired groups into its counter's base share (in the original
+//!    groups), journaled as compaction moves are ([`Compactor::fold`]): at every moment a read
+//!    counts each amount once, and a fold killed at any point is finished by the next run.
+//! 4. **Readers last.** The plan's `read` drops to `to`. A reader still summing the retired
+//!    groups for the rest of its lease reads them empty.
+//!
+//! The original count is the floor: partitions' bookkeeping, likes, directly written shards and
+//! compaction's base shares live in those groups. A retired group keeps its ledger and fence
+//! hashes (a field per partition), so that a later growth finds what each partition applied
+//! there. Folding needs `SCAN`, so shrinking needs a standalone Redis, as compaction does; and a
+//! retired group that holds window buckets is refused for now.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tally_common::regroup::{self, GroupPlan, PlanError, Progress, RegroupError};
+use tally_common::window::cells::STRIPES;
+use tally_common::{Keyspace, Namespaces, RedisConn};
+
+use crate::tasks::compact::{CompactError, Compactor};
+
+/// Why a re-grouping stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum RegroupFailure {
+    /// Growing was refused.
+    #[error(transparent)]
+    Grow(#[from] RegroupError),
+    /// The plan could not be read or stored.
+    #[error(transparent)]
+    Plan(#[from] PlanError),
+    /// Folding failed (Redis, a newer compactor, a cluster).
+    #[error("folding the retired groups: {0}")]
+    Fold(#[from] CompactError),
+    /// Redis failed.
+    #[error("redis: {0}")]
+    Redis(#[from] redis::RedisError),
+    /// Fewer groups than the deployment was created with.
+    #[error(
+        "a deployment shrinks down to its original {origin} shard groups at most, not {to}: partitions' bookkeeping, likes and directly written shards live in those"
+    )]
+    BelowOrigin {
+        /// The count asked for.
+        to: u32,
+        /// The original count.
+        origin: u32,
+    },
+    /// A group to retire holds window buckets.
+    #[error(
+        "group {group} holds window buckets, which cannot be folded back yet: this deployment cannot shrink below {read} groups (writers place new offsets in {write})"
+    )]
+    Windows {
+        /// The group.
+        group: u32,
+        /// The writers' count now.
+        write: u32,
+        /// The readers' count now.
+        read: u32,
+    },
+    /// Some partitions did not move within the wait.
+    #[error(
+        "{} partition(s) did not move within the wait: {}; run the command again once their owners run (writers place new offsets in {write} groups, readers still sum {read})",
+        pending.len(),
+        pending.iter().map(|(p, g)| format!("{p} ({g} groups)")).collect::<Vec<_>>().join(", ")
+    )]
+    NotMoved {
+        /// The partitions, with the count they still place new offsets in.
+        pending: Vec<(String, u32)>,
+        /// The writers' count.
+        write: u32,
+        /// The readers' count.
+        read: u32,
+    },
+    /// Another re-grouping changed the plan meanwhile.
+    #[error("the group plan changed meanwhile (now {0:?}): run the command again")]
+    Raced(GroupPlan),
+}
+
+/// Moves the deployment to `to` groups, growing or shrinking; waits up to `wait` for every
+/// partition's owner to move. `say` hears each step. Safe to run again after it was interrupted.
+pub async fn regroup(
+    conn: &RedisConn,
+    keyspace: &Keyspace,
+    to: u32,
+    wait: Duration,
+    mut say: impl FnMut(&str),
+) -> Result<GroupPlan, RegroupFailure> {
+    let plan = regroup::read_plan(conn, keyspace).await?;
+    if to < plan.write || (to == plan.write && plan.read > to) {
+        return shrink(conn, keyspace, plan, to, wait, say).await;
+    }
+    let plan = regroup::grow(conn, keyspace, to, &mut say).await?;
+    moved(conn, keyspace, &plan, wait, &mut say).await?;
+    Ok(plan)
+}
+
+/// Waits until every partition places new offsets in `plan.write` groups only.
+async fn moved(
+    conn: &RedisConn,
+    keyspace: &Keyspace,
+    plan: &GroupPlan,
+    wait: Duration,
+    say: &mut impl FnMut(&str),
+) -> Result<Progress, RegroupFailure> {
+    let deadline = Instant::now() + wait;
+    loop {
+        let progress = regroup::progress(conn, keyspace).await?;
+        if progress.plan != *plan {
+            return Err(RegroupFailure::Raced(progress.plan));
+        }
+        if progress.pending.is_empty() {
+            say(&format!(
+                "every partition ({}) places new offsets in {} groups",
+                progress.moved.len(),
+                plan.write
+            ));
+            return Ok(progress);
+        }
+        if Instant::now() >= deadline {
+            return Err(RegroupFailure::NotMoved {
+                pending: progress.pending,
+                write: plan.write,
+                read: plan.read,
+            });
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
+/// Shrinks the deployment from `plan` to `to` groups (see the module).
+async fn shrink(
+    conn: &RedisConn,
+    keyspace: &Keyspace,
+    plan: GroupPlan,
+    to: u32,
+    wait: Duration,
+    mut say: impl FnMut(&str),
+) -> Result<GroupPlan, RegroupFailure> {
+    if to < plan.origin {
+        return Err(RegroupFailure::BelowOrigin {
+            to,
+            origin: plan.origin,
+        });
+    }
+    if conn.is_cluster() {
+        return Err(CompactError::Cluster.into());
+    }
+    refuse_windows(conn, keyspace, &plan, to).await?;
+    let plan = if plan.write == to {
+        plan
+    } else {
+        let writers = GroupPlan {
+            version: plan.version + 1,
+            write: to,
+            ..plan
+        };
+        if !regroup::store_plan(conn, keyspace, &writers).await? {
+            return Err(RegroupFailure::Raced(
+                regroup::read_plan(conn, keyspace).await?,
+            ));
+        }
+        say(&format!(
+            "writers place new offsets in {to} groups (from {}); readers still sum {}",
+            plan.write, plan.read
+        ));
+        writers
+    };
+    moved(conn, keyspace, &plan, wait, &mut say).await?;
+    // Writers that had not moved when the check above began may have placed window buckets.
+    refuse_windows(conn, keyspace, &plan, to).await?;
+    let compactor = Compactor::start(
+        conn.clone(),
+        keyspace.clone(),
+        Arc::new(Namespaces::default()),
+        Duration::ZERO,
+    )
+    .await?;
+    let mut folded = 0;
+    loop {
+        let moves = compactor.fold(to..plan.read).await?;
+        if moves == 0 {
+            break;
+        }
+        folded += moves;
+    }
+    say(&format!(
+        "folded {folded} share(s) of groups {to}..{} into their base groups",
+        plan.read
+    ));
+    let readers = GroupPlan {
+        version: plan.version + 1,
+        read: to,
+        ..plan
+    };
+    if !regroup::store_plan(conn, keyspace, &readers).await? {
+        return Err(RegroupFailure::Raced(
+            regroup::read_plan(conn, keyspace).await?,
+        ));
+    }
+    say(&format!("readers sum {to} groups"));
+    Ok(readers)
+}
+
+/// Refuses to retire groups `to..plan.read` if one holds window buckets.
+async fn refuse_windows(
+    conn: &RedisConn,
+    keyspace: &Keyspace,
+    plan: &GroupPlan,
+    to: u32,
+) -> Result<(), RegroupFailure> {
+    for group in to..plan.read {
+        let mut exists = redis::cmd("EXISTS");
+        for stripe in 0..STRIPES {
+            exists.arg(keyspace.cells_key_of_stripe(group, stripe));
+        }
+        let found: u64 = exists.query_async(&mut conn.clone()).await?;
+        if found > 0 {
+            return Err(RegroupFailure::Windows {
+                group,
+                write: plan.write,
+                read: plan.read,
+            });
+        }
+    }
+    Ok(())
+}
