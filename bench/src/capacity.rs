@@ -324,12 +324,16 @@ fn plan(out: &mut String, r: &Results) {
         out,
         "\n## The shard-group ceiling\n\nEvery write goes to one shard group, and a group is one \
          Redis Cluster slot (`docs/keyspace.md`): however many masters a cluster has, at most as \
-         many as there are shard groups take writes. The number of groups is fixed for the life \
-         of a deployment (`docs/guarantees.md`, assumption 3), and the default is {SHARD_GROUPS}: \
-         at most {SHARD_GROUPS} masters. Choose it on day one for the largest cluster you may grow \
-         to: at least as many groups as masters, and a multiple of the master count so that each \
-         master holds as many groups (the table's last column: the next power of two at or above \
-         twice the masters, at least {SHARD_GROUPS}). Groups are not free for readers: an exact \
+         many as there are shard groups take writes. The default is {SHARD_GROUPS}: at most \
+         {SHARD_GROUPS} masters. A running deployment grows its groups with `tally regroup --to \
+         <n>` (without a restart, `docs/operations.md`), and shrinks them back down to the count \
+         it was created with; partitions place new offsets in the new groups, while likes, \
+         directly written shards and each partition's bookkeeping stay in the original ones. Grow \
+         ahead of the cluster: at least as many groups as masters, and a multiple of the master \
+         count so that each master holds as many groups (the table's last column: the next power \
+         of two at or above twice the masters, at least {SHARD_GROUPS}); and enough partitions \
+         times `--partition-spread` to write them all (a partition writes `spread` groups). Groups \
+         are not free for readers: an exact \
          read sums every group, one `MGET` per group (`get_many` of 1,000 counters: one round \
          trip per group), so a deployment with many groups should serve reads from the cache \
          (`CachedReader`, the HTTP API). The largest plan here needs {most_masters} master(s)."
