@@ -313,6 +313,107 @@ impl RedisCluster {
         wait_cluster_ok(self.nodes[i].0, "the restarted node to rejoin").await;
     }
 
+    /// Grows the cluster by `n` empty masters and moves slots to them until every master serves
+    /// about as many, keys and all, while clients write (`redis-cli --cluster add-node`, then
+    /// `--cluster rebalance --cluster-use-empty-masters`); waits until the cluster is ok.
+    /// Returns the new masters' ports.
+    pub async fn add_masters(&mut self, n: usize) -> Vec<u16> {
+        let first = self.nodes.len();
+        let seed = format!("127.0.0.1:{}", self.nodes[0].0);
+        for i in first..first + n {
+            self.nodes.push((free_port(), None));
+            self.start_node(i);
+            let url = self.node_url(i);
+            eventually(Duration::from_secs(10), "a new node to answer", || {
+                let url = url.clone();
+                async move { ping(&url).await }
+            })
+            .await;
+            let node = format!("127.0.0.1:{}", self.nodes[i].0);
+            redis_cli(&["--cluster", "add-node", &node, &seed]).await;
+            // A node joins through gossip: the next step checks that every node agrees.
+            self.wait_all_know(i + 1).await;
+        }
+        wait_cluster_ok(self.nodes[0].0, "the cluster to be ok with the new nodes").await;
+        redis_cli(&[
+            "--cluster",
+            "rebalance",
+            &seed,
+            "--cluster-use-empty-masters",
+            "--cluster-pipeline",
+            "100",
+        ])
+        .await;
+        wait_cluster_ok(self.nodes[0].0, "the cluster to be ok after the rebalance").await;
+        self.nodes[first..].iter().map(|(port, _)| *port).collect()
+    }
+
+    /// Waits until every node lists `count` nodes with the same view of who serves what.
+    async fn wait_all_know(&self, count: usize) {
+        let ports: Vec<u16> = self.nodes.iter().map(|(port, _)| *port).collect();
+        eventually(
+            Duration::from_secs(30),
+            "every node to know every other",
+            || {
+                let ports = ports.clone();
+                async move {
+                    let mut views = Vec::new();
+                    for port in ports {
+                        let mut conn = try_connect(&format!("redis://127.0.0.1:{port}")).await?;
+                        let nodes: String = (redis::cmd("CLUSTER").arg("NODES"))
+                            .query_async(&mut conn)
+                            .await
+                            .ok()?;
+                        // Per node: its id, role and slots, without flags such as `myself`.
+                        let mut view: Vec<String> = (nodes.lines())
+                            .map(|l| {
+                                let f: Vec<&str> = l.split(' ').collect();
+                                let master = f.get(2).is_some_and(|r| r.contains("master"));
+                                format!("{} {master} {}", f[0], f.get(8..).unwrap_or(&[]).join(" "))
+                            })
+                            .collect();
+                        view.sort();
+                        if view.len() != count {
+                            return None;
+                        }
+                        views.push(view);
+                    }
+                    views.windows(2).all(|w| w[0] == w[1]).then_some(())
+                }
+            },
+        )
+        .await;
+    }
+
+    /// The ports of the masters serving `slots`, in order.
+    pub async fn owners_of(&self, slots: &[u16]) -> Vec<u16> {
+        let mut conn = connect(&self.node_url(0)).await;
+        // Each range: first slot, last slot, then [ip, port, id, ...] of its master and replicas.
+        let ranges: Vec<(u16, u16, u16)> = (redis::cmd("CLUSTER").arg("SLOTS"))
+            .query_async::<Vec<Vec<redis::Value>>>(&mut conn)
+            .await
+            .expect("CLUSTER SLOTS")
+            .into_iter()
+            .map(|range| {
+                let mut range = range.into_iter();
+                let mut next = || range.next().expect("a slot range's field");
+                let first: u16 = redis::from_redis_value(next()).expect("a slot");
+                let last: u16 = redis::from_redis_value(next()).expect("a slot");
+                let master: Vec<redis::Value> = redis::from_redis_value(next()).expect("a master");
+                let port = master.into_iter().nth(1).expect("its port");
+                (first, last, redis::from_redis_value(port).expect("a port"))
+            })
+            .collect();
+        (slots.iter())
+            .map(|slot| {
+                (ranges.iter())
+                    .find(|(first, last, _)| (*first..=*last).contains(slot))
+                    .map(|(_, _, port)| *port)
+                    .expect("every slot served")
+            })
+            .collect()
+    }
+
     /// A reader over this cluster for `keyspace`.
     pub async fn reader(&self, keyspace: Keyspace) -> Reader {
         reader(&self.url(), keyspace).await
@@ -454,6 +555,21 @@ impl RedisCluster {
         );
         (owner.0, target.0)
     }
+}
+
+/// Runs `redis-cli` with `args` on a blocking thread; panics with its output if it fails.
+async fn redis_cli(args: &[&str]) {
+    let args: Vec<String> = args.iter().map(|a| (*a).to_owned()).collect();
+    let out = tokio::task::spawn_blocking(move || Command::new("redis-cli").args(&args).output())
+        .await
+        .expect("redis-cli task")
+        .expect("redis-cli runs");
+    assert!(
+        out.status.success(),
+        "redis-cli failed: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 async fn connect_owned(url: String) -> redis::aio::MultiplexedConnection {

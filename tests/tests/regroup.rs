@@ -17,8 +17,8 @@ use std::time::Duration;
 
 use tally_cli::load::LoadSpec;
 use tally_tests::{
-    AggregatorSetup, RedisServer, TempDir, binary, connect, finish_load, seed, start_load, unique,
-    wait_for_totals,
+    AggregatorSetup, RedisCluster, RedisServer, TempDir, assert_no_crossslot, binary, connect,
+    finish_load, seed, start_load, unique, wait_for_totals,
 };
 
 const PARTITIONS: i32 = 4;
@@ -182,4 +182,90 @@ async fn shares_in(url: &str, setup: &AggregatorSetup, groups: std::ops::Range<u
         found += keys.len();
     }
     found
+}
+
+/// Growing a Redis Cluster under load, then the groups: a 3-master cluster takes a paced load
+/// on 16 partitions (spread 4 over 16 groups); 3 empty masters join and slots move to them,
+/// keys and all, while the aggregator writes; then `tally regroup --to 64` lets the partitions
+/// write 64 groups, which reach every master, and a second load runs under the new plan. Every counter ends exact, nothing is dead-lettered,
+/// no script crossed slots, `tally audit` finds no drift, and every new master holds shares of
+/// the new groups.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_grown_to_six_masters_under_load_takes_writes_on_every_new_master() {
+    let _serial = tally_tests::serial().await;
+    let dir = TempDir::new("tally-regroup-cluster");
+    let seed = seed();
+    let mut cluster = RedisCluster::start().await;
+    let setup = AggregatorSetup::create("regroup-cluster", &cluster.url(), 16).await;
+    let events = 200_000;
+    let spec = LoadSpec {
+        events,
+        counters: 3_000,
+        rate: 8_000,
+        max_delta: 5,
+        seed,
+        ..LoadSpec::default()
+    };
+    let load = start_load(&setup.topic, spec);
+    let mut aggregator = setup.spawn(dir.path(), &[]);
+    aggregator
+        .wait_metric("tally_flushes_total", 1.0, Duration::from_secs(60))
+        .await;
+
+    let started = std::time::Instant::now();
+    let new_masters = cluster.add_masters(3).await;
+    eprintln!(
+        "3 masters added and slots rebalanced in {:.1} s",
+        started.elapsed().as_secs_f64()
+    );
+    let grown = regroup(&setup, "64");
+    assert!(
+        grown.contains("every partition (16) places new offsets in 64 groups"),
+        "{grown}"
+    );
+
+    // More load under the new plan (the first may have ended during the rebalance).
+    let after = LoadSpec {
+        events: 60_000,
+        counters: 3_000,
+        rate: 10_000,
+        max_delta: 5,
+        seed: seed.wrapping_add(1),
+        ..LoadSpec::default()
+    };
+    let later = start_load(&setup.topic, after);
+    let mut totals = finish_load(load, events).await.totals;
+    for (counter, total) in finish_load(later, 60_000).await.totals {
+        *totals.entry(counter).or_default() += total;
+    }
+    let reader = cluster.reader(setup.keyspace()).await;
+    wait_for_totals(&reader, &totals, Duration::from_secs(120)).await;
+    let dead = aggregator.metric("tally_events_dead_lettered_total").await;
+    assert_eq!(dead.unwrap_or(0.0), 0.0, "nothing dead-lettered");
+    aggregator.stop_gracefully().await;
+    assert_no_crossslot(dir.path());
+    setup.assert_audit_clean(&[], totals.len());
+
+    // Every new master took writes of the new groups.
+    let ks = setup.keyspace();
+    for port in new_masters {
+        let mut node = connect(&format!("redis://127.0.0.1:{port}")).await;
+        let keys: Vec<String> = redis::cmd("KEYS")
+            .arg(format!("{}:{{g*}}:c:*", setup.key_prefix))
+            .query_async(&mut node)
+            .await
+            .expect("KEYS");
+        let in_new_groups = (keys.iter())
+            .filter_map(|k| ks.parse_compaction_key(k))
+            .filter(|(group, _, _)| *group >= 16)
+            .count();
+        eprintln!(
+            "master {port}: {} shares, {in_new_groups} in groups 16-63",
+            keys.len()
+        );
+        assert!(
+            in_new_groups > 0,
+            "master {port} holds no share of groups 16-63"
+        );
+    }
 }
