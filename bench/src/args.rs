@@ -59,6 +59,10 @@ pub struct Args {
     /// Events of the hot-counter scenario (90% on one counter).
     #[arg(long, default_value_t = 2_000_000)]
     pub hot_events: u64,
+    /// Events of the regroup scenario's topic: enough for its catch-up to outlast the
+    /// re-grouping (3 s of it are the readers' leases).
+    #[arg(long, default_value_t = 30_000_000)]
+    pub regroup_events: u64,
     /// Distinct counters of the cardinality scenario (one event each).
     #[arg(long, default_value_t = 1_000_000)]
     pub distinct: u64,
@@ -73,8 +77,8 @@ pub struct Args {
     #[arg(long, default_value = "postgres://tally@127.0.0.1:5433/postgres")]
     pub postgres_url: String,
     /// Run only these scenarios (producer, catch-up, json, postgres, windows, dedup, members,
-    /// expiry, idempotency, partitions, rebalance, naive, yardsticks, steady, steady-windows, steady-likes, hot,
-    /// cardinality, reads, micro); all when empty.
+    /// expiry, idempotency, partitions, rebalance, regroup, naive, yardsticks, steady,
+    /// steady-windows, steady-likes, hot, cardinality, reads, micro); all when empty.
     #[arg(long, value_delimiter = ',')]
     pub only: Vec<String>,
     /// Run nothing: read this `results.json` and write `capacity.md` (the sizing guide) into

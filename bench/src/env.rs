@@ -180,7 +180,25 @@ impl Env<'_> {
         events: u64,
         extra: &[&str],
     ) -> anyhow::Result<CatchUp> {
-        let id = self.name(&format!("agg-{}", rand::random::<u32>()));
+        let id = self.catch_up_id();
+        self.catch_up_as(&id, topic, events, extra).await
+    }
+
+    /// A new aggregator id (group and key prefix) for [`Env::catch_up_as`].
+    pub(crate) fn catch_up_id(&self) -> String {
+        self.name(&format!("agg-{}", rand::random::<u32>()))
+    }
+
+    /// [`Env::catch_up`] under group and key prefix `id`, for a caller that acts on its keys
+    /// meanwhile.
+    pub(crate) async fn catch_up_as(
+        &mut self,
+        id: &str,
+        topic: &str,
+        events: u64,
+        extra: &[&str],
+    ) -> anyhow::Result<CatchUp> {
+        let id = id.to_owned();
         let dlq = format!("{id}.dlq");
         self.create_topic(&dlq, 1).await?;
         let port = free_port()?;

@@ -198,6 +198,30 @@ pub struct DedupRun {
     pub ratios: Vec<f64>,
 }
 
+/// The catch-up with or without a re-grouping (16 to 64 shard groups once its first flush
+/// landed, `tally regroup`), with exact reads timed throughout.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct RegroupRun {
+    /// Whether the run was re-grouped.
+    pub regrouped: bool,
+    /// The catch-up.
+    pub catch_up: CatchUp,
+    /// From `tally regroup`'s start to every partition placing new offsets in 64 groups,
+    /// seconds (3 of them are the wait for readers' leases); 0 when not re-grouped.
+    pub regroup_seconds: f64,
+    /// Exact reads of 100 counters (`get_many`) made during the catch-up, one after another.
+    pub reads: usize,
+    /// Their latency, milliseconds: median, 99th percentile and worst.
+    pub read_p50_ms: f64,
+    /// 99th percentile.
+    pub read_p99_ms: f64,
+    /// Worst.
+    pub read_max_ms: f64,
+    /// Re-grouped: per round, its events/s from launch over the plain run's of the same round
+    /// (the figures above are of the round with the median ratio). Empty otherwise.
+    pub ratios: Vec<f64>,
+}
+
 /// Redis memory per membership (an actor in a counter's member set).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct MembershipMemory {
@@ -327,6 +351,9 @@ pub struct Results {
     pub new_partitions: Option<NewPartitions>,
     /// Rebalances under a steady stream.
     pub rebalance: Vec<RebalanceEvent>,
+    /// Catch-ups with and without a re-grouping, with reads during them.
+    #[serde(default)]
+    pub regroup: Vec<RegroupRun>,
 }
 
 /// Partitions added to a live topic: how soon their events are counted.

@@ -12,6 +12,7 @@ mod partitions;
 mod postgres;
 mod reads;
 mod rebalance;
+mod regroup;
 mod rounds;
 mod steady;
 mod windows;
@@ -32,6 +33,7 @@ use partitions::new_partitions;
 use postgres::{postgres_catch_up, postgres_reads};
 use reads::reads;
 use rebalance::rebalance;
+use regroup::regroup;
 use steady::steady;
 use windows::{window_reads, windows};
 use yardsticks::{kcat_consume, kcat_produce, micro, redis_benchmark};
@@ -174,6 +176,16 @@ pub async fn run_all(args: &Args) -> anyhow::Result<Results> {
     }
     if args.runs("rebalance") {
         results.rebalance = rebalance(&mut env).await?;
+    }
+    if args.runs("regroup") {
+        let topic = env.name("regroup");
+        env.create_topic(&topic, args.partitions).await?;
+        println!("regroup: {} events", args.regroup_events);
+        let extra = ["--counters", &counters, "--zipf", &zipf];
+        env.load(&topic, "regroup", args.regroup_events, &extra)
+            .await?;
+        let scope = (topic.as_str(), args.regroup_events);
+        results.regroup = regroup(&mut env, scope, args.rounds).await?;
     }
     if args.runs("naive") {
         println!("catch-up: the naive consumer, for {} s", args.naive_seconds);
