@@ -105,6 +105,9 @@ pub struct Reader {
     store: Option<std::sync::Arc<dyn StoreOfRecord>>,
     /// How many groups to sum (`crate::regroup`), asked for once a lease.
     plan: PlanLease,
+    /// Whether exact reads on a standalone Redis are snapshots (`MULTI`/`EXEC`): unknown until
+    /// the first, which asks the server ([`SNAPSHOTS_UNKNOWN`] and the two answers).
+    snapshots: std::sync::Arc<std::sync::atomic::AtomicU8>,
 }
 
 impl Reader {
@@ -115,6 +118,7 @@ impl Reader {
             keyspace,
             store: None,
             plan: PlanLease::default(),
+            snapshots: std::sync::Arc::new(std::sync::atomic::AtomicU8::new(SNAPSHOTS_UNKNOWN)),
         }
     }
 
@@ -266,10 +270,17 @@ impl Reader {
         Ok(self.get_many(&[counter]).await?[0])
     }
 
-    /// The exact totals of `counters`, in the same order, read in one pipeline of one
-    /// single-slot `MGET` per shard group (each counter's share and compaction journal there).
-    /// A journal found is counted unless its move already reached the base share, which a
-    /// second, rare round of `MGET`s checks.
+    /// The exact totals of `counters`, in the same order: one single-slot `MGET` per shard
+    /// group (each counter's share and compaction journal there). A journal found is counted
+    /// unless its move already reached the base share, which the move's marker there tells.
+    ///
+    /// On a standalone Redis, where compaction and the folds of a re-grouping move amounts
+    /// between groups, the `MGET`s run as one `MULTI`/`EXEC`, a snapshot, with the markers of
+    /// the journals it may find: a read that finds a journal whose marker it did not read reads
+    /// again with it, so that no read counts a moving amount twice or not at all. On a cluster
+    /// (where nothing moves amounts), or for an ACL user without `+multi +exec`, they are one
+    /// pipeline (concurrent requests on a cluster), and a journal's marker is read after them:
+    /// a read that overlaps a move may then be off by the moved amount for that instant.
     pub async fn get_many<S: AsRef<str>>(&self, counters: &[S]) -> Result<Vec<i64>, ReadError> {
         if counters.is_empty() {
             return Ok(Vec::new());
@@ -281,22 +292,161 @@ impl Reader {
             let counters: Vec<&str> = counters.iter().map(AsRef::as_ref).collect();
             return store.totals(&counters).await;
         }
-        let ks = &self.keyspace;
-        let mgets = (0..self.groups().await?)
-            .map(|group| {
-                let mut mget = redis::cmd("MGET");
-                for c in counters {
-                    mget.arg(ks.counter_key(group, c.as_ref()))
-                        .arg(ks.journal_key(group, c.as_ref()));
+        let groups = self.groups().await?;
+        if self.conn.is_cluster() || !self.snapshots_allowed().await? {
+            return self.read_spread(counters, groups).await;
+        }
+        // The markers read with the shares: `(counter index, source group)`, sorted.
+        let mut markers: Vec<(usize, u32)> = Vec::new();
+        for attempt in 0.. {
+            let Snapshot { totals, journals } =
+                self.read_snapshot(counters, groups, &markers).await?;
+            let missing: Vec<(usize, u32)> = (journals.iter())
+                .map(|j| (j.counter, j.from))
+                .filter(|k| markers.binary_search(k).is_err())
+                .collect();
+            if missing.is_empty() {
+                return Ok(totals);
+            }
+            // Moves seen for the first time: read their markers too. After a few rounds, every
+            // group's marker of each counter with a move, so that the next snapshot settles.
+            markers.extend(missing.iter().copied());
+            if attempt >= 2 {
+                for &(counter, _) in &missing {
+                    markers.extend((0..groups).map(|from| (counter, from)));
                 }
-                mget
+            }
+            markers.sort_unstable();
+            markers.dedup();
+        }
+        unreachable!("the loop returns")
+    }
+
+    /// Whether this reader may read snapshots, asked once: an empty `MULTI`/`EXEC`, sent as
+    /// plain commands of one request (so that nothing else on the shared connection comes
+    /// between them). A refused `MULTI` inside a transaction pipeline is not an answer to ask
+    /// for: redis-rs 1.8's multiplexed connection miscounts the replies that follow it.
+    async fn snapshots_allowed(&self) -> Result<bool, ReadError> {
+        use std::sync::atomic::Ordering;
+        match self.snapshots.load(Ordering::Relaxed) {
+            SNAPSHOTS_ALLOWED => return Ok(true),
+            SNAPSHOTS_REFUSED => return Ok(false),
+            _ => {}
+        }
+        // A `DISCARD` last, in case `EXEC` was refused after `MULTI` was not (it then ends the
+        // transaction; after an `EXEC` that ran, its error is of no interest).
+        let mut probe = redis::pipe();
+        probe
+            .ignore_errors()
+            .cmd("MULTI")
+            .cmd("EXEC")
+            .cmd("DISCARD");
+        let replies: Vec<redis::Value> = probe.query_async(&mut self.conn.clone()).await?;
+        let allowed = matches!(
+            replies.as_slice(),
+            [redis::Value::Okay, redis::Value::Array(_), ..]
+        );
+        let answer = if allowed {
+            SNAPSHOTS_ALLOWED
+        } else {
+            SNAPSHOTS_REFUSED
+        };
+        self.snapshots.store(answer, Ordering::Relaxed);
+        Ok(allowed)
+    }
+
+    /// One `MULTI`/`EXEC` of every group's `MGET` and of `markers`' applied-move markers: the
+    /// totals with each journal whose marker was read counted unless applied, and every journal
+    /// found.
+    async fn read_snapshot<S: AsRef<str>>(
+        &self,
+        counters: &[S],
+        groups: u32,
+        markers: &[(usize, u32)],
+    ) -> Result<Snapshot, ReadError> {
+        let ks = &self.keyspace;
+        let mut pipe = redis::pipe();
+        pipe.atomic();
+        for group in 0..groups {
+            pipe.add_command(self.group_mget(counters, group));
+        }
+        if !markers.is_empty() {
+            let mut mget = redis::cmd("MGET");
+            for &(i, from) in markers {
+                let counter = counters[i].as_ref();
+                mget.arg(ks.moved_key(ks.shard_group(counter, 0), counter, from));
+            }
+            pipe.add_command(mget);
+        }
+        let mut rows: Vec<Vec<Option<String>>> = pipe.query_async(&mut self.conn.clone()).await?;
+        let applied = if markers.is_empty() {
+            Vec::new()
+        } else {
+            rows.pop().unwrap_or_default()
+        };
+        let mut snapshot = self.sum_rows(counters, &rows)?;
+        let journals = std::mem::take(&mut snapshot.journals);
+        for journal in &journals {
+            let Ok(at) = markers.binary_search(&(journal.counter, journal.from)) else {
+                continue;
+            };
+            if applied.get(at).cloned().flatten().as_deref() != Some(journal.id.as_str()) {
+                snapshot.add(counters, journal.counter, journal.amount)?;
+            }
+        }
+        snapshot.journals = journals;
+        Ok(snapshot)
+    }
+
+    /// The read on a cluster: every group's `MGET` at once, then the markers of any journal.
+    async fn read_spread<S: AsRef<str>>(
+        &self,
+        counters: &[S],
+        groups: u32,
+    ) -> Result<Vec<i64>, ReadError> {
+        let ks = &self.keyspace;
+        let mgets = (0..groups).map(|g| self.group_mget(counters, g)).collect();
+        let rows: Vec<Vec<Option<String>>> = query_each(&self.conn, mgets).await?;
+        let mut snapshot = self.sum_rows(counters, &rows)?;
+        let checks = (snapshot.journals.iter())
+            .map(|j| {
+                let counter = counters[j.counter].as_ref();
+                let mut get = redis::cmd("GET");
+                get.arg(ks.moved_key(ks.shard_group(counter, 0), counter, j.from));
+                get
             })
             .collect();
-        // rows[group][2i]: counter i's share in that group; rows[group][2i + 1]: its journal.
-        let rows: Vec<Vec<Option<String>>> = query_each(&self.conn, mgets).await?;
-        let mut totals = Vec::with_capacity(counters.len());
-        // (counter index, source group, move id, amount) of every journal found.
-        let mut journals: Vec<(usize, u32, String, i64)> = Vec::new();
+        let moved: Vec<Option<String>> = query_each(&self.conn, checks).await?;
+        for (journal, moved) in std::mem::take(&mut snapshot.journals).iter().zip(moved) {
+            if moved.as_deref() != Some(journal.id.as_str()) {
+                snapshot.add(counters, journal.counter, journal.amount)?;
+            }
+        }
+        Ok(snapshot.totals)
+    }
+
+    /// The `MGET` of `counters`' shares and journals in `group`.
+    fn group_mget<S: AsRef<str>>(&self, counters: &[S], group: u32) -> redis::Cmd {
+        let ks = &self.keyspace;
+        let mut mget = redis::cmd("MGET");
+        for c in counters {
+            mget.arg(ks.counter_key(group, c.as_ref()))
+                .arg(ks.journal_key(group, c.as_ref()));
+        }
+        mget
+    }
+
+    /// Each counter's shares summed from `rows` (per group: share, journal, share, journal...),
+    /// and the journals found, not counted.
+    fn sum_rows<S: AsRef<str>>(
+        &self,
+        counters: &[S],
+        rows: &[Vec<Option<String>>],
+    ) -> Result<Snapshot, ReadError> {
+        let mut snapshot = Snapshot {
+            totals: Vec::with_capacity(counters.len()),
+            journals: Vec::new(),
+        };
         for (i, counter) in counters.iter().enumerate() {
             let counter = counter.as_ref();
             let mut shares = Vec::with_capacity(rows.len());
@@ -307,36 +457,56 @@ impl Reader {
                 });
                 if let Some(journal) = row.get(2 * i + 1).and_then(Option::as_deref) {
                     let (id, amount) = parse_journal(counter, journal)?;
-                    journals.push((i, group as u32, id.to_owned(), amount));
+                    snapshot.journals.push(Journal {
+                        counter: i,
+                        from: group as u32,
+                        id: id.to_owned(),
+                        amount,
+                    });
                 }
             }
-            totals.push(sum(counter, &shares)?);
+            snapshot.totals.push(sum(counter, &shares)?);
         }
-        if journals.is_empty() {
-            return Ok(totals);
-        }
-        let checks = journals
-            .iter()
-            .map(|(i, from, _, _)| {
-                let counter = counters[*i].as_ref();
-                let mut get = redis::cmd("GET");
-                get.arg(ks.moved_key(ks.shard_group(counter, 0), counter, *from));
-                get
-            })
-            .collect();
-        let moved: Vec<Option<String>> = query_each(&self.conn, checks).await?;
-        for ((i, _, id, amount), moved) in journals.iter().zip(moved) {
-            if moved.as_deref() != Some(id.as_str()) {
-                let counter = counters[*i].as_ref();
-                totals[*i] =
-                    totals[*i]
-                        .checked_add(*amount)
-                        .ok_or_else(|| ReadError::Overflow {
-                            counter: counter.to_owned(),
-                        })?;
-            }
-        }
-        Ok(totals)
+        Ok(snapshot)
+    }
+}
+
+/// Not yet known whether the server lets this reader run `MULTI`/`EXEC`.
+const SNAPSHOTS_UNKNOWN: u8 = 0;
+/// It does: exact reads are snapshots.
+const SNAPSHOTS_ALLOWED: u8 = 1;
+/// It does not (an ACL user without `+multi +exec`): exact reads are pipelines.
+const SNAPSHOTS_REFUSED: u8 = 2;
+
+/// Totals read, and the compaction journals found on the way.
+struct Snapshot {
+    totals: Vec<i64>,
+    journals: Vec<Journal>,
+}
+
+/// A compaction journal: an amount on its way from group `from` to the counter's base share.
+struct Journal {
+    /// The counter's index in the read.
+    counter: usize,
+    from: u32,
+    id: String,
+    amount: i64,
+}
+
+impl Snapshot {
+    /// Adds a journal's `amount` to counter `i`'s total.
+    fn add<S: AsRef<str>>(
+        &mut self,
+        counters: &[S],
+        i: usize,
+        amount: i64,
+    ) -> Result<(), ReadError> {
+        self.totals[i] = self.totals[i]
+            .checked_add(amount)
+            .ok_or_else(|| ReadError::Overflow {
+                counter: counters[i].as_ref().to_owned(),
+            })?;
+        Ok(())
     }
 }
 

@@ -258,3 +258,68 @@ async fn compaction_under_live_writes_survives_twenty_sigkills() {
         expected.len()
     );
 }
+
+/// Reads during moves: 100 counters, each spread over all 16 groups, are compacted again and
+/// again (a transaction spreads each base share back out between passes, its total unchanged)
+/// while a reader reads them all, one exact read after another: every read finds every total
+/// exact. (A read of the groups one after another, not as one snapshot, can meet a move between
+/// the base group and the source group and miss or double the moved amount.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exact_reads_never_miss_or_double_a_moving_share() {
+    const SPREAD: u32 = 16;
+    let _serial = tally_tests::serial().await;
+    let redis = RedisServer::start().await;
+    let ks = Keyspace::new(tally_tests::unique("moves"), SPREAD).expect("keyspace");
+    let counters: Vec<String> = (0..100).map(|i| format!("views:video:{i}")).collect();
+    let total = |i: usize| (i as i64 + 1) * i64::from(SPREAD);
+    let mut conn = connect(&redis.url()).await;
+    let spread_out = |conn: &mut redis::aio::MultiplexedConnection| {
+        let mut pipe = redis::pipe();
+        pipe.atomic();
+        for (i, counter) in counters.iter().enumerate() {
+            for group in 0..SPREAD {
+                pipe.set(ks.counter_key(group, counter), i as i64 + 1)
+                    .ignore();
+            }
+        }
+        let mut conn = conn.clone();
+        async move { pipe.query_async::<()>(&mut conn).await.expect("spread") }
+    };
+    spread_out(&mut conn).await;
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let reader = {
+        let reader = redis.reader(ks.clone()).await;
+        let (counters, stop) = (counters.clone(), stop.clone());
+        tokio::spawn(async move {
+            let mut reads = 0;
+            while !stop.load(Ordering::Relaxed) {
+                let totals = reader.get_many(&counters).await.expect("a read");
+                for (i, got) in totals.iter().enumerate() {
+                    assert_eq!(*got, total(i), "{} read {got} in read {reads}", counters[i]);
+                }
+                reads += 1;
+            }
+            reads
+        })
+    };
+    let conn_for_compactor = RedisConn::connect(&redis.url()).await.expect("connect");
+    let compactor = Compactor::start(
+        conn_for_compactor,
+        ks.clone(),
+        Arc::new(Namespaces::default()),
+        Duration::ZERO,
+    )
+    .await
+    .expect("a compactor");
+    let mut moves = 0;
+    for _ in 0..2 {
+        moves += compactor.pass().await.expect("a pass").moves;
+        spread_out(&mut conn).await;
+    }
+    stop.store(true, Ordering::Relaxed);
+    let reads = reader.await.expect("every read exact");
+    eprintln!("{moves} moves under {reads} reads");
+    assert!(moves >= 2 * 100 * 15, "{moves} moves");
+    assert!(reads > 20, "{reads} reads");
+}

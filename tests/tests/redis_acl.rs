@@ -148,6 +148,30 @@ async fn run_under_acl(atomicity: &str) {
     expected.insert("clips:video:1".to_owned(), 2);
     expected.insert("clips:video:2".to_owned(), 1);
     wait_for_totals(&reader, &expected, Duration::from_secs(60)).await;
+    // A reader user of the ACL before snapshot reads (no `+multi +exec`) still reads exactly,
+    // one pipeline at a time.
+    let mut admin = connect(&redis.url()).await;
+    redis::cmd("ACL")
+        .arg("SETUSER")
+        .arg("older-reader")
+        .arg("on")
+        .arg(">older-pa55word")
+        .arg(format!("%R~{}:*", setup.key_prefix))
+        .arg(&["-@all", "+ping", "+get", "+mget", "+cluster|slots"])
+        .exec_async(&mut admin)
+        .await
+        .expect("ACL SETUSER older-reader");
+    let older = Reader::new(
+        RedisConn::connect(
+            &redis
+                .url()
+                .replace("redis://", "redis://older-reader:older-pa55word@"),
+        )
+        .await
+        .expect("the older reader connects"),
+        setup.keyspace(),
+    );
+    wait_for_totals(&older, &expected, Duration::from_secs(10)).await;
     let hour = Window {
         width_ms: 3_600_000,
         retention_ms: 3_600_000,
