@@ -121,11 +121,26 @@ impl Compactor {
         if conn.is_cluster() {
             return Err(CompactError::Cluster);
         }
-        let sink = RedisSink::scripts_only(conn.clone(), keyspace.clone());
         let plan = tally_common::regroup::read_plan(&conn, &keyspace)
             .await
             .map_err(|e| CompactError::Fence(SinkError::fatal(e.to_string())))?;
         let groups = plan.read.max(keyspace.groups());
+        Self::start_over(conn, keyspace, namespaces, cold_after, groups).await
+    }
+
+    /// [`Compactor::start`], stamping `groups` groups: a fold of groups past those readers sum
+    /// (`crate::tasks::regroup`) needs them stamped too.
+    pub async fn start_over(
+        conn: RedisConn,
+        keyspace: Keyspace,
+        namespaces: std::sync::Arc<Namespaces>,
+        cold_after: Duration,
+        groups: u32,
+    ) -> Result<Self, CompactError> {
+        if conn.is_cluster() {
+            return Err(CompactError::Cluster);
+        }
+        let sink = RedisSink::scripts_only(conn.clone(), keyspace.clone());
         let (epoch, _) = take_epoch(&sink, groups, 0, FIELD).await?;
         Ok(Self {
             conn,

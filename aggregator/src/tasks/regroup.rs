@@ -5,10 +5,13 @@
 //!
 //! 1. **Writers first.** The plan's `write` drops to `to`; each aggregator takes its partitions
 //!    again within a second or so, placing new offsets in `to` groups. Readers still sum `read`.
-//! 2. **Wait** until every partition's watermark has passed the last offset it placed in more
-//!    than `to` groups: from then on no replay writes a retired group again (an owner skips
-//!    groups past the ones it stamps, `crate::machine::partition`), and every offset placed in
-//!    one is applied there.
+//! 2. **Wait** a few seconds (every aggregator reads the plan each second), then until every
+//!    partition's watermark has passed the last offset it placed in more than `to` groups: from
+//!    then on no replay writes a retired group again (an owner skips groups past the ones it
+//!    stamps, `crate::machine::partition`), and every offset placed in one is applied there.
+//!    At-least-once aggregators keep no watermark: one that flushes what it placed the old way
+//!    after the fold leaves it in a retired group, where no reader sums it until the command
+//!    runs again at the same count, which folds such stray shares.
 //! 3. **Fold** every share of the retired groups into its counter's base share (in the original
 //!    groups), journaled as compaction moves are ([`Compactor::fold`]): at every moment a read
 //!    counts each amount once, and a fold killed at any point is finished by the next run.
@@ -24,6 +27,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use tally_common::keyspace::MAX_GROUPS;
 use tally_common::regroup::{self, GroupPlan, PlanError, Progress, RegroupError};
 use tally_common::window::cells::STRIPES;
 use tally_common::{Keyspace, Namespaces, RedisConn};
@@ -98,6 +102,17 @@ pub async fn regroup(
     let plan = regroup::read_plan(conn, keyspace).await?;
     if to < plan.write || (to == plan.write && plan.read > to) {
         return shrink(conn, keyspace, plan, to, wait, say).await;
+    }
+    if to == plan.write && to == plan.read && !conn.is_cluster() {
+        // Shares an untracked writer placed past the groups in use (an at-least-once aggregator
+        // that flushed after a shrink's fold): folded now.
+        let stray = stray_groups(conn, keyspace, to).await?;
+        if let Some(&last) = stray.last() {
+            let folded = fold(conn, keyspace, &stray, last + 1).await?;
+            say(&format!(
+                "folded {folded} stray share(s) of groups {stray:?} into their base groups"
+            ));
+        }
     }
     let plan = regroup::grow(conn, keyspace, to, &mut say).await?;
     moved(conn, keyspace, &plan, wait, &mut say).await?;
@@ -175,24 +190,14 @@ async fn shrink(
         ));
         writers
     };
+    // Every aggregator reads the plan each second; at-least-once ones have no watermark to wait
+    // for, so give them that long (see the module).
+    tokio::time::sleep(regroup::PHASE_WAIT).await;
     moved(conn, keyspace, &plan, wait, &mut say).await?;
     // Writers that had not moved when the check above began may have placed window buckets.
     refuse_windows(conn, keyspace, &plan, to).await?;
-    let compactor = Compactor::start(
-        conn.clone(),
-        keyspace.clone(),
-        Arc::new(Namespaces::default()),
-        Duration::ZERO,
-    )
-    .await?;
-    let mut folded = 0;
-    loop {
-        let moves = compactor.fold(to..plan.read).await?;
-        if moves == 0 {
-            break;
-        }
-        folded += moves;
-    }
+    let retired: Vec<u32> = (to..plan.read).collect();
+    let folded = fold(conn, keyspace, &retired, plan.read).await?;
     say(&format!(
         "folded {folded} share(s) of groups {to}..{} into their base groups",
         plan.read
@@ -209,6 +214,67 @@ async fn shrink(
     }
     say(&format!("readers sum {to} groups"));
     Ok(readers)
+}
+
+/// Folds every share of `groups` into its base share until a pass finds none, with a compactor
+/// stamped in `stamped` groups; returns the moves made.
+async fn fold(
+    conn: &RedisConn,
+    keyspace: &Keyspace,
+    groups: &[u32],
+    stamped: u32,
+) -> Result<usize, RegroupFailure> {
+    let compactor = Compactor::start_over(
+        conn.clone(),
+        keyspace.clone(),
+        Arc::new(Namespaces::default()),
+        Duration::ZERO,
+        stamped.max(keyspace.groups()),
+    )
+    .await?;
+    let mut folded = 0;
+    loop {
+        let mut moves = 0;
+        for &group in groups {
+            moves += compactor.fold(group..group + 1).await?;
+        }
+        if moves == 0 {
+            return Ok(folded);
+        }
+        folded += moves;
+    }
+}
+
+/// The groups at or past `from` that hold shares or journals, in order (`SCAN`).
+async fn stray_groups(
+    conn: &RedisConn,
+    keyspace: &Keyspace,
+    from: u32,
+) -> Result<Vec<u32>, RegroupFailure> {
+    let pattern = format!("{}:{{g*}}:[cj]:*", keyspace.prefix());
+    let mut found = std::collections::BTreeSet::new();
+    let mut cursor: u64 = 0;
+    loop {
+        let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
+            .arg(cursor)
+            .arg("MATCH")
+            .arg(&pattern)
+            .arg("COUNT")
+            .arg(1000)
+            .query_async(&mut conn.clone())
+            .await?;
+        for key in &keys {
+            if let Some((group, _, _)) = keyspace.parse_compaction_key(key)
+                && (from..MAX_GROUPS).contains(&group)
+            {
+                found.insert(group);
+            }
+        }
+        if next == 0 {
+            return Ok(found.into_iter().collect());
+        }
+        cursor = next;
+    }
 }
 
 /// Refuses to retire groups `to..plan.read` if one holds window buckets.
