@@ -221,12 +221,12 @@ impl Keyspace {
         fan: Fan,
     ) -> u32 {
         let groups = fan.groups_of(self.groups);
-        let home = partition.unsigned_abs() % groups;
         match (rule, actor) {
             (GroupingRule::ByActor, Some(actor)) => self.group_for_actor(actor),
             (GroupingRule::ByCounter, _) => self.group_for_counter(counter),
-            _ if fan.k <= 1 => home,
+            _ if fan.k <= 1 => partition.unsigned_abs() % groups,
             _ => {
+                let home = partition.unsigned_abs() % groups;
                 // `(home + part · (groups div spread)) mod groups` with one 64-bit division
                 // (this runs once per event): both terms are below `groups` (a spread is at
                 // most the groups), so their sum is below twice it.

@@ -298,7 +298,8 @@ impl Reader {
         }
         // The markers read with the shares: `(counter index, source group)`, sorted.
         let mut markers: Vec<(usize, u32)> = Vec::new();
-        for attempt in 0.. {
+        let mut attempt = 0;
+        loop {
             let Snapshot { totals, journals } =
                 self.read_snapshot(counters, groups, &markers).await?;
             let missing: Vec<(usize, u32)> = (journals.iter())
@@ -318,8 +319,8 @@ impl Reader {
             }
             markers.sort_unstable();
             markers.dedup();
+            attempt += 1;
         }
-        unreachable!("the loop returns")
     }
 
     /// Whether this reader may read snapshots, asked once: an empty `MULTI`/`EXEC`, sent as

@@ -153,7 +153,7 @@ pub fn checked(
 
 /// Stores `plan` if the stored one is still version `plan.version - 1` (none stored counts as
 /// version 0); returns whether it did.
-pub async fn store_plan(
+async fn store_plan(
     conn: &RedisConn,
     keyspace: &Keyspace,
     plan: &GroupPlan,
@@ -172,6 +172,19 @@ return 1";
         .invoke_async(&mut conn.clone())
         .await?;
     Ok(stored == 1)
+}
+
+/// Stores `plan` over version `plan.version - 1` ([`store_plan`]); if another change came first,
+/// fails with the plan now stored.
+pub async fn replace_plan(
+    conn: &RedisConn,
+    keyspace: &Keyspace,
+    plan: &GroupPlan,
+) -> Result<(), RegroupError> {
+    if store_plan(conn, keyspace, plan).await? {
+        return Ok(());
+    }
+    Err(RegroupError::Raced(read_plan(conn, keyspace).await?))
 }
 
 /// A reader's plan, asked for at most once per [`PLAN_LEASE`]; clones share it.
@@ -228,7 +241,7 @@ pub enum RegroupError {
     Count(u32),
     /// Fewer groups than are in use.
     #[error(
-        "shrinking from {from} to {to} shard groups is not supported yet: folding the extra groups' shares back is the next step of re-grouping"
+        "growing cannot take {from} shard groups down to {to}: shrinking folds the extra groups' shares back (`tally regroup`, `tally_aggregator::tasks::regroup`)"
     )]
     Shrink {
         /// The count in use.
@@ -269,9 +282,7 @@ pub async fn grow(
         read: plan.read.max(to),
         ..plan
     };
-    if !store_plan(conn, keyspace, &readers).await? {
-        return Err(RegroupError::Raced(read_plan(conn, keyspace).await?));
-    }
+    replace_plan(conn, keyspace, &readers).await?;
     say(&format!(
         "readers sum {} groups; writers move in {} s",
         readers.read,
@@ -283,9 +294,7 @@ pub async fn grow(
         write: to,
         ..readers
     };
-    if !store_plan(conn, keyspace, &writers).await? {
-        return Err(RegroupError::Raced(read_plan(conn, keyspace).await?));
-    }
+    replace_plan(conn, keyspace, &writers).await?;
     say(&format!(
         "writers place new offsets in {to} groups (from {})",
         plan.write

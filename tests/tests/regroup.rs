@@ -18,7 +18,7 @@ use std::time::Duration;
 use tally_cli::load::LoadSpec;
 use tally_tests::{
     AggregatorSetup, RedisCluster, RedisServer, TempDir, assert_no_crossslot, binary, connect,
-    finish_load, seed, start_load, unique, wait_for_totals,
+    eventually, finish_load, seed, start_load, unique, wait_for_totals,
 };
 
 const PARTITIONS: i32 = 4;
@@ -72,7 +72,14 @@ async fn growing_the_groups_under_load_and_a_sigkill_counts_every_event_once() {
         })
     };
 
-    tokio::time::sleep(Duration::from_secs(4)).await;
+    // A good part of the load counted in the original groups first.
+    doomed
+        .wait_metric(
+            "tally_events_flushed_total",
+            20_000.0,
+            Duration::from_secs(60),
+        )
+        .await;
     let grown = regroup(&setup, "32");
     assert!(grown.contains("readers sum 32 groups"), "{grown}");
     assert!(
@@ -87,12 +94,15 @@ async fn growing_the_groups_under_load_and_a_sigkill_counts_every_event_once() {
         "{}",
         doomed.log()
     );
-    // The second half of the load goes to the new groups too.
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    // The load's later events go to the new groups too.
     let reader = redis.reader(setup.keyspace()).await;
     assert_eq!(reader.groups().await.expect("the plan"), 32);
-    let in_new_groups = shares_in(&redis.url(), &setup, 16..32).await;
-    assert!(in_new_groups > 0, "no share in groups 16..32");
+    eventually(
+        Duration::from_secs(30),
+        "shares in groups 16..32",
+        || async { (shares_in(&redis.url(), &setup, 16..32).await > 0).then_some(()) },
+    )
+    .await;
 
     // Shrinking waits for every writer to move before it folds: with the only aggregator
     // stopped, it gives up after the wait with writers moved in the plan and readers still

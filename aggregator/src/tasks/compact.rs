@@ -28,6 +28,7 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use redis::{AsyncCommands as _, ScanOptions};
 use tally_common::keyspace::CompactionKey;
 use tally_common::{Keyspace, Namespaces, RedisConn};
 
@@ -368,43 +369,33 @@ impl Compactor {
                 )));
             }
             let pattern = format!("{}:{{g{group}}}:[cj]:*", self.keyspace.prefix());
-            let mut cursor: u64 = 0;
-            loop {
-                let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
-                    .arg(cursor)
-                    .arg("MATCH")
-                    .arg(&pattern)
-                    .arg("COUNT")
-                    .arg(1000)
-                    .query_async(&mut conn)
-                    .await?;
-                for key in &keys {
-                    let Some((from, kind, counter)) = self.keyspace.parse_compaction_key(key)
-                    else {
-                        continue;
-                    };
-                    let base = self.keyspace.shard_group(counter, 0);
-                    match kind {
-                        CompactionKey::Share => {
-                            moves += usize::from(self.move_share(counter, from, base).await?);
-                        }
-                        CompactionKey::Journal => {
-                            let journal: Option<String> =
-                                redis::cmd("GET").arg(key).query_async(&mut conn).await?;
-                            if let Some((id, amount)) =
-                                journal.as_deref().and_then(|j| j.split_once(':'))
-                            {
-                                self.finish(counter, from, base, id, amount).await?;
-                                moves += 1;
-                            }
-                        }
-                        CompactionKey::Moved { .. } => {}
+            let options = ScanOptions::default()
+                .with_pattern(pattern)
+                .with_count(1000);
+            let mut scan = self.conn.clone();
+            let mut keys = scan.scan_options::<String>(options).await?;
+            while let Some(key) = keys.next_item().await {
+                let key = key?;
+                let Some((from, kind, counter)) = self.keyspace.parse_compaction_key(&key) else {
+                    continue;
+                };
+                let base = self.keyspace.shard_group(counter, 0);
+                match kind {
+                    CompactionKey::Share => {
+                        moves += usize::from(self.move_share(counter, from, base).await?);
                     }
+                    CompactionKey::Journal => {
+                        let journal: Option<String> =
+                            redis::cmd("GET").arg(&key).query_async(&mut conn).await?;
+                        if let Some((id, amount)) =
+                            journal.as_deref().and_then(|j| j.split_once(':'))
+                        {
+                            self.finish(counter, from, base, id, amount).await?;
+                            moves += 1;
+                        }
+                    }
+                    CompactionKey::Moved { .. } => {}
                 }
-                if next == 0 {
-                    break;
-                }
-                cursor = next;
             }
         }
         Ok(moves)

@@ -27,6 +27,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use redis::{AsyncCommands as _, ScanOptions};
 use tally_common::keyspace::MAX_GROUPS;
 use tally_common::regroup::{self, GroupPlan, PlanError, Progress, RegroupError};
 use tally_common::window::cells::STRIPES;
@@ -37,9 +38,9 @@ use crate::tasks::compact::{CompactError, Compactor};
 /// Why a re-grouping stopped.
 #[derive(Debug, thiserror::Error)]
 pub enum RegroupFailure {
-    /// Growing was refused.
+    /// Growing was refused, or another re-grouping changed the plan meanwhile.
     #[error(transparent)]
-    Grow(#[from] RegroupError),
+    Regroup(#[from] RegroupError),
     /// The plan could not be read or stored.
     #[error(transparent)]
     Plan(#[from] PlanError),
@@ -85,9 +86,6 @@ pub enum RegroupFailure {
         /// The readers' count.
         read: u32,
     },
-    /// Another re-grouping changed the plan meanwhile.
-    #[error("the group plan changed meanwhile (now {0:?}): run the command again")]
-    Raced(GroupPlan),
 }
 
 /// Moves the deployment to `to` groups, growing or shrinking; waits up to `wait` for every
@@ -131,7 +129,7 @@ async fn moved(
     loop {
         let progress = regroup::progress(conn, keyspace).await?;
         if progress.plan != *plan {
-            return Err(RegroupFailure::Raced(progress.plan));
+            return Err(RegroupError::Raced(progress.plan).into());
         }
         if progress.pending.is_empty() {
             say(&format!(
@@ -179,11 +177,7 @@ async fn shrink(
             write: to,
             ..plan
         };
-        if !regroup::store_plan(conn, keyspace, &writers).await? {
-            return Err(RegroupFailure::Raced(
-                regroup::read_plan(conn, keyspace).await?,
-            ));
-        }
+        regroup::replace_plan(conn, keyspace, &writers).await?;
         say(&format!(
             "writers place new offsets in {to} groups (from {}); readers still sum {}",
             plan.write, plan.read
@@ -207,11 +201,7 @@ async fn shrink(
         read: to,
         ..plan
     };
-    if !regroup::store_plan(conn, keyspace, &readers).await? {
-        return Err(RegroupFailure::Raced(
-            regroup::read_plan(conn, keyspace).await?,
-        ));
-    }
+    regroup::replace_plan(conn, keyspace, &readers).await?;
     say(&format!("readers sum {to} groups"));
     Ok(readers)
 }
@@ -252,29 +242,20 @@ async fn stray_groups(
     from: u32,
 ) -> Result<Vec<u32>, RegroupFailure> {
     let pattern = format!("{}:{{g*}}:[cj]:*", keyspace.prefix());
+    let options = ScanOptions::default()
+        .with_pattern(pattern)
+        .with_count(1000);
+    let mut scan = conn.clone();
+    let mut keys = scan.scan_options::<String>(options).await?;
     let mut found = std::collections::BTreeSet::new();
-    let mut cursor: u64 = 0;
-    loop {
-        let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
-            .arg(cursor)
-            .arg("MATCH")
-            .arg(&pattern)
-            .arg("COUNT")
-            .arg(1000)
-            .query_async(&mut conn.clone())
-            .await?;
-        for key in &keys {
-            if let Some((group, _, _)) = keyspace.parse_compaction_key(key)
-                && (from..MAX_GROUPS).contains(&group)
-            {
-                found.insert(group);
-            }
+    while let Some(key) = keys.next_item().await {
+        if let Some((group, _, _)) = keyspace.parse_compaction_key(&key?)
+            && (from..MAX_GROUPS).contains(&group)
+        {
+            found.insert(group);
         }
-        if next == 0 {
-            return Ok(found.into_iter().collect());
-        }
-        cursor = next;
     }
+    Ok(found.into_iter().collect())
 }
 
 /// Refuses to retire groups `to..plan.read` if one holds window buckets.
