@@ -131,6 +131,15 @@ impl Reader {
         Ok(self.plan.current(&self.conn, &self.keyspace).await?.read)
     }
 
+    /// How many shard groups a windowed read sums now: [`Reader::groups`], and after a shrink
+    /// the retired groups whose window buckets have not expired yet (`crate::regroup`).
+    pub async fn cell_groups(&self) -> Result<u32, ReadError> {
+        if self.store.is_some() {
+            return Ok(self.keyspace.groups());
+        }
+        Ok(self.plan.current(&self.conn, &self.keyspace).await?.cells)
+    }
+
     /// The same reader, reading totals and shares from `store` (Redis then keeps only the
     /// caches: [`crate::CachedReader`]'s shared entries, trending, likes).
     pub fn with_store(mut self, store: std::sync::Arc<dyn StoreOfRecord>) -> Self {
@@ -579,7 +588,7 @@ impl Reader {
             return Ok(Vec::new());
         }
         let ks = &self.keyspace;
-        let groups = self.groups().await?;
+        let groups = self.cell_groups().await?;
         let stripes: Vec<u64> = counters.iter().map(|c| ks.cells_stripe(c)).collect();
         let mut hashes: Vec<(String, Vec<&str>)> = Vec::new();
         // Per group, then per counter: its hash and field, as indexes into `hashes`.

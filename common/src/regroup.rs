@@ -44,6 +44,10 @@ pub struct GroupPlan {
     pub write: u32,
     /// The count readers sum: at least `write`, and every count whose groups may hold shares.
     pub read: u32,
+    /// The count windowed reads sum: at least `read`, and more after a shrink while the retired
+    /// groups still hold window buckets, which are not folded back but left to expire
+    /// (`tally_aggregator::tasks::regroup`).
+    pub cells: u32,
 }
 
 impl GroupPlan {
@@ -54,38 +58,53 @@ impl GroupPlan {
             origin: groups,
             write: groups,
             read: groups,
+            cells: groups,
         }
     }
 
-    /// Its stored form: `v=<version>;origin=<n>;write=<n>;read=<n>`.
+    /// Its stored form: `v=<version>;origin=<n>;write=<n>;read=<n>`, then `;cells=<n>` when
+    /// windowed reads sum more groups than `read` (a process that predates it refuses such a
+    /// plan as unreadable rather than miss those buckets).
     pub fn encode(&self) -> String {
-        format!(
+        let mut text = format!(
             "v={};origin={};write={};read={}",
             self.version, self.origin, self.write, self.read
-        )
+        );
+        if self.cells > self.read {
+            text.push_str(&format!(";cells={}", self.cells));
+        }
+        text
     }
 
     /// Parses the stored form; `None` if it is not one, or its counts are out of range or read
     /// fewer groups than are written.
     pub fn parse(text: &str) -> Option<Self> {
         let mut fields = text.split(';').map(|f| f.split_once('='));
-        let mut next = |name: &str| match fields.next()? {
-            Some((n, value)) if n == name => value.parse::<u64>().ok(),
+        let mut next = |name: &str, last: bool| match fields.next() {
+            None if last => Some(None),
+            Some(Some((n, value))) if n == name => value.parse::<u64>().ok().map(Some),
             _ => None,
         };
-        let version = next("v")?;
-        let mut count = |name: &str| {
-            next(name)
-                .and_then(|n| u32::try_from(n).ok())
+        let version = next("v", false)??;
+        let mut count = |name: &str, last: bool| match next(name, last)? {
+            None => Some(None),
+            Some(n) => (u32::try_from(n).ok())
                 .filter(|n| (1..=MAX_GROUPS).contains(n))
+                .map(Some),
         };
+        let origin = count("origin", false)??;
+        let write = count("write", false)??;
+        let read = count("read", false)??;
+        let cells = count("cells", true)?;
         let plan = Self {
             version,
-            origin: count("origin")?,
-            write: count("write")?,
-            read: count("read")?,
+            origin,
+            write,
+            read,
+            cells: cells.unwrap_or(read),
         };
-        (fields.next().is_none() && plan.read >= plan.write).then_some(plan)
+        let whole = cells.is_none() || next("", true)?.is_none();
+        (whole && plan.read >= plan.write && plan.cells >= plan.read).then_some(plan)
     }
 }
 
@@ -280,6 +299,7 @@ pub async fn grow(
     let readers = GroupPlan {
         version: plan.version + 1,
         read: plan.read.max(to),
+        cells: plan.cells.max(to),
         ..plan
     };
     replace_plan(conn, keyspace, &readers).await?;
@@ -348,10 +368,21 @@ mod tests {
             origin: 16,
             write: 16,
             read: 64,
+            cells: 64,
         };
         assert_eq!(plan.encode(), "v=3;origin=16;write=16;read=64");
         assert_eq!(GroupPlan::parse(&plan.encode()), Some(plan));
+        let windows = GroupPlan {
+            read: 16,
+            cells: 32,
+            ..plan
+        };
+        assert_eq!(windows.encode(), "v=3;origin=16;write=16;read=16;cells=32");
+        assert_eq!(GroupPlan::parse(&windows.encode()), Some(windows));
         let bad = [
+            "v=1;origin=16;write=16;read=32;cells=16",
+            "v=1;origin=16;write=16;read=16;cells=32;x=1",
+            "v=1;origin=16;write=16;read=16;cells=",
             "",
             "v=1;origin=16;write=16",
             "v=1;origin=16;write=64;read=16",

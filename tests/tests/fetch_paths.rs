@@ -518,8 +518,11 @@ async fn a_broker_quota_is_waited_out_and_the_catch_up_runs_at_about_it() {
         .metric("tally_fetch_requests_total")
         .await
         .unwrap_or(0.0);
-    // Each fetch brings at most 256 KiB; the rest are the long polls once caught up (one per
-    // `fetch.wait.max.ms`, 100 ms) before the totals were seen. What this run cannot show is
+    // Each fetch brings at most 256 KiB; the rest are the broker's empty answers to fetches it
+    // throttled (a throttle lasts about a second or more, and a fetcher that honours it sends
+    // one fetch after each, so at most about one per second of the run: 55 requests for 22
+    // fetches' worth were seen in a 24.6 s run on a loaded machine) and the long polls once
+    // caught up (one per `fetch.wait.max.ms`, 100 ms) before the totals were seen. What this run cannot show is
     // that no fetch goes out during a throttle: the broker mutes the connection for it anyway,
     // so a fetcher built to ignore throttles was measured at 14.2 s and 32 requests here,
     // inside the spread of honouring runs (15.2-23.5 s, 33-38 requests). That is shown by the
@@ -530,7 +533,7 @@ async fn a_broker_quota_is_waited_out_and_the_catch_up_runs_at_about_it() {
         bytes as f64 / took.as_secs_f64() / 1024.0
     );
     assert!(
-        requests >= needed && requests <= needed * 1.5 + 20.0,
+        requests >= needed && requests <= needed * 1.5 + 20.0 + took.as_secs_f64(),
         "{requests} fetch requests for {needed} fetches' worth of bytes"
     );
     assert!(

@@ -5,10 +5,12 @@
 //! load goes on: writers move first (a first attempt, with the aggregator SIGSTOPped, gives up
 //! after its wait without folding; the second finishes), the retired groups' shares are folded
 //! into the groups left, readers move last; a third aggregator replaces the second (SIGKILLed) under the final
-//! plan. Throughout, a reader polls the busiest counters: no total it reads ever goes down
-//! (every delta is positive), so no read missed a group or counted a folded share twice. In the
-//! end every counter is exact, `tally audit` finds no drift, the second half of the load went to
-//! the new groups, and no share is left in the retired ones.
+//! plan. Throughout, a reader polls the busiest counters, exact and windowed (the namespace keeps
+//! an hourly window): no total it reads ever goes down (every delta is positive), so no read
+//! missed a group or counted a folded share twice. In the end every counter is exact, in total
+//! and over its window, `tally audit` finds no drift, the second half of the load went to the new
+//! groups, and no share is left in the retired ones; their window buckets stay read until they
+//! expire, and a run at the same count then stops reading them.
 
 use std::process::Command;
 use std::sync::Arc;
@@ -16,6 +18,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use tally_cli::load::LoadSpec;
+use tally_common::window::Window;
 use tally_tests::{
     AggregatorSetup, RedisCluster, RedisServer, TempDir, assert_no_crossslot, binary, connect,
     eventually, finish_load, seed, start_load, unique, wait_for_totals,
@@ -23,6 +26,12 @@ use tally_tests::{
 
 const PARTITIONS: i32 = 4;
 const EVENTS: u64 = 240_000;
+const HOUR: Window = Window {
+    width_ms: 3_600_000,
+    retention_ms: 48 * 3_600_000,
+};
+/// Hourly buckets summed by the windowed reads: every event of the test falls in the last 3.
+const HOURS: i64 = 3;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn growing_the_groups_under_load_and_a_sigkill_counts_every_event_once() {
@@ -30,6 +39,9 @@ async fn growing_the_groups_under_load_and_a_sigkill_counts_every_event_once() {
     let dir = TempDir::new("tally-regroup");
     let redis = RedisServer::start().await;
     let setup = AggregatorSetup::create("regroup", &redis.url(), PARTITIONS).await;
+    let namespaces = dir.path().join("namespaces.toml");
+    std::fs::write(&namespaces, "[namespaces.likes]\nwindows = [\"1h\"]\n").expect("namespaces");
+    let ns = namespaces.to_str().expect("utf-8 path");
     let spec = LoadSpec {
         events: EVENTS,
         counters: 2_000,
@@ -41,8 +53,8 @@ async fn growing_the_groups_under_load_and_a_sigkill_counts_every_event_once() {
     let load = start_load(&setup.topic, spec);
     let member = |name: &str| format!("group.instance.id={}", unique(name));
     let (first, second) = (member("first"), member("second"));
-    let mut doomed = setup.spawn(dir.path(), &["--kafka-option", &first]);
-    let mut survivor = setup.spawn(dir.path(), &["--kafka-option", &second]);
+    let mut doomed = setup.spawn(dir.path(), &["--namespaces", ns, "--kafka-option", &first]);
+    let mut survivor = setup.spawn(dir.path(), &["--namespaces", ns, "--kafka-option", &second]);
     doomed
         .wait_metric("tally_flushes_total", 1.0, Duration::from_secs(60))
         .await;
@@ -55,6 +67,7 @@ async fn growing_the_groups_under_load_and_a_sigkill_counts_every_event_once() {
         let (watched, stop) = (watched.clone(), stop.clone());
         tokio::spawn(async move {
             let mut last = vec![0; watched.len()];
+            let mut last_windowed = vec![0; watched.len()];
             let mut reads = 0;
             while !stop.load(Ordering::Relaxed) {
                 let totals = reader.get_many(&watched).await.expect("a read");
@@ -64,6 +77,18 @@ async fn growing_the_groups_under_load_and_a_sigkill_counts_every_event_once() {
                         "{counter} read {total} after {before}: a read missed a group"
                     );
                     *before = *total;
+                }
+                let now = tally_common::event::now_ms();
+                let windowed = (reader.window_sums(&watched, HOUR, HOURS, now).await)
+                    .expect("a windowed read");
+                for ((counter, sum), before) in
+                    watched.iter().zip(&windowed).zip(&mut last_windowed)
+                {
+                    assert!(
+                        *sum >= *before,
+                        "{counter}'s last {HOURS} hours read {sum} after {before}: a windowed read missed a group"
+                    );
+                    *before = *sum;
                 }
                 reads += 1;
                 tokio::time::sleep(Duration::from_millis(20)).await;
@@ -127,8 +152,18 @@ async fn growing_the_groups_under_load_and_a_sigkill_counts_every_event_once() {
     );
     assert!(shrunk.contains("into their base groups"), "{shrunk}");
     assert!(shrunk.contains("readers sum 16 groups"), "{shrunk}");
+    // The retired groups' window buckets stay where they are, read until they expire.
+    let fresh = redis.reader(setup.keyspace()).await;
+    let cell_groups = fresh.cell_groups().await.expect("the plan");
+    assert!(
+        shrunk.contains(&format!(
+            "window buckets in groups 16..{cell_groups} are left to expire"
+        )),
+        "{shrunk}"
+    );
+    assert!((17..=32).contains(&cell_groups), "{cell_groups}");
     let third = member("third");
-    let mut last = setup.spawn(dir.path(), &["--kafka-option", &third]);
+    let mut last = setup.spawn(dir.path(), &["--namespaces", ns, "--kafka-option", &third]);
     last.wait_metric("tally_assigned_partitions", 1.0, Duration::from_secs(60))
         .await;
     survivor.kill();
@@ -140,8 +175,18 @@ async fn growing_the_groups_under_load_and_a_sigkill_counts_every_event_once() {
     assert!(reads > 50, "the reader polled throughout: {reads} reads");
     assert_eq!(reader.groups().await.expect("the plan"), 16);
     assert_eq!(shares_in(&redis.url(), &setup, 16..32).await, 0);
+    // Every counter's window holds its whole total, part of it in the retired groups.
+    let counters: Vec<&String> = sent.totals.keys().collect();
+    let now = tally_common::event::now_ms();
+    for chunk in counters.chunks(500) {
+        let sums = (reader.window_sums(chunk, HOUR, HOURS, now).await).expect("a windowed read");
+        for (counter, sum) in chunk.iter().zip(sums) {
+            assert_eq!(sum, sent.totals[*counter], "{counter}'s last {HOURS} hours");
+        }
+    }
+    assert!(cells_in(&redis.url(), &setup, 16..32).await > 0);
     last.stop_gracefully().await;
-    setup.assert_audit_clean(&[], sent.totals.len());
+    setup.assert_audit_clean(&["--namespaces", ns], sent.totals.len());
 
     // A share left past the groups in use (as an at-least-once aggregator's late flush leaves
     // one) is not read until a run at the same count folds it.
@@ -162,6 +207,36 @@ async fn growing_the_groups_under_load_and_a_sigkill_counts_every_event_once() {
     );
     assert_eq!(reader.get(stray).await.expect("a read"), before + 5);
     assert_eq!(shares_in(&redis.url(), &setup, 16..32).await, 0);
+    assert!(
+        swept.contains(&format!(
+            "window buckets in groups 16..{cell_groups} are left to expire"
+        )),
+        "{swept}"
+    );
+
+    // Once the retired groups' window hashes have expired (made to, here), a run at the same
+    // count stops windowed reads from summing them.
+    for group in 16..32 {
+        for stripe in 0..tally_common::window::cells::STRIPES {
+            redis::cmd("PEXPIRE")
+                .arg(setup.keyspace().cells_key_of_stripe(group, stripe))
+                .arg(1)
+                .exec_async(&mut conn)
+                .await
+                .expect("PEXPIRE");
+        }
+    }
+    eventually(Duration::from_secs(10), "the hashes expire", || async {
+        (cells_in(&redis.url(), &setup, 16..32).await == 0).then_some(())
+    })
+    .await;
+    let lowered = regroup(&setup, "16");
+    assert!(
+        lowered.contains("windowed reads sum 16 groups"),
+        "{lowered}"
+    );
+    let fresh = redis.reader(setup.keyspace()).await;
+    assert_eq!(fresh.cell_groups().await.expect("the plan"), 16);
 
     // Below the original count is refused with a clear error.
     let (done, below) = run_regroup(&setup, "8", "0");
@@ -210,6 +285,23 @@ async fn shares_in(url: &str, setup: &AggregatorSetup, groups: std::ops::Range<u
             .await
             .expect("KEYS");
         found += keys.len();
+    }
+    found
+}
+
+/// How many window hashes groups `groups` of the setup's deployment hold.
+async fn cells_in(url: &str, setup: &AggregatorSetup, groups: std::ops::Range<u32>) -> usize {
+    let mut conn = connect(url).await;
+    let mut found = 0;
+    for group in groups {
+        let mut exists = redis::cmd("EXISTS");
+        for stripe in 0..tally_common::window::cells::STRIPES {
+            exists.arg(setup.keyspace().cells_key_of_stripe(group, stripe));
+        }
+        found += exists
+            .query_async::<usize>(&mut conn)
+            .await
+            .expect("EXISTS");
     }
     found
 }

@@ -124,7 +124,7 @@ pub async fn sweep(
     let script = script();
     let mut report = SweepReport::default();
     let plan = tally_common::regroup::read_plan(conn, keyspace).await;
-    let groups = plan.map_or(keyspace.groups(), |p| p.read.max(keyspace.groups()));
+    let groups = plan.map_or(keyspace.groups(), |p| p.cells.max(keyspace.groups()));
     for group in 0..groups {
         for stripe in 0..STRIPES {
             let key = keyspace.cells_key_of_stripe(group, stripe);

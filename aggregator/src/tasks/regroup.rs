@@ -21,8 +21,12 @@
 //! The original count is the floor: partitions' bookkeeping, likes, directly written shards and
 //! compaction's base shares live in those groups. A retired group keeps its ledger and fence
 //! hashes (a field per partition), so that a later growth finds what each partition applied
-//! there. Folding needs `SCAN`, so shrinking needs a standalone Redis, as compaction does; and a
-//! retired group that holds window buckets is refused for now.
+//! there. Folding needs `SCAN`, so shrinking needs a standalone Redis, as compaction does.
+//!
+//! Window buckets are not folded: a bucket lives only as long as its window's retention, so the
+//! retired groups' buckets are left to expire where they are, and windowed reads go on summing
+//! those groups (the plan's `cells`) until they have. A run at the count in use lowers `cells`
+//! to the groups still holding buckets.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -60,18 +64,6 @@ pub enum RegroupFailure {
         /// The original count.
         origin: u32,
     },
-    /// A group to retire holds window buckets.
-    #[error(
-        "group {group} holds window buckets, which cannot be folded back yet: this deployment cannot shrink below {read} groups (writers place new offsets in {write})"
-    )]
-    Windows {
-        /// The group.
-        group: u32,
-        /// The writers' count now.
-        write: u32,
-        /// The readers' count now.
-        read: u32,
-    },
     /// Some partitions did not move within the wait.
     #[error(
         "{} partition(s) did not move within the wait: {}; run the command again once their owners run (writers place new offsets in {write} groups, readers still sum {read})",
@@ -101,15 +93,33 @@ pub async fn regroup(
     if to < plan.write || (to == plan.write && plan.read > to) {
         return shrink(conn, keyspace, plan, to, wait, say).await;
     }
-    if to == plan.write && to == plan.read && !conn.is_cluster() {
-        // Shares an untracked writer placed past the groups in use (an at-least-once aggregator
-        // that flushed after a shrink's fold): folded now.
-        let stray = stray_groups(conn, keyspace, to).await?;
-        if let Some(&last) = stray.last() {
-            let folded = fold(conn, keyspace, &stray, last + 1).await?;
-            say(&format!(
-                "folded {folded} stray share(s) of groups {stray:?} into their base groups"
-            ));
+    if to == plan.write && to == plan.read {
+        if !conn.is_cluster() {
+            // Shares an untracked writer placed past the groups in use (an at-least-once
+            // aggregator that flushed after a shrink's fold): folded now.
+            let stray = stray_groups(conn, keyspace, to).await?;
+            if let Some(&last) = stray.last() {
+                let folded = fold(conn, keyspace, &stray, last + 1).await?;
+                say(&format!(
+                    "folded {folded} stray share(s) of groups {stray:?} into their base groups"
+                ));
+            }
+        }
+        if plan.cells > plan.read {
+            let cells = groups_with_buckets(conn, keyspace, to, plan.cells).await?;
+            let plan = if cells < plan.cells {
+                let lowered = GroupPlan {
+                    version: plan.version + 1,
+                    cells,
+                    ..plan
+                };
+                regroup::replace_plan(conn, keyspace, &lowered).await?;
+                lowered
+            } else {
+                plan
+            };
+            say(&windows_left(&plan));
+            return Ok(plan);
         }
     }
     let plan = regroup::grow(conn, keyspace, to, &mut say).await?;
@@ -168,7 +178,6 @@ async fn shrink(
     if conn.is_cluster() {
         return Err(CompactError::Cluster.into());
     }
-    refuse_windows(conn, keyspace, &plan, to).await?;
     let plan = if plan.write == to {
         plan
     } else {
@@ -188,21 +197,24 @@ async fn shrink(
     // for, so give them that long (see the module).
     tokio::time::sleep(regroup::PHASE_WAIT).await;
     moved(conn, keyspace, &plan, wait, &mut say).await?;
-    // Writers that had not moved when the check above began may have placed window buckets.
-    refuse_windows(conn, keyspace, &plan, to).await?;
     let retired: Vec<u32> = (to..plan.read).collect();
     let folded = fold(conn, keyspace, &retired, plan.read).await?;
     say(&format!(
         "folded {folded} share(s) of groups {to}..{} into their base groups",
         plan.read
     ));
+    let cells = groups_with_buckets(conn, keyspace, to, plan.cells.max(plan.read)).await?;
     let readers = GroupPlan {
         version: plan.version + 1,
         read: to,
+        cells,
         ..plan
     };
     regroup::replace_plan(conn, keyspace, &readers).await?;
     say(&format!("readers sum {to} groups"));
+    if cells > to {
+        say(&windows_left(&readers));
+    }
     Ok(readers)
 }
 
@@ -258,26 +270,35 @@ async fn stray_groups(
     Ok(found.into_iter().collect())
 }
 
-/// Refuses to retire groups `to..plan.read` if one holds window buckets.
-async fn refuse_windows(
+/// How many groups windowed reads must sum: `to`, or past the last group of `to..upto` that
+/// still holds window buckets.
+async fn groups_with_buckets(
     conn: &RedisConn,
     keyspace: &Keyspace,
-    plan: &GroupPlan,
     to: u32,
-) -> Result<(), RegroupFailure> {
-    for group in to..plan.read {
+    upto: u32,
+) -> Result<u32, RegroupFailure> {
+    for group in (to..upto).rev() {
+        // A group's cells hashes share its slot: one command per group, on a cluster too.
         let mut exists = redis::cmd("EXISTS");
         for stripe in 0..STRIPES {
             exists.arg(keyspace.cells_key_of_stripe(group, stripe));
         }
         let found: u64 = exists.query_async(&mut conn.clone()).await?;
         if found > 0 {
-            return Err(RegroupFailure::Windows {
-                group,
-                write: plan.write,
-                read: plan.read,
-            });
+            return Ok(group + 1);
         }
     }
-    Ok(())
+    Ok(to)
+}
+
+/// What a plan whose windowed reads sum retired groups tells the operator.
+fn windows_left(plan: &GroupPlan) -> String {
+    if plan.cells == plan.read {
+        return format!("windowed reads sum {} groups", plan.read);
+    }
+    format!(
+        "window buckets in groups {}..{} are left to expire (their hashes expire with their last bucket): windowed reads sum {} groups until then; run this again at {} to stop reading them",
+        plan.read, plan.cells, plan.cells, plan.read
+    )
 }
