@@ -311,7 +311,7 @@ async fn cells_in(url: &str, setup: &AggregatorSetup, groups: std::ops::Range<u3
 /// keys and all, while the aggregator writes; then `tally regroup --to 64` lets the partitions
 /// write 64 groups, which reach every master, and a second load runs under the new plan. Every counter ends exact, nothing is dead-lettered,
 /// no script crossed slots, `tally audit` finds no drift, and every new master holds shares of
-/// the new groups.
+/// the new groups. Shrinking back is refused on a cluster, with nothing changed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cluster_grown_to_six_masters_under_load_takes_writes_on_every_new_master() {
     let _serial = tally_tests::serial().await;
@@ -390,4 +390,14 @@ async fn a_cluster_grown_to_six_masters_under_load_takes_writes_on_every_new_mas
             "master {port} holds no share of groups 16-63"
         );
     }
+
+    // Shrinking is refused on a cluster, before anything changes.
+    let (done, refused) = run_regroup(&setup, "16", "0");
+    assert!(!done, "{refused}");
+    assert!(
+        refused.contains("shrinking needs a standalone Redis for now"),
+        "{refused}"
+    );
+    let fresh = cluster.reader(setup.keyspace()).await;
+    assert_eq!(fresh.groups().await.expect("the plan"), 64);
 }

@@ -64,6 +64,16 @@ pub enum RegroupFailure {
         /// The original count.
         origin: u32,
     },
+    /// Shrinking on a Redis Cluster.
+    #[error(
+        "shrinking needs a standalone Redis for now: the fold finds the retired groups' shares with SCAN, and reads on a cluster are not snapshots that could hide a move between groups; nothing was changed (writers place new offsets in {write} groups, readers sum {read})"
+    )]
+    ClusterShrink {
+        /// The writers' count.
+        write: u32,
+        /// The readers' count.
+        read: u32,
+    },
     /// Some partitions did not move within the wait.
     #[error(
         "{} partition(s) did not move within the wait: {}; run the command again once their owners run (writers place new offsets in {write} groups, readers still sum {read})",
@@ -176,7 +186,10 @@ async fn shrink(
         });
     }
     if conn.is_cluster() {
-        return Err(CompactError::Cluster.into());
+        return Err(RegroupFailure::ClusterShrink {
+            write: plan.write,
+            read: plan.read,
+        });
     }
     let plan = if plan.write == to {
         plan
