@@ -25,9 +25,10 @@
 //!
 //! Window buckets are not folded: a bucket lives only as long as its window's retention, so the
 //! retired groups' buckets are left to expire where they are, and windowed reads go on summing
-//! those groups (the plan's `cells`) until they have. A run at the count in use lowers `cells`
-//! to the groups still holding buckets.
+//! those groups (the plan's `cells`) until they have. A run at the count in use sets `cells` to
+//! the groups still holding buckets.
 
+use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -104,29 +105,35 @@ pub async fn regroup(
         return shrink(conn, keyspace, plan, to, wait, say).await;
     }
     if to == plan.write && to == plan.read {
+        // What an untracked writer (an at-least-once aggregator that flushed after a shrink's
+        // fold) placed past the groups in use: its shares are folded now, and windowed reads
+        // sum the groups its window buckets went to.
+        let mut upto = plan.cells;
         if !conn.is_cluster() {
-            // Shares an untracked writer placed past the groups in use (an at-least-once
-            // aggregator that flushed after a shrink's fold): folded now.
-            let stray = stray_groups(conn, keyspace, to).await?;
-            if let Some(&last) = stray.last() {
-                let folded = fold(conn, keyspace, &stray, last + 1).await?;
+            let stray = strays(conn, keyspace, to).await?;
+            if let Some(&last) = stray.shares.last() {
+                let folded = fold(conn, keyspace, &stray.shares, last + 1).await?;
                 say(&format!(
-                    "folded {folded} stray share(s) of groups {stray:?} into their base groups"
+                    "folded {folded} stray share(s) of groups {:?} into their base groups",
+                    stray.shares
                 ));
             }
+            if let Some(&last) = stray.cells.last() {
+                upto = upto.max(last + 1);
+            }
         }
-        if plan.cells > plan.read {
-            let cells = groups_with_buckets(conn, keyspace, to, plan.cells).await?;
-            let plan = if cells < plan.cells {
-                let lowered = GroupPlan {
+        if upto > plan.read {
+            let cells = groups_with_buckets(conn, keyspace, to, upto).await?;
+            let plan = if cells == plan.cells {
+                plan
+            } else {
+                let changed = GroupPlan {
                     version: plan.version + 1,
                     cells,
                     ..plan
                 };
-                regroup::replace_plan(conn, keyspace, &lowered).await?;
-                lowered
-            } else {
-                plan
+                regroup::replace_plan(conn, keyspace, &changed).await?;
+                changed
             };
             say(&windows_left(&plan));
             return Ok(plan);
@@ -260,27 +267,52 @@ async fn fold(
     }
 }
 
-/// The groups at or past `from` that hold shares or journals, in order (`SCAN`).
-async fn stray_groups(
+/// The groups at or past `from` that hold shares or journals, and those that hold window
+/// buckets, each in order.
+#[derive(Debug, Default)]
+struct Strays {
+    shares: Vec<u32>,
+    cells: Vec<u32>,
+}
+
+/// The groups at or past `from` holding shares, journals or window buckets (`SCAN`).
+async fn strays(
     conn: &RedisConn,
     keyspace: &Keyspace,
     from: u32,
-) -> Result<Vec<u32>, RegroupFailure> {
-    let pattern = format!("{}:{{g*}}:[cj]:*", keyspace.prefix());
+) -> Result<Strays, RegroupFailure> {
+    let prefix = keyspace.prefix();
     let options = ScanOptions::default()
-        .with_pattern(pattern)
+        .with_pattern(format!("{prefix}:{{g*}}:[cjW]:*"))
         .with_count(1000);
     let mut scan = conn.clone();
     let mut keys = scan.scan_options::<String>(options).await?;
-    let mut found = std::collections::BTreeSet::new();
+    let (mut shares, mut cells) = (BTreeSet::new(), BTreeSet::new());
     while let Some(key) = keys.next_item().await {
-        if let Some((group, _, _)) = keyspace.parse_compaction_key(&key?)
+        let key = key?;
+        if let Some((group, _, _)) = keyspace.parse_compaction_key(&key) {
+            if (from..MAX_GROUPS).contains(&group) {
+                shares.insert(group);
+            }
+        } else if let Some(group) = cells_group(prefix, &key)
             && (from..MAX_GROUPS).contains(&group)
         {
-            found.insert(group);
+            cells.insert(group);
         }
     }
-    Ok(found.into_iter().collect())
+    Ok(Strays {
+        shares: shares.into_iter().collect(),
+        cells: cells.into_iter().collect(),
+    })
+}
+
+/// The group of a cells hash's key (`<prefix>:{g<group>}:W:<stripe>`).
+fn cells_group(prefix: &str, key: &str) -> Option<u32> {
+    let rest = key.strip_prefix(prefix)?.strip_prefix(":{g")?;
+    let (group, rest) = rest.split_once('}')?;
+    rest.starts_with(":W:")
+        .then(|| group.parse().ok())
+        .flatten()
 }
 
 /// How many groups windowed reads must sum: `to`, or past the last group of `to..upto` that
@@ -314,4 +346,21 @@ fn windows_left(plan: &GroupPlan) -> String {
         "window buckets in groups {}..{} are left to expire (their hashes expire with their last bucket): windowed reads sum {} groups until then; run this again at {} to stop reading them",
         plan.read, plan.cells, plan.cells, plan.read
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_cells_key_names_its_group_and_no_other_key_does() {
+        let ks = Keyspace::new("tally", 16).expect("valid");
+        assert_eq!(
+            cells_group("tally", &ks.cells_key_of_stripe(20, 7)),
+            Some(20)
+        );
+        assert_eq!(cells_group("tally", &ks.counter_key(20, "views:a")), None);
+        assert_eq!(cells_group("other", &ks.cells_key_of_stripe(20, 7)), None);
+        assert_eq!(cells_group("tally", "tally:{gx}:W:1"), None);
+    }
 }
