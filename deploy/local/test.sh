@@ -33,8 +33,11 @@ cargo clippy --workspace --all-targets --locked -- -D warnings
 log "validating the deployment files (deploy/validate.sh)"
 "$root/deploy/validate.sh"
 
-log "building the binaries the end-to-end tests run"
-cargo build --workspace --bins --locked
+# With the tests in the same build, the binaries get the features the test build resolves
+# (dev-dependencies turn on more of regex's and zerocopy's): built alone, they would be built
+# once that way and again, with everything above them, by `cargo test`.
+log "building the binaries the end-to-end tests run, and the tests"
+cargo build --workspace --bins --tests --locked
 
 log "running the tests against Kafka 127.0.0.1:$kafka_port"
 out=$state/test-output.txt
