@@ -330,6 +330,14 @@ impl Keyspace {
         format!("{}:{{g{group}}}:W:{stripe}", self.prefix)
     }
 
+    /// The group of a key [`Keyspace::cells_key_of_stripe`] names, or `None` for any other key.
+    pub fn parse_cells_key(&self, key: &str) -> Option<u32> {
+        let rest = key.strip_prefix(&self.prefix)?.strip_prefix(":{g")?;
+        let (group, rest) = rest.split_once('}')?;
+        rest.strip_prefix(":W:")?.parse::<u64>().ok()?;
+        group.parse().ok()
+    }
+
     /// The set of actors whose like of `counter` is counted in `group` (deduplicating
     /// namespaces): the counter's group when grouped by counter, each actor's group when grouped
     /// by actor. It shares the group's slot with the counter's share there, so the membership
@@ -757,5 +765,16 @@ mod tests {
                 groups: MAX_GROUPS + 1
             })
         );
+    }
+
+    #[test]
+    fn a_cells_key_names_its_group_and_no_other_key_does() {
+        let ks = Keyspace::new("tally", 16).expect("valid");
+        assert_eq!(ks.parse_cells_key(&ks.cells_key_of_stripe(20, 7)), Some(20));
+        assert_eq!(ks.parse_cells_key(&ks.counter_key(20, "views:a")), None);
+        let other = Keyspace::new("other", 16).expect("valid");
+        assert_eq!(other.parse_cells_key(&ks.cells_key_of_stripe(20, 7)), None);
+        assert_eq!(ks.parse_cells_key("tally:{gx}:W:1"), None);
+        assert_eq!(ks.parse_cells_key("tally:{g3}:W:x"), None);
     }
 }

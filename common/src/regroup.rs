@@ -79,32 +79,32 @@ impl GroupPlan {
     /// Parses the stored form; `None` if it is not one, or its counts are out of range or read
     /// fewer groups than are written.
     pub fn parse(text: &str) -> Option<Self> {
-        let mut fields = text.split(';').map(|f| f.split_once('='));
-        let mut next = |name: &str, last: bool| match fields.next() {
-            None if last => Some(None),
-            Some(Some((n, value))) if n == name => value.parse::<u64>().ok().map(Some),
-            _ => None,
-        };
-        let version = next("v", false)??;
-        let mut count = |name: &str, last: bool| match next(name, last)? {
-            None => Some(None),
-            Some(n) => (u32::try_from(n).ok())
-                .filter(|n| (1..=MAX_GROUPS).contains(n))
-                .map(Some),
-        };
-        let origin = count("origin", false)??;
-        let write = count("write", false)??;
-        let read = count("read", false)??;
-        let cells = count("cells", true)?;
+        const NAMES: [&str; 5] = ["v", "origin", "write", "read", "cells"];
+        let fields: Vec<(&str, &str)> = (text.split(';'))
+            .map(|f| f.split_once('='))
+            .collect::<Option<_>>()?;
+        let named = fields
+            .iter()
+            .zip(NAMES)
+            .all(|((name, _), want)| *name == want);
+        if !(4..=NAMES.len()).contains(&fields.len()) || !named {
+            return None;
+        }
+        let count =
+            |i: usize| (fields[i].1.parse::<u32>().ok()).filter(|n| (1..=MAX_GROUPS).contains(n));
+        let read = count(3)?;
         let plan = Self {
-            version,
-            origin,
-            write,
+            version: fields[0].1.parse().ok()?,
+            origin: count(1)?,
+            write: count(2)?,
             read,
-            cells: cells.unwrap_or(read),
+            cells: if fields.len() == NAMES.len() {
+                count(4)?
+            } else {
+                read
+            },
         };
-        let whole = cells.is_none() || next("", true)?.is_none();
-        (whole && plan.read >= plan.write && plan.cells >= plan.read).then_some(plan)
+        (plan.read >= plan.write && plan.cells >= plan.read).then_some(plan)
     }
 }
 

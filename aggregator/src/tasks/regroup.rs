@@ -281,9 +281,8 @@ async fn strays(
     keyspace: &Keyspace,
     from: u32,
 ) -> Result<Strays, RegroupFailure> {
-    let prefix = keyspace.prefix();
     let options = ScanOptions::default()
-        .with_pattern(format!("{prefix}:{{g*}}:[cjW]:*"))
+        .with_pattern(format!("{}:{{g*}}:[cjW]:*", keyspace.prefix()))
         .with_count(1000);
     let mut scan = conn.clone();
     let mut keys = scan.scan_options::<String>(options).await?;
@@ -294,7 +293,7 @@ async fn strays(
             if (from..MAX_GROUPS).contains(&group) {
                 shares.insert(group);
             }
-        } else if let Some(group) = cells_group(prefix, &key)
+        } else if let Some(group) = keyspace.parse_cells_key(&key)
             && (from..MAX_GROUPS).contains(&group)
         {
             cells.insert(group);
@@ -304,15 +303,6 @@ async fn strays(
         shares: shares.into_iter().collect(),
         cells: cells.into_iter().collect(),
     })
-}
-
-/// The group of a cells hash's key (`<prefix>:{g<group>}:W:<stripe>`).
-fn cells_group(prefix: &str, key: &str) -> Option<u32> {
-    let rest = key.strip_prefix(prefix)?.strip_prefix(":{g")?;
-    let (group, rest) = rest.split_once('}')?;
-    rest.starts_with(":W:")
-        .then(|| group.parse().ok())
-        .flatten()
 }
 
 /// How many groups windowed reads must sum: `to`, or past the last group of `to..upto` that
@@ -346,21 +336,4 @@ fn windows_left(plan: &GroupPlan) -> String {
         "window buckets in groups {}..{} are left to expire (their hashes expire with their last bucket): windowed reads sum {} groups until then; run this again at {} to stop reading them",
         plan.read, plan.cells, plan.cells, plan.read
     )
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_cells_key_names_its_group_and_no_other_key_does() {
-        let ks = Keyspace::new("tally", 16).expect("valid");
-        assert_eq!(
-            cells_group("tally", &ks.cells_key_of_stripe(20, 7)),
-            Some(20)
-        );
-        assert_eq!(cells_group("tally", &ks.counter_key(20, "views:a")), None);
-        assert_eq!(cells_group("other", &ks.cells_key_of_stripe(20, 7)), None);
-        assert_eq!(cells_group("tally", "tally:{gx}:W:1"), None);
-    }
 }
