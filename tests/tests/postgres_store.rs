@@ -238,8 +238,8 @@ async fn take_every_connection(
 }
 
 /// PostgreSQL itself failing under a live stream, with a pool of two connections for eight
-/// partitions: the database read-only for 10 s, every connection slot held by other clients for
-/// 10 s, a fast shutdown and restart, statements cancelled by the statement timeout while
+/// partitions: the database read-only for 6 s, every connection slot held by other clients for
+/// 6 s, a fast shutdown and restart, statements cancelled by the statement timeout while
 /// another session holds a lock on the shares, and a SIGKILL of the postmaster (crash recovery on
 /// restart). Every failed flush is retried, no event is dead-lettered, and the totals end
 /// exact.
@@ -284,7 +284,7 @@ async fn postgres_restarts_statement_timeouts_and_a_small_pool_lose_nothing() {
         let aggregator = &aggregator;
         async move {
             let errors = aggregator.metric("tally_redis_errors_total").await;
-            tokio::time::sleep(Duration::from_secs(10)).await;
+            tokio::time::sleep(Duration::from_secs(6)).await;
             let after = aggregator.metric("tally_redis_errors_total").await;
             assert!(
                 after > errors,
@@ -293,7 +293,8 @@ async fn postgres_restarts_statement_timeouts_and_a_small_pool_lose_nothing() {
         }
     };
 
-    // 1. Read-only for 10 s: every session's next transaction is read-only (25006).
+    // 1. Read-only for 6 s (the retries' backoff reaches its 2 s cap after about 4): every
+    // session's next transaction is read-only (25006).
     // One statement per call: ALTER SYSTEM runs outside a transaction block.
     let run = |sql: &'static str| {
         let admin = &admin;
@@ -308,7 +309,7 @@ async fn postgres_restarts_statement_timeouts_and_a_small_pool_lose_nothing() {
     let mut slow = Vec::new();
     slow.extend(recovered("read-only", &aggregator, &setup.topic).await);
 
-    // 2. Every connection slot held by other clients for 10 s (53300), the aggregator's
+    // 2. Every connection slot held by other clients for 6 s (53300), the aggregator's
     // sessions ended.
     let hogs = take_every_connection(&pg.url(), &admin).await;
     eprintln!("{} connections held by other clients", hogs.len());

@@ -2,9 +2,10 @@
 //! (exactly-once). Two aggregators, one making its writes atomic with the Lua scripts (the
 //! default) and one with `WATCH`/`MULTI`/`EXEC`, each counting its own stream into the same
 //! Redis, live through five refusals in turn: out of memory
-//! (`maxmemory` reached, `noeviction`) for 10 s, read-only (a replica of an unreachable primary,
-//! as during a failover) for 10 s, a script busy for 8 s (`BUSY`), writes paused for 8 s, and an
-//! ACL that takes `INCRBY` away for 10 s. None of it is the events' fault: each refused flush is
+//! (`maxmemory` reached, `noeviction`) for 6 s, read-only (a replica of an unreachable primary,
+//! as during a failover) for 6 s, a script busy for 5 s (`BUSY`), writes paused for 5 s, and an
+//! ACL that takes `INCRBY` away for 6 s. Each outlasts the retries' backoff, which reaches its
+//! 2 s cap after about 4 s. None of it is the events' fault: each refused flush is
 //! retried whole until Redis takes it, no valid event is dead-lettered, the aggregator stays up,
 //! everything sent before a refusal ends is durable within 5 s of its end, and every counter
 //! ends exact. A `tally compact --loop` folds shares throughout, and outlives the refusals.
@@ -108,8 +109,8 @@ async fn endure(refusal: &Refusal, redis: &RedisServer, pipelines: &[Pipeline]) 
             None
         }
         "busy script" => {
-            // A script that spins for `lasts`: past `busy-reply-threshold` (5 s) every other
-            // client is answered BUSY until it ends.
+            // A script that spins for `lasts`: past `busy-reply-threshold` (1 s, set by the
+            // test) every other client is answered BUSY until it ends.
             let patient = redis::AsyncConnectionConfig::new()
                 .set_response_timeout(Some(refusal.lasts + Duration::from_secs(10)));
             let client = redis::Client::open(redis.url()).expect("redis url");
@@ -190,6 +191,13 @@ async fn endure(refusal: &Refusal, redis: &RedisServer, pipelines: &[Pipeline]) 
 async fn a_redis_that_refuses_writes_for_a_while_costs_no_event() {
     let dir = TempDir::new("tally-refusals");
     let redis = RedisServer::start().await;
+    // A busy script is answered BUSY after 1 s (5 s by default), so a short one is a refusal.
+    let mut conn = tally_tests::connect(&redis.url()).await;
+    run(
+        &mut conn,
+        &["CONFIG", "SET", "busy-reply-threshold", "1000"],
+    )
+    .await;
     let mut pipelines = [
         Pipeline::start("refusals-scripts", &redis, &dir, "scripts").await,
         Pipeline::start("refusals-transactions", &redis, &dir, "transactions").await,
@@ -214,27 +222,27 @@ async fn a_redis_that_refuses_writes_for_a_while_costs_no_event() {
     let refusals = [
         Refusal {
             name: "out of memory",
-            lasts: Duration::from_secs(10),
+            lasts: Duration::from_secs(6),
             errors: true,
         },
         Refusal {
             name: "read-only",
-            lasts: Duration::from_secs(10),
+            lasts: Duration::from_secs(6),
             errors: true,
         },
         Refusal {
             name: "busy script",
-            lasts: Duration::from_secs(8),
+            lasts: Duration::from_secs(5),
             errors: true,
         },
         Refusal {
             name: "paused writes",
-            lasts: Duration::from_secs(8),
+            lasts: Duration::from_secs(5),
             errors: false,
         },
         Refusal {
             name: "no INCRBY",
-            lasts: Duration::from_secs(10),
+            lasts: Duration::from_secs(6),
             errors: true,
         },
     ];
