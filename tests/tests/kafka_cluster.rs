@@ -57,10 +57,21 @@ async fn flushed(aggregator: &AggregatorProcess, events: u64) {
 async fn broker_faults_lose_and_repeat_nothing_and_the_new_group_protocol_rebalances_incrementally()
 {
     let _serial = serial().await;
+    // Each case's time goes to stderr even when the test passes (`eprintln!` is captured), to
+    // show where this test's minutes go in a CI log.
+    let mut since = Instant::now();
+    let mut took = |case: &str| {
+        let line = format!("kafka_cluster: {case} took {:?}\n", since.elapsed());
+        let _ = std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes());
+        since = Instant::now();
+    };
     let cluster = tokio::task::block_in_place(KafkaCluster::start);
     let redis = RedisServer::start().await;
+    took("starting the cluster");
     a_broker_killed_under_load(&cluster, &redis).await;
+    took("a broker killed under load");
     a_rolling_restart_of_every_broker(&cluster, &redis).await;
+    took("a rolling restart");
     // The broker-side protocol is generally available from Kafka 4.0 (a preview before:
     // `deploy/local/compat.sh` runs this file on 3.x releases too).
     match cluster.release() {
@@ -69,8 +80,10 @@ async fn broker_faults_lose_and_repeat_nothing_and_the_new_group_protocol_rebala
         }
         _ => the_broker_side_group_protocol(&cluster, &redis).await,
     }
+    took("the broker-side group protocol");
     // Last: it leaves node 1 down and the quorum shaken.
     an_unclean_election_truncates_the_log_under_the_position(&cluster, &redis).await;
+    took("an unclean election");
 }
 
 async fn a_broker_killed_under_load(cluster: &KafkaCluster, redis: &RedisServer) {
