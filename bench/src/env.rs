@@ -266,7 +266,10 @@ impl Env<'_> {
         // Only top-level calls: commandstats also counts the HGETs, INCRBYs... run inside scripts.
         let requests =
             after.of(&before, "evalsha") + after.of(&before, "eval") + after.of(&before, "exec");
+        let gauge = |name: &str| metrics.get(name).copied().unwrap_or(0.0);
         Ok(CatchUp {
+            idempotency_ids_held: gauge("tally_idempotency_ids_held"),
+            idempotency_table_bytes: gauge("tally_idempotency_bytes"),
             key_prefix: id.clone(),
             run: Throughput::new(topic, events, from_first, stats),
             seconds_from_start: from_launch,

@@ -513,7 +513,7 @@ pub fn markdown(args: &Args, r: &Results) -> String {
         let events = b.run.events.max(1) as f64;
         let _ = writeln!(
             out,
-            "\n## Idempotency keys\n\nThe exactly-once catch-up of {} events that each carry an id, without and with a 10-minute idempotency window (every id of the run is held): {:.0} and {:.0} events/s from launch ({:.2} x); aggregator CPU {:.2} and {:.2} s per million events; peak RSS {:.0} and {:.0} MiB, {:.0} bytes per id held; Redis commands per event {:.3} and {:.3} (ids cost Redis nothing).",
+            "\n## Idempotency keys\n\nThe exactly-once catch-up of {} events that each carry an id, without and with a 10-minute idempotency window (every id of the run is held): {:.0} and {:.0} events/s from launch ({:.2} x); aggregator CPU {:.2} and {:.2} s per million events; peak RSS {:.0} and {:.0} MiB, {:.0} bytes per id held (its tables: {:.0} ids in {:.1} bytes each); Redis commands per event {:.3} and {:.3} (ids cost Redis nothing).",
             b.run.events,
             a.events_per_second_from_launch,
             b.events_per_second_from_launch,
@@ -523,6 +523,8 @@ pub fn markdown(args: &Args, r: &Results) -> String {
             a.run.peak_rss_mib,
             b.run.peak_rss_mib,
             (b.run.peak_rss_mib - a.run.peak_rss_mib) * 1_048_576.0 / events,
+            b.idempotency_ids_held,
+            b.idempotency_table_bytes / b.idempotency_ids_held.max(1.0),
             a.redis_commands_per_event,
             b.redis_commands_per_event,
         );

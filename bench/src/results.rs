@@ -71,6 +71,10 @@ pub struct CatchUp {
     /// Distinct counters in the topic (0 when not known): each needs at least one write, so
     /// `distinct_counters / events` is the floor of counter writes per event.
     pub distinct_counters: u64,
+    /// Event ids the aggregator held for idempotency at the end (`tally_idempotency_ids_held`).
+    pub idempotency_ids_held: f64,
+    /// Bytes of the tables holding them (`tally_idempotency_bytes`).
+    pub idempotency_table_bytes: f64,
     /// The key prefix (and group) the aggregator ran under, for reading its keys back.
     pub key_prefix: String,
     /// Flush duration quantiles, ms (histogram bucket bounds).

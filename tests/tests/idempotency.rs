@@ -2,7 +2,8 @@
 //! 5 aggregator SIGKILLs is over and flushed), of which about 10% are sent again with the same
 //! id (at once, a few seconds later, and after the last SIGKILL), in a
 //! namespace with a 10-minute idempotency window, grouped by partition and by actor. Every total
-//! equals the sum over distinct ids, and `tally audit` agrees. Then the window itself, with
+//! equals the sum over distinct ids, `tally audit` agrees, and the last aggregator's gauge
+//! holds one id per event counted. Then the window itself, with
 //! explicit Kafka timestamps: a repeat 30 s after the first counts nothing, one 61 s after counts
 //! again (a 1-minute window), and one 30 s after that repeats the second.
 
@@ -124,6 +125,22 @@ async fn repeats_count_once(name: &str, grouping: &str) {
         .wait_metric("tally_repeated_ids_total", 1.0, Duration::from_secs(10))
         .await;
     eprintln!("the last aggregator passed over {repeated} repeats");
+    // It holds one id per event counted, whether read before it took over (the warm-up) or
+    // after, and none for a repeat; its tables cost about 22.5 bytes per id.
+    let held = last
+        .wait_metric(
+            "tally_idempotency_ids_held",
+            sent.events as f64,
+            Duration::from_secs(10),
+        )
+        .await;
+    assert_eq!(held, sent.events as f64, "ids held, one per event counted");
+    let bytes = last.metric("tally_idempotency_bytes").await.unwrap_or(0.0);
+    eprintln!("{held} ids held in {bytes} bytes of tables");
+    assert!(
+        (16.0..=40.0).contains(&(bytes / held)),
+        "16-byte slots, about 1.4 per id: {bytes} bytes for {held} ids"
+    );
 
     // The window, by Kafka timestamp: a 1-minute window on clicks.
     let raw: FutureProducer = ClientConfig::new()

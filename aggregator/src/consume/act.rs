@@ -18,11 +18,13 @@ use tally_kafka::backoff::Backoff;
 use super::{Done, Report, Shared, Slot, Task, lock, warm_up_ids};
 
 impl<S: Sink> Shared<S> {
-    /// Starts flushes of due buffers and checks of idle owners, and refreshes the buffer gauges.
+    /// Starts flushes of due buffers and checks of idle owners, and refreshes the buffer and
+    /// idempotency gauges.
     pub(crate) fn tick<X: ConsumerContext, K: Consumer<X>>(&self, consumer: &K) {
         let now = Instant::now();
         let mut parts = lock(&self.partitions);
         let (mut buffered, mut paused, mut catching_up) = (0, 0, 0);
+        let (mut ids_held, mut id_bytes) = (0, 0);
         let (version, write, _) = self.plan.get();
         let original = self.settings.keyspace.groups();
         for (&partition, slot) in parts.map.iter_mut() {
@@ -45,9 +47,14 @@ impl<S: Sink> Shared<S> {
             catching_up += usize::from(pace == Pace::CatchingUp);
             buffered += slot.machine.pending_events();
             paused += usize::from(slot.machine.paused);
+            if let Some(ids) = &slot.ids {
+                ids_held += ids.len();
+                id_bytes += ids.bytes();
+            }
         }
         self.metrics
             .buffers(buffered, parts.map.len(), paused, catching_up);
+        self.metrics.idempotency_ids(ids_held, id_bytes);
         self.metrics.fetch_requests(self.source.fetch_requests());
     }
 

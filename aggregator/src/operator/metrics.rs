@@ -65,6 +65,10 @@ pub struct Metrics {
     paused_partitions: IntGauge,
     /// Partitions batching by size because their log holds more than they have read.
     catching_up_partitions: IntGauge,
+    /// Idempotency keys held over the owned partitions' windows.
+    idempotency_ids: IntGauge,
+    /// Bytes of the tables holding them.
+    idempotency_bytes: IntGauge,
     /// Consumer lag per partition: the log's end less the next offset read.
     consumer_lag: IntGaugeVec,
     /// Shard counts raised by the shard monitor.
@@ -237,6 +241,14 @@ impl Metrics {
                 "tally_catching_up_partitions",
                 "Partitions batching by size, not by the flush clock, because their log holds at least 1,000 events more than they have read.",
             ),
+            idempotency_ids: r.gauge(
+                "tally_idempotency_ids_held",
+                "Event ids held to recognise repeats within the idempotency windows, over the partitions this instance owns (forgotten ones included until their table is swept).",
+            ),
+            idempotency_bytes: r.gauge(
+                "tally_idempotency_bytes",
+                "Bytes of the tables holding those event ids.",
+            ),
             consumer_lag: r.gauge_vec(
                 "tally_consumer_lag",
                 "Messages between the consumer's position and the partition's end.",
@@ -404,6 +416,12 @@ impl Metrics {
         self.assigned_partitions.set(assigned as i64);
         self.paused_partitions.set(paused as i64);
         self.catching_up_partitions.set(catching_up as i64);
+    }
+
+    /// The event ids held for idempotency, and the bytes of their tables.
+    pub fn idempotency_ids(&self, held: usize, bytes: usize) {
+        self.idempotency_ids.set(held as i64);
+        self.idempotency_bytes.set(bytes as i64);
     }
 
     /// Replaces the per-partition lag with `lags`.
