@@ -7,6 +7,7 @@
 //! fetcher finds (KIP-320) and the aggregator counts.
 
 use std::collections::HashMap;
+use std::io::Write;
 use std::time::{Duration, Instant};
 
 use tally_common::CounterEvent;
@@ -61,8 +62,11 @@ async fn broker_faults_lose_and_repeat_nothing_and_the_new_group_protocol_rebala
     // show where this test's minutes go in a CI log.
     let mut since = Instant::now();
     let mut took = |case: &str| {
-        let line = format!("kafka_cluster: {case} took {:?}\n", since.elapsed());
-        let _ = std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes());
+        let _ = writeln!(
+            std::io::stderr(),
+            "kafka_cluster: {case} took {:?}",
+            since.elapsed()
+        );
         since = Instant::now();
     };
     let cluster = tokio::task::block_in_place(KafkaCluster::start);

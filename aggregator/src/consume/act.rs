@@ -54,7 +54,7 @@ impl<S: Sink> Shared<S> {
         }
         self.metrics
             .buffers(buffered, parts.map.len(), paused, catching_up);
-        self.metrics.idempotency_ids(ids_held, id_bytes);
+        self.metrics.idempotency_tables(ids_held, id_bytes);
         self.metrics.fetch_requests(self.source.fetch_requests());
     }
 

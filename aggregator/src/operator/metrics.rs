@@ -66,7 +66,7 @@ pub struct Metrics {
     /// Partitions batching by size because their log holds more than they have read.
     catching_up_partitions: IntGauge,
     /// Idempotency keys held over the owned partitions' windows.
-    idempotency_ids: IntGauge,
+    idempotency_ids_held: IntGauge,
     /// Bytes of the tables holding them.
     idempotency_bytes: IntGauge,
     /// Consumer lag per partition: the log's end less the next offset read.
@@ -241,7 +241,7 @@ impl Metrics {
                 "tally_catching_up_partitions",
                 "Partitions batching by size, not by the flush clock, because their log holds at least 1,000 events more than they have read.",
             ),
-            idempotency_ids: r.gauge(
+            idempotency_ids_held: r.gauge(
                 "tally_idempotency_ids_held",
                 "Event ids held to recognise repeats within the idempotency windows, over the partitions this instance owns (forgotten ones included until their table is swept).",
             ),
@@ -419,8 +419,8 @@ impl Metrics {
     }
 
     /// The event ids held for idempotency, and the bytes of their tables.
-    pub fn idempotency_ids(&self, held: usize, bytes: usize) {
-        self.idempotency_ids.set(held as i64);
+    pub fn idempotency_tables(&self, held: usize, bytes: usize) {
+        self.idempotency_ids_held.set(held as i64);
         self.idempotency_bytes.set(bytes as i64);
     }
 
