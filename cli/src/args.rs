@@ -55,9 +55,10 @@ pub(crate) enum Command {
     /// Change a running deployment's number of shard groups, without a restart. Growing (more
     /// Redis Cluster masters can then take its writes): readers sum the new groups first, then
     /// aggregators place new offsets in them. Shrinking, down to the original count: writers
-    /// first, then the retired groups' shares are folded into the groups left, then readers
-    /// (standalone Redis only); their window buckets are read where they are until they expire.
-    /// At the count in use: folds stray shares and sets the groups windowed reads sum.
+    /// first, then the retired groups' shares are folded into the groups left (on a Redis
+    /// Cluster, each move's steps 2 s apart), then readers; their window buckets are read where
+    /// they are until they expire. At the count in use: folds stray shares (standalone Redis
+    /// only) and sets the groups windowed reads sum.
     /// Prints each step and waits for every partition's owner to move; exit 1 if some did not
     /// within --wait (run it again: it picks up where it stopped).
     Regroup(RegroupArgs),

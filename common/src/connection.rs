@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::cluster_async::ClusterConnection;
+use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
 use redis::{Cmd, Pipeline, RedisFuture, Value};
 
 /// How long one command or pipeline may take before it fails with a timeout.
@@ -263,6 +264,57 @@ impl RedisConn {
     pub fn is_cluster(&self) -> bool {
         matches!(self, RedisConn::Cluster(_))
     }
+
+    /// Up to `count` keys of the cluster slot `key` hashes to (`CLUSTER GETKEYSINSLOT`, sent to
+    /// that slot's master): what one slot holds, where `SCAN` would cover one node only. Fails on
+    /// a standalone Redis.
+    pub async fn keys_in_slot_of(
+        &self,
+        key: &str,
+        count: usize,
+    ) -> redis::RedisResult<Vec<String>> {
+        let RedisConn::Cluster(cluster) = self else {
+            return Err(redis::RedisError::from((
+                redis::ErrorKind::Client,
+                "CLUSTER GETKEYSINSLOT needs a Redis Cluster",
+            )));
+        };
+        let slot = cluster_slot(key);
+        let mut cmd = redis::cmd("CLUSTER");
+        cmd.arg("GETKEYSINSLOT").arg(slot).arg(count);
+        let route = Route::new(slot, SlotAddr::Master);
+        let reply = (cluster.clone())
+            .route_command(
+                cmd,
+                RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(route)),
+            )
+            .await?;
+        Ok(redis::from_redis_value(reply)?)
+    }
+}
+
+/// Redis Cluster's slot of `key`: CRC16/XMODEM of its hash tag (or of the whole key), mod 16384.
+pub fn cluster_slot(key: &str) -> u16 {
+    let bytes = key.as_bytes();
+    let hashed = match bytes.iter().position(|&b| b == b'{') {
+        Some(open) => match bytes[open + 1..].iter().position(|&b| b == b'}') {
+            Some(len) if len > 0 => &bytes[open + 1..open + 1 + len],
+            _ => bytes,
+        },
+        None => bytes,
+    };
+    let mut crc: u16 = 0;
+    for &b in hashed {
+        crc ^= u16::from(b) << 8;
+        for _ in 0..8 {
+            crc = if crc & 0x8000 != 0 {
+                (crc << 1) ^ 0x1021
+            } else {
+                crc << 1
+            };
+        }
+    }
+    crc % 16384
 }
 
 /// Sends `commands` and returns their replies in order: as one pipeline on a standalone server,

@@ -462,29 +462,7 @@ impl Keyspace {
 mod tests {
     use super::*;
 
-    /// Redis Cluster's key slot (CRC16/XMODEM of the hash tag, mod 16384), for checking the layout.
-    fn slot(key: &str) -> u16 {
-        let bytes = key.as_bytes();
-        let hashed = match bytes.iter().position(|&b| b == b'{') {
-            Some(open) => match bytes[open + 1..].iter().position(|&b| b == b'}') {
-                Some(len) if len > 0 => &bytes[open + 1..open + 1 + len],
-                _ => bytes,
-            },
-            None => bytes,
-        };
-        let mut crc: u16 = 0;
-        for &b in hashed {
-            crc ^= u16::from(b) << 8;
-            for _ in 0..8 {
-                crc = if crc & 0x8000 != 0 {
-                    (crc << 1) ^ 0x1021
-                } else {
-                    crc << 1
-                };
-            }
-        }
-        crc % 16384
-    }
+    use crate::connection::cluster_slot as slot;
 
     #[test]
     fn compaction_keys_parse_back_and_share_their_groups_slot() {

@@ -12,7 +12,7 @@
 use crate::connection::{RedisConn, query_each};
 use crate::event::{EventError, validate_counter};
 use crate::keyspace::{Keyspace, Watermark, partition_field};
-use crate::regroup::{PlanError, PlanLease};
+use crate::regroup::{FOLD_READ_BOUND, PlanError, PlanLease};
 use crate::window::Window;
 use crate::window::cells::{Cells, STRIPES};
 
@@ -66,6 +66,17 @@ pub enum ReadError {
     /// The deployment's group plan is unreadable, or was made for another group count.
     #[error("{0}")]
     Groups(String),
+    /// Reads on a Redis Cluster kept taking longer than a shrink's fold allows: such a read
+    /// could count an amount moving between groups twice or not at all, so none is answered.
+    #[error(
+        "{attempts} reads in a row took longer than {bound:?} while a shrink folds shares on the Redis Cluster; try again"
+    )]
+    Slow {
+        /// The reads tried.
+        attempts: u32,
+        /// How long each may take ([`crate::regroup::FOLD_READ_BOUND`]).
+        bound: std::time::Duration,
+    },
 }
 
 impl From<PlanError> for ReadError {
@@ -286,10 +297,16 @@ impl Reader {
     /// On a standalone Redis, where compaction and the folds of a re-grouping move amounts
     /// between groups, the `MGET`s run as one `MULTI`/`EXEC`, a snapshot, with the markers of
     /// the journals it may find: a read that finds a journal whose marker it did not read reads
-    /// again with it, so that no read counts a moving amount twice or not at all. On a cluster
-    /// (where nothing moves amounts), or for an ACL user without `+multi +exec`, they are one
-    /// pipeline (concurrent requests on a cluster), and a journal's marker is read after them:
-    /// a read that overlaps a move may then be off by the moved amount for that instant.
+    /// again with it, so that no read counts a moving amount twice or not at all.
+    ///
+    /// On a Redis Cluster they are concurrent requests, and a counter with a journal has its base
+    /// share read again with the journal's marker. Only a shrink's fold moves amounts there, its
+    /// steps spaced by [`crate::regroup::FOLD_STEP_GAP`]; while the plan says a shrink is under
+    /// way, a read that took longer than [`FOLD_READ_BOUND`] is read again (five tries, then
+    /// [`ReadError::Slow`]), so that none overlaps two steps
+    /// of a move and each is counted once. For an ACL user without `+multi +exec` on a standalone
+    /// Redis they are one pipeline read the same way, but compaction's steps follow one another
+    /// unspaced: a read that overlaps a move may be off by the moved amount for that instant.
     pub async fn get_many<S: AsRef<str>>(&self, counters: &[S]) -> Result<Vec<i64>, ReadError> {
         if counters.is_empty() {
             return Ok(Vec::new());
@@ -301,8 +318,24 @@ impl Reader {
             let counters: Vec<&str> = counters.iter().map(AsRef::as_ref).collect();
             return store.totals(&counters).await;
         }
-        let groups = self.groups().await?;
-        if self.conn.is_cluster() || !self.snapshots_allowed().await? {
+        let plan = self.plan.current(&self.conn, &self.keyspace).await?;
+        let groups = plan.read;
+        if self.conn.is_cluster() {
+            // A shrink's fold may be moving amounts between groups: see `read_spread`.
+            let folding = plan.write < plan.read;
+            for _ in 0..SLOW_READ_ATTEMPTS {
+                let asked = std::time::Instant::now();
+                let totals = self.read_spread(counters, groups).await?;
+                if !folding || asked.elapsed() < FOLD_READ_BOUND {
+                    return Ok(totals);
+                }
+            }
+            return Err(ReadError::Slow {
+                attempts: SLOW_READ_ATTEMPTS,
+                bound: FOLD_READ_BOUND,
+            });
+        }
+        if !self.snapshots_allowed().await? {
             return self.read_spread(counters, groups).await;
         }
         // The markers read with the shares: `(counter index, source group)`, sorted.
@@ -408,7 +441,15 @@ impl Reader {
         Ok(snapshot)
     }
 
-    /// The read on a cluster: every group's `MGET` at once, then the markers of any journal.
+    /// The read on a cluster: every group's `MGET` at once; then, for each counter with a
+    /// journal, its base share again with the journals' markers, in one `MGET` of the base slot,
+    /// so that the base share and the markers agree: a journal counts unless its marker says
+    /// the base share holds it.
+    ///
+    /// Read within [`FOLD_READ_BOUND`], this overlaps at most one step of any move of a shrink's
+    /// fold (spaced by twice that), and each step is counted once: a take (the share, or the
+    /// journal and no marker), a give (the journal, checked against the base share read with
+    /// the marker), the journal's deletion (the base share holds it either way), the marker's.
     async fn read_spread<S: AsRef<str>>(
         &self,
         counters: &[S],
@@ -418,18 +459,43 @@ impl Reader {
         let mgets = (0..groups).map(|g| self.group_mget(counters, g)).collect();
         let rows: Vec<Vec<Option<String>>> = query_each(&self.conn, mgets).await?;
         let mut snapshot = self.sum_rows(counters, &rows)?;
-        let checks = (snapshot.journals.iter())
-            .map(|j| {
-                let counter = counters[j.counter].as_ref();
-                let mut get = redis::cmd("GET");
-                get.arg(ks.moved_key(ks.shard_group(counter, 0), counter, j.from));
-                get
+        let mut journals = std::mem::take(&mut snapshot.journals);
+        if journals.is_empty() {
+            return Ok(snapshot.totals);
+        }
+        journals.sort_by_key(|j| j.counter);
+        let moving: Vec<&[Journal]> = journals.chunk_by(|a, b| a.counter == b.counter).collect();
+        let checks = (moving.iter())
+            .map(|js| {
+                let counter = counters[js[0].counter].as_ref();
+                let base = ks.shard_group(counter, 0);
+                let mut mget = redis::cmd("MGET");
+                mget.arg(ks.counter_key(base, counter));
+                for j in js.iter() {
+                    mget.arg(ks.moved_key(base, counter, j.from));
+                }
+                mget
             })
             .collect();
-        let moved: Vec<Option<String>> = query_each(&self.conn, checks).await?;
-        for (journal, moved) in std::mem::take(&mut snapshot.journals).iter().zip(moved) {
-            if moved.as_deref() != Some(journal.id.as_str()) {
-                snapshot.add(counters, journal.counter, journal.amount)?;
+        let checked: Vec<Vec<Option<String>>> = query_each(&self.conn, checks).await?;
+        for (js, reply) in moving.iter().zip(checked) {
+            let i = js[0].counter;
+            let counter = counters[i].as_ref();
+            let share = |row: Option<&Option<String>>| match row.and_then(Option::as_deref) {
+                Some(v) => parse_integer(counter, v),
+                None => Ok(0),
+            };
+            let base = ks.shard_group(counter, 0) as usize;
+            let before = share(rows.get(base).and_then(|row| row.get(2 * i)))?;
+            let now = share(reply.first())?;
+            let grown = now.checked_sub(before).ok_or_else(|| ReadError::Overflow {
+                counter: counter.to_owned(),
+            })?;
+            snapshot.add(counters, i, grown)?;
+            for (journal, marker) in js.iter().zip(reply.iter().skip(1)) {
+                if marker.as_deref() != Some(journal.id.as_str()) {
+                    snapshot.add(counters, i, journal.amount)?;
+                }
             }
         }
         Ok(snapshot.totals)
@@ -480,6 +546,9 @@ impl Reader {
         Ok(snapshot)
     }
 }
+
+/// How many times a read on a cluster during a shrink is tried within [`FOLD_READ_BOUND`].
+const SLOW_READ_ATTEMPTS: u32 = 5;
 
 /// Not yet known whether the server lets this reader run `MULTI`/`EXEC`.
 const SNAPSHOTS_UNKNOWN: u8 = 0;

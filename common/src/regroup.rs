@@ -32,6 +32,15 @@ pub const PLAN_LEASE: Duration = Duration::from_secs(1);
 /// reader's lease, with room for a reader's clock running slow.
 pub const PHASE_WAIT: Duration = Duration::from_secs(3);
 
+/// How long a shrink's fold on a Redis Cluster waits between the steps of each move
+/// (`tally_aggregator::tasks::regroup`): twice [`FOLD_READ_BOUND`], so that a read bounded by it
+/// overlaps at most one step of any move.
+pub const FOLD_STEP_GAP: Duration = Duration::from_secs(2);
+
+/// The longest a read on a Redis Cluster may take while a shrink is under way (the plan's
+/// `write` below its `read`): a slower one is read again ([`crate::Reader::get_many`]).
+pub const FOLD_READ_BOUND: Duration = Duration::from_secs(1);
+
 /// The deployment's group counts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct GroupPlan {

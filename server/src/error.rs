@@ -16,6 +16,7 @@
 //! | `unsupported_media_type` | 415 | a body not sent as `application/json` |
 //! | `corrupt_counter` | 500 | a key under tally's prefix holds something that is not a count |
 //! | `redis_unavailable`, `kafka_unavailable`, `store_unavailable` | 503 | Redis, Kafka or the PostgreSQL store did not answer in time |
+//! | `slow_read_during_shrink` | 503 | on a Redis Cluster while a shrink folds shares, five reads in a row took longer than `tally_common::regroup::FOLD_READ_BOUND` (1 s) |
 //! | `forbidden_host` | 403 | without tokens, a request addressed to a name that is not loopback |
 //!
 //! A 5xx answer says what failed in general terms and carries a `request_id`; the error's own
@@ -111,6 +112,9 @@ fn general_terms(code: &str) -> &'static str {
         "kafka_unavailable" => "Kafka did not acknowledge the events in time",
         "store_unavailable" => "the store of record did not answer in time",
         "corrupt_counter" => "a key under tally's prefix holds something that is not a count",
+        "slow_read_during_shrink" => {
+            "reads took too long to be exact while a shrink folds shares: try again"
+        }
         _ => "the server could not answer",
     }
 }
@@ -170,6 +174,11 @@ impl From<ReadError> for ApiError {
             ReadError::Store(e) => Self::new(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "store_unavailable",
+                e.to_string(),
+            ),
+            e @ ReadError::Slow { .. } => Self::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "slow_read_during_shrink",
                 e.to_string(),
             ),
             // Not the caller's input: what Redis holds under tally's keys is not a count.

@@ -334,7 +334,15 @@ impl RedisCluster {
             // A node joins through gossip: the next step checks that every node agrees.
             self.wait_all_know(i + 1).await;
         }
-        wait_cluster_ok(self.nodes[0].0, "the cluster to be ok with the new nodes").await;
+        // A new node serves (and takes slots) only once it too finds every slot covered: until
+        // then a slot moved to it fails with CLUSTERDOWN.
+        for (port, _) in &self.nodes {
+            wait_cluster_ok(
+                *port,
+                "every node to find the cluster ok with the new nodes",
+            )
+            .await;
+        }
         redis_cli(&[
             "--cluster",
             "rebalance",

@@ -291,7 +291,18 @@ fn regroup(setup: &AggregatorSetup, to: &str) -> String {
 /// Runs `tally regroup --to <to> --wait <wait>`; returns whether it succeeded, and what it
 /// printed (stdout, then stderr).
 fn run_regroup(setup: &AggregatorSetup, to: &str, wait: &str) -> (bool, String) {
+    run_regroup_with(setup, to, wait, &[])
+}
+
+/// [`run_regroup`] with `env` set for the command (a failpoint).
+fn run_regroup_with(
+    setup: &AggregatorSetup,
+    to: &str,
+    wait: &str,
+    env: &[(&str, &str)],
+) -> (bool, String) {
     let run = Command::new(binary("tally"))
+        .envs(env.iter().copied())
         .args(["regroup", "--to", to, "--wait", wait])
         .args(["--redis-url", &setup.redis_url])
         .args(["--key-prefix", &setup.key_prefix])
@@ -342,11 +353,15 @@ async fn cells_in(url: &str, setup: &AggregatorSetup, groups: std::ops::Range<u3
 /// Growing a Redis Cluster under load, then the groups: a 3-master cluster takes a paced load
 /// on 16 partitions (spread 4 over 16 groups); 3 empty masters join and slots move to them,
 /// keys and all, while the aggregator writes; then `tally regroup --to 64` lets the partitions
-/// write 64 groups, which reach every master, and a second load runs under the new plan. Every counter ends exact, nothing is dead-lettered,
-/// no script crossed slots, `tally audit` finds no drift, and every new master holds shares of
-/// the new groups. Shrinking back is refused on a cluster, with nothing changed.
+/// write 64 groups, which reach every master, and a second load runs under the new plan: every
+/// new master holds shares of the new groups. Then `tally regroup --to 16` shrinks back under a
+/// third load, folding the retired groups' shares with each move's steps spaced out (a first
+/// run is aborted mid-fold by a failpoint; a second finishes), while a reader polls the busiest
+/// counters and never reads a total go down. Every counter ends exact,
+/// nothing is dead-lettered, no script crossed slots, `tally audit` finds no drift, and no
+/// master holds a share or journal of the retired groups.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_cluster_grown_to_six_masters_under_load_takes_writes_on_every_new_master() {
+async fn a_cluster_grown_to_six_masters_under_load_then_shrunk_back_counts_every_event_once() {
     let _serial = tally_tests::serial().await;
     let dir = TempDir::new("tally-regroup-cluster");
     let seed = seed();
@@ -395,42 +410,90 @@ async fn a_cluster_grown_to_six_masters_under_load_takes_writes_on_every_new_mas
     }
     let reader = cluster.reader(setup.keyspace()).await;
     wait_for_totals(&reader, &totals, Duration::from_secs(120)).await;
-    let dead = aggregator.metric("tally_events_dead_lettered_total").await;
-    assert_eq!(dead.unwrap_or(0.0), 0.0, "nothing dead-lettered");
-    aggregator.stop_gracefully().await;
-    assert_no_crossslot(dir.path());
-    setup.assert_audit_clean(&[], totals.len());
 
     // Every new master took writes of the new groups.
     let ks = setup.keyspace();
-    for port in new_masters {
-        let mut node = connect(&format!("redis://127.0.0.1:{port}")).await;
-        let keys: Vec<String> = redis::cmd("KEYS")
-            .arg(format!("{}:{{g*}}:c:*", setup.key_prefix))
-            .query_async(&mut node)
-            .await
-            .expect("KEYS");
-        let in_new_groups = (keys.iter())
-            .filter_map(|k| ks.parse_compaction_key(k))
-            .filter(|(group, _, _)| *group >= 16)
-            .count();
-        eprintln!(
-            "master {port}: {} shares, {in_new_groups} in groups 16-63",
-            keys.len()
-        );
+    for &port in &new_masters {
+        let in_new_groups = shares_in(&format!("redis://127.0.0.1:{port}"), &setup, 16..64).await;
+        eprintln!("master {port}: {in_new_groups} shares in groups 16-63");
         assert!(
             in_new_groups > 0,
             "master {port} holds no share of groups 16-63"
         );
     }
 
-    // Shrinking is refused on a cluster, before anything changes.
-    let (done, refused) = run_regroup(&setup, "16", "0");
-    assert!(!done, "{refused}");
+    // Back down to 16 groups under a third load, while a reader polls the busiest counters:
+    // no total it reads ever goes down (every delta is positive), so no read counted a folded
+    // share twice or missed one.
+    let watched: Vec<String> = (0..20).map(|i| format!("likes:post:{i}")).collect();
+    let stop = Arc::new(AtomicBool::new(false));
+    let poller = {
+        let reader = cluster.reader(ks.clone()).await;
+        let (watched, stop) = (watched.clone(), stop.clone());
+        tokio::spawn(async move {
+            let mut last = vec![0; watched.len()];
+            let mut reads = 0;
+            while !stop.load(Ordering::Relaxed) {
+                let totals = reader.get_many(&watched).await.expect("a read");
+                for ((counter, total), before) in watched.iter().zip(&totals).zip(&mut last) {
+                    assert!(
+                        *total >= *before,
+                        "{counter} read {total} after {before}: a read counted a move twice or missed it"
+                    );
+                    *before = *total;
+                }
+                reads += 1;
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            reads
+        })
+    };
+    let third = LoadSpec {
+        events: 60_000,
+        counters: 3_000,
+        rate: 10_000,
+        max_delta: 5,
+        seed: seed.wrapping_add(2),
+        ..LoadSpec::default()
+    };
+    let last = start_load(&setup.topic, third);
+    // The first run dies mid-fold (a failpoint aborts it once 300 shares were taken into
+    // journals, before any was given); the reader goes on counting them from the journals, and
+    // a second run finishes those moves and makes the rest.
+    let failpoint = [("TALLY_FAILPOINT_COMPACT_ABORT_AFTER_TAKES", "300")];
+    let (done, aborted) = run_regroup_with(&setup, "16", "60", &failpoint);
+    assert!(!done, "{aborted}");
     assert!(
-        refused.contains("shrinking needs a standalone Redis for now"),
-        "{refused}"
+        aborted.contains("failpoint: aborting after 300 shares taken"),
+        "{aborted}"
     );
+    let shrunk = regroup(&setup, "16");
+    assert!(
+        shrunk.contains("every partition (16) places new offsets in 16 groups"),
+        "{shrunk}"
+    );
+    assert!(shrunk.contains("into their base groups"), "{shrunk}");
+    assert!(shrunk.contains("readers sum 16 groups"), "{shrunk}");
+    for (counter, total) in finish_load(last, 60_000).await.totals {
+        *totals.entry(counter).or_default() += total;
+    }
+    wait_for_totals(&reader, &totals, Duration::from_secs(120)).await;
+    stop.store(true, Ordering::Relaxed);
+    let reads = poller.await.expect("no read went down");
+    assert!(reads > 20, "the reader polled throughout: {reads} reads");
     let fresh = cluster.reader(setup.keyspace()).await;
-    assert_eq!(fresh.groups().await.expect("the plan"), 64);
+    assert_eq!(fresh.groups().await.expect("the plan"), 16);
+    for i in 0..6 {
+        let left = shares_in(&cluster.node_url(i), &setup, 16..64).await;
+        assert_eq!(
+            left, 0,
+            "node {i} holds {left} shares of the retired groups"
+        );
+    }
+
+    let dead = aggregator.metric("tally_events_dead_lettered_total").await;
+    assert_eq!(dead.unwrap_or(0.0), 0.0, "nothing dead-lettered");
+    aggregator.stop_gracefully().await;
+    assert_no_crossslot(dir.path());
+    setup.assert_audit_clean(&[], totals.len());
 }

@@ -39,6 +39,9 @@ use crate::store::sink::SinkError;
 /// The fence field of the compactor.
 const FIELD: &str = "compactor";
 
+/// How many keys of a group's slot [`Compactor::fold_spaced`] lists at a time.
+pub const SLOT_BATCH: usize = 10_000;
+
 /// Why a compaction pass stopped.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -130,7 +133,8 @@ impl Compactor {
     }
 
     /// [`Compactor::start`], stamping `groups` groups: a fold of groups past those readers sum
-    /// (`crate::tasks::regroup`) needs them stamped too.
+    /// (`crate::tasks::regroup`) needs them stamped too. On a Redis Cluster the compactor it
+    /// returns folds with [`Compactor::fold_spaced`] only.
     pub async fn start_over(
         conn: RedisConn,
         keyspace: Keyspace,
@@ -138,9 +142,6 @@ impl Compactor {
         cold_after: Duration,
         groups: u32,
     ) -> Result<Self, CompactError> {
-        if conn.is_cluster() {
-            return Err(CompactError::Cluster);
-        }
         let sink = RedisSink::scripts_only(conn.clone(), keyspace.clone());
         let (epoch, _) = take_epoch(&sink, groups, 0, FIELD).await?;
         Ok(Self {
@@ -167,6 +168,9 @@ impl Compactor {
 
     /// One pass: finish interrupted moves, drop stale markers, compact cold counters.
     pub async fn pass(&self) -> Result<PassReport, CompactError> {
+        if self.conn.is_cluster() {
+            return Err(CompactError::Cluster);
+        }
         let found = self.scan().await?;
         let mut report = PassReport {
             candidates: found.len(),
@@ -316,6 +320,20 @@ impl Compactor {
 
     /// Moves `counter`'s share in `from` to its base group; false if there was nothing to move.
     async fn move_share(&self, counter: &str, from: u32, base: u32) -> Result<bool, CompactError> {
+        let Some((id, amount)) = self.take_share(counter, from).await? else {
+            return Ok(false);
+        };
+        self.finish(counter, from, base, &id, &amount).await?;
+        Ok(true)
+    }
+
+    /// Step 1: `counter`'s share in `from` becomes a journal. Returns the move's id and amount
+    /// (those of a move already journaled there, if one is), or `None` if there is no share.
+    async fn take_share(
+        &self,
+        counter: &str,
+        from: u32,
+    ) -> Result<Option<(String, String)>, CompactError> {
         let id = format!("{:016x}", rand::random::<u64>());
         let mut conn = self.conn.clone();
         let reply: Vec<String> = self
@@ -337,18 +355,16 @@ impl Compactor {
                     }
                 }
                 let amount = reply.get(1).cloned().unwrap_or_default();
-                self.finish(counter, from, base, &id, &amount).await?;
-                Ok(true)
+                Ok(Some((id, amount)))
             }
             Some("pending") => {
                 let journal = reply.get(1).cloned().unwrap_or_default();
                 let (id, amount) = journal
                     .split_once(':')
                     .ok_or_else(|| CompactError::Protocol(journal.clone()))?;
-                self.finish(counter, from, base, id, amount).await?;
-                Ok(true)
+                Ok(Some((id.to_owned(), amount.to_owned())))
             }
-            Some("empty") => Ok(false),
+            Some("empty") => Ok(None),
             Some("fenced") => Err(CompactError::Fenced),
             _ => Err(CompactError::Protocol(format!("{reply:?}"))),
         }
@@ -359,6 +375,9 @@ impl Compactor {
     /// (`crate::tasks::regroup`), once no writer places anything in them. Returns the moves
     /// made; a pass that makes none found the groups empty.
     pub async fn fold(&self, groups: std::ops::Range<u32>) -> Result<usize, CompactError> {
+        if self.conn.is_cluster() {
+            return Err(CompactError::Cluster);
+        }
         let mut moves = 0;
         let mut conn = self.conn.clone();
         for group in groups {
@@ -401,8 +420,86 @@ impl Compactor {
         Ok(moves)
     }
 
+    /// [`Compactor::fold`] on a Redis Cluster, where a read is one request per slot, not a
+    /// snapshot: each step runs for every move found, and at least `gap` passes between a move's
+    /// steps (take; give; the journal deleted; the marker deleted), so that a read that takes
+    /// less than `gap` sees at most one step of each move, which the reader then counts once
+    /// (`tally_common::Reader`, on a cluster while a shrink is under way). Finds the shares and
+    /// journals of each group with `CLUSTER GETKEYSINSLOT` on its slot's master, at most
+    /// [`SLOT_BATCH`] keys at a time; returns the moves made, zero once the groups are empty.
+    pub async fn fold_spaced(&self, groups: &[u32], gap: Duration) -> Result<usize, CompactError> {
+        let mut conn = self.conn.clone();
+        // (counter, from, id, amount) of each move under way.
+        let mut moves: Vec<(String, u32, String, String)> = Vec::new();
+        for &group in groups {
+            if group >= self.groups {
+                return Err(CompactError::Protocol(format!(
+                    "group {group} is past the {} this compactor stamped",
+                    self.groups
+                )));
+            }
+            let slot_of = self.keyspace.fence_key(group);
+            for key in self.conn.keys_in_slot_of(&slot_of, SLOT_BATCH).await? {
+                let Some((from, kind, counter)) = self.keyspace.parse_compaction_key(&key) else {
+                    continue;
+                };
+                if from != group {
+                    continue;
+                }
+                let taken = match kind {
+                    CompactionKey::Share => self.take_share(counter, from).await?,
+                    CompactionKey::Journal => {
+                        let journal: Option<String> =
+                            redis::cmd("GET").arg(&key).query_async(&mut conn).await?;
+                        (journal.as_deref().and_then(|j| j.split_once(':')))
+                            .map(|(id, amount)| (id.to_owned(), amount.to_owned()))
+                    }
+                    CompactionKey::Moved { .. } => None,
+                };
+                if let Some((id, amount)) = taken {
+                    moves.push((counter.to_owned(), from, id, amount));
+                }
+            }
+        }
+        if moves.is_empty() {
+            return Ok(0);
+        }
+        let base = |counter: &str| self.keyspace.shard_group(counter, 0);
+        tokio::time::sleep(gap).await;
+        for (counter, from, id, amount) in &moves {
+            self.give(counter, *from, base(counter), id, amount).await?;
+        }
+        tokio::time::sleep(gap).await;
+        for (counter, from, id, _) in &moves {
+            self.step_done(*from, &self.keyspace.journal_key(*from, counter), id)
+                .await?;
+        }
+        tokio::time::sleep(gap).await;
+        for (counter, from, id, _) in &moves {
+            let marker = self.keyspace.moved_key(base(counter), counter, *from);
+            self.step_done(base(counter), &marker, id).await?;
+        }
+        Ok(moves.len())
+    }
+
     /// Steps 2 and 3 of a journaled move.
     async fn finish(
+        &self,
+        counter: &str,
+        from: u32,
+        base: u32,
+        id: &str,
+        amount: &str,
+    ) -> Result<(), CompactError> {
+        self.give(counter, from, base, id, amount).await?;
+        self.step_done(from, &self.keyspace.journal_key(from, counter), id)
+            .await?;
+        let marker = self.keyspace.moved_key(base, counter, from);
+        self.step_done(base, &marker, id).await
+    }
+
+    /// Step 2: the amount joins the base share, and the marker records the move.
+    async fn give(
         &self,
         counter: &str,
         from: u32,
@@ -423,13 +520,10 @@ impl Compactor {
             .invoke_async(&mut conn)
             .await?;
         match given.as_str() {
-            "given" | "already" => {}
-            "fenced" => return Err(CompactError::Fenced),
-            other => return Err(CompactError::Protocol(other.to_owned())),
+            "given" | "already" => Ok(()),
+            "fenced" => Err(CompactError::Fenced),
+            other => Err(CompactError::Protocol(other.to_owned())),
         }
-        self.step_done(from, &self.keyspace.journal_key(from, counter), id)
-            .await?;
-        self.step_done(base, &marker, id).await
     }
 
     /// Deletes a journal or marker of move `id` in `group`.

@@ -21,7 +21,15 @@
 //! The original count is the floor: partitions' bookkeeping, likes, directly written shards and
 //! compaction's base shares live in those groups. A retired group keeps its ledger and fence
 //! hashes (a field per partition), so that a later growth finds what each partition applied
-//! there. Folding needs `SCAN`, so shrinking needs a standalone Redis, as compaction does.
+//! there.
+//!
+//! On a standalone Redis the fold finds shares with `SCAN` and each move's steps follow one
+//! another, since every exact read is a snapshot. On a Redis Cluster a read is one request per
+//! slot: the fold lists each retired group's slot on its master, and spaces each move's steps by
+//! [`regroup::FOLD_STEP_GAP`] ([`Compactor::fold_spaced`]), while readers, seeing a plan whose
+//! writers sum fewer groups than its readers, bound each read to half that and read a moving
+//! counter's base share again with the move's marker (`tally_common::Reader`). The run at the
+//! count in use does not look for stray shares on a cluster.
 //!
 //! Window buckets are not folded: a bucket lives only as long as its window's retention, so the
 //! retired groups' buckets are left to expire where they are, and windowed reads go on summing
@@ -49,7 +57,7 @@ pub enum RegroupFailure {
     /// The plan could not be read or stored.
     #[error(transparent)]
     Plan(#[from] PlanError),
-    /// Folding failed (Redis, a newer compactor, a cluster).
+    /// Folding failed (Redis, a newer compactor).
     #[error("folding the retired groups: {0}")]
     Fold(#[from] CompactError),
     /// Redis failed.
@@ -64,16 +72,6 @@ pub enum RegroupFailure {
         to: u32,
         /// The original count.
         origin: u32,
-    },
-    /// Shrinking on a Redis Cluster.
-    #[error(
-        "shrinking needs a standalone Redis for now: the fold finds the retired groups' shares with SCAN, and reads on a cluster are not snapshots that could hide a move between groups; nothing was changed (writers place new offsets in {write} groups, readers sum {read})"
-    )]
-    ClusterShrink {
-        /// The writers' count.
-        write: u32,
-        /// The readers' count.
-        read: u32,
     },
     /// Some partitions did not move within the wait.
     #[error(
@@ -192,12 +190,6 @@ async fn shrink(
             origin: plan.origin,
         });
     }
-    if conn.is_cluster() {
-        return Err(RegroupFailure::ClusterShrink {
-            write: plan.write,
-            read: plan.read,
-        });
-    }
     let plan = if plan.write == to {
         plan
     } else {
@@ -256,10 +248,17 @@ async fn fold(
     .await?;
     let mut folded = 0;
     loop {
-        let mut moves = 0;
-        for &group in groups {
-            moves += compactor.fold(group..group + 1).await?;
-        }
+        let moves = if conn.is_cluster() {
+            compactor
+                .fold_spaced(groups, regroup::FOLD_STEP_GAP)
+                .await?
+        } else {
+            let mut moves = 0;
+            for &group in groups {
+                moves += compactor.fold(group..group + 1).await?;
+            }
+            moves
+        };
         if moves == 0 {
             return Ok(folded);
         }
