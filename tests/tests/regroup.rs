@@ -5,13 +5,17 @@
 //! load goes on: writers move first (a first attempt, with the aggregator SIGSTOPped, gives up
 //! after its wait without folding; the second finishes), the retired groups' shares are folded
 //! into the groups left, readers move last; a third aggregator replaces the second (SIGKILLed) under the final
-//! plan. Throughout, a reader polls the busiest counters, exact and windowed (the namespace keeps
-//! an hourly window): no total it reads ever goes down (every delta is positive), so no read
-//! missed a group or counted a folded share twice. In the end every counter is exact, in total
+//! plan. Likes of a deduplicating namespace go through the HTTP API (`tally-server`) before the
+//! change and between the shrink's writer and reader steps, unlikes too. Throughout, a reader
+//! polls the busiest counters, exact and windowed (the namespace keeps an hourly window): no
+//! total it reads ever goes down (every delta is positive), so no read missed a group or counted
+//! a folded share twice; the API's cached total is never above the exact one read after it, and
+//! `has_liked`, through the library and the API, keeps its answers. In the end every counter is exact, in total
 //! and over its window, `tally audit` finds no drift, the second half of the load went to the new
 //! groups, and no share is left in the retired ones; their window buckets stay read until they
 //! expire, and a run at the same count then stops reading them.
 
+use std::collections::HashMap;
 use std::process::Command;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -20,8 +24,8 @@ use std::time::Duration;
 use tally_cli::load::LoadSpec;
 use tally_common::window::Window;
 use tally_tests::{
-    AggregatorSetup, RedisCluster, RedisServer, TempDir, assert_no_crossslot, binary, connect,
-    eventually, finish_load, seed, start_load, unique, wait_for_totals,
+    AggregatorSetup, ApiServer, RedisCluster, RedisServer, TempDir, assert_no_crossslot, binary,
+    connect, eventually, finish_load, http_call, json, seed, start_load, unique, wait_for_totals,
 };
 
 const PARTITIONS: i32 = 4;
@@ -40,7 +44,8 @@ async fn growing_the_groups_under_load_and_a_sigkill_counts_every_event_once() {
     let redis = RedisServer::start().await;
     let setup = AggregatorSetup::create("regroup", &redis.url(), PARTITIONS).await;
     let namespaces = dir.path().join("namespaces.toml");
-    std::fs::write(&namespaces, "[namespaces.likes]\nwindows = [\"1h\"]\n").expect("namespaces");
+    let policies = "[namespaces.likes]\nwindows = [\"1h\"]\n\n[namespaces.fans]\ndedup = true\n";
+    std::fs::write(&namespaces, policies).expect("namespaces");
     let ns = namespaces.to_str().expect("utf-8 path");
     let spec = LoadSpec {
         events: EVENTS,
@@ -59,7 +64,49 @@ async fn growing_the_groups_under_load_and_a_sigkill_counts_every_event_once() {
         .wait_metric("tally_flushes_total", 1.0, Duration::from_secs(60))
         .await;
 
-    // A reader polls the busiest counters while the groups change under it.
+    // The HTTP API over the same deployment, and likes through it: 4 posts liked by 50 fans
+    // each (the first 10 of post 0 twice), counted before the groups change.
+    let server = ApiServer::start(
+        &[
+            "--brokers",
+            &setup.brokers,
+            "--topic",
+            &setup.topic,
+            "--group",
+            &setup.group,
+            "--key-prefix",
+            &setup.key_prefix,
+            "--shard-groups",
+            "16",
+            "--namespaces",
+            ns,
+        ],
+        &[("TALLY_REDIS_URL", &redis.url())],
+        &dir.path().join("server.log"),
+    )
+    .await;
+    for post in 0..FANS_POSTS {
+        for fan in 0..50 {
+            like(&server, "PUT", post, fan).await;
+        }
+    }
+    for fan in 0..10 {
+        like(&server, "PUT", 0, fan).await;
+    }
+    let mut fans: HashMap<String, i64> = (0..FANS_POSTS)
+        .map(|p| (format!("fans:post:{p}"), 50))
+        .collect();
+    wait_for_totals(
+        &redis.reader(setup.keyspace()).await,
+        &fans,
+        Duration::from_secs(60),
+    )
+    .await;
+
+    // A reader polls the busiest counters while the groups change under it: exact and windowed
+    // totals through the library, and through the HTTP API a cached total (never above the exact
+    // one read after it) and a like (still there).
+    let api = server.port;
     let watched: Vec<String> = (0..20).map(|i| format!("likes:post:{i}")).collect();
     let stop = Arc::new(AtomicBool::new(false));
     let poller = {
@@ -90,6 +137,23 @@ async fn growing_the_groups_under_load_and_a_sigkill_counts_every_event_once() {
                     );
                     *before = *sum;
                 }
+                let cached = http_json(api, "/v1/counters/likes:post:0").await["total"].as_i64();
+                let exact = reader.get("likes:post:0").await.expect("a read");
+                assert!(
+                    cached.is_some_and(|cached| cached <= exact),
+                    "the API's cached total of likes:post:0 is {cached:?}, the exact one after it {exact}"
+                );
+                let liked = http_json(api, "/v1/counters/fans:post:0/likes/u7").await;
+                assert_eq!(liked["liked"], true, "{liked}");
+                let liked = reader
+                    .has_liked("fans:post:1", "u49")
+                    .await
+                    .expect("has_liked");
+                let stranger = reader
+                    .has_liked("fans:post:1", "u50")
+                    .await
+                    .expect("has_liked");
+                assert!(liked && !stranger, "has_liked: {liked} and {stranger}");
                 reads += 1;
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
@@ -145,6 +209,15 @@ async fn growing_the_groups_under_load_and_a_sigkill_counts_every_event_once() {
         "{stopped}"
     );
     assert!(!stopped.contains("folded"), "{stopped}");
+    // Likes and unlikes while writers have moved and readers have not: 50 more fans of post 0,
+    // 5 of the first unliking it.
+    for fan in 50..100 {
+        like(&server, "PUT", 0, fan).await;
+    }
+    for fan in 0..5 {
+        like(&server, "DELETE", 0, fan).await;
+    }
+    fans.insert("fans:post:0".to_owned(), 95);
     let shrunk = regroup(&setup, "16");
     assert!(
         shrunk.contains("every partition (4) places new offsets in 16 groups"),
@@ -175,6 +248,13 @@ async fn growing_the_groups_under_load_and_a_sigkill_counts_every_event_once() {
     assert!(reads > 50, "the reader polled throughout: {reads} reads");
     assert_eq!(reader.groups().await.expect("the plan"), 16);
     assert_eq!(shares_in(&redis.url(), &setup, 16..32).await, 0);
+    wait_for_totals(&reader, &fans, Duration::from_secs(60)).await;
+    for (fan, liked) in [(0, false), (4, false), (5, true), (99, true), (100, false)] {
+        let path = format!("/v1/counters/fans:post:0/likes/u{fan}");
+        assert_eq!(http_json(api, &path).await["liked"], liked, "u{fan}");
+    }
+    let exact = http_json(api, "/v1/counters/fans:post:0?exact=true").await;
+    assert_eq!(exact["total"], 95, "{exact}");
     // Every counter's window holds its whole total, part of it in the retired groups.
     let counters: Vec<&String> = sent.totals.keys().collect();
     let now = tally_common::event::now_ms();
@@ -186,7 +266,7 @@ async fn growing_the_groups_under_load_and_a_sigkill_counts_every_event_once() {
     }
     assert!(cells_in(&redis.url(), &setup, 16..32).await > 0);
     last.stop_gracefully().await;
-    setup.assert_audit_clean(&["--namespaces", ns], sent.totals.len());
+    setup.assert_audit_clean(&["--namespaces", ns], sent.totals.len() + fans.len());
 
     // A share left past the groups in use (as an at-least-once aggregator's late flush leaves
     // one) is not read until a run at the same count folds it.
@@ -278,6 +358,25 @@ async fn growing_the_groups_under_load_and_a_sigkill_counts_every_event_once() {
         below.contains("shrinks down to its original 16 shard groups at most, not 8"),
         "{below}"
     );
+}
+
+/// Posts of the `fans` namespace (one like per fan) that the HTTP API likes.
+const FANS_POSTS: u32 = 4;
+
+/// `PUT` (like) or `DELETE` (unlike) `fans:post:<post>` by `u<fan>` through the API: accepted.
+async fn like(server: &ApiServer, method: &str, post: u32, fan: u32) {
+    let path = format!("/v1/counters/fans:post:{post}/likes/u{fan}");
+    let (status, body) = server.call(method, &path, None).await;
+    assert_eq!(status, 202, "{method} {path}: {body}");
+}
+
+/// `GET path` from the API on `port`: a 200 answer's JSON.
+async fn http_json(port: u16, path: &str) -> serde_json::Value {
+    let answer = http_call(port, "GET", path, &[], None)
+        .await
+        .unwrap_or_else(|| panic!("GET {path}: no answer"));
+    assert_eq!(answer.status, 200, "GET {path}: {}", answer.body);
+    json(&answer.body)
 }
 
 /// Runs `tally regroup --to <to>` on the setup's deployment and asserts it succeeded; returns
