@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The whole test suite, from a fresh machine: installs and starts Kafka and Redis (start.sh),
-# checks formatting, validates the deployment files (deploy/validate.sh), builds every target
-# with clippy's lints as errors, and runs every test.
+# The whole test suite, from a fresh machine: installs and starts Kafka and Redis (start.sh, in
+# the background during the build), checks formatting, validates the deployment files
+# (deploy/validate.sh), builds every target with clippy's lints as errors, and runs every test.
 # Services are left running for the next run; deploy/local/stop.sh stops them.
 set -euo pipefail
 source "$(dirname "$0")/common.sh"
@@ -18,7 +18,14 @@ if ((free_kib < need_kib)); then
   exit 1
 fi
 
-"$here/start.sh"
+# What the build needs is installed first; the services (start.sh: Redis, PostgreSQL, Kafka's
+# JVM) then start in the background while the build runs, and the tests wait for them.
+"$here/install.sh"
+mkdir -p "$state"
+start_log=$state/start.log
+log "starting the local stack in the background (deploy/local/start.sh, log: $start_log)"
+"$here/start.sh" >"$start_log" 2>&1 &
+start_pid=$!
 
 log "cargo fmt --check"
 cargo fmt --all -- --check
@@ -43,6 +50,14 @@ export RUSTC_WORKSPACE_WRAPPER=$driver
 export CLIPPY_ARGS="-D__CLIPPY_HACKERY__warnings__CLIPPY_HACKERY__"
 log "cargo clippy and the build of every target (binaries, tests, examples, benches)"
 cargo build --workspace --all-targets --locked
+
+log "waiting for the local stack (deploy/local/start.sh)"
+if ! wait "$start_pid"; then
+  cat "$start_log" >&2
+  log "deploy/local/start.sh failed: no test can run"
+  exit 1
+fi
+cat "$start_log" >&2
 
 log "running the tests against Kafka 127.0.0.1:$kafka_port"
 out=$state/test-output.txt
