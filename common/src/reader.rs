@@ -237,12 +237,13 @@ impl Reader {
     ///
     /// On a Redis Cluster they are concurrent requests, and a counter with a journal has its base
     /// share read again with the journal's marker. Only a shrink's fold moves amounts there, its
-    /// steps spaced by [`crate::regroup::FOLD_STEP_GAP`]; while the plan says a shrink is under
-    /// way, a read that took longer than [`FOLD_READ_BOUND`] is read again (five tries, then
-    /// [`ReadError::Slow`]), so that none overlaps two steps
-    /// of a move and each is counted once. For an ACL user without `+multi +exec` on a standalone
-    /// Redis they are one pipeline read the same way, but compaction's steps follow one another
-    /// unspaced: a read that overlaps a move may be off by the moved amount for that instant.
+    /// steps spaced by [`crate::regroup::FOLD_STEP_GAP`]; a read that took [`FOLD_READ_BOUND`]
+    /// or longer is read again (five tries, then [`ReadError::Slow`]) unless the plan, asked
+    /// again, is unchanged and says no shrink is under way: so no read overlaps two steps of a
+    /// move, and each step is counted once. For an ACL user without `+multi +exec` on a
+    /// standalone Redis they are one pipeline read the same way, but compaction's steps follow
+    /// one another unspaced: a read that overlaps a move may be off by the moved amount for that
+    /// instant.
     pub async fn get_many<S: AsRef<str>>(&self, counters: &[S]) -> Result<Vec<i64>, ReadError> {
         if counters.is_empty() {
             return Ok(Vec::new());
@@ -254,17 +255,24 @@ impl Reader {
             let counters: Vec<&str> = counters.iter().map(AsRef::as_ref).collect();
             return store.totals(&counters).await;
         }
-        let plan = self.plan.current(&self.conn, &self.keyspace).await?;
+        let mut plan = self.plan.current(&self.conn, &self.keyspace).await?;
         let groups = plan.read;
         if self.conn.is_cluster() {
-            // A shrink's fold may be moving amounts between groups: see `read_spread`.
-            let folding = plan.write < plan.read;
+            // A shrink's fold may move amounts between groups under a read: see `read_spread`.
             for _ in 0..SLOW_READ_ATTEMPTS {
                 let asked = std::time::Instant::now();
-                let totals = self.read_spread(counters, groups).await?;
-                if !folding || asked.elapsed() < FOLD_READ_BOUND {
+                let totals = self.read_spread(counters, plan.read).await?;
+                if asked.elapsed() < FOLD_READ_BOUND {
                     return Ok(totals);
                 }
+                // A slower read stands only if no fold can have run under it: the plan is the
+                // one it read by (a fold starts at least `PHASE_WAIT` after the plan says a
+                // shrink is under way, and ends before the plan changes again), and says none is.
+                let now = crate::regroup::read_plan(&self.conn, &self.keyspace).await?;
+                if now == plan && now.write == now.read {
+                    return Ok(totals);
+                }
+                plan = now;
             }
             return Err(ReadError::Slow {
                 attempts: SLOW_READ_ATTEMPTS,

@@ -37,8 +37,9 @@ pub const PHASE_WAIT: Duration = Duration::from_secs(3);
 /// overlaps at most one step of any move.
 pub const FOLD_STEP_GAP: Duration = Duration::from_secs(2);
 
-/// The longest a read on a Redis Cluster may take while a shrink is under way (the plan's
-/// `write` below its `read`): a slower one is read again ([`crate::Reader::get_many`]).
+/// The longest a read on a Redis Cluster may take and stand without asking the plan again: a
+/// slower one is read again unless the plan is unchanged and says no shrink is under way (its
+/// `write` equal to its `read`) ([`crate::Reader::get_many`]).
 pub const FOLD_READ_BOUND: Duration = Duration::from_secs(1);
 
 /// The deployment's group counts.
