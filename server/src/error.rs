@@ -16,7 +16,7 @@
 //! | `unsupported_media_type` | 415 | a body not sent as `application/json` |
 //! | `corrupt_counter` | 500 | a key under tally's prefix holds something that is not a count |
 //! | `redis_unavailable`, `kafka_unavailable`, `store_unavailable` | 503 | Redis, Kafka or the PostgreSQL store did not answer in time |
-//! | `slow_read_during_shrink` | 503 | on a Redis Cluster while a shrink folds shares, five reads in a row took longer than `tally_common::regroup::FOLD_READ_BOUND` (1 s) |
+//! | `slow_read_during_shrink` | 503 | on a Redis Cluster, five reads in a row took `tally_common::regroup::FOLD_READ_BOUND` (1 s) or longer while a shrink was under way or the group plan changed |
 //! | `forbidden_host` | 403 | without tokens, a request addressed to a name that is not loopback |
 //!
 //! A 5xx answer says what failed in general terms and carries a `request_id`; the error's own

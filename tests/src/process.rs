@@ -26,15 +26,19 @@ pub fn assert_no_crossslot(log_dir: &Path) {
     }
 }
 
+/// The build's directory for this profile, `target/<profile>` (under `CARGO_TARGET_DIR` when
+/// that is set): the tests run from its `deps/`.
+pub fn profile_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("test executable path");
+    exe.parent()
+        .and_then(Path::parent)
+        .expect("target dir")
+        .to_path_buf()
+}
+
 /// Path of a workspace binary, built by `cargo build --workspace --bins`.
 pub fn binary(name: &str) -> PathBuf {
-    let exe = std::env::current_exe().expect("test executable path");
-    // target/<profile>/deps/<test> -> target/<profile>/<name>
-    let path = exe
-        .parent()
-        .and_then(Path::parent)
-        .map(|dir| dir.join(name))
-        .expect("target dir");
+    let path = profile_dir().join(name);
     assert!(
         path.exists(),
         "{} is missing: build the binaries first with `cargo build --workspace --bins`",

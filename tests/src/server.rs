@@ -49,6 +49,32 @@ impl ApiServer {
         server
     }
 
+    /// `tally-server` over `setup`'s deployment (16 shard groups) on the Redis at `redis_url`,
+    /// with the namespace file `namespaces`; its log in `dir/server.log`.
+    pub async fn over(
+        setup: &crate::process::AggregatorSetup,
+        redis_url: &str,
+        namespaces: &str,
+        dir: &Path,
+    ) -> Self {
+        let args = [
+            "--brokers",
+            &setup.brokers,
+            "--topic",
+            &setup.topic,
+            "--group",
+            &setup.group,
+            "--key-prefix",
+            &setup.key_prefix,
+            "--shard-groups",
+            "16",
+            "--namespaces",
+            namespaces,
+        ];
+        let env = [("TALLY_REDIS_URL", redis_url)];
+        Self::start(&args, &env, &dir.join("server.log")).await
+    }
+
     /// Its process id.
     pub fn pid(&self) -> u32 {
         self.child.id()
@@ -123,25 +149,7 @@ impl Stack {
             dir.path(),
             &["--namespaces", &file, "--trending-interval-ms", "500"],
         );
-        let server = ApiServer::start(
-            &[
-                "--brokers",
-                &setup.brokers,
-                "--topic",
-                &setup.topic,
-                "--group",
-                &setup.group,
-                "--key-prefix",
-                &setup.key_prefix,
-                "--shard-groups",
-                "16",
-                "--namespaces",
-                &file,
-            ],
-            &[("TALLY_REDIS_URL", &redis.url())],
-            &dir.path().join("server.log"),
-        )
-        .await;
+        let server = ApiServer::over(&setup, &redis.url(), &file, dir.path()).await;
         Self {
             dir,
             redis,

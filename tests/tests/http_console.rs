@@ -127,14 +127,9 @@ async fn a_person_looks_a_counter_up_in_the_console() {
 
     let png = browser.screenshot().await;
     assert!(png.starts_with(b"\x89PNG"), "a PNG");
-    // In the build's target directory (`target/`, or CARGO_TARGET_DIR): the test runs from
-    // <target>/debug/deps/.
-    let exe = std::env::current_exe().expect("the test's path");
-    let target = exe
-        .ancestors()
-        .nth(3)
-        .expect("a target dir")
-        .join("console.png");
+    // In the build's target directory (`target/`, or CARGO_TARGET_DIR).
+    let profile = tally_tests::profile_dir();
+    let target = profile.parent().expect("a target dir").join("console.png");
     std::fs::write(&target, &png).expect("screenshot written");
     if let Ok(path) = std::env::var("TALLY_SCREENSHOT_TO") {
         std::fs::write(&path, &png).expect("screenshot written");

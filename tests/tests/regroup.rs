@@ -66,25 +66,7 @@ async fn growing_the_groups_under_load_and_a_sigkill_counts_every_event_once() {
 
     // The HTTP API over the same deployment, and likes through it: 4 posts liked by 50 fans
     // each (the first 10 of post 0 twice), counted before the groups change.
-    let server = ApiServer::start(
-        &[
-            "--brokers",
-            &setup.brokers,
-            "--topic",
-            &setup.topic,
-            "--group",
-            &setup.group,
-            "--key-prefix",
-            &setup.key_prefix,
-            "--shard-groups",
-            "16",
-            "--namespaces",
-            ns,
-        ],
-        &[("TALLY_REDIS_URL", &redis.url())],
-        &dir.path().join("server.log"),
-    )
-    .await;
+    let server = ApiServer::over(&setup, &redis.url(), ns, dir.path()).await;
     for post in 0..FANS_POSTS {
         for fan in 0..50 {
             like(&server, "PUT", post, fan).await;
@@ -118,25 +100,16 @@ async fn growing_the_groups_under_load_and_a_sigkill_counts_every_event_once() {
             let mut reads = 0;
             while !stop.load(Ordering::Relaxed) {
                 let totals = reader.get_many(&watched).await.expect("a read");
-                for ((counter, total), before) in watched.iter().zip(&totals).zip(&mut last) {
-                    assert!(
-                        *total >= *before,
-                        "{counter} read {total} after {before}: a read missed a group"
-                    );
-                    *before = *total;
-                }
+                assert_never_down(&watched, &totals, &mut last, "total");
                 let now = tally_common::event::now_ms();
                 let windowed = (reader.window_sums(&watched, HOUR, HOURS, now).await)
                     .expect("a windowed read");
-                for ((counter, sum), before) in
-                    watched.iter().zip(&windowed).zip(&mut last_windowed)
-                {
-                    assert!(
-                        *sum >= *before,
-                        "{counter}'s last {HOURS} hours read {sum} after {before}: a windowed read missed a group"
-                    );
-                    *before = *sum;
-                }
+                assert_never_down(
+                    &watched,
+                    &windowed,
+                    &mut last_windowed,
+                    &format!("last {HOURS} hours"),
+                );
                 let cached = http_json(api, "/v1/counters/likes:post:0").await["total"].as_i64();
                 let exact = reader.get("likes:post:0").await.expect("a read");
                 assert!(
@@ -360,6 +333,19 @@ async fn growing_the_groups_under_load_and_a_sigkill_counts_every_event_once() {
     );
 }
 
+/// Panics unless each of `read` (a total or windowed sum, `what`) is at least what `last` holds
+/// for its counter, then records it there: every delta of these tests is positive, so a value
+/// that went down was misread (a group missed, or a moving amount counted twice, then once).
+fn assert_never_down(watched: &[String], read: &[i64], last: &mut [i64], what: &str) {
+    for ((counter, now), before) in watched.iter().zip(read).zip(last) {
+        assert!(
+            *now >= *before,
+            "{counter}'s {what} read {now} after {before}: a read missed a group or counted a moving amount twice"
+        );
+        *before = *now;
+    }
+}
+
 /// Posts of the `fans` namespace (one like per fan) that the HTTP API likes.
 const FANS_POSTS: u32 = 4;
 
@@ -534,13 +520,7 @@ async fn a_cluster_grown_to_six_masters_under_load_then_shrunk_back_counts_every
             let mut reads = 0;
             while !stop.load(Ordering::Relaxed) {
                 let totals = reader.get_many(&watched).await.expect("a read");
-                for ((counter, total), before) in watched.iter().zip(&totals).zip(&mut last) {
-                    assert!(
-                        *total >= *before,
-                        "{counter} read {total} after {before}: a read counted a move twice or missed it"
-                    );
-                    *before = *total;
-                }
+                assert_never_down(&watched, &totals, &mut last, "total");
                 reads += 1;
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }

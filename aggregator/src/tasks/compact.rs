@@ -86,6 +86,17 @@ struct Found {
     markers: Vec<u32>,
 }
 
+/// A journaled move of `counter`'s amount from group `from` to its base group.
+#[derive(Debug)]
+struct Move {
+    counter: String,
+    from: u32,
+    /// The counter's base group, where the amount goes.
+    base: u32,
+    id: String,
+    amount: String,
+}
+
 /// A compactor holding its epoch.
 #[derive(Debug)]
 pub struct Compactor {
@@ -181,12 +192,8 @@ impl Compactor {
         for (counter, what) in &found {
             let base = self.keyspace.shard_group(counter, 0);
             for &from in &what.journals {
-                let journal: Option<String> = redis::cmd("GET")
-                    .arg(self.keyspace.journal_key(from, counter))
-                    .query_async(&mut conn)
-                    .await?;
-                if let Some((id, amount)) = journal.as_deref().and_then(|j| j.split_once(':')) {
-                    self.finish(counter, from, base, id, amount).await?;
+                if let Some(journaled) = self.journaled(counter, from).await? {
+                    self.finish(&journaled).await?;
                     report.recovered += 1;
                 }
             }
@@ -220,7 +227,7 @@ impl Compactor {
                 .exec_async(&mut conn)
                 .await?;
             for &from in what.shares.iter().filter(|&&g| g != base) {
-                if self.move_share(counter, from, base).await? {
+                if self.move_share(counter, from).await? {
                     report.moves += 1;
                 }
             }
@@ -319,21 +326,43 @@ impl Compactor {
     }
 
     /// Moves `counter`'s share in `from` to its base group; false if there was nothing to move.
-    async fn move_share(&self, counter: &str, from: u32, base: u32) -> Result<bool, CompactError> {
-        let Some((id, amount)) = self.take_share(counter, from).await? else {
+    async fn move_share(&self, counter: &str, from: u32) -> Result<bool, CompactError> {
+        let Some(taken) = self.take_share(counter, from).await? else {
             return Ok(false);
         };
-        self.finish(counter, from, base, &id, &amount).await?;
+        self.finish(&taken).await?;
         Ok(true)
     }
 
-    /// Step 1: `counter`'s share in `from` becomes a journal. Returns the move's id and amount
-    /// (those of a move already journaled there, if one is), or `None` if there is no share.
-    async fn take_share(
-        &self,
-        counter: &str,
-        from: u32,
-    ) -> Result<Option<(String, String)>, CompactError> {
+    /// The move journaled in `counter`'s journal in `from`, if there is one.
+    async fn journaled(&self, counter: &str, from: u32) -> Result<Option<Move>, CompactError> {
+        let journal: Option<String> = redis::cmd("GET")
+            .arg(self.keyspace.journal_key(from, counter))
+            .query_async(&mut self.conn.clone())
+            .await?;
+        Ok(journal.and_then(|j| self.parse_journal(counter, from, &j)))
+    }
+
+    /// A journal's `"<move id>:<amount>"` as the move it records.
+    fn parse_journal(&self, counter: &str, from: u32, journal: &str) -> Option<Move> {
+        let (id, amount) = journal.split_once(':')?;
+        Some(self.move_of(counter, from, id, amount))
+    }
+
+    /// Move `id` of `amount` from `counter`'s share in `from` to its base group.
+    fn move_of(&self, counter: &str, from: u32, id: &str, amount: &str) -> Move {
+        Move {
+            counter: counter.to_owned(),
+            from,
+            base: self.keyspace.shard_group(counter, 0),
+            id: id.to_owned(),
+            amount: amount.to_owned(),
+        }
+    }
+
+    /// Step 1: `counter`'s share in `from` becomes a journal. Returns the move (the one already
+    /// journaled there, if there is one), or `None` if there is no share.
+    async fn take_share(&self, counter: &str, from: u32) -> Result<Option<Move>, CompactError> {
         let id = format!("{:016x}", rand::random::<u64>());
         let mut conn = self.conn.clone();
         let reply: Vec<String> = self
@@ -354,15 +383,13 @@ impl Compactor {
                         std::process::abort();
                     }
                 }
-                let amount = reply.get(1).cloned().unwrap_or_default();
-                Ok(Some((id, amount)))
+                let amount = reply.get(1).map_or("", String::as_str);
+                Ok(Some(self.move_of(counter, from, &id, amount)))
             }
             Some("pending") => {
-                let journal = reply.get(1).cloned().unwrap_or_default();
-                let (id, amount) = journal
-                    .split_once(':')
-                    .ok_or_else(|| CompactError::Protocol(journal.clone()))?;
-                Ok(Some((id.to_owned(), amount.to_owned())))
+                let journal = reply.get(1).map_or("", String::as_str);
+                (self.parse_journal(counter, from, journal).map(Some))
+                    .ok_or_else(|| CompactError::Protocol(journal.to_owned()))
             }
             Some("empty") => Ok(None),
             Some("fenced") => Err(CompactError::Fenced),
@@ -379,7 +406,6 @@ impl Compactor {
             return Err(CompactError::Cluster);
         }
         let mut moves = 0;
-        let mut conn = self.conn.clone();
         for group in groups {
             if group >= self.groups {
                 return Err(CompactError::Protocol(format!(
@@ -398,18 +424,13 @@ impl Compactor {
                 let Some((from, kind, counter)) = self.keyspace.parse_compaction_key(&key) else {
                     continue;
                 };
-                let base = self.keyspace.shard_group(counter, 0);
                 match kind {
                     CompactionKey::Share => {
-                        moves += usize::from(self.move_share(counter, from, base).await?);
+                        moves += usize::from(self.move_share(counter, from).await?);
                     }
                     CompactionKey::Journal => {
-                        let journal: Option<String> =
-                            redis::cmd("GET").arg(&key).query_async(&mut conn).await?;
-                        if let Some((id, amount)) =
-                            journal.as_deref().and_then(|j| j.split_once(':'))
-                        {
-                            self.finish(counter, from, base, id, amount).await?;
+                        if let Some(journaled) = self.journaled(counter, from).await? {
+                            self.finish(&journaled).await?;
                             moves += 1;
                         }
                     }
@@ -428,9 +449,7 @@ impl Compactor {
     /// journals of each group with `CLUSTER GETKEYSINSLOT` on its slot's master, at most
     /// [`SLOT_BATCH`] keys at a time; returns the moves made, zero once the groups are empty.
     pub async fn fold_spaced(&self, groups: &[u32], gap: Duration) -> Result<usize, CompactError> {
-        let mut conn = self.conn.clone();
-        // (counter, from, id, amount) of each move under way.
-        let mut moves: Vec<(String, u32, String, String)> = Vec::new();
+        let mut moves = Vec::new();
         for &group in groups {
             if group >= self.groups {
                 return Err(CompactError::Protocol(format!(
@@ -446,84 +465,83 @@ impl Compactor {
                 if from != group {
                     continue;
                 }
-                let taken = match kind {
+                let under_way = match kind {
                     CompactionKey::Share => self.take_share(counter, from).await?,
-                    CompactionKey::Journal => {
-                        let journal: Option<String> =
-                            redis::cmd("GET").arg(&key).query_async(&mut conn).await?;
-                        (journal.as_deref().and_then(|j| j.split_once(':')))
-                            .map(|(id, amount)| (id.to_owned(), amount.to_owned()))
-                    }
+                    CompactionKey::Journal => self.journaled(counter, from).await?,
                     CompactionKey::Moved { .. } => None,
                 };
-                if let Some((id, amount)) = taken {
-                    moves.push((counter.to_owned(), from, id, amount));
-                }
+                moves.extend(under_way);
             }
         }
         if moves.is_empty() {
             return Ok(0);
         }
-        let base = |counter: &str| self.keyspace.shard_group(counter, 0);
         tokio::time::sleep(gap).await;
-        for (counter, from, id, amount) in &moves {
-            self.give(counter, *from, base(counter), id, amount).await?;
+        for under_way in &moves {
+            self.give(under_way).await?;
         }
         tokio::time::sleep(gap).await;
-        for (counter, from, id, _) in &moves {
-            self.step_done(*from, &self.keyspace.journal_key(*from, counter), id)
-                .await?;
+        for under_way in &moves {
+            self.drop_journal(under_way).await?;
         }
         tokio::time::sleep(gap).await;
-        for (counter, from, id, _) in &moves {
-            let marker = self.keyspace.moved_key(base(counter), counter, *from);
-            self.step_done(base(counter), &marker, id).await?;
+        for under_way in &moves {
+            self.drop_marker(under_way).await?;
         }
         Ok(moves.len())
     }
 
-    /// Steps 2 and 3 of a journaled move.
-    async fn finish(
-        &self,
-        counter: &str,
-        from: u32,
-        base: u32,
-        id: &str,
-        amount: &str,
-    ) -> Result<(), CompactError> {
-        self.give(counter, from, base, id, amount).await?;
-        self.step_done(from, &self.keyspace.journal_key(from, counter), id)
-            .await?;
-        let marker = self.keyspace.moved_key(base, counter, from);
-        self.step_done(base, &marker, id).await
+    /// Steps 2 and 3 of a journaled move, one after the other.
+    async fn finish(&self, under_way: &Move) -> Result<(), CompactError> {
+        self.give(under_way).await?;
+        self.drop_journal(under_way).await?;
+        self.drop_marker(under_way).await
     }
 
     /// Step 2: the amount joins the base share, and the marker records the move.
-    async fn give(
-        &self,
-        counter: &str,
-        from: u32,
-        base: u32,
-        id: &str,
-        amount: &str,
-    ) -> Result<(), CompactError> {
-        let mut conn = self.conn.clone();
-        let marker = self.keyspace.moved_key(base, counter, from);
+    async fn give(&self, under_way: &Move) -> Result<(), CompactError> {
+        let Move {
+            counter,
+            from,
+            base,
+            id,
+            amount,
+        } = under_way;
         let given: String = self
             .give
-            .key(self.keyspace.fence_key(base))
-            .key(self.keyspace.counter_key(base, counter))
-            .key(&marker)
+            .key(self.keyspace.fence_key(*base))
+            .key(self.keyspace.counter_key(*base, counter))
+            .key(self.keyspace.moved_key(*base, counter, *from))
             .arg(self.epoch)
             .arg(id)
             .arg(amount)
-            .invoke_async(&mut conn)
+            .invoke_async(&mut self.conn.clone())
             .await?;
         match given.as_str() {
             "given" | "already" => Ok(()),
             "fenced" => Err(CompactError::Fenced),
             other => Err(CompactError::Protocol(other.to_owned())),
         }
+    }
+
+    /// Step 3, first half: the journal in the source group is deleted.
+    async fn drop_journal(&self, under_way: &Move) -> Result<(), CompactError> {
+        let key = self
+            .keyspace
+            .journal_key(under_way.from, &under_way.counter);
+        self.step_done(under_way.from, &key, &under_way.id).await
+    }
+
+    /// Step 3, second half: the marker in the base group is deleted.
+    async fn drop_marker(&self, under_way: &Move) -> Result<(), CompactError> {
+        let Move {
+            counter,
+            from,
+            base,
+            ..
+        } = under_way;
+        let key = self.keyspace.moved_key(*base, counter, *from);
+        self.step_done(*base, &key, &under_way.id).await
     }
 
     /// Deletes a journal or marker of move `id` in `group`.

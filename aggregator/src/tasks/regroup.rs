@@ -26,10 +26,11 @@
 //! On a standalone Redis the fold finds shares with `SCAN` and each move's steps follow one
 //! another, since every exact read is a snapshot. On a Redis Cluster a read is one request per
 //! slot: the fold lists each retired group's slot on its master, and spaces each move's steps by
-//! [`regroup::FOLD_STEP_GAP`] ([`Compactor::fold_spaced`]), while readers, seeing a plan whose
-//! writers sum fewer groups than its readers, bound each read to half that and read a moving
-//! counter's base share again with the move's marker (`tally_common::Reader`). The run at the
-//! count in use does not look for stray shares on a cluster.
+//! [`regroup::FOLD_STEP_GAP`] ([`Compactor::fold_spaced`]), while readers read a moving
+//! counter's base share again with the move's marker, and read again any read of
+//! [`regroup::FOLD_READ_BOUND`] or more that a shrink could have run under
+//! (`tally_common::Reader::get_many`). The run at the count in use does not look for stray
+//! shares on a cluster.
 //!
 //! Window buckets are not folded: a bucket lives only as long as its window's retention, so the
 //! retired groups' buckets are left to expire where they are, and windowed reads go on summing
