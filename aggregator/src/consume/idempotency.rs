@@ -66,44 +66,79 @@ struct Slot {
     stamp: u32,
 }
 
-/// A shard: open addressing with linear probing, slot `key * len / 2^64` first.
+/// A shard: open addressing with linear probing, each key's home slot `key * homes / 2^64`, in
+/// order: home slots rise with keys, and a run of slots holds its keys in ascending order, so
+/// a lookup stops at the first larger key (or an empty slot), a couple of slots past its home
+/// on average even when the shard is nearly full, instead of at the run's end. An insertion
+/// shifts the larger keys after it one slot on. Runs do not wrap: [`SLACK`] slots past the last
+/// home take the last run's overflow, and more are added if it ever outgrows them.
 #[derive(Debug, Clone, Default)]
 struct Shard {
     slots: Vec<Slot>,
+    homes: usize,
     held: usize,
 }
 
+/// Slots of a shard past its last home.
+const SLACK: usize = 32;
+
 impl Shard {
-    fn with_slots(slots: usize) -> Self {
+    fn with_homes(homes: usize) -> Self {
+        let homes = homes.max(MIN_SLOTS);
         Self {
-            slots: vec![Slot::default(); slots.max(MIN_SLOTS)],
+            slots: vec![Slot::default(); homes + SLACK],
+            homes,
             held: 0,
         }
     }
 
-    /// Where `key` is, or the empty slot where it would go.
+    /// The slot `key`'s lookup starts from.
+    fn home(&self, key: u64) -> usize {
+        ((u128::from(key) * self.homes as u128) >> 64) as usize
+    }
+
+    /// Where `key` is, or where it would go (the first slot from its home holding an empty
+    /// slot or a larger key), or the number of slots if it would go past the end.
     fn find(&self, key: u64) -> usize {
-        let n = self.slots.len();
-        let mut i = ((u128::from(key) * n as u128) >> 64) as usize;
-        loop {
-            let k = self.slots[i].key;
-            if k == key || k == 0 {
+        let mut i = self.home(key);
+        while let Some(slot) = self.slots.get(i) {
+            if slot.key == 0 || slot.key >= key {
                 return i;
             }
             i += 1;
-            if i == n {
-                i = 0;
-            }
         }
+        i
     }
 
-    /// Rebuilt with `slots` slots, keeping only the ids `keep` keeps.
-    fn rebuild(&mut self, slots: usize, keep: impl Fn(&Slot) -> bool) {
-        let old = std::mem::replace(self, Self::with_slots(slots));
+    /// Puts `slot` at `i` (from [`Shard::find`], its key not there), shifting the run after it
+    /// one slot on (into one more slot past the end, if the run reaches it).
+    fn insert(&mut self, i: usize, slot: Slot) {
+        let free = (i..self.slots.len())
+            .find(|&j| self.slots[j].key == 0)
+            .unwrap_or_else(|| {
+                self.slots.push(Slot::default());
+                self.slots.len() - 1
+            });
+        self.slots.copy_within(i..free, i + 1);
+        self.slots[i] = slot;
+        self.held += 1;
+    }
+
+    /// Rebuilt with `homes` homes, keeping only the ids `keep` keeps. The old slots are read
+    /// in key order, so each is put at its home or just after the one before.
+    fn rebuild(&mut self, homes: usize, keep: impl Fn(&Slot) -> bool) {
+        let old = std::mem::replace(self, Self::with_homes(homes));
+        let mut next = 0;
         for slot in old.slots.into_iter().filter(|s| s.key != 0 && keep(s)) {
-            let i = self.find(slot.key);
-            self.slots[i] = slot;
+            let i = self.home(slot.key).max(next);
+            if i == self.slots.len() {
+                // The last run outgrows the slack (rare with hashed keys).
+                self.slots.push(slot);
+            } else {
+                self.slots[i] = slot;
+            }
             self.held += 1;
+            next = i + 1;
         }
     }
 }
@@ -138,7 +173,7 @@ impl RecentIds {
         let shards = (0..SHARDS)
             .map(|i| {
                 let spread = (1.0 / REBUILT_LOAD).powf(i as f64 / SHARDS as f64);
-                Shard::with_slots((MIN_SLOTS as f64 * spread).ceil() as usize)
+                Shard::with_homes((MIN_SLOTS as f64 * spread).ceil() as usize)
             })
             .collect();
         Self {
@@ -183,7 +218,7 @@ impl RecentIds {
         let (base_offset, base_ms) = (self.base_offset, self.base_ms);
         let shard = &mut self.shards[(key % SHARDS as u64) as usize];
         let i = shard.find(key);
-        let slot = shard.slots[i];
+        let slot = shard.slots.get(i).copied().unwrap_or_default();
         if slot.key == key {
             let earlier = slot.at == 0 || base_offset + i64::from(slot.at) - 1 < offset;
             let stamped = base_ms + i64::from(slot.stamp);
@@ -202,18 +237,29 @@ impl RecentIds {
         };
         if slot.key == key {
             shard.slots[i] = recorded;
-        } else if (shard.held + 1) as f64 > shard.slots.len() as f64 * MAX_LOAD {
+        } else if (shard.held + 1) as f64 > shard.homes as f64 * MAX_LOAD {
             self.sweep(key % SHARDS as u64, true);
             let shard = &mut self.shards[(key % SHARDS as u64) as usize];
-            let i = shard.find(key);
-            shard.slots[i] = recorded;
-            shard.held += 1;
+            shard.insert(shard.find(key), recorded);
         } else {
-            shard.slots[i] = recorded;
-            shard.held += 1;
+            shard.insert(i, recorded);
         }
         self.sweep_some();
         false
+    }
+
+    /// Reads the home slot of each of `keys`, so that looking them up next finds them in
+    /// cache: a lookup of a large set waits on memory, and these independent reads wait
+    /// together (the processor overlaps them) where lookups one after the other wait in turn.
+    pub fn touch(&self, keys: impl IntoIterator<Item = u64>) {
+        let mut sum = 0u64;
+        for key in keys {
+            let key = key.max(1);
+            let shard = &self.shards[(key % SHARDS as u64) as usize];
+            sum ^= shard.slots[shard.home(key)].key;
+        }
+        // Used, so that the reads are not optimised away.
+        std::hint::black_box(sum);
     }
 
     /// Moves the bases so that `offset` and the newest timestamp fit in a slot.
@@ -235,8 +281,8 @@ impl RecentIds {
         let new_ms = (self.newest_ms.saturating_sub(self.keep_ms)).max(old_ms);
         (self.base_offset, self.base_ms) = (new_offset, new_ms);
         for shard in &mut self.shards {
-            let slots = shard.slots.len();
-            shard.rebuild(slots, |s| old_ms + i64::from(s.stamp) >= new_ms);
+            let homes = shard.homes;
+            shard.rebuild(homes, |s| old_ms + i64::from(s.stamp) >= new_ms);
             for s in shard.slots.iter_mut().filter(|s| s.key != 0) {
                 s.stamp = (old_ms + i64::from(s.stamp) - new_ms) as u32;
                 if s.at != 0 {
@@ -255,7 +301,7 @@ impl RecentIds {
         let keep = |s: &Slot| base_ms + i64::from(s.stamp) >= horizon;
         let shard = &mut self.shards[index as usize];
         let live = shard.slots.iter().filter(|s| s.key != 0 && keep(s)).count();
-        let slots = shard.slots.len();
+        let slots = shard.homes;
         let sized = ((live + 1) as f64 / REBUILT_LOAD).ceil() as usize;
         let target = if grow && (live + 1) as f64 > slots as f64 * GROW_LOAD {
             sized
@@ -282,6 +328,14 @@ impl RecentIds {
     }
 }
 
+/// What an event is decided by for idempotency: the key of its (counter, id) and its
+/// namespace's window; `None` if the namespace keeps no window or the event carries no id.
+pub fn id_of(namespaces: &Namespaces, event: &codec::EventRef<'_>) -> Option<(u64, i64)> {
+    let window = namespaces.policy(&event.counter).idempotency_window_ms?;
+    let id = event.event_id.as_deref()?;
+    Some((id_key(&event.counter, id), window))
+}
+
 /// Decides one message for idempotency: `Some(true)` if it repeats an id counted within its
 /// namespace's window, `Some(false)` if it counts, `None` if its namespace keeps no window or it
 /// carries no id.
@@ -292,9 +346,8 @@ pub fn decide(
     offset: i64,
     kafka_ms: i64,
 ) -> Option<bool> {
-    let window = namespaces.policy(&event.counter).idempotency_window_ms?;
-    let id = event.event_id.as_deref()?;
-    Some(ids.is_repeat(id_key(&event.counter, id), offset, kafka_ms, window))
+    let (key, window) = id_of(namespaces, event)?;
+    Some(ids.is_repeat(key, offset, kafka_ms, window))
 }
 
 /// Rebuilds a partition's [`RecentIds`] from its log: a consumer of its own (no group, no
@@ -482,6 +535,24 @@ mod tests {
                 );
             }
             assert!(ids.len() <= reference.len());
+        }
+    }
+
+    /// Keys whose homes are all a shard's last slots: the run there outgrows the slack past
+    /// them, and the shard grows rather than lose one.
+    #[test]
+    fn keys_crowding_the_end_of_a_shard_are_all_kept() {
+        let mut ids = RecentIds::new(60 * MIN);
+        let keys: Vec<u64> = (0..2_000u64)
+            .map(|i| u64::MAX - i * SHARDS as u64)
+            .collect();
+        for (n, &key) in keys.iter().enumerate().rev() {
+            assert!(!ids.is_repeat(key, n as i64, 0, 60 * MIN), "key {n} is new");
+        }
+        assert_eq!(ids.len(), keys.len());
+        for (n, &key) in keys.iter().enumerate() {
+            let offset = (keys.len() + n) as i64;
+            assert!(ids.is_repeat(key, offset, 1, 60 * MIN), "key {n} is held");
         }
     }
 

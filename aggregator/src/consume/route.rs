@@ -17,6 +17,16 @@ use crate::store::sink::Sink;
 
 use super::{MAX_UNREADABLE_BYTES, Message, Partitions, Shared, Slot, lock};
 
+/// Records decoded ahead of their turn in a chunk, when idempotency keys are kept.
+const DECODED_AHEAD: usize = 16;
+
+/// A message decoded: the record, or why it is malformed, and for an event with an
+/// idempotency key, the key and its window ([`idempotency::id_of`]).
+struct Decoded<'a> {
+    decoded: Result<Record<'a>, codec::DecodeError>,
+    id: Option<(u64, i64)>,
+}
+
 impl<S: Sink> Shared<S> {
     /// Handles a run of messages under one lock of the partitions.
     pub(crate) fn handle_messages<X: ConsumerContext, K: Consumer<X>>(
@@ -163,55 +173,112 @@ impl<S: Sink> Shared<S> {
         slot.machine.on_log_end(chunk.log_end);
         let mut read = 0;
         let mut placer = Placer::default();
-        for item in chunk.items() {
-            match item {
-                Item::Record(record) => {
-                    let message = Message {
-                        partition,
-                        offset: record.offset,
-                        key: record.key,
-                        payload: record.value,
-                        timestamp_ms: (record.timestamp_ms >= 0).then_some(record.timestamp_ms),
-                    };
-                    self.handle_message(slot, &mut placer, consumer, &message);
-                }
-                Item::Undecodable {
-                    first_offset,
-                    last_offset,
-                    bytes,
-                    reason,
-                } => {
-                    if slot.machine.accepts() {
-                        tracing::warn!(partition, first_offset, last_offset, %reason, "dead-lettering a batch that cannot be read");
-                        // Its bytes as evidence, at most a dead letter's worth.
-                        let kept = bytes.len().min(MAX_UNREADABLE_BYTES);
-                        let letter = DeadLetter {
-                            key: None,
-                            payload: Some(bytes[..kept].to_vec()),
-                            reason: DeadLetterReason::Undecodable,
-                            error: format!(
-                                "offsets {first_offset} to {last_offset}: {reason} (the first {kept} of its {} bytes)",
-                                bytes.len()
-                            ),
-                            partition,
-                            offset: first_offset,
-                        };
-                        let entry = Entry::DeadLetter {
-                            group: None,
-                            letter,
-                        };
-                        // At the stretch's last offset: reading goes on after it.
-                        self.deliver(consumer, partition, slot, last_offset, entry);
-                    }
+        if slot.ids.is_none() {
+            for item in chunk.items() {
+                read += 1;
+                if !self.handle_item(slot, &mut placer, consumer, partition, item, None) {
+                    break;
                 }
             }
-            read += 1;
-            if slot.epoch != chunk.epoch {
-                // Paused: the fetcher reads on from the next offset once resumed.
-                break;
+            return read;
+        }
+        // Idempotency keys: each run of records is decoded first and the home slots of its
+        // ids read together, so that deciding them one by one then finds them in cache.
+        let mut items = chunk.items();
+        let mut ahead = Vec::with_capacity(DECODED_AHEAD);
+        loop {
+            ahead.clear();
+            for item in items.by_ref().take(DECODED_AHEAD) {
+                let decoded = match &item {
+                    Item::Record(record) => {
+                        let payload = record.value.unwrap_or_default();
+                        let decoded =
+                            codec::decode_record(payload, self.settings.max_message_bytes);
+                        let id = match &decoded {
+                            Ok(Record::Event(event)) => {
+                                idempotency::id_of(&self.settings.namespaces, event)
+                            }
+                            _ => None,
+                        };
+                        Some(Decoded { decoded, id })
+                    }
+                    Item::Undecodable { .. } => None,
+                };
+                ahead.push((item, decoded));
+            }
+            if ahead.is_empty() {
+                return read;
+            }
+            if let Some(ids) = &slot.ids {
+                ids.touch(ahead.iter().filter_map(|(_, d)| Some(d.as_ref()?.id?.0)));
+            }
+            for (item, decoded) in ahead.drain(..) {
+                read += 1;
+                if !self.handle_item(slot, &mut placer, consumer, partition, item, decoded) {
+                    return read;
+                }
             }
         }
-        read
+    }
+
+    /// Handles one item of a chunk (`decoded`, if its record was decoded already); false if
+    /// the partition was paused, so that the rest of the chunk is not read.
+    fn handle_item<'s, X: ConsumerContext, K: Consumer<X>>(
+        &'s self,
+        slot: &mut Slot,
+        placer: &mut Placer<'s>,
+        consumer: &K,
+        partition: i32,
+        item: Item<'_>,
+        decoded: Option<Decoded<'_>>,
+    ) -> bool {
+        let epoch = slot.epoch;
+        match item {
+            Item::Record(record) => {
+                let message = Message {
+                    partition,
+                    offset: record.offset,
+                    key: record.key,
+                    payload: record.value,
+                    timestamp_ms: (record.timestamp_ms >= 0).then_some(record.timestamp_ms),
+                };
+                match decoded {
+                    Some(decoded) => self.route(slot, placer, consumer, &message, decoded),
+                    None => self.handle_message(slot, placer, consumer, &message),
+                }
+            }
+            Item::Undecodable {
+                first_offset,
+                last_offset,
+                bytes,
+                reason,
+            } => {
+                if slot.machine.accepts() {
+                    tracing::warn!(partition, first_offset, last_offset, %reason, "dead-lettering a batch that cannot be read");
+                    // Its bytes as evidence, at most a dead letter's worth.
+                    let kept = bytes.len().min(MAX_UNREADABLE_BYTES);
+                    let letter = DeadLetter {
+                        key: None,
+                        payload: Some(bytes[..kept].to_vec()),
+                        reason: DeadLetterReason::Undecodable,
+                        error: format!(
+                            "offsets {first_offset} to {last_offset}: {reason} (the first {kept} of its {} bytes)",
+                            bytes.len()
+                        ),
+                        partition,
+                        offset: first_offset,
+                    };
+                    let entry = Entry::DeadLetter {
+                        group: None,
+                        letter,
+                    };
+                    // At the stretch's last offset: reading goes on after it.
+                    self.deliver(consumer, partition, slot, last_offset, entry);
+                }
+            }
+        }
+        // Paused: the fetcher reads on from the next offset once resumed.
+        slot.epoch == epoch
     }
 
     /// Decodes one message and routes it to its partition's state machine.
@@ -222,6 +289,34 @@ impl<S: Sink> Shared<S> {
         consumer: &K,
         message: &Message<'_>,
     ) {
+        // Not positioned yet (it will be re-read after the seek), or fenced off: not decoded.
+        if !slot.machine.accepts() {
+            return;
+        }
+        let payload = message.payload.unwrap_or_default();
+        // An event, or an expiry record an expirer wrote into the partition (`crate::tasks::expiry`).
+        let decoded = codec::decode_record(payload, self.settings.max_message_bytes);
+        let id = match (&decoded, &slot.ids) {
+            (Ok(Record::Event(event)), Some(_)) => {
+                idempotency::id_of(&self.settings.namespaces, event)
+            }
+            _ => None,
+        };
+        self.route(slot, placer, consumer, message, Decoded { decoded, id });
+    }
+
+    /// Routes a decoded message to its partition's state machine.
+    fn route<'s, X: ConsumerContext, K: Consumer<X>>(
+        &'s self,
+        slot: &mut Slot,
+        placer: &mut Placer<'s>,
+        consumer: &K,
+        message: &Message<'_>,
+        decoded: Decoded<'_>,
+    ) {
+        if !slot.machine.accepts() {
+            return;
+        }
         let Message {
             partition,
             offset,
@@ -229,10 +324,6 @@ impl<S: Sink> Shared<S> {
             payload,
             timestamp_ms: kafka_ms,
         } = *message;
-        // Not positioned yet (it will be re-read after the seek), or fenced off: not decoded.
-        if !slot.machine.accepts() {
-            return;
-        }
         let dead_letter = |reason: DeadLetterReason, error: String| DeadLetter {
             key: key.map(<[u8]>::to_vec),
             payload: payload.map(<[u8]>::to_vec),
@@ -241,17 +332,13 @@ impl<S: Sink> Shared<S> {
             partition,
             offset,
         };
-        let payload = payload.unwrap_or_default();
-        // An event, or an expiry record an expirer wrote into the partition (`crate::tasks::expiry`).
-        let decoded = codec::decode_record(payload, self.settings.max_message_bytes);
+        let Decoded { decoded, id } = decoded;
         // Every message's Kafka timestamp (`kafka_ms`) is what windows, idempotency windows and
         // expiry go by.
         // Idempotency keys: every event read is decided (and its id recorded) in log order.
-        let repeat = match (&decoded, slot.ids.as_mut()) {
-            (Ok(Record::Event(event)), Some(ids)) => {
-                let namespaces = &self.settings.namespaces;
-                let kafka = kafka_ms.unwrap_or(0);
-                idempotency::decide(ids, namespaces, event, offset, kafka) == Some(true)
+        let repeat = match (id, slot.ids.as_mut()) {
+            (Some((key, window)), Some(ids)) => {
+                ids.is_repeat(key, offset, kafka_ms.unwrap_or(0), window)
             }
             _ => false,
         };
