@@ -9,12 +9,17 @@
 //! fields already holding every bucket their windows keep (48 each), and for fields never
 //! written (`one_group_fresh`).
 //!
+//! `recent_ids`: deciding 5,000,000 new event ids (every one recorded, the table growing to
+//! 112 MB, as in the bench's idempotency scenario), one after another, and as the consume loop
+//! does: their home slots read 16 at a time first (`RecentIds::touch`).
+//!
 //! `cargo bench -p tally-aggregator --bench decode_aggregate` (the benchmark command runs it).
 
 use std::hint::black_box;
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use redis::Value;
+use tally_aggregator::consume::idempotency::{RecentIds, id_key};
 use tally_aggregator::machine::batch::Batch;
 use tally_aggregator::store::cells::{Read, Reads, plan};
 use tally_common::window::Placer;
@@ -163,5 +168,35 @@ fn windowed(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, decode_aggregate, windowed);
+fn recent_ids(c: &mut Criterion) {
+    const IDS: usize = 5_000_000;
+    const WINDOW_MS: i64 = 600_000;
+    let keys: Vec<u64> = (0..IDS)
+        .map(|n| id_key(&format!("likes:post:{}", n % 10_000), &format!("e{n}")))
+        .collect();
+    let mut group = c.benchmark_group("recent_ids");
+    group.sample_size(10);
+    group.throughput(Throughput::Elements(IDS as u64));
+    for ahead in [1, 16] {
+        group.bench_function(format!("new_ids_read_ahead_{ahead}"), |b| {
+            b.iter(|| {
+                let mut ids = RecentIds::new(WINDOW_MS);
+                let mut repeats = 0;
+                for (c, chunk) in keys.chunks(ahead).enumerate() {
+                    if ahead > 1 {
+                        ids.touch(chunk.iter().copied());
+                    }
+                    for (i, &key) in chunk.iter().enumerate() {
+                        let offset = (c * ahead + i) as i64;
+                        repeats += u64::from(ids.is_repeat(key, offset, offset / 10, WINDOW_MS));
+                    }
+                }
+                black_box((repeats, ids.len()))
+            });
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(benches, decode_aggregate, windowed, recent_ids);
 criterion_main!(benches);
