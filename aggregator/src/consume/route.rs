@@ -190,18 +190,7 @@ impl<S: Sink> Shared<S> {
             ahead.clear();
             for item in items.by_ref().take(DECODED_AHEAD) {
                 let decoded = match &item {
-                    Item::Record(record) => {
-                        let payload = record.value.unwrap_or_default();
-                        let decoded =
-                            codec::decode_record(payload, self.settings.max_message_bytes);
-                        let id = match &decoded {
-                            Ok(Record::Event(event)) => {
-                                idempotency::id_of(&self.settings.namespaces, event)
-                            }
-                            _ => None,
-                        };
-                        Some(Decoded { decoded, id })
-                    }
+                    Item::Record(record) => Some(self.decode(record.value, true)),
                     Item::Undecodable { .. } => None,
                 };
                 ahead.push((item, decoded));
@@ -293,16 +282,21 @@ impl<S: Sink> Shared<S> {
         if !slot.machine.accepts() {
             return;
         }
-        let payload = message.payload.unwrap_or_default();
-        // An event, or an expiry record an expirer wrote into the partition (`crate::tasks::expiry`).
+        let decoded = self.decode(message.payload, slot.ids.is_some());
+        self.route(slot, placer, consumer, message, decoded);
+    }
+
+    /// Decodes a message's payload: an event, or an expiry record an expirer wrote into the
+    /// partition (`crate::tasks::expiry`); with `ids` (the partition keeps idempotency keys),
+    /// an event's id key too.
+    fn decode<'a>(&self, payload: Option<&'a [u8]>, ids: bool) -> Decoded<'a> {
+        let payload = payload.unwrap_or_default();
         let decoded = codec::decode_record(payload, self.settings.max_message_bytes);
-        let id = match (&decoded, &slot.ids) {
-            (Ok(Record::Event(event)), Some(_)) => {
-                idempotency::id_of(&self.settings.namespaces, event)
-            }
+        let id = match &decoded {
+            Ok(Record::Event(event)) if ids => idempotency::id_of(&self.settings.namespaces, event),
             _ => None,
         };
-        self.route(slot, placer, consumer, message, Decoded { decoded, id });
+        Decoded { decoded, id }
     }
 
     /// Routes a decoded message to its partition's state machine.
