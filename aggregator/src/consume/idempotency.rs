@@ -46,14 +46,14 @@ pub fn id_key(counter: &str, event_id: &str) -> u64 {
 /// sixty-fourth of the ids at a time, and the shards, sized apart, do not all grow at once.
 const SHARDS: usize = 64;
 /// A shard is swept of forgotten ids, and grown if it is still over [`GROW_LOAD`], when an
-/// insertion would fill it past this share of its slots.
+/// insertion would fill it past this share of its homes (its slots but the [`SLACK`]).
 const MAX_LOAD: f64 = 0.85;
 /// After a sweep, a shard fuller than this is rebuilt at [`REBUILT_LOAD`].
 const GROW_LOAD: f64 = 0.65;
 /// The load a rebuilt shard starts at: its slots average about 1.4 per id held over its growth
 /// (16 bytes each: about 22.5 bytes per id).
 const REBUILT_LOAD: f64 = 0.6;
-/// Fewest slots in a shard.
+/// Fewest homes in a shard.
 const MIN_SLOTS: usize = 16;
 
 /// One id held: its key (0: an empty slot), the offset of the occurrence that counted (1 +
@@ -301,16 +301,16 @@ impl RecentIds {
         let keep = |s: &Slot| base_ms + i64::from(s.stamp) >= horizon;
         let shard = &mut self.shards[index as usize];
         let live = shard.slots.iter().filter(|s| s.key != 0 && keep(s)).count();
-        let slots = shard.homes;
+        let homes = shard.homes;
         let sized = ((live + 1) as f64 / REBUILT_LOAD).ceil() as usize;
-        let target = if grow && (live + 1) as f64 > slots as f64 * GROW_LOAD {
+        let target = if grow && (live + 1) as f64 > homes as f64 * GROW_LOAD {
             sized
-        } else if (live as f64) < slots as f64 * REBUILT_LOAD / 4.0 {
-            sized.min(slots)
+        } else if (live as f64) < homes as f64 * REBUILT_LOAD / 4.0 {
+            sized.min(homes)
         } else {
-            slots
+            homes
         };
-        if live < shard.held || target != slots {
+        if live < shard.held || target != homes {
             shard.rebuild(target, keep);
         }
     }
