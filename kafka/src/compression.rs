@@ -66,7 +66,9 @@ const XERIAL_MAGIC: &[u8] = b"\x82SNAPPY\x00";
 /// what a decompression bomb can make the reader hold.
 pub const MAX_DECOMPRESSED_BYTES: usize = 256 * 1024 * 1024;
 
-/// Reads `reader` to its end into `out`, refusing to grow `out` past `limit` bytes.
+/// Reads `reader` to its end into `out`, refusing to grow `out` past `limit` bytes: for
+/// decoders that only implement `Read` (gzip, zstd); [`copy_capped`] for those with a buffer of
+/// their own.
 fn read_capped(
     reader: impl Read,
     out: &mut Vec<u8>,
@@ -97,10 +99,17 @@ fn copy_capped(
     codec: Compression,
 ) -> Result<(), DecompressError> {
     loop {
-        let got = reader.fill_buf().map_err(|e| DecompressError::Corrupt {
-            codec,
-            message: e.to_string(),
-        })?;
+        let got = match reader.fill_buf() {
+            Ok(got) => got,
+            // As `read_to_end` does.
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => {
+                return Err(DecompressError::Corrupt {
+                    codec,
+                    message: e.to_string(),
+                });
+            }
+        };
         if got.is_empty() {
             return Ok(());
         }
