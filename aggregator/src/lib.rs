@@ -159,7 +159,10 @@ fn settings_labels(config: &Config, direct: bool) -> [&'static str; 4] {
 }
 
 /// Runs the aggregator until `shutdown` fires: serves metrics, consumes, flushes, and drains.
-pub async fn run(config: Config, shutdown: CancellationToken) -> Result<RunSummary, StartError> {
+pub async fn run(
+    mut config: Config,
+    shutdown: CancellationToken,
+) -> Result<RunSummary, StartError> {
     let kafka = kafka_client_config(&config);
     let fetch = fetch_config(&config, &kafka)?;
     let metrics = Arc::new(metrics::Metrics::new());
@@ -246,10 +249,32 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<RunSumma
                     &config.keyspace,
                     &config.namespaces,
                 );
-                match recorded.await {
+                // Then where window buckets go: retried as the layout of likes is when windows
+                // are kept; otherwise tried once (without windows no bucket is written, and the
+                // aggregator may start while Redis is down).
+                let recorded = match recorded.await {
+                    Ok(()) => {
+                        let stripes =
+                            tally_common::layout::record_cells_stripes(&conn, &config.keyspace);
+                        match stripes.await {
+                            Ok(keyspace) => {
+                                config.keyspace = keyspace;
+                                break;
+                            }
+                            Err(tally_common::layout::LayoutError::Redis(_))
+                                if !config.namespaces.any_windows() =>
+                            {
+                                break;
+                            }
+                            Err(e) => Err(e),
+                        }
+                    }
+                    Err(e) => Err(e),
+                };
+                match recorded {
                     Ok(()) => break,
                     Err(tally_common::layout::LayoutError::Redis(e)) => {
-                        tracing::warn!(error = %e, "recording the layout of likes failed; retrying");
+                        tracing::warn!(error = %e, "recording the layout of likes and windows failed; retrying");
                         tokio::select! {
                             () = shutdown.cancelled() => {
                                 server.abort();

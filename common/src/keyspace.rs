@@ -103,6 +103,8 @@ pub fn partition_field(topic: &str, partition: i32) -> String {
 mod spread;
 pub use spread::{Fan, MAX_GROUPS, Spread, Watermark};
 
+use crate::window::cells::{DEFAULT_STRIPES, valid_stripes};
+
 /// FNV-1a, 64 bits: a hash that never changes across processes, platforms or Rust versions,
 /// because the group an actor maps to must never change.
 fn stable_hash(bytes: &[u8]) -> u64 {
@@ -153,6 +155,9 @@ pub struct Keyspace {
     /// How many shard groups a counter is spread over. Fixed for the life of a deployment:
     /// changing it would hide the values written under the old groups.
     groups: u32,
+    /// How many cells hashes each group keeps (windowed namespaces): the deployment's record
+    /// (`crate::layout::record_cells_stripes`), [`DEFAULT_STRIPES`] until one is read.
+    cells_stripes: u64,
 }
 
 impl Default for Keyspace {
@@ -160,6 +165,7 @@ impl Default for Keyspace {
         Self {
             prefix: DEFAULT_PREFIX.to_owned(),
             groups: DEFAULT_GROUPS,
+            cells_stripes: DEFAULT_STRIPES,
         }
     }
 }
@@ -179,7 +185,25 @@ impl Keyspace {
         if groups == 0 || groups > MAX_GROUPS {
             return Err(KeyspaceError::Groups { groups });
         }
-        Ok(Self { prefix, groups })
+        Ok(Self {
+            prefix,
+            groups,
+            cells_stripes: DEFAULT_STRIPES,
+        })
+    }
+
+    /// This keyspace with `stripes` cells hashes per group, as a deployment records them
+    /// (`crate::layout`). Panics unless `stripes` is valid
+    /// ([`crate::window::cells::valid_stripes`]): the record is checked when read.
+    pub fn with_cells_stripes(mut self, stripes: u64) -> Self {
+        assert!(valid_stripes(stripes), "{stripes} cells stripes");
+        self.cells_stripes = stripes;
+        self
+    }
+
+    /// How many cells hashes each group keeps (see [`Keyspace::cells_key`]).
+    pub fn cells_stripes(&self) -> u64 {
+        self.cells_stripes
     }
 
     /// The key prefix.
@@ -314,15 +338,15 @@ impl Keyspace {
 
     /// The hash holding, in field `counter`, its buckets in `group` (windowed namespaces; the
     /// field's value is `crate::window::cells::Cells`): one of the group's
-    /// [`crate::window::cells::STRIPES`] hashes, in the group's slot, so the flush writes it with
-    /// the counter's total.
+    /// [`Keyspace::cells_stripes`] hashes, in the group's slot, so the flush writes it with the
+    /// counter's total.
     pub fn cells_key(&self, group: u32, counter: &str) -> String {
         self.cells_key_of_stripe(group, self.cells_stripe(counter))
     }
 
     /// The stripe of `counter`'s cells hash in every group (see [`Keyspace::cells_key`]).
     pub fn cells_stripe(&self, counter: &str) -> u64 {
-        crate::window::cells::stripe(stable_hash(counter.as_bytes()))
+        crate::window::cells::stripe(stable_hash(counter.as_bytes()), self.cells_stripes)
     }
 
     /// Cells hash number `stripe` of `group` (see [`Keyspace::cells_key`]).
@@ -754,5 +778,33 @@ mod tests {
         assert_eq!(other.parse_cells_key(&ks.cells_key_of_stripe(20, 7)), None);
         assert_eq!(ks.parse_cells_key("tally:{gx}:W:1"), None);
         assert_eq!(ks.parse_cells_key("tally:{g3}:W:x"), None);
+    }
+
+    #[test]
+    fn more_stripes_split_each_legacy_stripe_and_move_no_counter_across_them() {
+        use crate::window::cells::{DEFAULT_STRIPES, LEGACY_STRIPES, MAX_STRIPES};
+        let new = Keyspace::new("tally", 16).expect("valid");
+        assert_eq!(new.cells_stripes(), DEFAULT_STRIPES);
+        let legacy = new.clone().with_cells_stripes(LEGACY_STRIPES);
+        let mut used = std::collections::BTreeSet::new();
+        for i in 0..20_000 {
+            let counter = format!("views:video:{i}");
+            let (s, l) = (new.cells_stripe(&counter), legacy.cells_stripe(&counter));
+            assert!(s < DEFAULT_STRIPES && l < LEGACY_STRIPES);
+            assert_eq!(s % LEGACY_STRIPES, l, "{counter}");
+            used.insert(s);
+            assert_eq!(
+                new.cells_key(3, &counter),
+                format!("tally:{{g3}}:W:{s}"),
+                "{counter}"
+            );
+        }
+        assert_eq!(used.len() as u64, DEFAULT_STRIPES, "every stripe is used");
+        for valid in [1, 2, 64, 512, MAX_STRIPES] {
+            assert!(crate::window::cells::valid_stripes(valid), "{valid}");
+        }
+        for invalid in [0, 3, 100, 2 * MAX_STRIPES] {
+            assert!(!crate::window::cells::valid_stripes(invalid), "{invalid}");
+        }
     }
 }

@@ -15,10 +15,18 @@
 //! likes on later is known to have started here. An unrecorded deployment may hold likes grouped by actor, so in it
 //! a deduplicating namespace with no record and a grouping other than `actor` refuses to start
 //! until the operator says which layout is there (`docs/operations.md`).
+//!
+//! The same hash records how many cells hashes (window buckets) each group keeps, in field
+//! `cells_stripes` ([`record_cells_stripes`]): every reader and writer finds a counter's
+//! buckets in the stripe its id hashes to among that many. The first writer records
+//! [`DEFAULT_STRIPES`], or [`LEGACY_STRIPES`] if the groups already hold cells hashes written
+//! before the count was recorded; readers go by the record, and by [`LEGACY_STRIPES`] while
+//! there is none.
 
-use crate::RedisConn;
+use crate::connection::RedisConn;
 use crate::keyspace::{GroupingRule, Keyspace};
 use crate::namespace::{Namespaces, Policy};
+use crate::window::cells::{DEFAULT_STRIPES, LEGACY_STRIPES, MAX_STRIPES, valid_stripes};
 
 /// Why a writer may not write likes with the grouping it was given.
 #[derive(Debug, thiserror::Error)]
@@ -59,6 +67,19 @@ pub enum LayoutError {
         key: String,
         /// The record's field.
         field: String,
+    },
+    /// The recorded number of cells stripes is not one tally keeps.
+    #[error(
+        "{key} field {field} holds {text:?}, not a number of cells stripes (a power of two \
+         from 1 to {MAX_STRIPES}): restore it from the deployment's other writers' logs"
+    )]
+    Stripes {
+        /// The record's key.
+        key: String,
+        /// The record's field.
+        field: &'static str,
+        /// What it holds.
+        text: String,
     },
     /// Redis failed.
     #[error("redis: {0}")]
@@ -180,6 +201,99 @@ async fn origin(
         .arg(ORIGIN_FIELD)
         .query_async(conn)
         .await
+}
+
+/// The field recording how many cells hashes each group keeps.
+const STRIPES_FIELD: &str = "cells_stripes";
+
+/// The number of cells stripes the deployment records, or `None` if it records none.
+pub async fn recorded_cells_stripes(
+    conn: &RedisConn,
+    keyspace: &Keyspace,
+) -> Result<Option<u64>, LayoutError> {
+    let key = keyspace.layout_key();
+    let text: Option<String> = redis::cmd("HGET")
+        .arg(&key)
+        .arg(STRIPES_FIELD)
+        .query_async(&mut conn.clone())
+        .await?;
+    let Some(text) = text else {
+        return Ok(None);
+    };
+    match text.parse() {
+        Ok(stripes) if valid_stripes(stripes) => Ok(Some(stripes)),
+        _ => Err(LayoutError::Stripes {
+            key,
+            field: STRIPES_FIELD,
+            text,
+        }),
+    }
+}
+
+/// `keyspace` with the cells stripes a reader finds buckets in: the recorded count, or
+/// [`LEGACY_STRIPES`] where none is recorded (a deployment whose writers kept cells before the
+/// count was recorded, or that keeps none yet).
+pub async fn cells_stripes_for_reading(
+    conn: &RedisConn,
+    keyspace: &Keyspace,
+) -> Result<Keyspace, LayoutError> {
+    let stripes = recorded_cells_stripes(conn, keyspace).await?;
+    Ok(keyspace
+        .clone()
+        .with_cells_stripes(stripes.unwrap_or(LEGACY_STRIPES)))
+}
+
+/// `keyspace` with the cells stripes a writer puts buckets in: the recorded count, recorded
+/// first if there is none. The first writer decides: [`LEGACY_STRIPES`] if any group already
+/// holds a cells hash of that layout (written before the count was recorded), else
+/// [`DEFAULT_STRIPES`]; a racing writer reads its decision.
+pub async fn record_cells_stripes(
+    conn: &RedisConn,
+    keyspace: &Keyspace,
+) -> Result<Keyspace, LayoutError> {
+    if let Some(stripes) = recorded_cells_stripes(conn, keyspace).await? {
+        return Ok(keyspace.clone().with_cells_stripes(stripes));
+    }
+    let stripes = if has_legacy_cells(conn, keyspace).await? {
+        LEGACY_STRIPES
+    } else {
+        DEFAULT_STRIPES
+    };
+    let _: bool = redis::cmd("HSETNX")
+        .arg(keyspace.layout_key())
+        .arg(STRIPES_FIELD)
+        .arg(stripes)
+        .query_async(&mut conn.clone())
+        .await?;
+    match recorded_cells_stripes(conn, keyspace).await? {
+        Some(stripes) => Ok(keyspace.clone().with_cells_stripes(stripes)),
+        // Deleted in between: only an operator does that; go by what was decided.
+        None => Ok(keyspace.clone().with_cells_stripes(stripes)),
+    }
+}
+
+/// Whether any group, of every count readers may sum, holds a cells hash of the layout before
+/// the count was recorded ([`LEGACY_STRIPES`] per group).
+async fn has_legacy_cells(conn: &RedisConn, keyspace: &Keyspace) -> Result<bool, LayoutError> {
+    let groups = match crate::regroup::read_plan(conn, keyspace).await {
+        Ok(plan) => plan.cells.max(plan.read).max(plan.write),
+        Err(crate::regroup::PlanError::Redis(e)) => return Err(e.into()),
+        // A plan for another count: the writer refuses it when it checks the plan.
+        Err(_) => keyspace.groups(),
+    };
+    let legacy = keyspace.clone().with_cells_stripes(LEGACY_STRIPES);
+    for group in 0..groups.max(keyspace.groups()) {
+        // A group's cells hashes share its slot: one command per group, on a cluster too.
+        let mut exists = redis::cmd("EXISTS");
+        for stripe in 0..LEGACY_STRIPES {
+            exists.arg(legacy.cells_key_of_stripe(group, stripe));
+        }
+        let found: u64 = exists.query_async(&mut conn.clone()).await?;
+        if found > 0 {
+            return Ok(true);
+        }
+    }
+    Ok(false)
 }
 
 /// Whether any group holds a ledger: whether an aggregator has flushed into this deployment.

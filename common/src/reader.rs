@@ -14,7 +14,7 @@ use crate::event::validate_counter;
 use crate::keyspace::{Keyspace, Watermark, partition_field};
 use crate::regroup::{FOLD_READ_BOUND, PlanLease};
 use crate::window::Window;
-use crate::window::cells::{Cells, STRIPES};
+use crate::window::cells::Cells;
 
 mod error;
 pub use error::ReadError;
@@ -55,6 +55,9 @@ pub struct Reader {
     /// Whether exact reads on a standalone Redis are snapshots (`MULTI`/`EXEC`): unknown until
     /// the first, which asks the server ([`SNAPSHOTS_UNKNOWN`] and the two answers).
     snapshots: std::sync::Arc<std::sync::atomic::AtomicU8>,
+    /// The deployment's cells stripes (`crate::layout`), once a read finds them recorded: a
+    /// record never changes, and until there is one, every windowed read asks again.
+    cells_stripes: std::sync::Arc<std::sync::OnceLock<u64>>,
 }
 
 impl Reader {
@@ -66,6 +69,7 @@ impl Reader {
             store: None,
             plan: PlanLease::default(),
             snapshots: std::sync::Arc::new(std::sync::atomic::AtomicU8::new(SNAPSHOTS_UNKNOWN)),
+            cells_stripes: std::sync::Arc::default(),
         }
     }
 
@@ -594,13 +598,30 @@ impl Reader {
             .collect()
     }
 
+    /// How many cells hashes each group keeps: the deployment's record, or
+    /// [`crate::window::cells::LEGACY_STRIPES`] while it records none (`crate::layout`).
+    async fn stripes(&self) -> Result<u64, ReadError> {
+        if let Some(stripes) = self.cells_stripes.get() {
+            return Ok(*stripes);
+        }
+        match crate::layout::recorded_cells_stripes(&self.conn, &self.keyspace).await {
+            Ok(Some(stripes)) => Ok(*self.cells_stripes.get_or_init(|| stripes)),
+            Ok(None) => Ok(crate::window::cells::LEGACY_STRIPES),
+            Err(crate::layout::LayoutError::Redis(e)) => Err(e.into()),
+            Err(e) => Err(ReadError::Layout(e.to_string())),
+        }
+    }
+
     /// Each counter's cells (`crate::window::cells`) in every shard group, in the same order:
     /// one `HMGET` per cells hash holding any of them, all sent at once.
     async fn cells(&self, counters: &[&str]) -> Result<Vec<Vec<Cells>>, ReadError> {
         if counters.is_empty() {
             return Ok(Vec::new());
         }
-        let ks = &self.keyspace;
+        let ks = &self
+            .keyspace
+            .clone()
+            .with_cells_stripes(self.stripes().await?);
         let groups = self.cell_groups().await?;
         let stripes: Vec<u64> = counters.iter().map(|c| ks.cells_stripe(c)).collect();
         let mut hashes: Vec<(String, Vec<&str>)> = Vec::new();
@@ -608,7 +629,7 @@ impl Reader {
         let mut at: Vec<(usize, usize)> = Vec::with_capacity(counters.len() * groups as usize);
         for group in 0..groups {
             // Per stripe, its hash's index in `hashes` (usize::MAX: none yet).
-            let mut seen = [usize::MAX; STRIPES as usize];
+            let mut seen = vec![usize::MAX; ks.cells_stripes() as usize];
             for (counter, stripe) in counters.iter().zip(&stripes) {
                 let h = &mut seen[*stripe as usize];
                 if *h == usize::MAX {

@@ -270,7 +270,7 @@ async fn growing_the_groups_under_load_and_a_sigkill_counts_every_event_once() {
     // Once the retired groups' window hashes have expired (made to, here), a run at the same
     // count stops windowed reads from summing them.
     for group in 16..32 {
-        for stripe in 0..tally_common::window::cells::STRIPES {
+        for stripe in 0..setup.keyspace().cells_stripes() {
             redis::cmd("PEXPIRE")
                 .arg(setup.keyspace().cells_key_of_stripe(group, stripe))
                 .arg(1)
@@ -424,7 +424,7 @@ async fn cells_in(url: &str, setup: &AggregatorSetup, groups: std::ops::Range<u3
     let mut found = 0;
     for group in groups {
         let mut exists = redis::cmd("EXISTS");
-        for stripe in 0..tally_common::window::cells::STRIPES {
+        for stripe in 0..setup.keyspace().cells_stripes() {
             exists.arg(setup.keyspace().cells_key_of_stripe(group, stripe));
         }
         found += exists

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use redis::Value;
 use tally_common::Keyspace;
-use tally_common::window::cells::{Cells, STRIPES};
+use tally_common::window::cells::Cells;
 use tally_kafka::backoff::Backoff;
 
 use crate::machine::batch::WindowDelta;
@@ -32,8 +32,11 @@ impl Reads {
     /// The fields `windows` (one group's) touch.
     pub fn new(keyspace: &Keyspace, group: u32, windows: &[WindowDelta]) -> Self {
         let mut reads = Self::default();
+        if windows.is_empty() {
+            return reads;
+        }
         // Per stripe number, its index in `reads.stripes`.
-        let mut stripes = [usize::MAX; STRIPES as usize];
+        let mut stripes = vec![usize::MAX; keyspace.cells_stripes() as usize];
         let mut fields: HashMap<(usize, &str), usize, Hasher> = HashMap::default();
         for (i, w) in windows.iter().enumerate() {
             // A counter's deltas come one after another (a batch seals them so): one lookup each.

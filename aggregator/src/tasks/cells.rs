@@ -15,7 +15,7 @@
 use std::collections::BTreeMap;
 
 use tally_common::event::now_ms;
-use tally_common::window::cells::{Cells, STRIPES};
+use tally_common::window::cells::Cells;
 use tally_common::{Keyspace, Namespaces, RedisConn};
 
 use crate::store::cells::{FieldWrite, MAX_STALE_READS, Rereads, StripeWrite};
@@ -40,6 +40,9 @@ pub enum UpkeepError {
     /// A script answered something it never answers, or failed.
     #[error("unexpected reply from the cells script: {0}")]
     Protocol(String),
+    /// The deployment's record of its cells stripes is unreadable.
+    #[error(transparent)]
+    Layout(#[from] tally_common::layout::LayoutError),
 }
 
 /// What a sweep did.
@@ -125,8 +128,9 @@ pub async fn sweep(
     let mut report = SweepReport::default();
     let plan = tally_common::regroup::read_plan(conn, keyspace).await;
     let groups = plan.map_or(keyspace.groups(), |p| p.cells.max(keyspace.groups()));
+    let keyspace = &tally_common::layout::cells_stripes_for_reading(conn, keyspace).await?;
     for group in 0..groups {
-        for stripe in 0..STRIPES {
+        for stripe in 0..keyspace.cells_stripes() {
             let key = keyspace.cells_key_of_stripe(group, stripe);
             let mut cursor: u64 = 0;
             loop {
@@ -220,6 +224,8 @@ pub async fn migrate(conn: &RedisConn, keyspace: &Keyspace) -> Result<MigrateRep
     if conn.is_cluster() {
         return Err(UpkeepError::Cluster);
     }
+    // A writer of cells: the deployment's stripes, recorded first if none are.
+    let keyspace = &tally_common::layout::record_cells_stripes(conn, keyspace).await?;
     let script = script();
     let mut report = MigrateReport::default();
     let pattern = format!("{}:{{g*}}:w:*", keyspace.prefix());

@@ -44,7 +44,6 @@ use std::time::{Duration, Instant};
 use redis::{AsyncCommands as _, ScanOptions};
 use tally_common::keyspace::MAX_GROUPS;
 use tally_common::regroup::{self, GroupPlan, PlanError, Progress, RegroupError};
-use tally_common::window::cells::STRIPES;
 use tally_common::{Keyspace, Namespaces, RedisConn};
 
 use crate::tasks::compact::{CompactError, Compactor};
@@ -64,6 +63,9 @@ pub enum RegroupFailure {
     /// Redis failed.
     #[error("redis: {0}")]
     Redis(#[from] redis::RedisError),
+    /// The deployment's record of its cells stripes is unreadable.
+    #[error(transparent)]
+    Layout(#[from] tally_common::layout::LayoutError),
     /// Fewer groups than the deployment was created with.
     #[error(
         "a deployment shrinks down to its original {origin} shard groups at most, not {to}: partitions' bookkeeping, likes and directly written shards live in those"
@@ -313,10 +315,11 @@ async fn groups_with_buckets(
     to: u32,
     upto: u32,
 ) -> Result<u32, RegroupFailure> {
+    let keyspace = &tally_common::layout::cells_stripes_for_reading(conn, keyspace).await?;
     for group in (to..upto).rev() {
         // A group's cells hashes share its slot: one command per group, on a cluster too.
         let mut exists = redis::cmd("EXISTS");
-        for stripe in 0..STRIPES {
+        for stripe in 0..keyspace.cells_stripes() {
             exists.arg(keyspace.cells_key_of_stripe(group, stripe));
         }
         let found: u64 = exists.query_async(&mut conn.clone()).await?;

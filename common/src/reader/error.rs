@@ -48,6 +48,9 @@ pub enum ReadError {
     /// The deployment's group plan is unreadable, or was made for another group count.
     #[error("{0}")]
     Groups(String),
+    /// The deployment's layout record (`crate::layout`) is unreadable.
+    #[error("{0}")]
+    Layout(String),
     /// Reads on a Redis Cluster kept taking longer than a shrink's fold allows: such a read
     /// could count an amount moving between groups twice or not at all, so none is answered.
     #[error(
