@@ -258,6 +258,10 @@ pub async fn run(
                             tally_common::layout::record_cells_stripes(&conn, &config.keyspace);
                         match stripes.await {
                             Ok(keyspace) => {
+                                tracing::info!(
+                                    cells_stripes = keyspace.cells_stripes(),
+                                    "window buckets go to the deployment's recorded cells hashes"
+                                );
                                 config.keyspace = keyspace;
                                 break;
                             }
