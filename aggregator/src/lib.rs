@@ -244,39 +244,18 @@ pub async fn run(
                 std::time::Duration::from_secs(2),
             );
             loop {
-                let recorded = tally_common::layout::record_dedup_groupings(
-                    &conn,
-                    &config.keyspace,
-                    &config.namespaces,
-                );
-                // Then where window buckets go: retried as the layout of likes is when windows
-                // are kept; otherwise tried once (without windows no bucket is written, and the
-                // aggregator may start while Redis is down).
-                let recorded = match recorded.await {
-                    Ok(()) => {
-                        let stripes =
-                            tally_common::layout::record_cells_stripes(&conn, &config.keyspace);
-                        match stripes.await {
-                            Ok(keyspace) => {
-                                tracing::info!(
-                                    cells_stripes = keyspace.cells_stripes(),
-                                    "window buckets go to the deployment's recorded cells hashes"
-                                );
-                                config.keyspace = keyspace;
-                                break;
-                            }
-                            Err(tally_common::layout::LayoutError::Redis(_))
-                                if !config.namespaces.any_windows() =>
-                            {
-                                break;
-                            }
-                            Err(e) => Err(e),
-                        }
-                    }
-                    Err(e) => Err(e),
-                };
+                let recorded = record_layout(&conn, &config.keyspace, &config.namespaces).await;
                 match recorded {
-                    Ok(()) => break,
+                    Ok(keyspace) => {
+                        if let Some(keyspace) = keyspace {
+                            tracing::info!(
+                                cells_stripes = keyspace.cells_stripes(),
+                                "window buckets go to the deployment's recorded cells hashes"
+                            );
+                            config.keyspace = keyspace;
+                        }
+                        break;
+                    }
                     Err(tally_common::layout::LayoutError::Redis(e)) => {
                         tracing::warn!(error = %e, "recording the layout of likes and windows failed; retrying");
                         tokio::select! {
@@ -316,6 +295,24 @@ pub async fn run(
     };
     server.abort();
     summary
+}
+
+/// Records (or checks) the layout of likes, then where window buckets go: the keyspace with
+/// the deployment's cells stripes, or `None` when Redis failed on those and no namespace keeps
+/// windows (then no bucket is written, and the aggregator may start while Redis is down). Any
+/// other Redis failure is the caller's to retry.
+async fn record_layout(
+    conn: &tally_common::RedisConn,
+    keyspace: &tally_common::Keyspace,
+    namespaces: &tally_common::Namespaces,
+) -> Result<Option<tally_common::Keyspace>, tally_common::layout::LayoutError> {
+    use tally_common::layout::{LayoutError, record_cells_stripes, record_dedup_groupings};
+    record_dedup_groupings(conn, keyspace, namespaces).await?;
+    match record_cells_stripes(conn, keyspace).await {
+        Ok(keyspace) => Ok(Some(keyspace)),
+        Err(LayoutError::Redis(_)) if !namespaces.any_windows() => Ok(None),
+        Err(e) => Err(e),
+    }
 }
 
 /// Connects to the PostgreSQL store and brings the deployment's schema (named `prefix`) to the

@@ -265,35 +265,46 @@ pub async fn record_cells_stripes(
         .arg(stripes)
         .query_async(&mut conn.clone())
         .await?;
-    match recorded_cells_stripes(conn, keyspace).await? {
-        Some(stripes) => Ok(keyspace.clone().with_cells_stripes(stripes)),
-        // Deleted in between: only an operator does that; go by what was decided.
-        None => Ok(keyspace.clone().with_cells_stripes(stripes)),
-    }
+    // A racing writer's decision, if it recorded first (none only if an operator deleted the
+    // record in between: then this one's).
+    let recorded = recorded_cells_stripes(conn, keyspace).await?;
+    Ok(keyspace
+        .clone()
+        .with_cells_stripes(recorded.unwrap_or(stripes)))
 }
 
-/// Whether any group, of every count readers may sum, holds a cells hash of the layout before
-/// the count was recorded ([`LEGACY_STRIPES`] per group).
+/// Whether any group readers may sum (the plan's `cells`, at least every other count it
+/// names) holds a cells hash of the layout before the count was recorded ([`LEGACY_STRIPES`]
+/// per group).
 async fn has_legacy_cells(conn: &RedisConn, keyspace: &Keyspace) -> Result<bool, LayoutError> {
     let groups = match crate::regroup::read_plan(conn, keyspace).await {
-        Ok(plan) => plan.cells.max(plan.read).max(plan.write),
+        Ok(plan) => plan.cells,
         Err(crate::regroup::PlanError::Redis(e)) => return Err(e.into()),
         // A plan for another count: the writer refuses it when it checks the plan.
         Err(_) => keyspace.groups(),
     };
     let legacy = keyspace.clone().with_cells_stripes(LEGACY_STRIPES);
-    for group in 0..groups.max(keyspace.groups()) {
-        // A group's cells hashes share its slot: one command per group, on a cluster too.
-        let mut exists = redis::cmd("EXISTS");
-        for stripe in 0..LEGACY_STRIPES {
-            exists.arg(legacy.cells_key_of_stripe(group, stripe));
-        }
-        let found: u64 = exists.query_async(&mut conn.clone()).await?;
-        if found > 0 {
+    for group in 0..groups {
+        if group_holds_cells(conn, &legacy, group).await? {
             return Ok(true);
         }
     }
     Ok(false)
+}
+
+/// Whether `group` holds any of its cells hashes under `keyspace`'s stripe count: one `EXISTS`
+/// of them all (they share the group's slot, so one command on a cluster too).
+pub async fn group_holds_cells(
+    conn: &RedisConn,
+    keyspace: &Keyspace,
+    group: u32,
+) -> redis::RedisResult<bool> {
+    let mut exists = redis::cmd("EXISTS");
+    for stripe in 0..keyspace.cells_stripes() {
+        exists.arg(keyspace.cells_key_of_stripe(group, stripe));
+    }
+    let found: u64 = exists.query_async(&mut conn.clone()).await?;
+    Ok(found > 0)
 }
 
 /// Whether any group holds a ledger: whether an aggregator has flushed into this deployment.

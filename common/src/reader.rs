@@ -627,9 +627,10 @@ impl Reader {
         let mut hashes: Vec<(String, Vec<&str>)> = Vec::new();
         // Per group, then per counter: its hash and field, as indexes into `hashes`.
         let mut at: Vec<(usize, usize)> = Vec::with_capacity(counters.len() * groups as usize);
+        // Per stripe, its hash's index in `hashes` in the group at hand (usize::MAX: none yet).
+        let mut seen = vec![usize::MAX; ks.cells_stripes() as usize];
         for group in 0..groups {
-            // Per stripe, its hash's index in `hashes` (usize::MAX: none yet).
-            let mut seen = vec![usize::MAX; ks.cells_stripes() as usize];
+            seen.fill(usize::MAX);
             for (counter, stripe) in counters.iter().zip(&stripes) {
                 let h = &mut seen[*stripe as usize];
                 if *h == usize::MAX {

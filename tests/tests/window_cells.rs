@@ -7,14 +7,13 @@
 //! cells in the stripes it began with.
 
 use std::process::Command;
-
 use std::time::Duration;
 
 use redis::AsyncCommands;
 use tally_common::layout::record_cells_stripes;
 use tally_common::window::Window;
 use tally_common::window::cells::{Cells, DEFAULT_STRIPES, LEGACY_STRIPES};
-use tally_common::{Keyspace, Reader, RedisConn};
+use tally_common::{Keyspace, RedisConn};
 use tally_producer::{Producer, ProducerConfig};
 use tally_tests::{
     AggregatorSetup, RedisServer, TempDir, binary, brokers, connect, eventually, unique,
@@ -101,7 +100,7 @@ async fn fold_old_bucket_keys(redis: &RedisServer, legacy: bool) {
         out.contains("bucket keys folded: 5, fields written: 3, keys left (not integers): 1"),
         "{out}"
     );
-    let reader = Reader::new(redis_conn(redis).await, keyspace.clone());
+    let reader = redis.reader(keyspace.clone()).await;
     let minutes = Window {
         width_ms: MINUTE,
         retention_ms: 48 * MINUTE,
@@ -276,7 +275,7 @@ async fn cells_stay_in_the_stripes_their_deployment_began_with() {
         for counter in counters.iter().chain(&counters) {
             producer.add(counter, 1).await.expect("sent");
         }
-        let reader = Reader::new(redis_conn(&redis).await, keyspace.clone());
+        let reader = redis.reader(keyspace.clone()).await;
         let expected = vec![before + 2; counters.len()];
         eventually(Duration::from_secs(60), "the window sums", || async {
             let now = tally_common::event::now_ms();

@@ -317,13 +317,7 @@ async fn groups_with_buckets(
 ) -> Result<u32, RegroupFailure> {
     let keyspace = &tally_common::layout::cells_stripes_for_reading(conn, keyspace).await?;
     for group in (to..upto).rev() {
-        // A group's cells hashes share its slot: one command per group, on a cluster too.
-        let mut exists = redis::cmd("EXISTS");
-        for stripe in 0..keyspace.cells_stripes() {
-            exists.arg(keyspace.cells_key_of_stripe(group, stripe));
-        }
-        let found: u64 = exists.query_async(&mut conn.clone()).await?;
-        if found > 0 {
+        if tally_common::layout::group_holds_cells(conn, keyspace, group).await? {
             return Ok(group + 1);
         }
     }
