@@ -52,8 +52,9 @@ pub struct Args {
     /// variant alike; ratios are taken within a round.
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..))]
     pub windows_rounds: u32,
-    /// Rounds of the dedup and idempotency scenarios: each runs the catch-up without and with
-    /// the feature, in alternating order; ratios are taken within a round.
+    /// Rounds of the dedup and idempotency scenarios (each runs the catch-up without and with
+    /// the feature, in alternating order; ratios are taken within a round) and of the
+    /// cardinality scenario (each its catch-up, then Redis's own floor for the same writes).
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..))]
     pub rounds: u32,
     /// Events of the hot-counter scenario (90% on one counter).

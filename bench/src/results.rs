@@ -284,6 +284,21 @@ pub struct RebalanceEvent {
     pub durable_again_s: f64,
 }
 
+/// What redis-server spends on writes that create their keys, without tally: the floor of a
+/// long tail's counter writes.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default)]
+pub struct RedisFloor {
+    /// Writes per script (and per pipeline): as many as the catch-up's flush scripts carried.
+    pub writes_per_script: f64,
+    /// CPU-µs per write of a bare Lua loop of `INCRBY`s over new keys.
+    pub script_cpu_us_per_write: f64,
+    /// CPU-µs per write of pipelined `INCRBY`s over new keys, no script.
+    pub pipelined_cpu_us_per_write: f64,
+    /// Redis memory per key the loop created.
+    pub bytes_per_key: f64,
+}
+
 /// Everything measured.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 #[serde(default)]
@@ -329,8 +344,14 @@ pub struct Results {
     pub steady_likes: Option<Steady>,
     /// 90% of events on one counter.
     pub hot: Option<CatchUp>,
-    /// One event per counter, a million counters.
+    /// One event per counter, a million counters (the median round's).
     pub cardinality: Option<CatchUp>,
+    /// Redis memory the cardinality catch-up added per counter.
+    pub cardinality_bytes_per_counter: Option<f64>,
+    /// Redis's own floor for the cardinality run's writes, from the same round.
+    pub cardinality_floor: Option<RedisFloor>,
+    /// Each cardinality round's redis-server CPU per counter write over its script floor's.
+    pub cardinality_floor_ratios: Vec<f64>,
     /// Reads.
     pub reads: Vec<ReadLatency>,
     /// The catch-up into the PostgreSQL store.

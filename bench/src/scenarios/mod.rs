@@ -2,6 +2,7 @@
 //! with the release binaries, on topics and key prefixes of its own; [`run_all`] runs those
 //! the arguments ask for, in an order where each can use the figures before it.
 
+mod cardinality;
 mod dedup;
 mod expiry;
 mod idempotency;
@@ -23,6 +24,7 @@ use anyhow::Context;
 use crate::args::Args;
 use crate::env::{Env, cleanup, machine, payload_bytes};
 use crate::results::Results;
+use cardinality::cardinality;
 use dedup::dedup;
 use expiry::expiry;
 use idempotency::idempotency;
@@ -262,7 +264,11 @@ pub async fn run_all(args: &Args) -> anyhow::Result<Results> {
             &["--distinct", "--actors", "0"],
         )
         .await?;
-        results.cardinality = Some(env.catch_up(&topic, args.distinct, &[]).await?);
+        let c = cardinality(&mut env, &topic, args.distinct, args.rounds).await?;
+        results.cardinality = Some(c.run);
+        results.cardinality_bytes_per_counter = Some(c.bytes_per_counter);
+        results.cardinality_floor = Some(c.floor);
+        results.cardinality_floor_ratios = c.ratios;
     }
     if args.runs("reads") {
         println!("reads");
