@@ -254,15 +254,21 @@ fn plan(out: &mut String, r: &Results) {
     // Redis's work follows the counter writes, not the events: its CPU per counter write, from
     // the skewed run (the one-event-per-counter run, where every event is a write, agrees
     // within a few tens of percent when it ran).
-    let per_write = eo.redis_cpu_seconds_per_million / eo.counter_writes_per_event.max(1e-9) / 1e6;
+    let per_write = eo.redis_cpu_us_per_write() / 1e6;
     let worst = r
         .cardinality
         .as_ref()
-        .map(|c| c.redis_cpu_seconds_per_million / c.counter_writes_per_event.max(1e-9) / 1e6);
-    let _ =
-        writeln!(
-            out,
-            "\n## Plans\n\n- **Aggregator cores**: the rate times the aggregator's CPU per event, \
+        .map(|c| c.redis_cpu_us_per_write() / 1e6);
+    let floor = r.cardinality_floor.as_ref().map_or_else(String::new, |f| {
+        format!(
+            ", where every write creates its key: Redis's own floor for that, a bare Lua loop of \
+             `INCRBY`s over new keys, cost {:.2} us in the same round",
+            f.script_cpu_us_per_write
+        )
+    });
+    let _ = writeln!(
+        out,
+        "\n## Plans\n\n- **Aggregator cores**: the rate times the aggregator's CPU per event, \
          bincode (JSON in brackets). A counter seen once per flush costs more: the \
          one-event-per-counter run used {} CPU s per million events.\n\
          - **Partitions**: at {:.0} MB/s each (an assumption, not measured here: Kafka \
@@ -273,26 +279,21 @@ fn plan(out: &mut String, r: &Results) {
          {:.4} counters per event (about {} counters, Zipf-skewed); the other columns are for \
          traffic that writes 0.1 and 1 counter per event (many more distinct counters, little \
          skew). Redis Cluster is specified to scale to about 1,000 nodes.\n",
-            or_dash(
-                r.cardinality
-                    .as_ref()
-                    .map(|c| c.run.cpu_seconds_per_million),
-                2
-            ),
-            PARTITION_BYTES_PER_SECOND / 1e6,
-            per_write * 1e6,
-            worst.map_or_else(String::new, |w| format!(
-            " ({:.2} us in the one-event-per-counter run{})",
-            w * 1e6,
-            r.cardinality_floor.as_ref().map_or_else(String::new, |f| format!(
-                ", where every write creates its key: Redis's own floor for that, a bare Lua \
-                 loop of `INCRBY`s over new keys, cost {:.2} us in the same round",
-                f.script_cpu_us_per_write
-            ))
+        or_dash(
+            r.cardinality
+                .as_ref()
+                .map(|c| c.run.cpu_seconds_per_million),
+            2
+        ),
+        PARTITION_BYTES_PER_SECOND / 1e6,
+        per_write * 1e6,
+        worst.map_or_else(String::new, |w| format!(
+            " ({:.2} us in the one-event-per-counter run{floor})",
+            w * 1e6
         )),
-            eo.counter_writes_per_event,
-            eo.distinct_counters,
-        );
+        eo.counter_writes_per_event,
+        eo.distinct_counters,
+    );
     let _ = writeln!(
         out,
         "| events/s | aggregator cores | partitions | Redis masters at {:.3} / 0.1 / 1 writes per event | shard groups for them |\n|---|---|---|---|---|",

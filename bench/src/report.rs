@@ -228,16 +228,13 @@ fn from_launch(name: &str, c: &CatchUp) -> Throughput {
     }
 }
 
-/// Where the Redis commands per event come from: calls per command, per event, in the catch-up
-/// (exactly-once) and hot-counter runs. Commands run inside a script count in `INFO
-/// commandstats` like any other.
 /// The cardinality run's Redis cost per counter write against Redis's own floor for the same
 /// writes (new keys), measured in the same rounds.
 fn long_tail_floor(out: &mut String, r: &Results) {
     let (Some(c), Some(floor)) = (&r.cardinality, &r.cardinality_floor) else {
         return;
     };
-    let per_write = c.redis_cpu_seconds_per_million / c.counter_writes_per_event.max(1e-9);
+    let per_write = c.redis_cpu_us_per_write();
     let ratios: Vec<String> = (r.cardinality_floor_ratios.iter())
         .map(|x| format!("{x:.2}"))
         .collect();
@@ -248,7 +245,8 @@ fn long_tail_floor(out: &mut String, r: &Results) {
          creates its key. In the same round, without tally, redis-server spent \
          **{:.2} CPU-us** per write of a bare Lua loop of `INCRBY`s over as many new keys \
          ({:.0} per script, as many as tally's flush scripts carried, keys shaped like tally's: \
-         the least an atomic write costs) and {:.2} per pipelined `INCRBY` without a script; tally's catch-up spent **{:.2}**, \
+         the least an atomic write costs) and {:.2} per pipelined `INCRBY` without a script; \
+         tally's catch-up spent **{:.2}**, \
          **{:.2} x** the script floor (per round: {}). One redis-server core at the script \
          floor writes at most {:.0} new counters per second. Redis memory per counter at rest: \
          {} B in tally's run, {:.1} B for the floor's bare keys.",
@@ -279,6 +277,9 @@ fn long_tail_floor(out: &mut String, r: &Results) {
     }
 }
 
+/// Where the Redis commands per event come from: calls per command, per event, in the catch-up
+/// (exactly-once) and hot-counter runs. Commands run inside a script count in `INFO
+/// commandstats` like any other.
 fn command_breakdown(out: &mut String, r: &Results) {
     let runs: Vec<(&str, &CatchUp)> = [
         ("catch-up, exactly-once", r.exactly_once()),

@@ -93,6 +93,13 @@ pub struct CatchUp {
     pub script_max_ms: f64,
 }
 
+impl CatchUp {
+    /// redis-server's CPU-µs per counter write: Redis's work follows the writes, not the events.
+    pub fn redis_cpu_us_per_write(&self) -> f64 {
+        self.redis_cpu_seconds_per_million / self.counter_writes_per_event.max(1e-9)
+    }
+}
+
 /// End-to-end latency under a steady load.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 #[serde(default)]

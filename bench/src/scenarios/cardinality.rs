@@ -53,12 +53,12 @@ pub(crate) async fn cardinality(
         // As many writes per script as the catch-up's flush scripts carried.
         let per_request = run.counter_writes_per_event / run.redis_requests_per_event.max(1e-9);
         let floor = floor(env, distinct, (per_request.round() as u64).max(1)).await?;
-        let ratio = per_write_us(&run) / floor.script_cpu_us_per_write;
+        let ratio = run.redis_cpu_us_per_write() / floor.script_cpu_us_per_write;
         println!(
             "  {:.0} events/s from launch; redis-server {:.2} CPU-us per counter write, the floor \
              {:.2} (a script) / {:.2} (pipelined): {ratio:.2} x the script floor",
             run.events_per_second_from_launch,
-            per_write_us(&run),
+            run.redis_cpu_us_per_write(),
             floor.script_cpu_us_per_write,
             floor.pipelined_cpu_us_per_write,
         );
@@ -75,16 +75,12 @@ pub(crate) async fn cardinality(
     })
 }
 
-/// redis-server's CPU-µs per counter write in a catch-up.
-pub(crate) fn per_write_us(run: &CatchUp) -> f64 {
-    run.redis_cpu_seconds_per_million / run.counter_writes_per_event.max(1e-9)
-}
-
 /// The floor: `writes` new keys written by the bare script, `per_request` per call, then as many
 /// by pipelined `INCRBY`s; each timed by redis-server's CPU and its keys deleted after. The keys'
 /// names are as long as the catch-up's.
 async fn floor(env: &mut Env<'_>, writes: u64, per_request: u64) -> anyhow::Result<RedisFloor> {
     let script = redis::Script::new(LOOP);
+    // Loaded before the clock starts, so that no NOSCRIPT round trip is timed.
     let _: String = script
         .prepare_invoke()
         .load_async(&mut env.redis)
