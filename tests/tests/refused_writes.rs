@@ -514,3 +514,83 @@ async fn racing_flushes_of_one_counters_buckets_lose_nothing() {
         );
     }
 }
+
+/// A writer that has learnt to write its cells without reading them (it remembers what it
+/// wrote) still counts exactly when they change behind it: another writer adds to a bucket, the
+/// hash is deleted (as when it expires), a field holds junk. Each write lands once, with what
+/// the field held, through the flush script and the at-least-once cells script.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn remembered_cells_changed_behind_the_writer_are_read_again() {
+    let redis = RedisServer::start().await;
+    let url = redis.url();
+    let now = tally_common::event::now_ms();
+    let minute = now - now % MINUTE_MS;
+    let index = minute / MINUTE_MS;
+    for exactly_once in [true, false] {
+        let (sink, ks, epoch) = fenced_sink(&redis, Atomicity::Scripts).await;
+        let mut conn = tally_tests::connect(&url).await;
+        let hash = ks.cells_key(GROUP, "tail:1");
+        let mut offset = 0;
+        let mut apply = async |windows: &[WindowDelta]| {
+            if exactly_once {
+                let write = GroupWrite {
+                    expected_ledger: offset - 1,
+                    next_offset: offset,
+                    ..write(epoch, &[], windows, Likes::NONE)
+                };
+                offset += 1;
+                match sink.apply_fenced(write).await.expect("write") {
+                    Applied::Written => Vec::new(),
+                    Applied::Rejected(rejections) => {
+                        // Nothing landed: the write goes again without what was refused.
+                        offset -= 1;
+                        rejections
+                    }
+                    other => panic!("write: {other:?}"),
+                }
+            } else {
+                sink.apply(GROUP, &[], windows, &[]).await.expect("write")
+            }
+        };
+        // New fields (nothing there, as predicted), then the same field again and again: the
+        // writer comes to trust what it remembers.
+        for i in 0..2 * tally_aggregator::store::recall::TRUST_AFTER {
+            apply(&[bucket(&format!("new:{i}"), minute, 1)]).await;
+        }
+        for _ in 0..2 * tally_aggregator::store::recall::TRUST_AFTER {
+            apply(&[bucket("tail:1", minute, 1)]).await;
+        }
+        let mut expected = 2 * i64::from(tally_aggregator::store::recall::TRUST_AFTER);
+        // Another writer adds 5; then the writer adds 1.
+        let _: () = conn
+            .hset(&hash, "tail:1", format!("1m={index}:{}", expected + 5))
+            .await
+            .expect("HSET");
+        apply(&[bucket("tail:1", minute, 1)]).await;
+        expected += 6;
+        let held: Option<String> = conn.hget(&hash, "tail:1").await.expect("HGET");
+        assert_eq!(held, Some(format!("1m={index}:{expected}")));
+        // The hash goes (expired): the next write starts from nothing.
+        let _: () = conn.del(&hash).await.expect("DEL");
+        apply(&[bucket("tail:1", minute, 2)]).await;
+        let held: Option<String> = conn.hget(&hash, "tail:1").await.expect("HGET");
+        assert_eq!(held, Some(format!("1m={index}:2")));
+        // A field that is not cells: its delta is refused, by what Redis holds.
+        let _: () = conn.hset(&hash, "tail:1", "junk").await.expect("HSET");
+        let refused = apply(&[bucket("tail:1", minute, 1)]).await;
+        assert_eq!(
+            sorted(refused),
+            [(Refused::Window(0), "not_an_integer".to_owned())]
+        );
+        let held: Option<String> = conn.hget(&hash, "tail:1").await.expect("HGET");
+        assert_eq!(held.as_deref(), Some("junk"));
+        // The new fields each hold their one event.
+        for i in 0..2 * tally_aggregator::store::recall::TRUST_AFTER {
+            let counter = format!("new:{i}");
+            let held: Option<String> = (conn.hget(ks.cells_key(GROUP, &counter), &counter))
+                .await
+                .expect("HGET");
+            assert_eq!(held, Some(format!("1m={index}:1")));
+        }
+    }
+}

@@ -9,6 +9,7 @@
 //! - `memory_sink`: an in-memory sink for the unit tests of the loop.
 //! - [`script_call`]: one `EVALSHA`, its keys and arguments each in one buffer.
 //! - [`cells`]: window deltas as rewrites of the counters' cells hashes, planned from a read.
+//! - [`recall`]: what a writer remembers of the cells fields, so that a write can skip its read.
 //! - [`fence`]: owning a partition in exactly-once mode (epochs, fences, ledgers, watermark).
 //!
 //! What a write is and what the stores decide before writing are the core's
@@ -19,6 +20,7 @@ pub mod fence;
 #[cfg(test)]
 pub(crate) mod memory_sink;
 pub mod pg_sink;
+pub mod recall;
 pub mod redis_sink;
 pub mod script_call;
 pub mod sink;

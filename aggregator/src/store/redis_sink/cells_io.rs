@@ -2,6 +2,7 @@
 //! window writes through `scripts/cells.lua` (`crate::store::cells` plans them).
 
 use redis::ErrorKind;
+use tally_common::event::now_ms;
 
 use super::{RedisSink, unexpected};
 use crate::machine::batch::WindowDelta;
@@ -12,26 +13,38 @@ use crate::store::sink::{Rejection, SinkError, SinkErrorKind};
 use crate::store::store_error::RedisReply;
 
 impl RedisSink {
-    /// Reads the cells `reads` names and plans the window deltas' rewrites.
+    /// Plans the window deltas' rewrites from the cells `reads` names (group `group`'s): from
+    /// what this writer remembers of them when `trust` and it has learnt to trust that
+    /// (`crate::store::recall`), else from reading them. A plan that would refuse a delta is
+    /// always made from a read: a refusal is never checked by the write. Also says whether the
+    /// plan was made without reading.
     pub(super) async fn read_cells(
         &self,
+        group: u32,
         reads: &cells::Reads,
         windows: &[WindowDelta],
-    ) -> Result<cells::Plan, SinkError> {
-        let got = if reads.is_empty() {
-            Vec::new()
-        } else {
-            let mut pipe = redis::pipe();
-            pipe.ignore_errors();
-            reads.add_to(&mut pipe);
-            let mut conn = self.conn.clone();
-            let replies: Vec<redis::Value> = pipe.query_async(&mut conn).await?;
-            (replies.into_iter())
-                .map(cells::Read::from_reply)
-                .collect::<Result<Vec<_>, _>>()?
-        };
-        let now = tally_common::event::now_ms();
-        Ok(cells::plan(reads, got, windows, now))
+        trust: bool,
+    ) -> Result<(cells::Plan, bool), SinkError> {
+        if reads.is_empty() {
+            return Ok((cells::plan(reads, Vec::new(), windows, now_ms()), false));
+        }
+        let prediction = self.recall.predict(group, reads);
+        if trust && prediction.trusted {
+            let plan = cells::plan(reads, prediction.as_read(), windows, now_ms());
+            if window_rejections(&plan.currents, windows).is_empty() {
+                return Ok((plan, true));
+            }
+        }
+        let mut pipe = redis::pipe();
+        pipe.ignore_errors();
+        reads.add_to(&mut pipe);
+        let mut conn = self.conn.clone();
+        let replies: Vec<redis::Value> = pipe.query_async(&mut conn).await?;
+        let got = (replies.into_iter())
+            .map(cells::Read::from_reply)
+            .collect::<Result<Vec<_>, _>>()?;
+        self.recall.read(group, reads, &prediction, &got);
+        Ok((cells::plan(reads, got, windows, now_ms()), false))
     }
 
     /// An at-least-once write's window deltas through `scripts/cells.lua`, with the ones refused.
@@ -42,12 +55,14 @@ impl RedisSink {
     ) -> Result<Vec<Rejection>, SinkError> {
         let reads = cells::Reads::new(&self.keyspace, group, windows);
         let mut rereads = Rereads::new(MAX_STALE_READS);
+        let mut trust = true;
         loop {
-            let plan = self.read_cells(&reads, windows).await?;
+            let (plan, predicted) = self.read_cells(group, &reads, windows, trust).await?;
             let refused = window_rejections(&plan.currents, windows);
             if plan.writes.is_empty() {
                 return Ok(refused);
             }
+            self.recall.forget(group, &plan.writes);
             let mut invocation = ScriptCall::new(&self.scripts.cells);
             invocation.arg(plan.writes.len());
             for stripe in &plan.writes {
@@ -56,9 +71,19 @@ impl RedisSink {
             let mut conn = self.conn.clone();
             let reply: Vec<String> = invocation.invoke(&mut conn).await?;
             match reply.first().map(String::as_str) {
-                Some("ok") => return Ok(refused),
-                Some("stale") if rereads.again().await => {}
-                Some("stale") => return Err(stale_cells()),
+                Some("ok") => {
+                    self.recall.wrote(group, &plan.writes);
+                    return Ok(refused);
+                }
+                // Predicted wrong: read at once (no other writer need be waited out).
+                Some("stale") => {
+                    self.recall.stale(group);
+                    if predicted {
+                        trust = false;
+                    } else if !rereads.again().await {
+                        return Err(stale_cells());
+                    }
+                }
                 Some("failed") => {
                     return Err(SinkError::from(RedisReply(
                         reply.get(1).cloned().unwrap_or_default(),

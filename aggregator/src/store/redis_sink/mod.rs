@@ -20,6 +20,7 @@ use crate::machine::batch::WindowDelta;
 use crate::machine::verdict::window_rejections;
 use crate::operator::config::Atomicity;
 use crate::store::cells;
+use crate::store::recall::{self, Recall};
 use crate::store::script_call::ScriptCall;
 use crate::store::sink::{
     Applied, GroupWrite, IdleWrite, Marked, Refused, Rejection, Sink, SinkError, SinkErrorKind,
@@ -87,6 +88,8 @@ pub struct RedisSink {
     use_scripts: Arc<AtomicBool>,
     /// Whether a server refusing scripts switches this sink to transactions (else it is an error).
     fall_back: bool,
+    /// The cells fields this writer read and wrote, so that its scripts can skip reading them.
+    recall: Arc<Recall>,
 }
 
 impl RedisSink {
@@ -110,6 +113,7 @@ impl RedisSink {
             transactions,
             use_scripts: Arc::new(AtomicBool::new(atomicity != Atomicity::Transactions)),
             fall_back: atomicity == Atomicity::Auto,
+            recall: Arc::new(Recall::new(recall::DEFAULT_FIELDS)),
         })
     }
 
@@ -122,6 +126,7 @@ impl RedisSink {
             transactions: None,
             use_scripts: Arc::new(AtomicBool::new(true)),
             fall_back: false,
+            recall: Arc::new(Recall::new(recall::DEFAULT_FIELDS)),
         }
     }
 
@@ -255,13 +260,28 @@ impl RedisSink {
     async fn script_apply_fenced(&self, write: GroupWrite<'_>) -> Result<Applied, SinkError> {
         let reads = cells::Reads::new(&self.keyspace, write.group, write.windows);
         let mut rereads = Rereads::new(MAX_STALE_READS);
+        // The first attempt may go by what this writer remembers; one predicted wrong reads at
+        // once, one that read waits out the other writer first.
+        let mut trust = true;
         loop {
-            let plan = self.read_cells(&reads, write.windows).await?;
-            if let Some(applied) = self.script_flush(write, &plan).await? {
-                return Ok(applied);
-            }
-            if !rereads.again().await {
-                return Err(stale_cells());
+            let (plan, predicted) =
+                (self.read_cells(write.group, &reads, write.windows, trust)).await?;
+            self.recall.forget(write.group, &plan.writes);
+            match self.script_flush(write, &plan).await? {
+                Some(applied) => {
+                    if applied == Applied::Written {
+                        self.recall.wrote(write.group, &plan.writes);
+                    }
+                    return Ok(applied);
+                }
+                None => {
+                    self.recall.stale(write.group);
+                    if predicted {
+                        trust = false;
+                    } else if !rereads.again().await {
+                        return Err(stale_cells());
+                    }
+                }
             }
         }
     }

@@ -1,0 +1,282 @@
+//! What a writer remembers of the cells fields it read and wrote ([`Recall`]), so that a write
+//! can skip reading them: it predicts each field (what it last read or wrote there, else nothing)
+//! and, once its predictions have held, sends them as the values read. The write's script still
+//! checks every field it rewrites against them (`scripts/cells_lib.lua`), so a wrong prediction
+//! (another writer, an expiry, a sweep, a forgotten field) costs a write found stale and read
+//! again, never a wrong count.
+//!
+//! Per group the writer either **trusts** its predictions or **reads**. It starts reading; a
+//! read compares what it finds with what was predicted, and [`TRUST_AFTER`] reads in a row that
+//! found every prediction right make it trust them; a write found stale makes it read again.
+//! A long tail of new counters (every field absent) and a partition that alone writes its
+//! counters' fields are then written without a read: one round trip and one hash lookup per field
+//! fewer for Redis.
+
+use std::collections::HashMap;
+use std::hash::BuildHasher;
+use std::sync::Mutex;
+
+use crate::store::cells::{Read, Reads, StripeWrite};
+
+type Hasher = foldhash::fast::RandomState;
+
+/// Reads in a row whose predictions all held before a group's predictions are trusted.
+pub const TRUST_AFTER: u32 = 4;
+
+/// How many fields a writer remembers by default: about 80 bytes each.
+pub const DEFAULT_FIELDS: usize = 1 << 20;
+
+/// The cells fields a writer remembers, across its partitions.
+#[derive(Debug)]
+pub struct Recall {
+    state: Mutex<State>,
+    hasher: Hasher,
+    /// Fields per generation: the newer one is set aside when it holds this many.
+    generation: usize,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    /// Per field (a hash of its group and name), what it holds (`None`: nothing): the fields
+    /// seen since the older generation was set aside, then those seen before that.
+    newer: HashMap<u64, Option<Box<str>>>,
+    older: HashMap<u64, Option<Box<str>>>,
+    /// Per group, the reads in a row whose predictions all held.
+    held: HashMap<u32, u32>,
+}
+
+/// Per field of a [`Reads`], what a writer predicts it holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Prediction {
+    /// Whether to write on these values without reading.
+    pub trusted: bool,
+    /// Per hash of the reads, per field, the predicted value.
+    values: Vec<Vec<Option<String>>>,
+}
+
+impl Prediction {
+    /// The predictions, as if read.
+    pub fn as_read(&self) -> Vec<Read> {
+        self.values.iter().cloned().map(Read::Fields).collect()
+    }
+}
+
+impl Recall {
+    /// Remembering at most about `fields` fields (kept in two generations of half as many).
+    pub fn new(fields: usize) -> Self {
+        Self {
+            state: Mutex::default(),
+            hasher: Hasher::default(),
+            generation: (fields / 2).max(1),
+        }
+    }
+
+    fn id(&self, group: u32, field: &str) -> u64 {
+        self.hasher.hash_one((group, field))
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, State> {
+        // A panic elsewhere while holding it leaves at worst a wrong prediction, which the
+        // write's check catches.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// What the fields of `reads` (group `group`'s) hold, as far as this writer knows.
+    pub fn predict(&self, group: u32, reads: &Reads) -> Prediction {
+        let state = self.state();
+        let values = (reads.stripes.iter())
+            .map(|(_, fields)| {
+                (fields.iter())
+                    .map(|f| {
+                        let id = self.id(group, f);
+                        let known = state.newer.get(&id).or_else(|| state.older.get(&id));
+                        known.and_then(|v| v.as_deref().map(str::to_owned))
+                    })
+                    .collect()
+            })
+            .collect();
+        let trusted = state.held.get(&group).is_some_and(|&n| n >= TRUST_AFTER);
+        Prediction { trusted, values }
+    }
+
+    /// After reading what `prediction` was made for: whether it held decides the trust, and
+    /// what was read is remembered.
+    pub fn read(&self, group: u32, reads: &Reads, prediction: &Prediction, got: &[Read]) {
+        let mut state = self.state();
+        let mut held = true;
+        for (((_, fields), read), predicted) in
+            reads.stripes.iter().zip(got).zip(&prediction.values)
+        {
+            match read {
+                Read::Fields(values) => {
+                    for ((field, value), p) in fields.iter().zip(values).zip(predicted) {
+                        // A field predicted right is remembered already (or absent as foreseen).
+                        if value == p {
+                            continue;
+                        }
+                        held = false;
+                        let id = self.id(group, field);
+                        self.insert(&mut state, id, value.as_deref());
+                    }
+                }
+                Read::WrongType => {
+                    held = false;
+                    for field in fields {
+                        let id = self.id(group, field);
+                        state.newer.remove(&id);
+                        state.older.remove(&id);
+                    }
+                }
+            }
+        }
+        let n = state.held.entry(group).or_default();
+        *n = if held { n.saturating_add(1) } else { 0 };
+    }
+
+    /// Before sending `writes`: their fields are unknown until the write is known to land.
+    pub fn forget(&self, group: u32, writes: &[StripeWrite]) {
+        let mut state = self.state();
+        for f in writes.iter().flat_map(|s| &s.fields) {
+            let id = self.id(group, &f.field);
+            state.newer.remove(&id);
+            state.older.remove(&id);
+        }
+    }
+
+    /// After `writes` landed: their fields hold what was written.
+    pub fn wrote(&self, group: u32, writes: &[StripeWrite]) {
+        let mut state = self.state();
+        for f in writes.iter().flat_map(|s| &s.fields) {
+            let id = self.id(group, &f.field);
+            self.insert(&mut state, id, f.value.as_deref());
+        }
+    }
+
+    /// A write found a field changed since it was predicted or read: read again.
+    pub fn stale(&self, group: u32) {
+        self.state().held.insert(group, 0);
+    }
+
+    fn insert(&self, state: &mut State, id: u64, value: Option<&str>) {
+        state.older.remove(&id);
+        if state.newer.len() >= self.generation && !state.newer.contains_key(&id) {
+            state.older = std::mem::take(&mut state.newer);
+        }
+        state.newer.insert(id, value.map(Box::from));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use tally_common::Keyspace;
+
+    use super::*;
+    use crate::machine::batch::WindowDelta;
+    use crate::store::cells::FieldWrite;
+
+    fn reads(counters: &[&str]) -> Reads {
+        let ks = Keyspace::new("t".to_owned(), 1).expect("keyspace");
+        let windows: Vec<WindowDelta> = (counters.iter())
+            .map(|c| WindowDelta {
+                counter: Arc::from(*c),
+                width_ms: 60_000,
+                start_ms: 0,
+                expire_at_ms: 180_000,
+                delta: 1,
+            })
+            .collect();
+        Reads::new(&ks, 0, &windows)
+    }
+
+    /// What `reads` would read from `held` (field -> value).
+    fn got(reads: &Reads, held: &[(&str, &str)]) -> Vec<Read> {
+        (reads.stripes.iter())
+            .map(|(_, fields)| {
+                Read::Fields(
+                    (fields.iter())
+                        .map(|f| {
+                            (held.iter().find(|(k, _)| **k == **f)).map(|(_, v)| v.to_string())
+                        })
+                        .collect(),
+                )
+            })
+            .collect()
+    }
+
+    fn writes(reads: &Reads, value: &str) -> Vec<StripeWrite> {
+        (reads.stripes.iter())
+            .map(|(key, fields)| StripeWrite {
+                key: key.clone(),
+                expire_at_ms: None,
+                fields: (fields.iter())
+                    .map(|f| FieldWrite {
+                        field: Arc::clone(f),
+                        read: None,
+                        value: Some(value.to_owned()),
+                    })
+                    .collect(),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn predictions_are_trusted_only_after_reads_in_a_row_that_held() {
+        let recall = Recall::new(1_000);
+        let r = reads(&["a", "b"]);
+        // Nothing known: predicts nothing, and reads.
+        let p = recall.predict(0, &r);
+        assert!(!p.trusted);
+        assert_eq!(p.as_read(), got(&r, &[]));
+        // "a" exists: the prediction did not hold.
+        recall.read(0, &r, &p, &got(&r, &[("a", "1m=0:1")]));
+        for _ in 0..TRUST_AFTER {
+            let p = recall.predict(0, &r);
+            assert!(!p.trusted);
+            assert_eq!(p.as_read(), got(&r, &[("a", "1m=0:1")]));
+            recall.read(0, &r, &p, &got(&r, &[("a", "1m=0:1")]));
+        }
+        let p = recall.predict(0, &r);
+        assert!(p.trusted);
+        // Another group's trust is its own.
+        assert!(!recall.predict(1, &r).trusted);
+        // A stale write reads again.
+        recall.stale(0);
+        assert!(!recall.predict(0, &r).trusted);
+    }
+
+    #[test]
+    fn a_write_is_remembered_only_once_it_landed() {
+        let recall = Recall::new(1_000);
+        let r = reads(&["a"]);
+        let w = writes(&r, "1m=0:2");
+        recall.wrote(0, &w);
+        assert_eq!(recall.predict(0, &r).as_read(), got(&r, &[("a", "1m=0:2")]));
+        recall.forget(0, &w);
+        assert_eq!(recall.predict(0, &r).as_read(), got(&r, &[]));
+        // A field deleted is remembered as nothing.
+        let mut deleted = writes(&r, "");
+        deleted[0].fields[0].value = None;
+        recall.wrote(0, &deleted);
+        assert_eq!(recall.predict(0, &r).as_read(), got(&r, &[]));
+    }
+
+    #[test]
+    fn memory_is_bounded_by_two_generations() {
+        let recall = Recall::new(4);
+        for i in 0..100 {
+            let r = reads(&[&format!("c{i}")]);
+            recall.wrote(0, &writes(&r, "1m=0:1"));
+        }
+        let state = recall.state();
+        assert!(state.newer.len() + state.older.len() <= 4);
+        drop(state);
+        // The latest are still known.
+        let r = reads(&["c99"]);
+        assert_eq!(
+            recall.predict(0, &r).as_read(),
+            got(&r, &[("c99", "1m=0:1")])
+        );
+    }
+}
