@@ -133,17 +133,9 @@ impl Recall {
         *n = if held { n.saturating_add(1) } else { 0 };
     }
 
-    /// Before sending `writes`: their fields are unknown until the write is known to land.
-    pub fn forget(&self, group: u32, writes: &[StripeWrite]) {
-        let mut state = self.state();
-        for f in writes.iter().flat_map(|s| &s.fields) {
-            let id = self.id(group, &f.field);
-            state.newer.remove(&id);
-            state.older.remove(&id);
-        }
-    }
-
-    /// After `writes` landed: their fields hold what was written.
+    /// After `writes` landed: their fields hold what was written. A write that did not land, or
+    /// whose fate is unknown (an error), changes nothing here: if it did land after all, the
+    /// next write finds its fields stale and reads them.
     pub fn wrote(&self, group: u32, writes: &[StripeWrite]) {
         let mut state = self.state();
         for f in writes.iter().flat_map(|s| &s.fields) {
@@ -247,14 +239,16 @@ mod tests {
     }
 
     #[test]
-    fn a_write_is_remembered_only_once_it_landed() {
+    fn a_write_is_remembered_and_a_read_corrects_it() {
         let recall = Recall::new(1_000);
         let r = reads(&["a"]);
         let w = writes(&r, "1m=0:2");
         recall.wrote(0, &w);
-        assert_eq!(recall.predict(0, &r).as_read(), got(&r, &[("a", "1m=0:2")]));
-        recall.forget(0, &w);
-        assert_eq!(recall.predict(0, &r).as_read(), got(&r, &[]));
+        let p = recall.predict(0, &r);
+        assert_eq!(p.as_read(), got(&r, &[("a", "1m=0:2")]));
+        // Another writer added to it: the read finds so, and it is remembered.
+        recall.read(0, &r, &p, &got(&r, &[("a", "1m=0:7")]));
+        assert_eq!(recall.predict(0, &r).as_read(), got(&r, &[("a", "1m=0:7")]));
         // A field deleted is remembered as nothing.
         let mut deleted = writes(&r, "");
         deleted[0].fields[0].value = None;

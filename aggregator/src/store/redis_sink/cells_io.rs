@@ -62,7 +62,6 @@ impl RedisSink {
             if plan.writes.is_empty() {
                 return Ok(refused);
             }
-            self.recall.forget(group, &plan.writes);
             let mut invocation = ScriptCall::new(&self.scripts.cells);
             invocation.arg(plan.writes.len());
             for stripe in &plan.writes {

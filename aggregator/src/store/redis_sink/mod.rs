@@ -266,7 +266,6 @@ impl RedisSink {
         loop {
             let (plan, predicted) =
                 (self.read_cells(write.group, &reads, write.windows, trust)).await?;
-            self.recall.forget(write.group, &plan.writes);
             match self.script_flush(write, &plan).await? {
                 Some(applied) => {
                     if applied == Applied::Written {
