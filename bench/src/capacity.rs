@@ -255,10 +255,7 @@ fn plan(out: &mut String, r: &Results) {
     // the skewed run (the one-event-per-counter run, where every event is a write, agrees
     // within a few tens of percent when it ran).
     let per_write = eo.redis_cpu_us_per_write() / 1e6;
-    let worst = r
-        .cardinality
-        .as_ref()
-        .map(|c| c.redis_cpu_us_per_write() / 1e6);
+    let worst_us = r.cardinality.as_ref().map(CatchUp::redis_cpu_us_per_write);
     let floor = r.cardinality_floor.as_ref().map_or_else(String::new, |f| {
         format!(
             ", where every write creates its key: Redis's own floor for that, a bare Lua loop of \
@@ -287,9 +284,8 @@ fn plan(out: &mut String, r: &Results) {
         ),
         PARTITION_BYTES_PER_SECOND / 1e6,
         per_write * 1e6,
-        worst.map_or_else(String::new, |w| format!(
-            " ({:.2} us in the one-event-per-counter run{floor})",
-            w * 1e6
+        worst_us.map_or_else(String::new, |w| format!(
+            " ({w:.2} us in the one-event-per-counter run{floor})"
         )),
         eo.counter_writes_per_event,
         eo.distinct_counters,

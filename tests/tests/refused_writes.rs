@@ -515,10 +515,24 @@ async fn racing_flushes_of_one_counters_buckets_lose_nothing() {
     }
 }
 
+/// How many `HMGET`s the server has run, in scripts or not (`INFO commandstats`).
+async fn hmget_calls(conn: &mut redis::aio::MultiplexedConnection) -> u64 {
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(conn)
+        .await
+        .expect("INFO");
+    (info.lines())
+        .find_map(|l| l.strip_prefix("cmdstat_hmget:calls="))
+        .and_then(|rest| rest.split(',').next()?.parse().ok())
+        .unwrap_or(0)
+}
+
 /// A writer that has learnt to write its cells without reading them (it remembers what it
 /// wrote) still counts exactly when they change behind it: another writer adds to a bucket, the
 /// hash is deleted (as when it expires), a field holds junk. Each write lands once, with what
-/// the field held, through the flush script and the at-least-once cells script.
+/// the field held, through the flush script and the at-least-once cells script; that the writer
+/// did skip its read is seen in the server's count of `HMGET`s.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn remembered_cells_changed_behind_the_writer_are_read_again() {
     let redis = RedisServer::start().await;
@@ -561,13 +575,25 @@ async fn remembered_cells_changed_behind_the_writer_are_read_again() {
             apply(&[bucket("tail:1", minute, 1)]).await;
         }
         let mut expected = 2 * i64::from(tally_aggregator::store::recall::TRUST_AFTER);
+        // By now it writes without reading: the script's check is the write's only HMGET.
+        let before = hmget_calls(&mut conn).await;
+        apply(&[bucket("tail:1", minute, 1)]).await;
+        expected += 1;
+        assert_eq!(
+            hmget_calls(&mut conn).await - before,
+            1,
+            "a trusted write reads"
+        );
         // Another writer adds 5; then the writer adds 1.
         let _: () = conn
             .hset(&hash, "tail:1", format!("1m={index}:{}", expected + 5))
             .await
             .expect("HSET");
+        let before = hmget_calls(&mut conn).await;
         apply(&[bucket("tail:1", minute, 1)]).await;
         expected += 6;
+        // Found stale by the script's check, read, and checked again.
+        assert_eq!(hmget_calls(&mut conn).await - before, 3);
         let held: Option<String> = conn.hget(&hash, "tail:1").await.expect("HGET");
         assert_eq!(held, Some(format!("1m={index}:{expected}")));
         // The hash goes (expired): the next write starts from nothing.

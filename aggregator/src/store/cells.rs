@@ -166,21 +166,31 @@ pub const MAX_STALE_READS: usize = 32;
 
 /// Starting over after another writer changed what a write read (cells fields, or the keys a
 /// transaction `WATCH`es): a bounded number of times, each after a jittered wait, so that two
-/// writers racing for one field do not keep meeting (from up to 1 ms to up to 20 ms).
+/// writers racing for one field do not keep meeting (from up to 1 ms to up to 20 ms). A write
+/// planned from what its writer remembers (`crate::store::recall`) and found stale starts over
+/// at once, reading, and never goes by memory again.
 #[derive(Debug)]
 pub struct Rereads {
     backoff: Backoff,
     /// Attempts left after the current one.
     left: usize,
+    /// Whether the next attempt may go by what the writer remembers instead of reading.
+    may_predict: bool,
 }
 
 impl Rereads {
-    /// At most `attempts` attempts in all.
+    /// At most `attempts` attempts in all, besides one that went by memory.
     pub fn new(attempts: usize) -> Self {
         Self {
             backoff: Backoff::new(Duration::from_millis(1), Duration::from_millis(20)),
             left: attempts.saturating_sub(1),
+            may_predict: true,
         }
+    }
+
+    /// Whether this attempt may go by what the writer remembers.
+    pub fn may_predict(&self) -> bool {
+        self.may_predict
     }
 
     /// After an attempt that found its reads changed: waits and says to start over, or says
@@ -192,6 +202,16 @@ impl Rereads {
         self.left -= 1;
         self.backoff.wait().await;
         true
+    }
+
+    /// After an attempt found stale that was `predicted` (planned from memory, not read): starts
+    /// over at once, reading from now on; else as [`Rereads::again`].
+    pub async fn again_after(&mut self, predicted: bool) -> bool {
+        if predicted {
+            self.may_predict = false;
+            return true;
+        }
+        self.again().await
     }
 }
 

@@ -14,16 +14,19 @@
 
 use std::collections::HashMap;
 use std::hash::BuildHasher;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use crate::store::cells::{Read, Reads, StripeWrite};
 
 type Hasher = foldhash::fast::RandomState;
 
+/// Per field (a hash of its group and name), what it holds (`None`: nothing).
+type Fields = HashMap<u64, Option<Box<str>>, Hasher>;
+
 /// Reads in a row whose predictions all held before a group's predictions are trusted.
 pub const TRUST_AFTER: u32 = 4;
 
-/// How many fields a writer remembers by default: about 80 bytes each.
+/// How many fields a writer remembers by default: about 100 bytes each.
 pub const DEFAULT_FIELDS: usize = 1 << 20;
 
 /// The cells fields a writer remembers, across its partitions.
@@ -37,27 +40,17 @@ pub struct Recall {
 
 #[derive(Debug, Default)]
 struct State {
-    /// Per field (a hash of its group and name), what it holds (`None`: nothing): the fields
-    /// seen since the older generation was set aside, then those seen before that.
-    newer: HashMap<u64, Option<Box<str>>>,
-    older: HashMap<u64, Option<Box<str>>>,
+    /// The fields seen since the older generation was set aside, then those seen before that.
+    newer: Fields,
+    older: Fields,
     /// Per group, the reads in a row whose predictions all held.
     held: HashMap<u32, u32>,
 }
 
-/// Per field of a [`Reads`], what a writer predicts it holds.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Prediction {
-    /// Whether to write on these values without reading.
-    pub trusted: bool,
-    /// Per hash of the reads, per field, the predicted value.
-    values: Vec<Vec<Option<String>>>,
-}
-
-impl Prediction {
-    /// The predictions, as if read.
-    pub fn as_read(&self) -> Vec<Read> {
-        self.values.iter().cloned().map(Read::Fields).collect()
+impl State {
+    /// What this writer predicts `id` holds: what it remembers, else nothing.
+    fn predicted(&self, id: u64) -> Option<&str> {
+        (self.newer.get(&id).or_else(|| self.older.get(&id))).and_then(|v| v.as_deref())
     }
 }
 
@@ -81,44 +74,40 @@ impl Recall {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// What the fields of `reads` (group `group`'s) hold, as far as this writer knows.
-    pub fn predict(&self, group: u32, reads: &Reads) -> Prediction {
+    /// What the fields of `reads` (group `group`'s) hold, one [`Read`] per hash as if read,
+    /// if this writer trusts its predictions there; `None` while it reads.
+    pub fn predict(&self, group: u32, reads: &Reads) -> Option<Vec<Read>> {
         let state = self.state();
-        let values = (reads.stripes.iter())
-            .map(|(_, fields)| {
+        if state.held.get(&group).is_none_or(|&n| n < TRUST_AFTER) {
+            return None;
+        }
+        let read = |(_, fields): &(String, Vec<Arc<str>>)| {
+            Read::Fields(
                 (fields.iter())
-                    .map(|f| {
-                        let id = self.id(group, f);
-                        let known = state.newer.get(&id).or_else(|| state.older.get(&id));
-                        known.and_then(|v| v.as_deref().map(str::to_owned))
-                    })
-                    .collect()
-            })
-            .collect();
-        let trusted = state.held.get(&group).is_some_and(|&n| n >= TRUST_AFTER);
-        Prediction { trusted, values }
+                    .map(|f| state.predicted(self.id(group, f)).map(str::to_owned))
+                    .collect(),
+            )
+        };
+        Some(reads.stripes.iter().map(read).collect())
     }
 
-    /// After reading what `prediction` was made for: whether it held decides the trust, and
-    /// what was read is remembered.
-    pub fn read(&self, group: u32, reads: &Reads, prediction: &Prediction, got: &[Read]) {
+    /// After reading the fields of `reads`: whether what this writer would have predicted held
+    /// decides its trust, and what differs is remembered.
+    pub fn read(&self, group: u32, reads: &Reads, got: &[Read]) {
         let mut state = self.state();
         let mut held = true;
-        for (((_, fields), read), predicted) in
-            reads.stripes.iter().zip(got).zip(&prediction.values)
-        {
+        for ((_, fields), read) in reads.stripes.iter().zip(got) {
             match read {
                 Read::Fields(values) => {
-                    for ((field, value), p) in fields.iter().zip(values).zip(predicted) {
-                        // A field predicted right is remembered already (or absent as foreseen).
-                        if value == p {
-                            continue;
+                    for (field, value) in fields.iter().zip(values) {
+                        let (id, value) = (self.id(group, field), value.as_deref());
+                        if state.predicted(id) != value {
+                            held = false;
+                            self.insert(&mut state, id, value);
                         }
-                        held = false;
-                        let id = self.id(group, field);
-                        self.insert(&mut state, id, value.as_deref());
                     }
                 }
+                // Not cells: whatever was remembered is forgotten.
                 Read::WrongType => {
                     held = false;
                     for field in fields {
@@ -213,47 +202,49 @@ mod tests {
             .collect()
     }
 
+    /// What `recall` remembers of `field` in group 0, trusted or not.
+    fn known(recall: &Recall, field: &str) -> Option<String> {
+        let state = recall.state();
+        state.predicted(recall.id(0, field)).map(str::to_owned)
+    }
+
     #[test]
     fn predictions_are_trusted_only_after_reads_in_a_row_that_held() {
         let recall = Recall::new(1_000);
         let r = reads(&["a", "b"]);
-        // Nothing known: predicts nothing, and reads.
-        let p = recall.predict(0, &r);
-        assert!(!p.trusted);
-        assert_eq!(p.as_read(), got(&r, &[]));
-        // "a" exists: the prediction did not hold.
-        recall.read(0, &r, &p, &got(&r, &[("a", "1m=0:1")]));
+        // Nothing known, nothing trusted: it reads. "a" exists, which it did not predict.
+        assert_eq!(recall.predict(0, &r), None);
+        recall.read(0, &r, &got(&r, &[("a", "1m=0:1")]));
+        assert_eq!(known(&recall, "a").as_deref(), Some("1m=0:1"));
         for _ in 0..TRUST_AFTER {
-            let p = recall.predict(0, &r);
-            assert!(!p.trusted);
-            assert_eq!(p.as_read(), got(&r, &[("a", "1m=0:1")]));
-            recall.read(0, &r, &p, &got(&r, &[("a", "1m=0:1")]));
+            assert_eq!(recall.predict(0, &r), None);
+            recall.read(0, &r, &got(&r, &[("a", "1m=0:1")]));
         }
-        let p = recall.predict(0, &r);
-        assert!(p.trusted);
+        assert_eq!(recall.predict(0, &r), Some(got(&r, &[("a", "1m=0:1")])));
         // Another group's trust is its own.
-        assert!(!recall.predict(1, &r).trusted);
+        assert_eq!(recall.predict(1, &r), None);
         // A stale write reads again.
         recall.stale(0);
-        assert!(!recall.predict(0, &r).trusted);
+        assert_eq!(recall.predict(0, &r), None);
     }
 
     #[test]
     fn a_write_is_remembered_and_a_read_corrects_it() {
         let recall = Recall::new(1_000);
         let r = reads(&["a"]);
-        let w = writes(&r, "1m=0:2");
-        recall.wrote(0, &w);
-        let p = recall.predict(0, &r);
-        assert_eq!(p.as_read(), got(&r, &[("a", "1m=0:2")]));
+        recall.wrote(0, &writes(&r, "1m=0:2"));
+        assert_eq!(known(&recall, "a").as_deref(), Some("1m=0:2"));
         // Another writer added to it: the read finds so, and it is remembered.
-        recall.read(0, &r, &p, &got(&r, &[("a", "1m=0:7")]));
-        assert_eq!(recall.predict(0, &r).as_read(), got(&r, &[("a", "1m=0:7")]));
+        recall.read(0, &r, &got(&r, &[("a", "1m=0:7")]));
+        assert_eq!(known(&recall, "a").as_deref(), Some("1m=0:7"));
+        // A hash of another type: forgotten.
+        recall.read(0, &r, &[Read::WrongType]);
+        assert_eq!(known(&recall, "a"), None);
         // A field deleted is remembered as nothing.
         let mut deleted = writes(&r, "");
         deleted[0].fields[0].value = None;
         recall.wrote(0, &deleted);
-        assert_eq!(recall.predict(0, &r).as_read(), got(&r, &[]));
+        assert_eq!(known(&recall, "a"), None);
     }
 
     #[test]
@@ -267,10 +258,6 @@ mod tests {
         assert!(state.newer.len() + state.older.len() <= 4);
         drop(state);
         // The latest are still known.
-        let r = reads(&["c99"]);
-        assert_eq!(
-            recall.predict(0, &r).as_read(),
-            got(&r, &[("c99", "1m=0:1")])
-        );
+        assert_eq!(known(&recall, "c99").as_deref(), Some("1m=0:1"));
     }
 }

@@ -14,23 +14,23 @@ use crate::store::store_error::RedisReply;
 
 impl RedisSink {
     /// Plans the window deltas' rewrites from the cells `reads` names (group `group`'s): from
-    /// what this writer remembers of them when `trust` and it has learnt to trust that
+    /// what this writer remembers of them when `may_predict` and it has learnt to trust that
     /// (`crate::store::recall`), else from reading them. A plan that would refuse a delta is
     /// always made from a read: a refusal is never checked by the write. Also says whether the
-    /// plan was made without reading.
+    /// plan went by memory.
     pub(super) async fn read_cells(
         &self,
         group: u32,
         reads: &cells::Reads,
         windows: &[WindowDelta],
-        trust: bool,
+        may_predict: bool,
     ) -> Result<(cells::Plan, bool), SinkError> {
         if reads.is_empty() {
             return Ok((cells::plan(reads, Vec::new(), windows, now_ms()), false));
         }
-        let prediction = self.recall.predict(group, reads);
-        if trust && prediction.trusted {
-            let plan = cells::plan(reads, prediction.as_read(), windows, now_ms());
+        if let Some(predicted) = (may_predict.then(|| self.recall.predict(group, reads))).flatten()
+        {
+            let plan = cells::plan(reads, predicted, windows, now_ms());
             if window_rejections(&plan.currents, windows).is_empty() {
                 return Ok((plan, true));
             }
@@ -43,7 +43,7 @@ impl RedisSink {
         let got = (replies.into_iter())
             .map(cells::Read::from_reply)
             .collect::<Result<Vec<_>, _>>()?;
-        self.recall.read(group, reads, &prediction, &got);
+        self.recall.read(group, reads, &got);
         Ok((cells::plan(reads, got, windows, now_ms()), false))
     }
 
@@ -55,9 +55,9 @@ impl RedisSink {
     ) -> Result<Vec<Rejection>, SinkError> {
         let reads = cells::Reads::new(&self.keyspace, group, windows);
         let mut rereads = Rereads::new(MAX_STALE_READS);
-        let mut trust = true;
         loop {
-            let (plan, predicted) = self.read_cells(group, &reads, windows, trust).await?;
+            let (plan, predicted) =
+                (self.read_cells(group, &reads, windows, rereads.may_predict())).await?;
             let refused = window_rejections(&plan.currents, windows);
             if plan.writes.is_empty() {
                 return Ok(refused);
@@ -74,12 +74,9 @@ impl RedisSink {
                     self.recall.wrote(group, &plan.writes);
                     return Ok(refused);
                 }
-                // Predicted wrong: read at once (no other writer need be waited out).
                 Some("stale") => {
                     self.recall.stale(group);
-                    if predicted {
-                        trust = false;
-                    } else if !rereads.again().await {
+                    if !rereads.again_after(predicted).await {
                         return Err(stale_cells());
                     }
                 }

@@ -260,12 +260,10 @@ impl RedisSink {
     async fn script_apply_fenced(&self, write: GroupWrite<'_>) -> Result<Applied, SinkError> {
         let reads = cells::Reads::new(&self.keyspace, write.group, write.windows);
         let mut rereads = Rereads::new(MAX_STALE_READS);
-        // The first attempt may go by what this writer remembers; one predicted wrong reads at
-        // once, one that read waits out the other writer first.
-        let mut trust = true;
         loop {
             let (plan, predicted) =
-                (self.read_cells(write.group, &reads, write.windows, trust)).await?;
+                (self.read_cells(write.group, &reads, write.windows, rereads.may_predict()))
+                    .await?;
             match self.script_flush(write, &plan).await? {
                 Some(applied) => {
                     if applied == Applied::Written {
@@ -275,9 +273,7 @@ impl RedisSink {
                 }
                 None => {
                     self.recall.stale(write.group);
-                    if predicted {
-                        trust = false;
-                    } else if !rereads.again().await {
+                    if !rereads.again_after(predicted).await {
                         return Err(stale_cells());
                     }
                 }
