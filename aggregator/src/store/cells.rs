@@ -77,11 +77,15 @@ impl Reads {
     }
 }
 
+/// A field value, shared by what a write read, what it writes and what its writer remembers
+/// (`crate::store::recall`), so that none of them copies it.
+pub type FieldValue = Arc<str>;
+
 /// What one hash's `HMGET` gave.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Read {
     /// Per field, its value.
-    Fields(Vec<Option<String>>),
+    Fields(Vec<Option<FieldValue>>),
     /// The key holds another type.
     WrongType,
 }
@@ -96,11 +100,9 @@ impl Read {
                 .map(|item| match item {
                     Value::Nil => Ok(None),
                     // Not UTF-8 is not cells either: kept readable, never written.
-                    Value::BulkString(bytes) => {
-                        Ok(Some(String::from_utf8(bytes).unwrap_or_else(|e| {
-                            String::from_utf8_lossy(e.as_bytes()).into_owned()
-                        })))
-                    }
+                    Value::BulkString(bytes) => Ok(Some(FieldValue::from(
+                        String::from_utf8_lossy(&bytes).as_ref(),
+                    ))),
                     other => Err(unexpected(&other)),
                 })
                 .collect::<Result<_, _>>()
@@ -126,9 +128,9 @@ pub struct FieldWrite {
     /// The field: the counter (shared with the reads and the window deltas).
     pub field: Arc<str>,
     /// What it held when read (`None`: nothing).
-    pub read: Option<String>,
+    pub read: Option<FieldValue>,
     /// What to write (`None`: delete the field).
-    pub value: Option<String>,
+    pub value: Option<FieldValue>,
 }
 
 /// The rewrites of one hash.
@@ -278,6 +280,8 @@ pub fn plan(reads: &Reads, got: Vec<Read>, windows: &[WindowDelta], now_ms: i64)
         }
         expire_at[s] = expire_at[s].max(w.expire_at_ms);
     }
+    // Each new value is written here, then copied once into the value the write shares.
+    let mut text = String::new();
     let writes = (reads.stripes.iter().zip(got).zip(cells).zip(expire_at))
         .filter_map(|((((key, fields), read), cells), expire_at_ms)| {
             let Read::Fields(values) = read else {
@@ -290,7 +294,11 @@ pub fn plan(reads: &Reads, got: Vec<Read>, windows: &[WindowDelta], now_ms: i64)
                     changed.then(|| FieldWrite {
                         field: Arc::clone(field),
                         read,
-                        value: (!cells.is_empty()).then(|| cells.to_value()),
+                        value: (!cells.is_empty()).then(|| {
+                            text.clear();
+                            cells.write_value(&mut text);
+                            FieldValue::from(text.as_str())
+                        }),
                     })
                 })
                 .collect();
@@ -340,7 +348,7 @@ mod tests {
             .map(|(_, fields)| {
                 Read::Fields(
                     (fields.iter())
-                        .map(|f| (&**f == "a:1").then(|| old.clone()))
+                        .map(|f| (&**f == "a:1").then(|| old.as_str().into()))
                         .collect(),
                 )
             })
@@ -357,7 +365,10 @@ mod tests {
         );
         let mut written: Vec<(String, Option<String>, Option<String>)> = (plan.writes.iter())
             .flat_map(|s| s.fields.iter())
-            .map(|f| (f.field.to_string(), f.read.clone(), f.value.clone()))
+            .map(|f| {
+                let text = |v: &Option<FieldValue>| v.as_deref().map(str::to_owned);
+                (f.field.to_string(), text(&f.read), text(&f.value))
+            })
             .collect();
         written.sort();
         assert_eq!(
@@ -393,12 +404,14 @@ mod tests {
             _ => Some(format!("{live},{}:2", now / MIN - 10)),
         };
         let got: Vec<Read> = (reads.stripes.iter())
-            .map(|(_, fields)| Read::Fields(fields.iter().map(|f| held(f)).collect()))
+            .map(|(_, fields)| {
+                Read::Fields(fields.iter().map(|f| held(f).map(Into::into)).collect())
+            })
             .collect();
         let plan = plan(&reads, got, &windows, now);
         let written: Vec<(String, Option<String>)> = (plan.writes.iter())
             .flat_map(|s| s.fields.iter())
-            .map(|f| (f.field.to_string(), f.value.clone()))
+            .map(|f| (f.field.to_string(), f.value.as_deref().map(str::to_owned)))
             .collect();
         assert_eq!(written, [("b:2".to_owned(), Some(live))]);
     }
@@ -410,7 +423,7 @@ mod tests {
         let reads = Reads::new(&ks, 0, &windows);
         let junk = plan(
             &reads,
-            vec![Read::Fields(vec![Some("junk".to_owned())])],
+            vec![Read::Fields(vec![Some("junk".into())])],
             &windows,
             0,
         );
@@ -423,7 +436,7 @@ mod tests {
         assert_eq!(typed.currents, [Current::WrongType, Current::WrongType]);
         assert!(typed.writes.is_empty());
         // Deltas that cancel out delete the field.
-        let full = "1m=0:-1;1h=0:-1".to_owned();
+        let full = FieldValue::from("1m=0:-1;1h=0:-1");
         let cancel = plan(
             &reads,
             vec![Read::Fields(vec![Some(full.clone())])],

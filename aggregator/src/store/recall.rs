@@ -13,15 +13,17 @@
 //! fewer for Redis.
 
 use std::collections::HashMap;
+use std::collections::hash_map::Entry;
 use std::hash::BuildHasher;
 use std::sync::{Arc, Mutex};
 
-use crate::store::cells::{Read, Reads, StripeWrite};
+use crate::store::cells::{FieldValue, Read, Reads, StripeWrite};
 
 type Hasher = foldhash::fast::RandomState;
 
-/// Per field (a hash of its group and name), what it holds (`None`: nothing).
-type Fields = HashMap<u64, Option<Box<str>>, Hasher>;
+/// Per field (a hash of its group and name), what it holds (`None`: nothing): the value a write
+/// read or wrote, shared with it.
+type Fields = HashMap<u64, Option<FieldValue>, Hasher>;
 
 /// Reads in a row whose predictions all held before a group's predictions are trusted.
 pub const TRUST_AFTER: u32 = 4;
@@ -49,8 +51,8 @@ struct State {
 
 impl State {
     /// What this writer predicts `id` holds: what it remembers, else nothing.
-    fn predicted(&self, id: u64) -> Option<&str> {
-        (self.newer.get(&id).or_else(|| self.older.get(&id))).and_then(|v| v.as_deref())
+    fn predicted(&self, id: u64) -> Option<&FieldValue> {
+        (self.newer.get(&id).or_else(|| self.older.get(&id))).and_then(Option::as_ref)
     }
 }
 
@@ -84,7 +86,7 @@ impl Recall {
         let read = |(_, fields): &(String, Vec<Arc<str>>)| {
             Read::Fields(
                 (fields.iter())
-                    .map(|f| state.predicted(self.id(group, f)).map(str::to_owned))
+                    .map(|f| state.predicted(self.id(group, f)).cloned())
                     .collect(),
             )
         };
@@ -100,7 +102,7 @@ impl Recall {
             match read {
                 Read::Fields(values) => {
                     for (field, value) in fields.iter().zip(values) {
-                        let (id, value) = (self.id(group, field), value.as_deref());
+                        let (id, value) = (self.id(group, field), value.as_ref());
                         if state.predicted(id) != value {
                             held = false;
                             self.insert(&mut state, id, value);
@@ -129,7 +131,7 @@ impl Recall {
         let mut state = self.state();
         for f in writes.iter().flat_map(|s| &s.fields) {
             let id = self.id(group, &f.field);
-            self.insert(&mut state, id, f.value.as_deref());
+            self.insert(&mut state, id, f.value.as_ref());
         }
     }
 
@@ -138,12 +140,28 @@ impl Recall {
         self.state().held.insert(group, 0);
     }
 
-    fn insert(&self, state: &mut State, id: u64, value: Option<&str>) {
-        state.older.remove(&id);
-        if state.newer.len() >= self.generation && !state.newer.contains_key(&id) {
-            state.older = std::mem::take(&mut state.newer);
+    fn insert(&self, state: &mut State, id: u64, value: Option<&FieldValue>) {
+        let value = value.cloned();
+        let full = state.newer.len() >= self.generation;
+        // A field is in one generation at most: one rewritten again (the common case) is
+        // replaced where it is, one lookup; a new one is looked up once in each.
+        match state.newer.entry(id) {
+            Entry::Occupied(mut held) => {
+                held.insert(value);
+                return;
+            }
+            Entry::Vacant(slot) if !full => {
+                slot.insert(value);
+            }
+            Entry::Vacant(_) => {
+                // Made at its full size: a generation fills it anyway, so it never grows by
+                // rehashing.
+                let fresh = Fields::with_capacity_and_hasher(self.generation, Hasher::default());
+                state.older = std::mem::replace(&mut state.newer, fresh);
+                state.newer.insert(id, value);
+            }
         }
-        state.newer.insert(id, value.map(Box::from));
+        state.older.remove(&id);
     }
 }
 
@@ -178,7 +196,8 @@ mod tests {
                 Read::Fields(
                     (fields.iter())
                         .map(|f| {
-                            (held.iter().find(|(k, _)| **k == **f)).map(|(_, v)| v.to_string())
+                            (held.iter().find(|(k, _)| **k == **f))
+                                .map(|(_, v)| FieldValue::from(*v))
                         })
                         .collect(),
                 )
@@ -195,7 +214,7 @@ mod tests {
                     .map(|f| FieldWrite {
                         field: Arc::clone(f),
                         read: None,
-                        value: Some(value.to_owned()),
+                        value: Some(value.into()),
                     })
                     .collect(),
             })
@@ -205,7 +224,7 @@ mod tests {
     /// What `recall` remembers of `field` in group 0, trusted or not.
     fn known(recall: &Recall, field: &str) -> Option<String> {
         let state = recall.state();
-        state.predicted(recall.id(0, field)).map(str::to_owned)
+        state.predicted(recall.id(0, field)).map(|v| v.to_string())
     }
 
     #[test]

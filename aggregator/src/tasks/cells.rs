@@ -160,8 +160,8 @@ pub async fn sweep(
                     }
                     fields.push(FieldWrite {
                         field: field.into(),
-                        read: Some(value),
-                        value: (!kept.is_empty()).then(|| kept.to_value()),
+                        read: Some(value.into()),
+                        value: (!kept.is_empty()).then(|| kept.to_value().into()),
                     });
                 }
                 // A field a flush rewrote meanwhile is left for the next sweep.
@@ -292,8 +292,8 @@ pub async fn migrate(conn: &RedisConn, keyspace: &Keyspace) -> Result<MigrateRep
                 expire_at_ms: expire_at,
                 fields: vec![FieldWrite {
                     field: counter.as_str().into(),
-                    read: held,
-                    value: (!cells.is_empty()).then(|| cells.to_value()),
+                    read: held.map(Into::into),
+                    value: (!cells.is_empty()).then(|| cells.to_value().into()),
                 }],
             };
             // Counted once, on the attempt that lands (or finds nothing to fold).

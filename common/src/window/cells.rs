@@ -193,6 +193,12 @@ impl Cells {
     /// The field value, written into one allocation of about its size.
     pub fn to_value(&self) -> String {
         let mut out = String::with_capacity(24 * self.cells.len());
+        self.write_value(&mut out);
+        out
+    }
+
+    /// Appends the field value to `out` (a buffer a writer reuses field after field).
+    pub fn write_value(&self, out: &mut String) {
         let mut digits = itoa::Buffer::new();
         let mut width_ms = 0;
         for c in &self.cells {
@@ -212,7 +218,6 @@ impl Cells {
             out.push(':');
             out.push_str(digits.format(c.count));
         }
-        out
     }
 
     /// Every bucket: `(width_ms, start_ms, count)`, narrowest window first, newest first.
