@@ -576,7 +576,8 @@ async fn remembered_cells_changed_behind_the_writer_are_read_again() {
         }
         let mut expected = 2 * i64::from(tally_aggregator::store::recall::TRUST_AFTER);
         // By now it writes without reading: the script's check is the write's only HMGET.
-        let before = hmget_calls(&mut conn).await;
+        let counts = || sink.recall_counts().expect("a Redis sink remembers cells");
+        let (before, counted) = (hmget_calls(&mut conn).await, counts());
         apply(&[bucket("tail:1", minute, 1)]).await;
         expected += 1;
         assert_eq!(
@@ -584,16 +585,24 @@ async fn remembered_cells_changed_behind_the_writer_are_read_again() {
             1,
             "a trusted write reads"
         );
+        // Its metrics: one write predicted, none found stale.
+        let now = counts();
+        assert_eq!(now.predicted_writes - counted.predicted_writes, 1);
+        assert_eq!(now.mispredicted_writes, counted.mispredicted_writes);
+        assert!(now.fields > 2 * tally_aggregator::store::recall::TRUST_AFTER as usize);
         // Another writer adds 5; then the writer adds 1.
         let _: () = conn
             .hset(&hash, "tail:1", format!("1m={index}:{}", expected + 5))
             .await
             .expect("HSET");
-        let before = hmget_calls(&mut conn).await;
+        let (before, counted) = (hmget_calls(&mut conn).await, counts());
         apply(&[bucket("tail:1", minute, 1)]).await;
         expected += 6;
-        // Found stale by the script's check, read, and checked again.
+        // Found stale by the script's check, read, and checked again: a prediction that missed.
         assert_eq!(hmget_calls(&mut conn).await - before, 3);
+        let now = counts();
+        assert_eq!(now.predicted_writes - counted.predicted_writes, 1);
+        assert_eq!(now.mispredicted_writes - counted.mispredicted_writes, 1);
         let held: Option<String> = conn.hget(&hash, "tail:1").await.expect("HGET");
         assert_eq!(held, Some(format!("1m={index}:{expected}")));
         // The hash goes (expired): the next write starts from nothing.

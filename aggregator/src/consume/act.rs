@@ -56,6 +56,9 @@ impl<S: Sink> Shared<S> {
             .buffers(buffered, parts.map.len(), paused, catching_up);
         self.metrics.idempotency_tables(ids_held, id_bytes);
         self.metrics.fetch_requests(self.source.fetch_requests());
+        if let Some(c) = self.flusher.sink.recall_counts() {
+            (self.metrics).cells_recall(c.predicted_writes, c.mispredicted_writes, c.fields);
+        }
     }
 
     /// A task reported back.

@@ -35,6 +35,11 @@ pub struct Metrics {
     fetch_throttled: prometheus::Counter,
     /// `Fetch` requests tally's fetcher sent.
     fetch_requests: IntCounter,
+    /// Cells writes sent with remembered values instead of read ones, the ones of those found
+    /// stale, and the fields remembered (`crate::store::recall`).
+    cells_predicted: IntCounter,
+    cells_mispredicted: IntCounter,
+    cells_remembered: IntGauge,
     expiry_records: IntCounter,
     expired: IntCounter,
     /// Events left out of a window's bucket, by reason (`late`, `future`).
@@ -170,6 +175,18 @@ impl Metrics {
             fetch_requests: r.counter(
                 "tally_fetch_requests_total",
                 "Fetch requests tally's fetcher sent to the brokers (none with --fetch librdkafka).",
+            ),
+            cells_predicted: r.counter(
+                "tally_cells_predicted_writes_total",
+                "Writes of window cells sent with the values the aggregator remembered in place of a read.",
+            ),
+            cells_mispredicted: r.counter(
+                "tally_cells_mispredicted_writes_total",
+                "Of the predicted cells writes, those Redis found stale: each read the cells and went again.",
+            ),
+            cells_remembered: r.gauge(
+                "tally_cells_remembered_fields",
+                "Window cells fields whose values the aggregator remembers (about 100 bytes each).",
             ),
             fetch_throttled: r.float_counter(
                 "tally_fetch_throttled_seconds_total",
@@ -327,6 +344,15 @@ impl Metrics {
     pub fn fetch_requests(&self, total: u64) {
         self.fetch_requests
             .inc_by(total.saturating_sub(self.fetch_requests.get()));
+    }
+
+    /// The writer has sent `predicted` cells writes with remembered values so far, `mispredicted`
+    /// of them found stale, and remembers `fields` fields.
+    pub fn cells_recall(&self, predicted: u64, mispredicted: u64, fields: usize) {
+        (self.cells_predicted).inc_by(predicted.saturating_sub(self.cells_predicted.get()));
+        (self.cells_mispredicted)
+            .inc_by(mispredicted.saturating_sub(self.cells_mispredicted.get()));
+        self.cells_remembered.set(fields as i64);
     }
 
     /// A broker's quota throttled a fetch for `ms` milliseconds.

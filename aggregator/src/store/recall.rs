@@ -15,6 +15,7 @@
 use std::collections::HashMap;
 use std::collections::hash_map::Entry;
 use std::hash::BuildHasher;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use crate::store::cells::{FieldValue, Read, Reads, StripeWrite};
@@ -38,6 +39,21 @@ pub struct Recall {
     hasher: Hasher,
     /// Fields per generation: the newer one is set aside when it holds this many.
     generation: usize,
+    /// Writes sent with predicted values instead of read ones, and of those, the ones found
+    /// stale.
+    predicted: AtomicU64,
+    mispredicted: AtomicU64,
+}
+
+/// How a writer's predictions went, for its metrics.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RecallCounts {
+    /// Writes sent with the values the writer remembered instead of reading them, so far.
+    pub predicted_writes: u64,
+    /// Of those, the ones the script found stale (the writer then read and went again).
+    pub mispredicted_writes: u64,
+    /// The fields it remembers now.
+    pub fields: usize,
 }
 
 #[derive(Debug, Default)]
@@ -63,6 +79,8 @@ impl Recall {
             state: Mutex::default(),
             hasher: Hasher::default(),
             generation: (fields / 2).max(1),
+            predicted: AtomicU64::new(0),
+            mispredicted: AtomicU64::new(0),
         }
     }
 
@@ -135,9 +153,30 @@ impl Recall {
         }
     }
 
-    /// A write found a field changed since it was predicted or read: read again.
-    pub fn stale(&self, group: u32) {
+    /// A write goes with predicted values (from [`Recall::predict`]) instead of read ones.
+    pub fn predicted_write(&self) {
+        self.predicted.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A write found a field changed since it was predicted (`predicted`) or read: read again.
+    pub fn stale(&self, group: u32, predicted: bool) {
+        if predicted {
+            self.mispredicted.fetch_add(1, Ordering::Relaxed);
+        }
         self.state().held.insert(group, 0);
+    }
+
+    /// How its predictions went so far, and how many fields it remembers.
+    pub fn counts(&self) -> RecallCounts {
+        let fields = {
+            let state = self.state();
+            state.newer.len() + state.older.len()
+        };
+        RecallCounts {
+            predicted_writes: self.predicted.load(Ordering::Relaxed),
+            mispredicted_writes: self.mispredicted.load(Ordering::Relaxed),
+            fields,
+        }
     }
 
     fn insert(&self, state: &mut State, id: u64, value: Option<&FieldValue>) {
@@ -243,7 +282,7 @@ mod tests {
         // Another group's trust is its own.
         assert_eq!(recall.predict(1, &r), None);
         // A stale write reads again.
-        recall.stale(0);
+        recall.stale(0, false);
         assert_eq!(recall.predict(0, &r), None);
     }
 

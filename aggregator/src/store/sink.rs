@@ -23,6 +23,7 @@ use crate::machine::batch::WindowDelta;
 pub use crate::machine::write::{
     Applied, GroupWrite, IdleWrite, Marked, Refused, Rejection, Stamp,
 };
+use crate::store::recall::RecallCounts;
 use crate::store::store_error::{ErrorClass, RedisReply, redis_error_class};
 
 /// Why a sink write failed.
@@ -222,5 +223,11 @@ pub trait Sink: Clone + Send + Sync + 'static {
     /// store that cannot be re-grouped has none.
     fn read_plan(&self) -> impl Future<Output = Result<Option<String>, SinkError>> + Send {
         std::future::ready(Ok(None))
+    }
+
+    /// How the writer's predictions of window cells went (`crate::store::recall`), for a store
+    /// whose writes predict them.
+    fn recall_counts(&self) -> Option<RecallCounts> {
+        None
     }
 }

@@ -32,6 +32,7 @@ impl RedisSink {
         {
             let plan = cells::plan(reads, predicted, windows, now_ms());
             if window_rejections(&plan.currents, windows).is_empty() {
+                self.recall.predicted_write();
                 return Ok((plan, true));
             }
         }
@@ -75,7 +76,7 @@ impl RedisSink {
                     return Ok(refused);
                 }
                 Some("stale") => {
-                    self.recall.stale(group);
+                    self.recall.stale(group, predicted);
                     if !rereads.again_after(predicted).await {
                         return Err(stale_cells());
                     }

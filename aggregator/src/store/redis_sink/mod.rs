@@ -20,7 +20,7 @@ use crate::machine::batch::WindowDelta;
 use crate::machine::verdict::window_rejections;
 use crate::operator::config::Atomicity;
 use crate::store::cells;
-use crate::store::recall::{self, Recall};
+use crate::store::recall::{self, Recall, RecallCounts};
 use crate::store::script_call::ScriptCall;
 use crate::store::sink::{
     Applied, GroupWrite, IdleWrite, Marked, Refused, Rejection, Sink, SinkError, SinkErrorKind,
@@ -272,7 +272,7 @@ impl RedisSink {
                     return Ok(applied);
                 }
                 None => {
-                    self.recall.stale(write.group);
+                    self.recall.stale(write.group, predicted);
                     if !rereads.again_after(predicted).await {
                         return Err(stale_cells());
                     }
@@ -503,6 +503,10 @@ impl Sink for RedisSink {
     async fn apply_fenced(&self, write: GroupWrite<'_>) -> Result<Applied, SinkError> {
         self.either(self.script_apply_fenced(write), |t| t.apply_fenced(write))
             .await
+    }
+
+    fn recall_counts(&self) -> Option<RecallCounts> {
+        Some(self.recall.counts())
     }
 
     async fn forget_cached(&self, counters: &[String]) -> Result<(), SinkError> {
