@@ -3,7 +3,9 @@
 //! an error naming it (the aggregator dead-letters such a batch whole, as it does any batch it
 //! cannot read). And compressing one, for the appender: LZ4 frames or gzip.
 
-use std::io::{BufRead, Read, Write};
+use std::hash::Hasher;
+use std::io::{Read, Write};
+use std::ops::RangeInclusive;
 
 use crate::config::Codec;
 use crate::records::Compression;
@@ -67,8 +69,7 @@ const XERIAL_MAGIC: &[u8] = b"\x82SNAPPY\x00";
 pub const MAX_DECOMPRESSED_BYTES: usize = 256 * 1024 * 1024;
 
 /// Reads `reader` to its end into `out`, refusing to grow `out` past `limit` bytes: for
-/// decoders that only implement `Read` (gzip, zstd); [`copy_capped`] for those with a buffer of
-/// their own.
+/// decoders that only implement `Read` (gzip, zstd).
 fn read_capped(
     reader: impl Read,
     out: &mut Vec<u8>,
@@ -89,37 +90,159 @@ fn read_capped(
     Ok(())
 }
 
-/// Copies what `reader` decompresses, buffer by buffer, to the end of `out`, refusing to grow
-/// `out` past `limit` bytes: as [`read_capped`], without `read_to_end`'s zeroing of the room it
-/// reads into (a tenth of the fetcher's time on an LZ4 catch-up).
-fn copy_capped(
-    mut reader: impl BufRead,
-    out: &mut Vec<u8>,
-    limit: usize,
-    codec: Compression,
-) -> Result<(), DecompressError> {
+/// The magic number of an LZ4 frame, and the range of those of skippable frames (LZ4's frame
+/// format, 1.6).
+const LZ4_MAGIC: u32 = 0x184D_2204;
+const LZ4_SKIPPABLE: RangeInclusive<u32> = 0x184D_2A50..=0x184D_2A5F;
+
+/// How far back a linked block may refer into the frame's earlier output.
+const LZ4_WINDOW: usize = 64 * 1024;
+
+/// Decompresses the LZ4 frames of `input`, back to back, into `out`, refusing to grow `out`
+/// past `limit` bytes (on an error `out` is as it was). Each block is decompressed straight into
+/// `out`: a frame decoder of its own copies the input into a buffer, decompresses into another
+/// and copies that out, with both buffers made per batch, which was most of an LZ4 catch-up's
+/// decompression time.
+fn lz4_frames(mut input: &[u8], out: &mut Vec<u8>, limit: usize) -> Result<(), DecompressError> {
+    let start = out.len();
+    while !input.is_empty() {
+        if let Err(e) = lz4_frame(&mut input, out, limit) {
+            out.truncate(start);
+            return Err(e);
+        }
+    }
+    Ok(())
+}
+
+/// The first `n` bytes of `input`, which moves past them.
+fn take<'a>(input: &mut &'a [u8], n: usize) -> Result<&'a [u8], DecompressError> {
+    if input.len() < n {
+        return Err(lz4_corrupt("the frame is cut off"));
+    }
+    let (taken, rest) = input.split_at(n);
+    *input = rest;
+    Ok(taken)
+}
+
+fn take_u32(input: &mut &[u8]) -> Result<u32, DecompressError> {
+    let b = take(input, 4)?;
+    Ok(u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+}
+
+fn lz4_corrupt(message: impl Into<String>) -> DecompressError {
+    DecompressError::Corrupt {
+        codec: Compression::Lz4,
+        message: message.into(),
+    }
+}
+
+/// One frame (or skippable frame) from the start of `input`, appended to `out`.
+fn lz4_frame(input: &mut &[u8], out: &mut Vec<u8>, limit: usize) -> Result<(), DecompressError> {
+    let magic = take_u32(input)?;
+    if LZ4_SKIPPABLE.contains(&magic) {
+        let len = take_u32(input)? as usize;
+        take(input, len)?;
+        return Ok(());
+    }
+    if magic != LZ4_MAGIC {
+        return Err(lz4_corrupt(format!(
+            "not an LZ4 frame (magic {magic:#010x})"
+        )));
+    }
+    let descriptor = *input;
+    let (flags, bd) = match take(input, 2)? {
+        &[flags, bd] => (flags, bd),
+        _ => unreachable!("two bytes taken"),
+    };
+    if flags >> 6 != 1 || flags & 0b10 != 0 || bd & 0b1000_1111 != 0 {
+        return Err(lz4_corrupt(format!(
+            "an LZ4 frame descriptor of another version or with reserved bits set ({flags:#04x} {bd:#04x})"
+        )));
+    }
+    let independent = flags & 0x20 != 0;
+    let block_checksums = flags & 0x10 != 0;
+    let content_size = (flags & 0x08 != 0)
+        .then(|| take(input, 8).map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes"))))
+        .transpose()?;
+    let content_checksum = flags & 0x04 != 0;
+    if flags & 0x01 != 0 {
+        return Err(lz4_corrupt(
+            "LZ4 frames with a dictionary are not supported",
+        ));
+    }
+    let max_block = match (bd >> 4) & 0b111 {
+        4 => 64 << 10,
+        5 => 256 << 10,
+        6 => 1 << 20,
+        7 => 4 << 20,
+        other => return Err(lz4_corrupt(format!("an LZ4 block size id of {other}"))),
+    };
+    let header = &descriptor[..descriptor.len() - input.len()];
+    let checksum = take(input, 1)?[0];
+    if (twox_hash::XxHash32::oneshot(0, header) >> 8) as u8 != checksum {
+        return Err(lz4_corrupt(
+            "the LZ4 frame header's checksum does not match",
+        ));
+    }
+    let frame_start = out.len();
+    let mut content = content_checksum.then(|| twox_hash::XxHash32::with_seed(0));
     loop {
-        let got = match reader.fill_buf() {
-            Ok(got) => got,
-            // As `read_to_end` does.
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-            Err(e) => {
-                return Err(DecompressError::Corrupt {
-                    codec,
-                    message: e.to_string(),
+        let word = take_u32(input)?;
+        if word == 0 {
+            break;
+        }
+        let (len, stored) = ((word & 0x7FFF_FFFF) as usize, word & 0x8000_0000 != 0);
+        if len > max_block {
+            return Err(lz4_corrupt("an LZ4 block larger than its frame allows"));
+        }
+        let block = take(input, len)?;
+        if block_checksums && twox_hash::XxHash32::oneshot(0, block) != take_u32(input)? {
+            return Err(lz4_corrupt("an LZ4 block's checksum does not match"));
+        }
+        let at = out.len();
+        if stored {
+            if len > limit.saturating_sub(at) {
+                return Err(DecompressError::TooLarge {
+                    codec: Compression::Lz4,
                 });
             }
-        };
-        if got.is_empty() {
-            return Ok(());
+            out.extend_from_slice(block);
+        } else {
+            // Room for the largest block the frame allows, given back below: at most 4 MiB
+            // past `limit` for a moment.
+            out.resize(at + max_block, 0);
+            let (before, room) = out.split_at_mut(at);
+            let decompressed = if independent || at == frame_start {
+                lz4_flex::block::decompress_into(block, room)
+            } else {
+                let dict = &before[frame_start.max(at.saturating_sub(LZ4_WINDOW))..];
+                lz4_flex::block::decompress_into_with_dict(block, room, dict)
+            };
+            let n = decompressed.map_err(|e| lz4_corrupt(e.to_string()))?;
+            out.truncate(at + n);
+            if out.len() > limit {
+                return Err(DecompressError::TooLarge {
+                    codec: Compression::Lz4,
+                });
+            }
         }
-        if got.len() > limit.saturating_sub(out.len()) {
-            return Err(DecompressError::TooLarge { codec });
+        if let Some(content) = &mut content {
+            content.write(&out[at..]);
         }
-        out.extend_from_slice(got);
-        let n = got.len();
-        reader.consume(n);
     }
+    if content_size.is_some_and(|size| size != (out.len() - frame_start) as u64) {
+        return Err(lz4_corrupt(
+            "an LZ4 frame's content is not the size its header gives",
+        ));
+    }
+    if let Some(content) = content
+        && content.finish_32() != take_u32(input)?
+    {
+        return Err(lz4_corrupt(
+            "an LZ4 frame's content checksum does not match",
+        ));
+    }
+    Ok(())
 }
 
 /// Decompresses `input`, compressed with `codec`, appending to `out` (on an error, `out` may
@@ -148,9 +271,7 @@ pub fn decompress(
         Compression::Gzip => {
             read_capped(flate2::read::MultiGzDecoder::new(input), out, limit, codec)?
         }
-        Compression::Lz4 => {
-            copy_capped(lz4_flex::frame::FrameDecoder::new(input), out, limit, codec)?;
-        }
+        Compression::Lz4 => lz4_frames(input, out, limit)?,
         Compression::Snappy if input.starts_with(XERIAL_MAGIC) => {
             let mut blocks = input
                 .get(XERIAL_MAGIC.len() + 8..)
@@ -259,24 +380,109 @@ mod tests {
         }
     }
 
-    /// LZ4 is copied out buffer by buffer: past the limit it is refused, `out` held within it.
+    /// `data` as one LZ4 frame of `info`'s kind.
+    fn lz4_frame_of(data: &[u8], info: lz4_flex::frame::FrameInfo) -> Vec<u8> {
+        let mut lz = lz4_flex::frame::FrameEncoder::with_frame_info(info, Vec::new());
+        lz.write_all(data).expect("as written");
+        lz.finish().expect("as written")
+    }
+
+    /// Every kind of frame the format allows (linked or independent blocks, each block size,
+    /// block and content checksums, the content size, incompressible blocks stored as they
+    /// are) decompresses to what lz4_flex's own frame decoder gives.
+    #[test]
+    fn lz4_frames_of_every_kind_decompress_as_lz4_flex_reads_them() {
+        use lz4_flex::frame::{BlockMode, BlockSize, FrameInfo};
+        // Compressible text, then noise that LZ4 stores as it is, past several 64 KiB blocks.
+        let mut data = sample();
+        let mut x = 0x2545_f491_u32;
+        data.extend((0..300_000).map(|_| {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            x as u8
+        }));
+        data.extend(sample());
+        for mode in [BlockMode::Independent, BlockMode::Linked] {
+            for size in [
+                BlockSize::Max64KB,
+                BlockSize::Max256KB,
+                BlockSize::Max1MB,
+                BlockSize::Max4MB,
+            ] {
+                for (block_checksums, content_checksum, content_size) in
+                    [(false, false, None), (true, true, Some(data.len() as u64))]
+                {
+                    let info = FrameInfo::new()
+                        .block_mode(mode)
+                        .block_size(size)
+                        .block_checksums(block_checksums)
+                        .content_checksum(content_checksum)
+                        .content_size(content_size);
+                    let frame = lz4_frame_of(&data, info);
+                    let mut reference = Vec::new();
+                    lz4_flex::frame::FrameDecoder::new(&frame[..])
+                        .read_to_end(&mut reference)
+                        .expect("lz4_flex reads it");
+                    assert!(reference == data);
+                    let mut out = b"before".to_vec();
+                    decompress(Compression::Lz4, &frame, &mut out).expect("as written");
+                    assert!(
+                        out[..6] == *b"before" && out[6..] == data,
+                        "{mode:?} {size:?}"
+                    );
+                }
+            }
+        }
+    }
+
+    /// Frames back to back read as one stream, skippable frames are skipped, and a frame cut
+    /// anywhere, or with a byte changed under a checksum, is an error that leaves `out` as it
+    /// was.
+    #[test]
+    fn lz4_frames_follow_each_other_and_damage_is_an_error() {
+        use lz4_flex::frame::FrameInfo;
+        let data = sample();
+        let checked = FrameInfo::new()
+            .block_checksums(true)
+            .content_checksum(true);
+        let one = lz4_frame_of(&data[..1000], checked);
+        let mut stream = one.clone();
+        stream.extend_from_slice(&0x184D_2A53_u32.to_le_bytes());
+        stream.extend_from_slice(&3u32.to_le_bytes());
+        stream.extend_from_slice(b"abc");
+        stream.extend(lz4_frame_of(&data[1000..], FrameInfo::new()));
+        let mut out = Vec::new();
+        decompress(Compression::Lz4, &stream, &mut out).expect("as written");
+        assert!(out == data);
+        for cut in 1..one.len() {
+            let mut out = b"before".to_vec();
+            let refused = decompress(Compression::Lz4, &one[..cut], &mut out);
+            assert!(refused.is_err() && out == b"before", "cut at {cut}");
+        }
+        for at in 4..one.len() {
+            let mut damaged = one.clone();
+            damaged[at] ^= 0x10;
+            let mut out = b"before".to_vec();
+            let refused = decompress(Compression::Lz4, &damaged, &mut out);
+            assert!(refused.is_err() && out == b"before", "byte {at} changed");
+        }
+    }
+
+    /// Past the limit LZ4 is refused, with `out` left as it was.
     #[test]
     fn lz4_past_the_limit_is_refused_within_it() {
         let data = sample();
-        let mut lz = lz4_flex::frame::FrameEncoder::new(Vec::new());
-        lz.write_all(&data).expect("as written");
-        let lz4 = lz.finish().expect("as written");
-        let decoder = || lz4_flex::frame::FrameDecoder::new(&lz4[..]);
+        let lz4 = lz4_frame_of(&data, lz4_flex::frame::FrameInfo::new());
         let mut out = b"before".to_vec();
         let limit = out.len() + data.len() - 1;
-        let refused = copy_capped(decoder(), &mut out, limit, Compression::Lz4);
+        let refused = lz4_frames(&lz4, &mut out, limit);
         assert!(
             matches!(refused, Err(DecompressError::TooLarge { .. })),
             "{refused:?}"
         );
-        assert!(out.len() <= limit, "{} bytes held", out.len());
-        let mut out = b"before".to_vec();
-        copy_capped(decoder(), &mut out, limit + 1, Compression::Lz4).expect("just fits");
+        assert_eq!(out, b"before");
+        lz4_frames(&lz4, &mut out, limit + 1).expect("just fits");
         assert_eq!(&out[6..], &data[..]);
     }
 
