@@ -6,8 +6,11 @@
 //! again, never a wrong count.
 //!
 //! Per group the writer either **trusts** its predictions or **reads**. It starts reading; a
-//! read compares what it finds with what was predicted, and [`TRUST_AFTER`] reads in a row that
-//! found every prediction right make it trust them; a write found stale makes it read again.
+//! read compares what it finds with what was predicted, and reads in a row that found every
+//! prediction right make it trust them: [`TRUST_AFTER`] at first, twice as many after each write
+//! that went by memory and was found stale (up to [`TRUST_AFTER`] << [`MAX_DOUBLINGS`]), so that
+//! a group whose fields other writers change (unkeyed traffic over several aggregators, with
+//! `grouping = "counter"`) soon seldom tries. A write found stale makes it read again.
 //! A long tail of new counters (every field absent) and a partition that alone writes its
 //! counters' fields are then written without a read: one round trip and one hash lookup per field
 //! fewer for Redis.
@@ -26,8 +29,16 @@ type Hasher = foldhash::fast::RandomState;
 /// read or wrote, shared with it.
 type Fields = HashMap<u64, Option<FieldValue>, Hasher>;
 
-/// Reads in a row whose predictions all held before a group's predictions are trusted.
-pub const TRUST_AFTER: u32 = 4;
+/// Reads in a row whose predictions all held before a group's predictions are first trusted.
+/// One: a group whose fields only this writer changes (keyed traffic, or one aggregator) goes
+/// by memory from its second write on; alternated catch-ups of 2,000,000 unkeyed events with
+/// three windows ran 8-10% faster than at 4.
+pub const TRUST_AFTER: u32 = 1;
+
+/// How many times a group's mispredictions double the reads it needs before it trusts again: 6,
+/// up to 64 reads. Measured with two aggregators writing the same fields, where a fixed 1
+/// found three in four predicted writes stale.
+pub const MAX_DOUBLINGS: u32 = 6;
 
 /// How many fields a writer remembers by default: about 100 bytes each.
 pub const DEFAULT_FIELDS: usize = 1 << 20;
@@ -61,8 +72,23 @@ struct State {
     /// The fields seen since the older generation was set aside, then those seen before that.
     newer: Fields,
     older: Fields,
-    /// Per group, the reads in a row whose predictions all held.
-    held: HashMap<u32, u32>,
+    /// Per group, how far it trusts its predictions.
+    trust: HashMap<u32, Trust>,
+}
+
+/// How far a group trusts its predictions.
+#[derive(Debug, Default)]
+struct Trust {
+    /// Reads in a row whose predictions all held.
+    held: u32,
+    /// Predicted writes found stale so far (at most [`MAX_DOUBLINGS`]).
+    doublings: u32,
+}
+
+impl Trust {
+    fn trusted(&self) -> bool {
+        self.held >= TRUST_AFTER << self.doublings
+    }
 }
 
 impl State {
@@ -98,7 +124,7 @@ impl Recall {
     /// if this writer trusts its predictions there; `None` while it reads.
     pub fn predict(&self, group: u32, reads: &Reads) -> Option<Vec<Read>> {
         let state = self.state();
-        if state.held.get(&group).is_none_or(|&n| n < TRUST_AFTER) {
+        if !state.trust.get(&group).is_some_and(Trust::trusted) {
             return None;
         }
         let read = |(_, fields): &(String, Vec<Arc<str>>)| {
@@ -138,8 +164,12 @@ impl Recall {
                 }
             }
         }
-        let n = state.held.entry(group).or_default();
-        *n = if held { n.saturating_add(1) } else { 0 };
+        let trust = state.trust.entry(group).or_default();
+        trust.held = if held {
+            trust.held.saturating_add(1)
+        } else {
+            0
+        };
     }
 
     /// After `writes` landed: their fields hold what was written. A write that did not land, or
@@ -163,7 +193,12 @@ impl Recall {
         if predicted {
             self.mispredicted.fetch_add(1, Ordering::Relaxed);
         }
-        self.state().held.insert(group, 0);
+        let mut state = self.state();
+        let trust = state.trust.entry(group).or_default();
+        trust.held = 0;
+        if predicted {
+            trust.doublings = (trust.doublings + 1).min(MAX_DOUBLINGS);
+        }
     }
 
     /// How its predictions went so far, and how many fields it remembers.
@@ -284,6 +319,15 @@ mod tests {
         // A stale write reads again.
         recall.stale(0, false);
         assert_eq!(recall.predict(0, &r), None);
+        // A predicted write found stale doubles the reads it takes to trust again, up to a cap.
+        for doublings in 1..=MAX_DOUBLINGS + 1 {
+            recall.stale(0, true);
+            for _ in 0..TRUST_AFTER << doublings.min(MAX_DOUBLINGS) {
+                assert_eq!(recall.predict(0, &r), None);
+                recall.read(0, &r, &got(&r, &[("a", "1m=0:1")]));
+            }
+            assert!(recall.predict(0, &r).is_some(), "{doublings} doublings");
+        }
     }
 
     #[test]
