@@ -629,3 +629,55 @@ async fn remembered_cells_changed_behind_the_writer_are_read_again() {
         }
     }
 }
+
+/// A write that changes more fields of one hash than Lua's `unpack` gives at once (about 8,000
+/// values: here a deployment with one cells hash per group) lands whole through both scripts,
+/// its deletions too: the scripts check, set and delete the fields in slices.
+#[tokio::test]
+async fn a_write_of_thousands_of_fields_into_one_hash_lands_whole() {
+    let redis = RedisServer::start().await;
+    let now = tally_common::event::now_ms();
+    let minute = now - now % MINUTE_MS;
+    let index = minute / MINUTE_MS;
+    for exactly_once in [true, false] {
+        let ks = Keyspace::new(unique("wide"), 1)
+            .expect("keyspace")
+            .with_cells_stripes(1);
+        let sink = sink(&redis.url(), &ks, Atomicity::Scripts).await;
+        let epoch = sink.next_epoch(GROUP, FIELD, 1).await.expect("epoch");
+        sink.stamp_fence(GROUP, FIELD, epoch).await.expect("stamp");
+        let mut conn = tally_tests::connect(&redis.url()).await;
+        let counters: Vec<String> = (0..9_000).map(|i| format!("wide:{i}")).collect();
+        let hash = ks.cells_key(GROUP, &counters[0]);
+        let mut offset = 0;
+        // Each counter once into the minute, then once out of it (its field is deleted).
+        for delta in [1, -1] {
+            let windows: Vec<WindowDelta> = (counters.iter())
+                .map(|c| bucket(c, minute, delta))
+                .collect();
+            if exactly_once {
+                let write = GroupWrite {
+                    expected_ledger: offset - 1,
+                    next_offset: offset,
+                    ..write(epoch, &[], &windows, Likes::NONE)
+                };
+                offset += 1;
+                let applied = sink.apply_fenced(write).await.expect("write");
+                assert_eq!(applied, Applied::Written);
+            } else {
+                let refused = sink.apply(GROUP, &[], &windows, &[]).await.expect("write");
+                assert!(refused.is_empty(), "{refused:?}");
+            }
+            let held: Vec<Option<String>> = redis::cmd("HMGET")
+                .arg(&hash)
+                .arg(&counters)
+                .query_async(&mut conn)
+                .await
+                .expect("HMGET");
+            let want = (delta == 1).then(|| format!("1m={index}:1"));
+            assert!(held.iter().all(|v| *v == want), "after {delta}: {want:?}");
+        }
+        let len: usize = conn.hlen(&hash).await.expect("HLEN");
+        assert_eq!(len, 0, "every field deleted");
+    }
+}

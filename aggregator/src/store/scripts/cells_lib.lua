@@ -18,6 +18,11 @@ local function cells_args(first, s, arg)
   return stripes, arg
 end
 
+-- Fields per HMGET, HSET or HDEL: Lua's unpack gives at most about 8,000 values, and a hash of
+-- a deployment with few stripes (or a raised catch-up batch size) can take more fields than that
+-- in one write.
+local CELLS_SLICE = 1000
+
 -- Whether a field no longer holds what the writer read (a hash of another type counts: the
 -- writer's next read finds it).
 local function cells_stale(stripes)
@@ -26,13 +31,16 @@ local function cells_stale(stripes)
     for j = 1, stripe.f do
       names[j] = ARGV[at + 3 * j - 3]
     end
-    local now = redis.pcall('HMGET', stripe.key, unpack(names))
-    if now['err'] then
-      return true
-    end
-    for j = 1, stripe.f do
-      if (now[j] or '') ~= ARGV[at + 3 * j - 2] then
+    for first = 1, stripe.f, CELLS_SLICE do
+      local last = math.min(first + CELLS_SLICE - 1, stripe.f)
+      local now = redis.pcall('HMGET', stripe.key, unpack(names, first, last))
+      if now['err'] then
         return true
+      end
+      for j = first, last do
+        if (now[j - first + 1] or '') ~= ARGV[at + 3 * j - 2] then
+          return true
+        end
       end
     end
   end
@@ -54,8 +62,8 @@ local function cells_restore(stripes, upto)
   end
 end
 
--- Writes the new values: per hash one HSET and one HDEL. On an error Redis gives, puts back
--- what it wrote and returns the error; nil when all landed.
+-- Writes the new values: per hash one HSET and one HDEL (per slice of fields). On an error Redis
+-- gives, puts back what it wrote and returns the error; nil when all landed.
 local function cells_write(stripes)
   for i, stripe in ipairs(stripes) do
     local set, del, at = {}, {}, stripe.at
@@ -70,11 +78,17 @@ local function cells_write(stripes)
     end
     -- HSET and HDEL answer a number, or an error as {err = ...}.
     local reply = 0
-    if #set > 0 then
-      reply = redis.pcall('HSET', stripe.key, unpack(set))
+    for first = 1, #set, 2 * CELLS_SLICE do
+      if type(reply) == 'table' then
+        break
+      end
+      reply = redis.pcall('HSET', stripe.key, unpack(set, first, math.min(first + 2 * CELLS_SLICE - 1, #set)))
     end
-    if #del > 0 and type(reply) ~= 'table' then
-      reply = redis.pcall('HDEL', stripe.key, unpack(del))
+    for first = 1, #del, CELLS_SLICE do
+      if type(reply) == 'table' then
+        break
+      end
+      reply = redis.pcall('HDEL', stripe.key, unpack(del, first, math.min(first + CELLS_SLICE - 1, #del)))
     end
     if type(reply) == 'table' then
       cells_restore(stripes, i)
