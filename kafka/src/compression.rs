@@ -9,6 +9,7 @@ use std::ops::RangeInclusive;
 
 use crate::config::Codec;
 use crate::records::Compression;
+use crate::wire::{Malformed, Reader};
 
 /// `section` compressed with `codec`, with the batch attributes that name it; `None` for
 /// [`Codec::None`], or when compressing failed or saved nothing (the batch then goes plain).
@@ -103,30 +104,16 @@ const LZ4_WINDOW: usize = 64 * 1024;
 /// `out`: a frame decoder of its own copies the input into a buffer, decompresses into another
 /// and copies that out, with both buffers made per batch, which was most of an LZ4 catch-up's
 /// decompression time.
-fn lz4_frames(mut input: &[u8], out: &mut Vec<u8>, limit: usize) -> Result<(), DecompressError> {
+fn lz4_frames(input: &[u8], out: &mut Vec<u8>, limit: usize) -> Result<(), DecompressError> {
     let start = out.len();
-    while !input.is_empty() {
-        if let Err(e) = lz4_frame(&mut input, out, limit) {
+    let mut r = Reader::new(input);
+    while !r.is_empty() {
+        if let Err(e) = lz4_frame(&mut r, out, limit) {
             out.truncate(start);
             return Err(e);
         }
     }
     Ok(())
-}
-
-/// The first `n` bytes of `input`, which moves past them.
-fn take<'a>(input: &mut &'a [u8], n: usize) -> Result<&'a [u8], DecompressError> {
-    if input.len() < n {
-        return Err(lz4_corrupt("the frame is cut off"));
-    }
-    let (taken, rest) = input.split_at(n);
-    *input = rest;
-    Ok(taken)
-}
-
-fn take_u32(input: &mut &[u8]) -> Result<u32, DecompressError> {
-    let b = take(input, 4)?;
-    Ok(u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
 }
 
 fn lz4_corrupt(message: impl Into<String>) -> DecompressError {
@@ -136,12 +123,17 @@ fn lz4_corrupt(message: impl Into<String>) -> DecompressError {
     }
 }
 
-/// One frame (or skippable frame) from the start of `input`, appended to `out`.
-fn lz4_frame(input: &mut &[u8], out: &mut Vec<u8>, limit: usize) -> Result<(), DecompressError> {
-    let magic = take_u32(input)?;
+/// LZ4 data cut off.
+fn cut(e: Malformed) -> DecompressError {
+    lz4_corrupt(e.to_string())
+}
+
+/// One frame (or skippable frame) from `r`, appended to `out`.
+fn lz4_frame(r: &mut Reader<'_>, out: &mut Vec<u8>, limit: usize) -> Result<(), DecompressError> {
+    let magic = r.u32_le("an LZ4 frame's magic number").map_err(cut)?;
     if LZ4_SKIPPABLE.contains(&magic) {
-        let len = take_u32(input)? as usize;
-        take(input, len)?;
+        let len = r.u32_le("a skippable frame's length").map_err(cut)?;
+        r.skip(len as usize, "a skippable frame").map_err(cut)?;
         return Ok(());
     }
     if magic != LZ4_MAGIC {
@@ -149,11 +141,11 @@ fn lz4_frame(input: &mut &[u8], out: &mut Vec<u8>, limit: usize) -> Result<(), D
             "not an LZ4 frame (magic {magic:#010x})"
         )));
     }
-    let descriptor = *input;
-    let (flags, bd) = match take(input, 2)? {
-        &[flags, bd] => (flags, bd),
-        _ => unreachable!("two bytes taken"),
+    let mut descriptor = r.clone();
+    let [flags, bd] = r.take(2, "an LZ4 frame descriptor").map_err(cut)? else {
+        unreachable!("two bytes taken")
     };
+    let (flags, bd) = (*flags, *bd);
     if flags >> 6 != 1 || flags & 0b10 != 0 || bd & 0b1000_1111 != 0 {
         return Err(lz4_corrupt(format!(
             "an LZ4 frame descriptor of another version or with reserved bits set ({flags:#04x} {bd:#04x})"
@@ -162,8 +154,9 @@ fn lz4_frame(input: &mut &[u8], out: &mut Vec<u8>, limit: usize) -> Result<(), D
     let independent = flags & 0x20 != 0;
     let block_checksums = flags & 0x10 != 0;
     let content_size = (flags & 0x08 != 0)
-        .then(|| take(input, 8).map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes"))))
-        .transpose()?;
+        .then(|| r.u64_le("an LZ4 frame's content size"))
+        .transpose()
+        .map_err(cut)?;
     let content_checksum = flags & 0x04 != 0;
     if flags & 0x01 != 0 {
         return Err(lz4_corrupt(
@@ -177,8 +170,10 @@ fn lz4_frame(input: &mut &[u8], out: &mut Vec<u8>, limit: usize) -> Result<(), D
         7 => 4 << 20,
         other => return Err(lz4_corrupt(format!("an LZ4 block size id of {other}"))),
     };
-    let header = &descriptor[..descriptor.len() - input.len()];
-    let checksum = take(input, 1)?[0];
+    // The descriptor read again whole, for its checksum.
+    let header =
+        (descriptor.take(r.position() - descriptor.position(), "the descriptor")).map_err(cut)?;
+    let checksum = r.take(1, "an LZ4 frame header's checksum").map_err(cut)?[0];
     if (twox_hash::XxHash32::oneshot(0, header) >> 8) as u8 != checksum {
         return Err(lz4_corrupt(
             "the LZ4 frame header's checksum does not match",
@@ -187,7 +182,7 @@ fn lz4_frame(input: &mut &[u8], out: &mut Vec<u8>, limit: usize) -> Result<(), D
     let frame_start = out.len();
     let mut content = content_checksum.then(|| twox_hash::XxHash32::with_seed(0));
     loop {
-        let word = take_u32(input)?;
+        let word = r.u32_le("an LZ4 block's size").map_err(cut)?;
         if word == 0 {
             break;
         }
@@ -195,8 +190,11 @@ fn lz4_frame(input: &mut &[u8], out: &mut Vec<u8>, limit: usize) -> Result<(), D
         if len > max_block {
             return Err(lz4_corrupt("an LZ4 block larger than its frame allows"));
         }
-        let block = take(input, len)?;
-        if block_checksums && twox_hash::XxHash32::oneshot(0, block) != take_u32(input)? {
+        let block = r.take(len, "an LZ4 block").map_err(cut)?;
+        if block_checksums
+            && twox_hash::XxHash32::oneshot(0, block)
+                != r.u32_le("an LZ4 block's checksum").map_err(cut)?
+        {
             return Err(lz4_corrupt("an LZ4 block's checksum does not match"));
         }
         let at = out.len();
@@ -236,7 +234,7 @@ fn lz4_frame(input: &mut &[u8], out: &mut Vec<u8>, limit: usize) -> Result<(), D
         ));
     }
     if let Some(content) = content
-        && content.finish_32() != take_u32(input)?
+        && content.finish_32() != r.u32_le("an LZ4 frame's content checksum").map_err(cut)?
     {
         return Err(lz4_corrupt(
             "an LZ4 frame's content checksum does not match",

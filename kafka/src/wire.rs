@@ -95,6 +95,16 @@ impl<'a> Reader<'a> {
         Ok(i64::from_be_bytes(self.array(what)?))
     }
 
+    /// A little-endian `uint32` (LZ4's frame format, inside a compressed records section).
+    pub fn u32_le(&mut self, what: &'static str) -> Result<u32, Malformed> {
+        Ok(u32::from_le_bytes(self.array(what)?))
+    }
+
+    /// A little-endian `uint64`.
+    pub fn u64_le(&mut self, what: &'static str) -> Result<u64, Malformed> {
+        Ok(u64::from_le_bytes(self.array(what)?))
+    }
+
     /// An unsigned LEB128 varint of at most 64 bits.
     #[inline]
     pub fn uvarint(&mut self, what: &'static str) -> Result<u64, Malformed> {
