@@ -18,6 +18,7 @@ use std::time::Duration;
 
 use rdkafka::ClientConfig;
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
+use tally_kafka::records::{BATCH_HEADER_LEN, RawBatch, batches};
 use tally_kafka::{FetchConfig, Fetched, Fetcher, Item, Start};
 use tally_tests::{
     AggregatorSetup, RedisServer, TempDir, assert_committed_to_end, assert_delivered, brokers,
@@ -446,17 +447,17 @@ fn first_segment(topic: &str) -> std::path::PathBuf {
 /// be, depending on how fast it was sending).
 fn fetches_needed(segment: &std::path::Path, limit: usize) -> usize {
     let log = std::fs::read(segment).expect("the segment");
-    let (mut fetches, mut filled, mut at) = (0, 0, 0);
-    // Each batch: its base offset (8 bytes), then its length past that field (4, big-endian).
-    while at + 12 <= log.len() {
-        let len =
-            12 + u32::from_be_bytes(log[at + 8..at + 12].try_into().expect("4 bytes")) as usize;
+    let (mut fetches, mut filled) = (0, 0);
+    for batch in batches(&log) {
+        let len = match batch.expect("a batch the broker wrote") {
+            RawBatch::V2 { records, .. } => BATCH_HEADER_LEN + records.len(),
+            RawBatch::Legacy { bytes, .. } => bytes.len(),
+        };
         if fetches == 0 || filled + len > limit {
             fetches += 1;
             filled = 0;
         }
         filled += len;
-        at += len;
     }
     fetches
 }
