@@ -80,7 +80,9 @@ where
     }
 }
 
-/// Where a test keeps its files; removed when dropped.
+/// Where a test keeps its files; removed when dropped, unless the test is failing (then it is
+/// kept, and the last lines of each log in it are printed with the failure) or
+/// `TALLY_KEEP_TEST_DIRS` is set (to read a passing run's logs).
 #[derive(Debug)]
 pub struct TempDir(PathBuf);
 
@@ -99,6 +101,31 @@ impl TempDir {
 
 impl Drop for TempDir {
     fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
+        if std::thread::panicking() {
+            print_log_tails(&self.0, 40);
+        } else if std::env::var_os("TALLY_KEEP_TEST_DIRS").is_none() {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+}
+
+/// Prints the last `lines` lines of every `*.log` file in `dir` (a failing test's evidence).
+fn print_log_tails(dir: &Path, lines: usize) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    let mut logs: Vec<PathBuf> = (entries.flatten())
+        .map(|entry| entry.path())
+        .filter(|path| path.extension().is_some_and(|e| e == "log"))
+        .collect();
+    logs.sort();
+    for log in logs {
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        let all: Vec<&str> = text.lines().collect();
+        let tail = &all[all.len().saturating_sub(lines)..];
+        eprintln!("--- the last {} lines of {}", tail.len(), log.display());
+        for line in tail {
+            eprintln!("{line}");
+        }
     }
 }
