@@ -5,10 +5,19 @@
 //! [`ConnectionManager`], which reconnects by itself. `redis+cluster://host:port,host:port` (or
 //! `rediss+cluster://`) names seed nodes of a Redis Cluster. Either way commands time out
 //! instead of hanging, so callers can retry.
+//!
+//! A cluster connection that stops answering altogether is replaced: redis-rs's cluster client
+//! has been seen to wedge during a slot migration (a topology refresh that never ended, every
+//! command after it timing out, PINGs included), and it does not recover by itself. When every
+//! request has timed out for [`HEAL_AFTER`], the next one connects afresh from the seed nodes
+//! ([`HealingCluster`]).
 
-use std::time::Duration;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
 
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
+use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
 use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
 use redis::{Cmd, Pipeline, RedisFuture, Value};
@@ -18,6 +27,9 @@ pub const DEFAULT_RESPONSE_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long connecting may take.
 pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 
+/// How long every request to a cluster must have timed out before the connection is replaced.
+pub const HEAL_AFTER: Duration = Duration::from_secs(10);
+
 /// A connection to a standalone Redis or a Redis Cluster. Cheap to clone; clones share the
 /// underlying connection(s), which pipeline concurrent requests.
 #[derive(Clone)]
@@ -25,7 +37,140 @@ pub enum RedisConn {
     /// A standalone server.
     Single(ConnectionManager),
     /// A Redis Cluster.
-    Cluster(ClusterConnection),
+    Cluster(HealingCluster),
+}
+
+/// A Redis Cluster connection that connects afresh once every request has timed out for
+/// [`HEAL_AFTER`] (see the module). Clones share it, and its replacement.
+#[derive(Clone)]
+pub struct HealingCluster {
+    shared: Arc<Healing>,
+}
+
+struct Healing {
+    client: ClusterClient,
+    /// The connection in use, and its generation (how many times it was replaced).
+    current: Mutex<(u64, ClusterConnection)>,
+    /// Since when every request has timed out; `None` while requests are answered.
+    silent_since: Mutex<Option<Instant>>,
+    /// A replacement is being connected.
+    replacing: AtomicBool,
+    /// How long requests may all time out before the connection is replaced.
+    heal_after: Duration,
+}
+
+impl std::fmt::Debug for HealingCluster {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HealingCluster")
+            .field("replacements", &self.replacements())
+            .finish_non_exhaustive()
+    }
+}
+
+impl HealingCluster {
+    /// Connects to the cluster through `client` (one seed node must answer now).
+    pub async fn connect(client: ClusterClient, heal_after: Duration) -> redis::RedisResult<Self> {
+        let conn = client.get_async_connection().await?;
+        Ok(Self {
+            shared: Arc::new(Healing {
+                client,
+                current: Mutex::new((0, conn)),
+                silent_since: Mutex::new(None),
+                replacing: AtomicBool::new(false),
+                heal_after,
+            }),
+        })
+    }
+
+    /// The connection in use, and its generation.
+    fn current(&self) -> (u64, ClusterConnection) {
+        let current = self.shared.current.lock();
+        current.unwrap_or_else(PoisonError::into_inner).clone()
+    }
+
+    /// How many times the connection was replaced.
+    pub fn replacements(&self) -> u64 {
+        self.current().0
+    }
+
+    /// Notes how a request on the connection of `generation` ended; once every request has
+    /// timed out for the healing delay, connects a replacement in the background.
+    fn observe<T>(&self, generation: u64, result: &redis::RedisResult<T>) {
+        if generation != self.replacements() {
+            // Sent on a connection replaced since: it says nothing of the one in use.
+            return;
+        }
+        let timed_out = matches!(result, Err(e) if e.is_timeout());
+        let mut silent = (self.shared.silent_since.lock()).unwrap_or_else(PoisonError::into_inner);
+        if !timed_out {
+            *silent = None;
+            return;
+        }
+        let since = *silent.get_or_insert_with(Instant::now);
+        drop(silent);
+        if since.elapsed() < self.shared.heal_after
+            || self.shared.replacing.swap(true, Ordering::AcqRel)
+        {
+            return;
+        }
+        let shared = self.shared.clone();
+        tokio::spawn(async move {
+            let fresh = shared.client.get_async_connection().await;
+            match fresh {
+                Ok(conn) => {
+                    let mut current = shared
+                        .current
+                        .lock()
+                        .unwrap_or_else(PoisonError::into_inner);
+                    if current.0 == generation {
+                        *current = (generation + 1, conn);
+                        tracing::warn!(
+                            silent_ms = since.elapsed().as_millis() as u64,
+                            "every Redis Cluster request timed out: connected afresh"
+                        );
+                    }
+                    drop(current);
+                    *shared
+                        .silent_since
+                        .lock()
+                        .unwrap_or_else(PoisonError::into_inner) = None;
+                }
+                Err(error) => {
+                    tracing::warn!(%error, "every Redis Cluster request timed out, and connecting afresh failed");
+                }
+            }
+            shared.replacing.store(false, Ordering::Release);
+        });
+    }
+}
+
+impl ConnectionLike for HealingCluster {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        Box::pin(async move {
+            let (generation, mut conn) = self.current();
+            let result = conn.req_packed_command(cmd).await;
+            self.observe(generation, &result);
+            result
+        })
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        cmd: &'a Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<Value>> {
+        Box::pin(async move {
+            let (generation, mut conn) = self.current();
+            let result = conn.req_packed_commands(cmd, offset, count).await;
+            self.observe(generation, &result);
+            result
+        })
+    }
+
+    fn get_db(&self) -> i64 {
+        0
+    }
 }
 
 impl std::fmt::Debug for RedisConn {
@@ -235,7 +380,9 @@ impl RedisConn {
                 .connection_timeout(DEFAULT_CONNECT_TIMEOUT)
                 .response_timeout(DEFAULT_RESPONSE_TIMEOUT)
                 .build()?;
-            Ok(RedisConn::Cluster(client.get_async_connection().await?))
+            Ok(RedisConn::Cluster(
+                HealingCluster::connect(client, HEAL_AFTER).await?,
+            ))
         } else {
             let client = redis::Client::open(target.url())?;
             let config = ConnectionManagerConfig::new()
@@ -283,13 +430,11 @@ impl RedisConn {
         let mut cmd = redis::cmd("CLUSTER");
         cmd.arg("GETKEYSINSLOT").arg(slot).arg(count);
         let route = Route::new(slot, SlotAddr::Master);
-        let reply = (cluster.clone())
-            .route_command(
-                cmd,
-                RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(route)),
-            )
-            .await?;
-        Ok(redis::from_redis_value(reply)?)
+        let (generation, mut conn) = cluster.current();
+        let routing = RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(route));
+        let reply = conn.route_command(cmd, routing).await;
+        cluster.observe(generation, &reply);
+        Ok(redis::from_redis_value(reply?)?)
     }
 }
 

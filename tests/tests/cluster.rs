@@ -1,7 +1,7 @@
 //! Exactly-once on a real 3-master Redis Cluster (started on loopback ports by the test), for
 //! both grouping rules: SIGKILLs of the aggregator during a load, scaling 1 → 3 → 1, a zombie
 //! fenced off, and a cluster node SIGKILLed and restarted from its append-only file. Every counter
-//! ends exact, and no operation ever hits CROSSSLOT.
+//! ends exact, and no operation ever hits CROSSSLOT. A connection that only times out is replaced.
 
 use std::time::Duration;
 
@@ -192,4 +192,74 @@ async fn a_group_slot_migrated_or_failed_over_while_written_costs_no_event() {
     drop(cluster);
     let cluster = RedisCluster::start_with_replicas(1).await;
     group_slot_fault("cluster-failover", &cluster, SlotFault::FailOver).await;
+}
+
+/// A cluster connection whose every request times out for longer than its healing delay
+/// connects afresh, and commands go on over the new connection: every master pauses writes
+/// (`CLIENT PAUSE WRITE`) for 4 s, so each SET times out while a new connection can still read
+/// the topology. redis-rs's cluster client was seen to wedge for good during a slot migration
+/// (every command timing out until the process restarted); this is the way out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_connection_that_only_times_out_is_replaced() {
+    use tally_common::connection::{HealingCluster, RedisTarget};
+    let _serial = tally_tests::serial().await;
+    let cluster = RedisCluster::start().await;
+    let target = RedisTarget::parse(&cluster.url()).expect("a cluster URL");
+    let client = redis::cluster::ClusterClient::builder(target.node_urls())
+        .response_timeout(Duration::from_millis(300))
+        .retries(0)
+        .build()
+        .expect("a client");
+    let heal_after = Duration::from_secs(1);
+    let mut conn = HealingCluster::connect(client, heal_after)
+        .await
+        .expect("connects");
+    let set = |n: u32| {
+        let mut cmd = redis::cmd("SET");
+        cmd.arg(format!("healing:{n}")).arg(n);
+        cmd
+    };
+    set(0)
+        .exec_async(&mut conn)
+        .await
+        .expect("SET before the pause");
+    assert_eq!(conn.replacements(), 0);
+
+    for i in 0..3 {
+        let mut node = tally_tests::store::connect(&cluster.node_url(i)).await;
+        redis::cmd("CLIENT")
+            .arg(&["PAUSE", "4000", "WRITE"])
+            .exec_async(&mut node)
+            .await
+            .expect("CLIENT PAUSE");
+    }
+    let paused = std::time::Instant::now();
+    let (mut timeouts, mut n) = (0, 1);
+    while paused.elapsed() < Duration::from_secs(3) {
+        match set(n).exec_async(&mut conn).await {
+            Err(e) if e.is_timeout() => timeouts += 1,
+            other => panic!("a write while every master pauses writes: {other:?}"),
+        }
+        n += 1;
+    }
+    assert!(timeouts >= 5, "{timeouts} writes timed out");
+    // One fresh connection per second of nothing but timeouts, at most.
+    let replaced = conn.replacements();
+    assert!(
+        (1..=3).contains(&replaced),
+        "{replaced} fresh connections in 3 s of timeouts, healing after {heal_after:?}"
+    );
+
+    // Once the pause ends, writes land over the fresh connection.
+    tokio::time::sleep(Duration::from_secs(4).saturating_sub(paused.elapsed())).await;
+    set(n)
+        .exec_async(&mut conn)
+        .await
+        .expect("SET after the pause");
+    let stored: u32 = redis::cmd("GET")
+        .arg(format!("healing:{n}"))
+        .query_async(&mut conn)
+        .await
+        .expect("GET");
+    assert_eq!(stored, n);
 }
