@@ -9,8 +9,8 @@
 //! A cluster connection that stops answering altogether is replaced: redis-rs's cluster client
 //! has been seen to wedge during a slot migration (a topology refresh that never ended, every
 //! command after it timing out, PINGs included), and it does not recover by itself. When every
-//! request has timed out for [`HEAL_AFTER`], the next one connects afresh from the seed nodes
-//! ([`HealingCluster`]).
+//! request has timed out for [`HEAL_AFTER`], the next timeout connects a fresh connection from
+//! the seed nodes in the background, and requests go to it once it is up ([`HealingCluster`]).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -90,7 +90,8 @@ impl HealingCluster {
 
     /// How many times the connection was replaced.
     pub fn replacements(&self) -> u64 {
-        self.current().0
+        let current = self.shared.current.lock();
+        current.unwrap_or_else(PoisonError::into_inner).0
     }
 
     /// Notes how a request on the connection of `generation` ended; once every request has
