@@ -12,8 +12,8 @@
 //! request has timed out for [`HEAL_AFTER`], the next timeout connects a fresh connection from
 //! the seed nodes in the background, and requests go to it once it is up ([`HealingCluster`]).
 
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::future::Future;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
@@ -49,14 +49,20 @@ pub struct HealingCluster {
 
 struct Healing {
     client: ClusterClient,
-    /// The connection in use, and its generation (how many times it was replaced).
-    current: Mutex<(u64, ClusterConnection)>,
-    /// Since when every request has timed out; `None` while requests are answered.
-    silent_since: Mutex<Option<Instant>>,
-    /// A replacement is being connected.
-    replacing: AtomicBool,
     /// How long requests may all time out before the connection is replaced.
     heal_after: Duration,
+    state: Mutex<Current>,
+}
+
+/// The connection in use, and what its requests have told.
+struct Current {
+    conn: ClusterConnection,
+    /// How many times the connection was replaced.
+    generation: u64,
+    /// Since when every request has timed out; `None` while requests are answered.
+    silent_since: Option<Instant>,
+    /// A replacement is being connected.
+    replacing: bool,
 }
 
 impl std::fmt::Debug for HealingCluster {
@@ -71,88 +77,93 @@ impl HealingCluster {
     /// Connects to the cluster through `client` (one seed node must answer now).
     pub async fn connect(client: ClusterClient, heal_after: Duration) -> redis::RedisResult<Self> {
         let conn = client.get_async_connection().await?;
+        let state = Mutex::new(Current {
+            conn,
+            generation: 0,
+            silent_since: None,
+            replacing: false,
+        });
         Ok(Self {
             shared: Arc::new(Healing {
                 client,
-                current: Mutex::new((0, conn)),
-                silent_since: Mutex::new(None),
-                replacing: AtomicBool::new(false),
                 heal_after,
+                state,
             }),
         })
     }
 
-    /// The connection in use, and its generation.
-    fn current(&self) -> (u64, ClusterConnection) {
-        let current = self.shared.current.lock();
-        current.unwrap_or_else(PoisonError::into_inner).clone()
+    fn state(&self) -> MutexGuard<'_, Current> {
+        self.shared
+            .state
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
     }
 
     /// How many times the connection was replaced.
     pub fn replacements(&self) -> u64 {
-        let current = self.shared.current.lock();
-        current.unwrap_or_else(PoisonError::into_inner).0
+        self.state().generation
+    }
+
+    /// Runs `request` on the connection in use and notes how it ended (see [`Self::observe`]).
+    async fn request<T, F>(
+        &self,
+        request: impl FnOnce(ClusterConnection) -> F,
+    ) -> redis::RedisResult<T>
+    where
+        F: Future<Output = redis::RedisResult<T>>,
+    {
+        let (conn, generation) = {
+            let state = self.state();
+            (state.conn.clone(), state.generation)
+        };
+        let result = request(conn).await;
+        self.observe(generation, &result);
+        result
     }
 
     /// Notes how a request on the connection of `generation` ended; once every request has
     /// timed out for the healing delay, connects a replacement in the background.
     fn observe<T>(&self, generation: u64, result: &redis::RedisResult<T>) {
-        if generation != self.replacements() {
+        let mut state = self.state();
+        if generation != state.generation {
             // Sent on a connection replaced since: it says nothing of the one in use.
             return;
         }
-        let timed_out = matches!(result, Err(e) if e.is_timeout());
-        let mut silent = (self.shared.silent_since.lock()).unwrap_or_else(PoisonError::into_inner);
-        if !timed_out {
-            *silent = None;
+        if !matches!(result, Err(e) if e.is_timeout()) {
+            state.silent_since = None;
             return;
         }
-        let since = *silent.get_or_insert_with(Instant::now);
-        drop(silent);
-        if since.elapsed() < self.shared.heal_after
-            || self.shared.replacing.swap(true, Ordering::AcqRel)
-        {
+        let since = *state.silent_since.get_or_insert_with(Instant::now);
+        if since.elapsed() < self.shared.heal_after || state.replacing {
             return;
         }
-        let shared = self.shared.clone();
+        state.replacing = true;
+        drop(state);
+        let this = self.clone();
         tokio::spawn(async move {
-            let fresh = shared.client.get_async_connection().await;
+            let fresh = this.shared.client.get_async_connection().await;
+            let mut state = this.state();
+            state.replacing = false;
             match fresh {
                 Ok(conn) => {
-                    let mut current = shared
-                        .current
-                        .lock()
-                        .unwrap_or_else(PoisonError::into_inner);
-                    if current.0 == generation {
-                        *current = (generation + 1, conn);
-                        tracing::warn!(
-                            silent_ms = since.elapsed().as_millis() as u64,
-                            "every Redis Cluster request timed out: connected afresh"
-                        );
-                    }
-                    drop(current);
-                    *shared
-                        .silent_since
-                        .lock()
-                        .unwrap_or_else(PoisonError::into_inner) = None;
+                    (state.conn, state.generation) = (conn, generation + 1);
+                    state.silent_since = None;
+                    tracing::warn!(
+                        silent_ms = since.elapsed().as_millis() as u64,
+                        "every Redis Cluster request timed out: connected afresh"
+                    );
                 }
                 Err(error) => {
                     tracing::warn!(%error, "every Redis Cluster request timed out, and connecting afresh failed");
                 }
             }
-            shared.replacing.store(false, Ordering::Release);
         });
     }
 }
 
 impl ConnectionLike for HealingCluster {
     fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
-        Box::pin(async move {
-            let (generation, mut conn) = self.current();
-            let result = conn.req_packed_command(cmd).await;
-            self.observe(generation, &result);
-            result
-        })
+        Box::pin(self.request(move |mut conn| async move { conn.req_packed_command(cmd).await }))
     }
 
     fn req_packed_commands<'a>(
@@ -161,12 +172,9 @@ impl ConnectionLike for HealingCluster {
         offset: usize,
         count: usize,
     ) -> RedisFuture<'a, Vec<Value>> {
-        Box::pin(async move {
-            let (generation, mut conn) = self.current();
-            let result = conn.req_packed_commands(cmd, offset, count).await;
-            self.observe(generation, &result);
-            result
-        })
+        Box::pin(self.request(move |mut conn| async move {
+            conn.req_packed_commands(cmd, offset, count).await
+        }))
     }
 
     fn get_db(&self) -> i64 {
@@ -431,11 +439,11 @@ impl RedisConn {
         let mut cmd = redis::cmd("CLUSTER");
         cmd.arg("GETKEYSINSLOT").arg(slot).arg(count);
         let route = Route::new(slot, SlotAddr::Master);
-        let (generation, mut conn) = cluster.current();
         let routing = RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(route));
-        let reply = conn.route_command(cmd, routing).await;
-        cluster.observe(generation, &reply);
-        Ok(redis::from_redis_value(reply?)?)
+        let reply = cluster
+            .request(move |mut conn| async move { conn.route_command(cmd, routing).await })
+            .await?;
+        Ok(redis::from_redis_value(reply)?)
     }
 }
 

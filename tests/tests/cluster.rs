@@ -196,7 +196,7 @@ async fn a_group_slot_migrated_or_failed_over_while_written_costs_no_event() {
 
 /// A cluster connection whose every request times out for longer than its healing delay
 /// connects afresh, and commands go on over the new connection: every master pauses writes
-/// (`CLIENT PAUSE WRITE`) for 4 s, so each SET times out while a new connection can still read
+/// (`CLIENT PAUSE WRITE`) for 3 s, so each SET times out while a new connection can still read
 /// the topology. redis-rs's cluster client was seen to wedge for good during a slot migration
 /// (every command timing out until the process restarted); this is the way out.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -225,13 +225,16 @@ async fn a_cluster_connection_that_only_times_out_is_replaced() {
         .expect("SET before the pause");
     assert_eq!(conn.replacements(), 0);
 
+    // Paused until unpaused below (a minute at most, should the test die first).
+    let mut masters = Vec::new();
     for i in 0..3 {
         let mut node = tally_tests::store::connect(&cluster.node_url(i)).await;
         redis::cmd("CLIENT")
-            .arg(&["PAUSE", "4000", "WRITE"])
+            .arg(&["PAUSE", "60000", "WRITE"])
             .exec_async(&mut node)
             .await
             .expect("CLIENT PAUSE");
+        masters.push(node);
     }
     let paused = std::time::Instant::now();
     let (mut timeouts, mut n) = (0, 1);
@@ -251,7 +254,13 @@ async fn a_cluster_connection_that_only_times_out_is_replaced() {
     );
 
     // Once the pause ends, writes land over the fresh connection.
-    tokio::time::sleep(Duration::from_secs(4).saturating_sub(paused.elapsed())).await;
+    for node in &mut masters {
+        redis::cmd("CLIENT")
+            .arg("UNPAUSE")
+            .exec_async(node)
+            .await
+            .expect("CLIENT UNPAUSE");
+    }
     set(n)
         .exec_async(&mut conn)
         .await
