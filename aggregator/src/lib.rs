@@ -250,7 +250,7 @@ pub async fn run(
                         if let Some(keyspace) = keyspace {
                             tracing::info!(
                                 cells_stripes = keyspace.cells_stripes(),
-                                "window buckets go to the deployment's recorded cells hashes"
+                                "writing by the deployment's recorded layout"
                             );
                             config.keyspace = keyspace;
                         }
@@ -298,19 +298,24 @@ pub async fn run(
 }
 
 /// Records (or checks) the layout of likes, then where window buckets go: the keyspace with
-/// the deployment's cells stripes, or `None` when Redis failed on those and no namespace keeps
-/// windows (then no bucket is written, and the aggregator may start while Redis is down). Any
-/// other Redis failure is the caller's to retry.
+/// the deployment's way of counting likes and its cells stripes, or `None` when Redis failed on
+/// those and no namespace keeps windows or likes (then neither is written, and the aggregator
+/// may start while Redis is down). Any other Redis failure is the caller's to retry.
 async fn record_layout(
     conn: &tally_common::RedisConn,
     keyspace: &tally_common::Keyspace,
     namespaces: &tally_common::Namespaces,
 ) -> Result<Option<tally_common::Keyspace>, tally_common::layout::LayoutError> {
-    use tally_common::layout::{LayoutError, record_cells_stripes, record_dedup_groupings};
-    record_dedup_groupings(conn, keyspace, namespaces).await?;
+    use tally_common::layout::{
+        LayoutError, likes_by_set, record_cells_stripes, record_dedup_groupings,
+    };
+    let likes = record_dedup_groupings(conn, keyspace, namespaces).await?;
+    let keyspace = &(keyspace.clone()).with_likes_by_set(likes_by_set(namespaces, likes));
     match record_cells_stripes(conn, keyspace).await {
         Ok(keyspace) => Ok(Some(keyspace)),
-        Err(LayoutError::Redis(_)) if !namespaces.any_windows() => Ok(None),
+        Err(LayoutError::Redis(_)) if !namespaces.any_windows() && !namespaces.any_dedup() => {
+            Ok(None)
+        }
         Err(e) => Err(e),
     }
 }

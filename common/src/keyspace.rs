@@ -158,6 +158,36 @@ pub struct Keyspace {
     /// How many cells hashes each group keeps (windowed namespaces): the deployment's record
     /// (`crate::layout::record_cells_stripes`), [`DEFAULT_STRIPES`] until one is read.
     cells_stripes: u64,
+    /// Which namespaces' likes are counted by their count sets ([`Keyspace::count_set_key`])
+    /// rather than in their shares: from the deployment's record (`crate::layout`), none until
+    /// a writer reads it.
+    likes_by_set: std::sync::Arc<LikesBySet>,
+}
+
+/// The namespaces whose likes a writer counts by their count sets: those it deduplicates
+/// grouped by counter, in a deployment that records likes counted by sets (`crate::layout`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct LikesBySet {
+    /// Listed namespaces, sorted, and whether each is counted by sets.
+    pub listed: Vec<(String, bool)>,
+    /// Whether the namespaces not listed are.
+    pub others: bool,
+}
+
+impl LikesBySet {
+    /// Whether `counter`'s likes are counted by its count set.
+    pub fn counts(&self, counter: &str) -> bool {
+        let namespace = namespace_of(counter);
+        match (self.listed).binary_search_by(|(name, _)| name.as_str().cmp(namespace)) {
+            Ok(i) => self.listed[i].1,
+            Err(_) => self.others,
+        }
+    }
+}
+
+/// The namespace of a counter id: everything before the first `:` (the whole id if none).
+pub fn namespace_of(counter: &str) -> &str {
+    counter.split_once(':').map_or(counter, |(ns, _)| ns)
 }
 
 impl Default for Keyspace {
@@ -166,6 +196,7 @@ impl Default for Keyspace {
             prefix: DEFAULT_PREFIX.to_owned(),
             groups: DEFAULT_GROUPS,
             cells_stripes: DEFAULT_STRIPES,
+            likes_by_set: std::sync::Arc::default(),
         }
     }
 }
@@ -189,6 +220,7 @@ impl Keyspace {
             prefix,
             groups,
             cells_stripes: DEFAULT_STRIPES,
+            likes_by_set: std::sync::Arc::default(),
         })
     }
 
@@ -199,6 +231,20 @@ impl Keyspace {
         assert!(valid_stripes(stripes), "{stripes} cells stripes");
         self.cells_stripes = stripes;
         self
+    }
+
+    /// This keyspace with the likes of `by_set`'s namespaces counted by their count sets
+    /// (`crate::layout::likes_by_set`).
+    pub fn with_likes_by_set(mut self, by_set: LikesBySet) -> Self {
+        self.likes_by_set = std::sync::Arc::new(by_set);
+        self
+    }
+
+    /// Whether this writer counts `counter`'s likes by its count set
+    /// ([`Keyspace::count_set_key`]): its total is its shares plus the set's size, and a like
+    /// adds to no share.
+    pub fn likes_by_set(&self, counter: &str) -> bool {
+        self.likes_by_set.counts(counter)
     }
 
     /// How many cells hashes each group keeps (see [`Keyspace::cells_key`]).
@@ -375,6 +421,30 @@ impl Keyspace {
     /// [`Keyspace::member_key`] into `out` (cleared first), reusing its allocation.
     pub fn write_member_key(&self, out: &mut String, group: u32, counter: &str) {
         self.write_group_key(out, group, "m", counter);
+    }
+
+    /// The set of actors whose like of `counter` is counted, where likes are counted by their
+    /// sets (`crate::layout`): in the counter's group, beside its share there, and its size is
+    /// the likes' part of the counter's total (no share holds them).
+    pub fn count_set_key(&self, group: u32, counter: &str) -> String {
+        let mut key = String::new();
+        self.write_group_key(&mut key, group, "s", counter);
+        key
+    }
+
+    /// The set this writer keeps `counter`'s likes in, in `group`, written into `out`: its
+    /// count set where it counts them by sets ([`Keyspace::likes_by_set`]), else its member
+    /// set.
+    pub fn write_likes_key(&self, out: &mut String, group: u32, counter: &str) {
+        let kind = if self.likes_by_set(counter) { "s" } else { "m" };
+        self.write_group_key(out, group, kind, counter);
+    }
+
+    /// [`Keyspace::write_likes_key`] as a new string.
+    pub fn likes_key(&self, group: u32, counter: &str) -> String {
+        let mut key = String::new();
+        self.write_likes_key(&mut key, group, counter);
+        key
     }
 
     /// The group holding shard `shard` of a directly written counter: `(base + shard) mod N`,

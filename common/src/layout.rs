@@ -16,6 +16,17 @@
 //! a deduplicating namespace with no record and a grouping other than `actor` refuses to start
 //! until the operator says which layout is there (`docs/operations.md`).
 //!
+//! The same hash records how a deployment counts likes, in field `likes`: `sets` when a
+//! deduplicating namespace's count is its member set's size (`SCARD`) added to its share, so
+//! that a like is one `SADD` and no `INCRBY`; `shares` when each like is also added to the
+//! counter's share (every deployment before this record). The first writer decides, once:
+//! `sets` for a deployment with nothing written yet (no ledger, no namespace's grouping
+//! recorded), `shares` otherwise. In a `sets` deployment each deduplicating namespace grouped
+//! by counter keeps its likes in count sets (`Keyspace::count_set_key`) and is recorded as
+//! `sets`, which older writers refuse as a grouping they do not have; one grouped by actor
+//! keeps them as before (member sets in the actors' groups, counted in the shares), recorded
+//! as `actor`. Readers add each counter's count set's size (none: 0) to its shares.
+//!
 //! The same hash records how many cells hashes (window buckets) each group keeps, in field
 //! `cells_stripes` ([`record_cells_stripes`]): every reader and writer finds a counter's
 //! buckets in the stripe its id hashes to among that many. The first writer records
@@ -24,7 +35,7 @@
 //! there is none.
 
 use crate::connection::RedisConn;
-use crate::keyspace::{GroupingRule, Keyspace};
+use crate::keyspace::{GroupingRule, Keyspace, LikesBySet};
 use crate::namespace::{Namespaces, Policy};
 use crate::window::cells::{DEFAULT_STRIPES, LEGACY_STRIPES, MAX_STRIPES, valid_stripes};
 
@@ -33,10 +44,11 @@ use crate::window::cells::{DEFAULT_STRIPES, LEGACY_STRIPES, MAX_STRIPES, valid_s
 pub enum LayoutError {
     /// The deployment records another grouping for the namespace.
     #[error(
-        "namespace {namespace:?} keeps its likes grouped by {recorded} ({key} field {field}), \
-         but this writer is configured with grouping = {configured:?}: set grouping = \
-         {recorded:?} in its namespace file (changing a namespace's layout needs its member \
-         sets moved, which tally does not do yet)"
+        "namespace {namespace:?} keeps its likes as {recorded:?} ({key} field {field}: a \
+         grouping, or \"sets\" for grouped by counter and counted by their sets), but this \
+         writer, configured with grouping = {configured:?}, would keep them otherwise: set the \
+         grouping recorded in its namespace file (changing a namespace's layout needs its \
+         member sets moved, which tally does not do yet)"
     )]
     Mismatch {
         /// The namespace (`*` for the defaults).
@@ -67,6 +79,19 @@ pub enum LayoutError {
         key: String,
         /// The record's field.
         field: String,
+    },
+    /// The recorded way of counting likes is not one tally knows.
+    #[error(
+        "{key} field {field} holds {text:?}, not a way of counting likes (\"sets\" or \
+         \"shares\"): restore it from the deployment's other writers' logs"
+    )]
+    Likes {
+        /// The record's key.
+        key: String,
+        /// The record's field.
+        field: &'static str,
+        /// What it holds.
+        text: String,
     },
     /// The recorded number of cells stripes is not one tally keeps.
     #[error(
@@ -104,26 +129,127 @@ fn deduplicating(namespaces: &Namespaces) -> Vec<(String, GroupingRule)> {
 /// counted before them (`unrecorded`): set by the first writer to check, never changed.
 const ORIGIN_FIELD: &str = "origin";
 
+/// How a deployment counts likes (the layout hash's field `likes`; see the module's doc).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LikesCount {
+    /// A deduplicating counter's total is its share plus its member set's size.
+    Sets,
+    /// Each like is added to the counter's share too.
+    Shares,
+}
+
+impl LikesCount {
+    /// The record's value.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            LikesCount::Sets => "sets",
+            LikesCount::Shares => "shares",
+        }
+    }
+
+    fn parse(key: String, text: String) -> Result<Self, LayoutError> {
+        match text.as_str() {
+            "sets" => Ok(LikesCount::Sets),
+            "shares" => Ok(LikesCount::Shares),
+            _ => Err(LayoutError::Likes {
+                key,
+                field: LIKES_FIELD,
+                text,
+            }),
+        }
+    }
+}
+
+/// The namespaces of `namespaces` whose likes a writer counts by their count sets in a
+/// deployment that counts likes as `count`: those that deduplicate grouped by counter, where
+/// likes count by sets (see the module's doc).
+pub fn likes_by_set(namespaces: &Namespaces, count: Option<LikesCount>) -> LikesBySet {
+    let by_set = |p: &Policy| {
+        count == Some(LikesCount::Sets) && p.dedup && p.grouping == GroupingRule::ByCounter
+    };
+    LikesBySet {
+        listed: (namespaces.listed())
+            .map(|(name, p)| (name.to_owned(), by_set(p)))
+            .collect(),
+        others: by_set(namespaces.defaults()),
+    }
+}
+
+/// The field recording how the deployment counts likes.
+const LIKES_FIELD: &str = "likes";
+
+/// How the deployment counts likes, or `None` if no writer has recorded it yet (nothing was
+/// written by this version's writers: no likes are kept in sets alone).
+pub async fn recorded_likes_count(
+    conn: &RedisConn,
+    keyspace: &Keyspace,
+) -> Result<Option<LikesCount>, LayoutError> {
+    let key = keyspace.layout_key();
+    let text: Option<String> = redis::cmd("HGET")
+        .arg(&key)
+        .arg(LIKES_FIELD)
+        .query_async(&mut conn.clone())
+        .await?;
+    text.map(|text| LikesCount::parse(key, text)).transpose()
+}
+
+/// How the deployment counts likes, recorded first if it is not: [`LikesCount::Sets`] if
+/// nothing has been written (no group holds a ledger and no namespace's grouping is recorded),
+/// else [`LikesCount::Shares`]. Writers record it before they write anything, so racing writers
+/// that find it missing decide alike; each reads back the record.
+async fn record_likes_count(
+    conn: &mut RedisConn,
+    keyspace: &Keyspace,
+) -> Result<LikesCount, LayoutError> {
+    if let Some(count) = recorded_likes_count(conn, keyspace).await? {
+        return Ok(count);
+    }
+    let key = keyspace.layout_key();
+    let fields: Vec<String> = redis::cmd("HKEYS").arg(&key).query_async(conn).await?;
+    let grouped = fields.iter().any(|f| f.starts_with("dedup:"));
+    let count = if grouped || has_ledgers(conn, keyspace).await? {
+        LikesCount::Shares
+    } else {
+        LikesCount::Sets
+    };
+    let _: bool = redis::cmd("HSETNX")
+        .arg(&key)
+        .arg(LIKES_FIELD)
+        .arg(count.as_str())
+        .query_async(conn)
+        .await?;
+    Ok(recorded_likes_count(conn, keyspace).await?.unwrap_or(count))
+}
+
 /// Records the grouping of each deduplicating namespace of `namespaces` where none is recorded,
-/// and checks it where one is: see the module's doc.
+/// and checks it where one is; returns how the deployment counts likes (recorded first if it
+/// is not): see the module's doc. Without deduplicating namespaces, `None` if Redis did not
+/// answer (such a writer may start while Redis is down).
 pub async fn record_dedup_groupings(
     conn: &RedisConn,
     keyspace: &Keyspace,
     namespaces: &Namespaces,
-) -> Result<(), LayoutError> {
+) -> Result<Option<LikesCount>, LayoutError> {
     let wanted = deduplicating(namespaces);
     let key = keyspace.layout_key();
     let mut conn = conn.clone();
     if wanted.is_empty() {
-        // Only the origin, and only if Redis answers: a writer without likes needs Redis for
-        // nothing else here, and may start while Redis is down (a later writer records it
-        // then, from the ledgers it finds).
-        let _ = origin(&mut conn, keyspace, &key).await;
-        return Ok(());
+        // Only the origin and how likes count, and only if Redis answers: a writer without
+        // likes needs Redis for nothing else here, and may start while Redis is down (a later
+        // writer records them then, from the ledgers it finds).
+        if origin(&mut conn, keyspace, &key).await.is_err() {
+            return Ok(None);
+        }
+        return Ok(record_likes_count(&mut conn, keyspace).await.ok());
     }
     let unrecorded_origin = origin(&mut conn, keyspace, &key).await? == "unrecorded";
+    let count = record_likes_count(&mut conn, keyspace).await?;
     for (namespace, grouping) in wanted {
         let field = field(&namespace);
+        let wanted = match (count, grouping) {
+            (LikesCount::Sets, GroupingRule::ByCounter) => LikesCount::Sets.as_str(),
+            _ => grouping.as_str(),
+        };
         let recorded: Option<String> = redis::cmd("HGET")
             .arg(&key)
             .arg(&field)
@@ -146,7 +272,7 @@ pub async fn record_dedup_groupings(
                 let _: bool = redis::cmd("HSETNX")
                     .arg(&key)
                     .arg(&field)
-                    .arg(grouping.as_str())
+                    .arg(wanted)
                     .query_async(&mut conn)
                     .await?;
                 redis::cmd("HGET")
@@ -156,7 +282,7 @@ pub async fn record_dedup_groupings(
                     .await?
             }
         };
-        if recorded != grouping.as_str() {
+        if recorded != wanted {
             return Err(LayoutError::Mismatch {
                 namespace,
                 recorded,
@@ -166,7 +292,7 @@ pub async fn record_dedup_groupings(
             });
         }
     }
-    Ok(())
+    Ok(Some(count))
 }
 
 /// The deployment's origin, recorded first if it is not: a deployment whose groups hold

@@ -359,10 +359,7 @@ impl Namespaces {
     }
 }
 
-/// The namespace of a counter id: everything before the first `:` (the whole id if none).
-pub fn namespace_of(counter: &str) -> &str {
-    counter.split_once(':').map_or(counter, |(ns, _)| ns)
-}
+pub use crate::keyspace::namespace_of;
 
 #[cfg(test)]
 mod tests {

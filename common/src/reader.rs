@@ -7,16 +7,17 @@
 //! concurrent requests instead) and each counter's shares are summed. [`Reader::get`] is the same for one
 //! counter. These are exact reads of what has been flushed so far; nothing is cached here.
 //! Amounts that compaction is moving between groups are counted from their journals (see
-//! `aggregator/src/compact.rs`), so a compactor killed mid-move hides nothing.
+//! `aggregator/src/compact.rs`), so a compactor killed mid-move hides nothing. Where likes are
+//! counted by their sets (`crate::layout`), each counter's count set's `SCARD` is read with the
+//! `MGET`s and added to its total.
 
 use crate::connection::{RedisConn, query_each};
 use crate::event::validate_counter;
 use crate::keyspace::{Keyspace, Watermark, partition_field};
 use crate::regroup::{FOLD_READ_BOUND, PlanLease};
-use crate::window::Window;
-use crate::window::cells::Cells;
 
 mod error;
+mod windows;
 pub use error::ReadError;
 
 /// Trending counters are reported into buckets of this many seconds...
@@ -58,6 +59,9 @@ pub struct Reader {
     /// The deployment's cells stripes (`crate::layout`), once a read finds them recorded: a
     /// record never changes, and until there is one, every windowed read asks again.
     cells_stripes: std::sync::Arc<std::sync::OnceLock<u64>>,
+    /// Whether reads add count sets' sizes: unknown until the first, which asks the server
+    /// whether this reader may run `SCARD` ([`SETS_UNKNOWN`] and the two answers).
+    count_sets: std::sync::Arc<std::sync::atomic::AtomicU8>,
 }
 
 impl Reader {
@@ -70,6 +74,7 @@ impl Reader {
             plan: PlanLease::default(),
             snapshots: std::sync::Arc::new(std::sync::atomic::AtomicU8::new(SNAPSHOTS_UNKNOWN)),
             cells_stripes: std::sync::Arc::default(),
+            count_sets: std::sync::Arc::new(std::sync::atomic::AtomicU8::new(SETS_UNKNOWN)),
         }
     }
 
@@ -109,18 +114,18 @@ impl Reader {
     }
 
     /// Whether `actor`'s like of `counter` is counted, in a namespace that deduplicates: a
-    /// `SISMEMBER` of the set in the counter's group and, at the same time, of the one in the
-    /// actor's group (where namespaces grouped by actor keep it; `crate::layout`), whatever the
-    /// topic's partition count. A namespace keeps each like in one of the two.
+    /// `SISMEMBER` of the count set in the counter's group (where likes are counted by their
+    /// sets), and at the same time of the member set there and of the one in the actor's group
+    /// (where namespaces grouped by actor keep it; `crate::layout`), whatever the topic's
+    /// partition count. A namespace keeps each like in one of the three.
     pub async fn has_liked(&self, counter: &str, actor: &str) -> Result<bool, ReadError> {
         validate_counter(counter)?;
         if let Some(store) = &self.store {
             return store.has_liked(counter, actor).await;
         }
         let ks = &self.keyspace;
-        let is_member = |group: u32| {
+        let is_member = |key: String| {
             let mut conn = self.conn.clone();
-            let key = ks.member_key(group, counter);
             async move {
                 redis::cmd("SISMEMBER")
                     .arg(key)
@@ -131,10 +136,18 @@ impl Reader {
         };
         let (by_counter, by_actor) = (ks.group_for_counter(counter), ks.group_for_actor(actor));
         if by_counter == by_actor {
-            return Ok(is_member(by_counter).await?);
+            let (counted, grouped) = tokio::try_join!(
+                is_member(ks.count_set_key(by_counter, counter)),
+                is_member(ks.member_key(by_counter, counter)),
+            )?;
+            return Ok(counted || grouped);
         }
-        let (a, b) = tokio::try_join!(is_member(by_counter), is_member(by_actor))?;
-        Ok(a || b)
+        let (counted, grouped, of_actor) = tokio::try_join!(
+            is_member(ks.count_set_key(by_counter, counter)),
+            is_member(ks.member_key(by_counter, counter)),
+            is_member(ks.member_key(by_actor, counter)),
+        )?;
+        Ok(counted || grouped || of_actor)
     }
 
     /// The `k` fastest-moving counters of `namespace` over the last minute, with their activity
@@ -183,10 +196,32 @@ impl Reader {
             })
             .collect();
         let values: Vec<Option<String>> = query_each(&self.conn, gets).await?;
-        values
-            .iter()
+        let mut shares: Vec<Option<i64>> = (values.iter())
             .map(|v| v.as_deref().map(|v| parse_integer(counter, v)).transpose())
-            .collect()
+            .collect::<Result<_, _>>()?;
+        // Likes counted by their set: its size is part of the counter's group's share.
+        let group = ks.group_for_counter(counter);
+        if !self.count_sets().await? {
+            return Ok(shares);
+        }
+        let size: i64 = redis::cmd("SCARD")
+            .arg(ks.count_set_key(group, counter))
+            .query_async(&mut self.conn.clone())
+            .await?;
+        if size > 0
+            && let Some(share) = shares.get_mut(group as usize)
+        {
+            *share =
+                Some(
+                    share
+                        .unwrap_or(0)
+                        .checked_add(size)
+                        .ok_or_else(|| ReadError::Overflow {
+                            counter: counter.to_owned(),
+                        })?,
+                );
+        }
+        Ok(shares)
     }
 
     /// How many shards a directly written counter is spread over (1 unless the shard monitor
@@ -259,13 +294,14 @@ impl Reader {
             let counters: Vec<&str> = counters.iter().map(AsRef::as_ref).collect();
             return store.totals(&counters).await;
         }
+        let sets = self.count_sets().await?;
         let mut plan = self.plan.current(&self.conn, &self.keyspace).await?;
         let groups = plan.read;
         if self.conn.is_cluster() {
             // A shrink's fold may move amounts between groups under a read: see `read_spread`.
             for _ in 0..SLOW_READ_ATTEMPTS {
                 let asked = std::time::Instant::now();
-                let totals = self.read_spread(counters, plan.read).await?;
+                let totals = self.read_spread(counters, plan.read, sets).await?;
                 if asked.elapsed() < FOLD_READ_BOUND {
                     return Ok(totals);
                 }
@@ -284,14 +320,14 @@ impl Reader {
             });
         }
         if !self.snapshots_allowed().await? {
-            return self.read_spread(counters, groups).await;
+            return self.read_spread(counters, groups, sets).await;
         }
         // The markers read with the shares: `(counter index, source group)`, sorted.
         let mut markers: Vec<(usize, u32)> = Vec::new();
         let mut attempt = 0;
         loop {
             let Snapshot { totals, journals } =
-                self.read_snapshot(counters, groups, &markers).await?;
+                self.read_snapshot(counters, groups, &markers, sets).await?;
             let missing: Vec<(usize, u32)> = (journals.iter())
                 .map(|j| (j.counter, j.from))
                 .filter(|k| markers.binary_search(k).is_err())
@@ -310,6 +346,44 @@ impl Reader {
             markers.sort_unstable();
             markers.dedup();
             attempt += 1;
+        }
+    }
+
+    /// Whether reads add count sets' sizes (`crate::layout`): if this reader may run `SCARD`
+    /// (asked once), always; if it may not, only where the deployment records that likes are
+    /// counted in the shares, and otherwise the read fails and says which permission is missing
+    /// (a read without the sets' sizes would miss every like counted by them).
+    async fn count_sets(&self) -> Result<bool, ReadError> {
+        use std::sync::atomic::Ordering;
+        match self.count_sets.load(Ordering::Relaxed) {
+            SETS_COUNTED => return Ok(true),
+            SETS_NONE => return Ok(false),
+            _ => {}
+        }
+        let ks = &self.keyspace;
+        let probe: redis::RedisResult<i64> = redis::cmd("SCARD")
+            .arg(ks.count_set_key(0, "-"))
+            .query_async(&mut self.conn.clone())
+            .await;
+        match probe {
+            Ok(_) => {
+                self.count_sets.store(SETS_COUNTED, Ordering::Relaxed);
+                Ok(true)
+            }
+            Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoPerm) => {
+                match crate::layout::recorded_likes_count(&self.conn, ks).await {
+                    Ok(Some(crate::layout::LikesCount::Shares)) => {
+                        self.count_sets.store(SETS_NONE, Ordering::Relaxed);
+                        Ok(false)
+                    }
+                    _ => Err(ReadError::Layout(format!(
+                        "this reader's Redis user may not run SCARD, which reads the likes this \
+                         deployment counts by their sets ({} field likes): grant it +scard",
+                        ks.layout_key()
+                    ))),
+                }
+            }
+            Err(e) => Err(e.into()),
         }
     }
 
@@ -346,20 +420,26 @@ impl Reader {
         Ok(allowed)
     }
 
-    /// One `MULTI`/`EXEC` of every group's `MGET` and of `markers`' applied-move markers: the
-    /// totals with each journal whose marker was read counted unless applied, and every journal
-    /// found.
+    /// One `MULTI`/`EXEC` of every group's `MGET`, of each counter's count set's `SCARD`, and
+    /// of `markers`' applied-move markers: the totals with each journal whose marker was read
+    /// counted unless applied, and every journal found.
     async fn read_snapshot<S: AsRef<str>>(
         &self,
         counters: &[S],
         groups: u32,
         markers: &[(usize, u32)],
+        sets: bool,
     ) -> Result<Snapshot, ReadError> {
         let ks = &self.keyspace;
         let mut pipe = redis::pipe();
         pipe.atomic();
         for group in 0..groups {
             pipe.add_command(self.group_mget(counters, group));
+        }
+        if sets {
+            for scard in self.set_sizes(counters) {
+                pipe.add_command(scard);
+            }
         }
         if !markers.is_empty() {
             let mut mget = redis::cmd("MGET");
@@ -369,13 +449,21 @@ impl Reader {
             }
             pipe.add_command(mget);
         }
-        let mut rows: Vec<Vec<Option<String>>> = pipe.query_async(&mut self.conn.clone()).await?;
-        let applied = if markers.is_empty() {
-            Vec::new()
-        } else {
-            rows.pop().unwrap_or_default()
+        let mut replies: Vec<redis::Value> = pipe.query_async(&mut self.conn.clone()).await?;
+        let applied: Vec<Option<String>> = match markers.is_empty() {
+            true => Vec::new(),
+            false => value_as(replies.pop().unwrap_or(redis::Value::Nil))?,
         };
+        let sizes: Vec<i64> = (replies.drain(groups as usize..))
+            .map(value_as)
+            .collect::<Result<_, _>>()?;
+        let rows: Vec<Vec<Option<String>>> = (replies.into_iter())
+            .map(value_as)
+            .collect::<Result<_, _>>()?;
         let mut snapshot = self.sum_rows(counters, &rows)?;
+        for (i, size) in sizes.into_iter().enumerate() {
+            snapshot.add(counters, i, size)?;
+        }
         let journals = std::mem::take(&mut snapshot.journals);
         for journal in &journals {
             let Ok(at) = markers.binary_search(&(journal.counter, journal.from)) else {
@@ -398,15 +486,32 @@ impl Reader {
     /// fold (spaced by twice that), and each step is counted once: a take (the share, or the
     /// journal and no marker), a give (the journal, checked against the base share read with
     /// the marker), the journal's deletion (the base share holds it either way), the marker's.
+    ///
+    /// Each counter's count set's `SCARD` goes out with the `MGET`s (not a snapshot either: a
+    /// flush landing between them is seen in part).
     async fn read_spread<S: AsRef<str>>(
         &self,
         counters: &[S],
         groups: u32,
+        sets: bool,
     ) -> Result<Vec<i64>, ReadError> {
         let ks = &self.keyspace;
-        let mgets = (0..groups).map(|g| self.group_mget(counters, g)).collect();
-        let rows: Vec<Vec<Option<String>>> = query_each(&self.conn, mgets).await?;
+        let mut reads: Vec<redis::Cmd> =
+            (0..groups).map(|g| self.group_mget(counters, g)).collect();
+        if sets {
+            reads.extend(self.set_sizes(counters));
+        }
+        let mut replies: Vec<redis::Value> = query_each(&self.conn, reads).await?;
+        let sizes: Vec<i64> = (replies.drain(groups as usize..))
+            .map(value_as)
+            .collect::<Result<_, _>>()?;
+        let rows: Vec<Vec<Option<String>>> = (replies.into_iter())
+            .map(value_as)
+            .collect::<Result<_, _>>()?;
         let mut snapshot = self.sum_rows(counters, &rows)?;
+        for (i, size) in sizes.into_iter().enumerate() {
+            snapshot.add(counters, i, size)?;
+        }
         let mut journals = std::mem::take(&mut snapshot.journals);
         if journals.is_empty() {
             return Ok(snapshot.totals);
@@ -447,6 +552,21 @@ impl Reader {
             }
         }
         Ok(snapshot.totals)
+    }
+
+    /// The `SCARD` of each of `counters`' count sets ([`Keyspace::count_set_key`], in its
+    /// counter's group): where likes are counted by their sets, part of its total; 0 for a
+    /// counter without one.
+    fn set_sizes<S: AsRef<str>>(&self, counters: &[S]) -> Vec<redis::Cmd> {
+        let ks = &self.keyspace;
+        (counters.iter())
+            .map(|c| {
+                let counter = c.as_ref();
+                let mut scard = redis::cmd("SCARD");
+                scard.arg(ks.count_set_key(ks.group_for_counter(counter), counter));
+                scard
+            })
+            .collect()
     }
 
     /// The `MGET` of `counters`' shares and journals in `group`.
@@ -495,8 +615,20 @@ impl Reader {
     }
 }
 
+/// A reply of a read's pipeline as the type it answers with.
+fn value_as<T: redis::FromRedisValue>(value: redis::Value) -> Result<T, ReadError> {
+    redis::from_redis_value(value).map_err(|e| ReadError::from(redis::RedisError::from(e)))
+}
+
 /// How many times a read on a cluster during a shrink is tried within [`FOLD_READ_BOUND`].
 const SLOW_READ_ATTEMPTS: u32 = 5;
+
+/// Not yet known whether reads add count sets' sizes.
+const SETS_UNKNOWN: u8 = 0;
+/// They do.
+const SETS_COUNTED: u8 = 1;
+/// They do not: this reader may not run `SCARD`, and the deployment counts likes in shares.
+const SETS_NONE: u8 = 2;
 
 /// Not yet known whether the server lets this reader run `MULTI`/`EXEC`.
 const SNAPSHOTS_UNKNOWN: u8 = 0;
@@ -534,138 +666,6 @@ impl Snapshot {
                 counter: counters[i].as_ref().to_owned(),
             })?;
         Ok(())
-    }
-}
-
-impl Reader {
-    /// The sums of `counters` over the last `buckets` buckets of `window` at `now_ms` (the
-    /// bucket holding `now_ms` and the `buckets - 1` before it), in the same order: one `MGET`
-    /// per shard group. A bucket never written, or expired, counts 0.
-    pub async fn window_sums<S: AsRef<str>>(
-        &self,
-        counters: &[S],
-        window: Window,
-        buckets: i64,
-        now_ms: i64,
-    ) -> Result<Vec<i64>, ReadError> {
-        for counter in counters {
-            validate_counter(counter.as_ref())?;
-        }
-        if counters.is_empty() || buckets <= 0 {
-            return Ok(vec![0; counters.len()]);
-        }
-        if self.store.is_some() {
-            return Err(ReadError::Window {
-                counter: counters[0].as_ref().to_owned(),
-                why: "windowed counts are kept in Redis only, not with --store postgres".to_owned(),
-            });
-        }
-        let current = window.start_of(now_ms);
-        let first = current - (buckets - 1) * window.width_ms;
-        let names: Vec<&str> = counters.iter().map(AsRef::as_ref).collect();
-        let cells = self.cells(&names).await?;
-        (names.iter().zip(cells))
-            .map(|(counter, groups)| {
-                (groups.iter())
-                    .try_fold(0i64, |acc, c| {
-                        acc.checked_add(c.sum(window.width_ms, first, current)?)
-                    })
-                    .ok_or_else(|| ReadError::Overflow {
-                        counter: (*counter).to_owned(),
-                    })
-            })
-            .collect()
-    }
-}
-
-impl Reader {
-    /// The values of single buckets, each `(counter, width_ms, start_ms)` summed over the shard
-    /// groups (0 where never written or expired), in the same order.
-    pub async fn bucket_values(&self, cells: &[(&str, i64, i64)]) -> Result<Vec<i64>, ReadError> {
-        let mut names: Vec<&str> = cells.iter().map(|(counter, _, _)| *counter).collect();
-        names.sort_unstable();
-        names.dedup();
-        let read = self.cells(&names).await?;
-        (cells.iter())
-            .map(|(counter, width, start)| {
-                let at = names.binary_search(counter).unwrap_or_default();
-                let values: Vec<Option<i64>> = read[at]
-                    .iter()
-                    .map(|c| Some(c.get(*width, *start)))
-                    .collect();
-                sum(counter, &values)
-            })
-            .collect()
-    }
-
-    /// How many cells hashes each group keeps: the deployment's record, or
-    /// [`crate::window::cells::LEGACY_STRIPES`] while it records none (`crate::layout`).
-    async fn stripes(&self) -> Result<u64, ReadError> {
-        if let Some(stripes) = self.cells_stripes.get() {
-            return Ok(*stripes);
-        }
-        match crate::layout::recorded_cells_stripes(&self.conn, &self.keyspace).await {
-            Ok(Some(stripes)) => Ok(*self.cells_stripes.get_or_init(|| stripes)),
-            Ok(None) => Ok(crate::window::cells::LEGACY_STRIPES),
-            Err(crate::layout::LayoutError::Redis(e)) => Err(e.into()),
-            Err(e) => Err(ReadError::Layout(e.to_string())),
-        }
-    }
-
-    /// Each counter's cells (`crate::window::cells`) in every shard group, in the same order:
-    /// one `HMGET` per cells hash holding any of them, all sent at once.
-    async fn cells(&self, counters: &[&str]) -> Result<Vec<Vec<Cells>>, ReadError> {
-        if counters.is_empty() {
-            return Ok(Vec::new());
-        }
-        let ks = &self
-            .keyspace
-            .clone()
-            .with_cells_stripes(self.stripes().await?);
-        let groups = self.cell_groups().await?;
-        let stripes: Vec<u64> = counters.iter().map(|c| ks.cells_stripe(c)).collect();
-        let mut hashes: Vec<(String, Vec<&str>)> = Vec::new();
-        // Per group, then per counter: its hash and field, as indexes into `hashes`.
-        let mut at: Vec<(usize, usize)> = Vec::with_capacity(counters.len() * groups as usize);
-        // Per stripe, its hash's index in `hashes` in the group at hand (usize::MAX: none yet).
-        let mut seen = vec![usize::MAX; ks.cells_stripes() as usize];
-        for group in 0..groups {
-            seen.fill(usize::MAX);
-            for (counter, stripe) in counters.iter().zip(&stripes) {
-                let h = &mut seen[*stripe as usize];
-                if *h == usize::MAX {
-                    hashes.push((ks.cells_key_of_stripe(group, *stripe), Vec::new()));
-                    *h = hashes.len() - 1;
-                }
-                hashes[*h].1.push(counter);
-                at.push((*h, hashes[*h].1.len() - 1));
-            }
-        }
-        let commands = (hashes.iter())
-            .map(|(key, fields)| {
-                let mut hmget = redis::cmd("HMGET");
-                hmget.arg(key).arg(fields);
-                hmget
-            })
-            .collect();
-        let rows: Vec<Vec<Option<String>>> = query_each(&self.conn, commands).await?;
-        let mut out: Vec<Vec<Cells>> = vec![Vec::with_capacity(groups as usize); counters.len()];
-        for (n, (h, f)) in at.into_iter().enumerate() {
-            let i = n % counters.len();
-            let cells = match rows
-                .get(h)
-                .and_then(|row| row.get(f))
-                .and_then(Option::as_deref)
-            {
-                None => Cells::default(),
-                Some(value) => Cells::parse(value).ok_or_else(|| ReadError::Corrupt {
-                    counter: counters[i].to_owned(),
-                    value: value.to_owned(),
-                })?,
-            };
-            out[i].push(cells);
-        }
-        Ok(out)
     }
 }
 

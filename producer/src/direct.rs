@@ -76,7 +76,7 @@ struct Inner {
     unlike: redis::Script,
     /// Set once the deployment's record of where likes are kept agrees with the namespaces
     /// (checked before the first like or unlike).
-    layout_checked: tokio::sync::OnceCell<()>,
+    layout_checked: tokio::sync::OnceCell<Option<tally_common::layout::LikesCount>>,
     /// The task reporting write rates every second.
     reporter: Mutex<Option<JoinHandle<()>>>,
     /// The store of record the increments go to instead of Redis's keys, if any.
@@ -213,18 +213,26 @@ impl DirectWriter {
             inner.wrote(counter);
             return Ok(changed);
         }
-        (inner.layout_checked)
+        let likes = (inner.layout_checked)
             .get_or_try_init(|| {
                 tally_common::layout::record_dedup_groupings(&inner.conn, ks, &inner.namespaces)
             })
             .await?;
         let script = if like { &inner.like } else { &inner.unlike };
-        let mut conn = inner.conn.clone();
-        let changed: i64 = script
-            .key(ks.member_key(group, counter))
-            .key(ks.counter_key(group, counter))
+        // Grouped by counter where likes count by sets, a like is in the counter's count set
+        // and adds to no share (`tally_common::layout`).
+        let by_set = *likes == Some(tally_common::layout::LikesCount::Sets)
+            && rule == tally_common::keyspace::GroupingRule::ByCounter;
+        let mut invocation = match by_set {
+            true => script.key(ks.count_set_key(group, counter)),
+            false => script.key(ks.member_key(group, counter)),
+        };
+        if !by_set {
+            invocation.key(ks.counter_key(group, counter));
+        }
+        let changed: i64 = invocation
             .arg(actor)
-            .invoke_async(&mut conn)
+            .invoke_async(&mut inner.conn.clone())
             .await?;
         inner.wrote(counter);
         Ok(changed == 1)

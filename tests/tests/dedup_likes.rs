@@ -107,11 +107,32 @@ fn postgres_reader(reader: tally_common::Reader, url: &str, prefix: &str) -> tal
     reader.with_store(std::sync::Arc::new(store))
 }
 
-async fn like_storm(name: &str, redis: &RedisServer, redis_url: &str, postgres: Option<&str>) {
+/// A storm of likes and unlikes under SIGKILLs into a fresh deployment, which counts them by
+/// their sets, or, `in_shares`, into one recorded as counting them in the shares (a deployment
+/// an earlier version started).
+async fn like_storm(
+    name: &str,
+    redis: &RedisServer,
+    redis_url: &str,
+    postgres: Option<&str>,
+    in_shares: bool,
+) {
+    use redis::AsyncCommands as _;
     let seed = seed();
     let dir = TempDir::new("tally-likes");
     let mut setup = AggregatorSetup::create(name, redis_url, 8).await;
     setup.flush_interval_ms = 500;
+    let mut admin = tally_tests::connect(&redis.url()).await;
+    let ks = setup.keyspace();
+    if in_shares {
+        let _: () = admin
+            .hset_multiple(
+                ks.layout_key(),
+                &[("origin", "recorded"), ("likes", "shares")],
+            )
+            .await
+            .expect("HSET");
+    }
     let namespaces = dir.path().join("namespaces.toml");
     std::fs::write(&namespaces, "[namespaces.likes]\ndedup = true\n").expect("namespace file");
     let member = format!("group.instance.id={}", unique("member"));
@@ -144,6 +165,34 @@ async fn like_storm(name: &str, redis: &RedisServer, redis_url: &str, postgres: 
         check = postgres_reader(check, url, &setup.key_prefix);
     }
     wait_for_totals(&counts, &totals, Duration::from_secs(90)).await;
+    if postgres.is_none() {
+        // A fresh deployment counts likes by their sets: each standing like is in its counter's
+        // count set, and no share holds a like. One counting them in the shares keeps them in
+        // member sets, each counted in its counter's share.
+        let counted: Option<String> = admin.hget(ks.layout_key(), "likes").await.expect("HGET");
+        let sets: Vec<String> =
+            (admin.keys(format!("{}:*:s:*", setup.key_prefix)).await).expect("KEYS");
+        let shares: Vec<String> =
+            (admin.keys(format!("{}:*:c:*", setup.key_prefix)).await).expect("KEYS");
+        let mut held = 0;
+        for counter in totals.keys() {
+            let group = ks.group_for_counter(counter);
+            let key = match in_shares {
+                false => ks.count_set_key(group, counter),
+                true => ks.member_key(group, counter),
+            };
+            held += admin.scard::<_, i64>(key).await.expect("SCARD");
+        }
+        assert_eq!(held, likers, "every standing like is in its set");
+        if in_shares {
+            assert_eq!(counted.as_deref(), Some("shares"));
+            assert_eq!(sets, Vec::<String>::new(), "no count set");
+            assert!(!shares.is_empty(), "the likes are counted in the shares");
+        } else {
+            assert_eq!(counted.as_deref(), Some("sets"));
+            assert_eq!(shares, Vec::<String>::new(), "no share holds a like");
+        }
+    }
     for ((counter, actor), liked) in truth.last.iter().take(2_000) {
         assert_eq!(
             check.has_liked(counter, actor).await.expect("has_liked"),
@@ -162,7 +211,14 @@ async fn like_storm(name: &str, redis: &RedisServer, redis_url: &str, postgres: 
 async fn a_like_storm_with_sigkills_counts_each_actor_once() {
     let _serial = tally_tests::serial().await;
     let redis = RedisServer::start().await;
-    like_storm("likes", &redis, &redis.url(), None).await;
+    like_storm("likes", &redis, &redis.url(), None, false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_like_storm_counted_in_the_shares_counts_each_actor_once() {
+    let _serial = tally_tests::serial().await;
+    let redis = RedisServer::start().await;
+    like_storm("likes-shares", &redis, &redis.url(), None, true).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -170,7 +226,7 @@ async fn a_like_storm_without_scripts_counts_each_actor_once() {
     let _serial = tally_tests::serial().await;
     let redis = RedisServer::start().await;
     let url = redis.user_without_scripts().await;
-    like_storm("likes-noscripts", &redis, &url, None).await;
+    like_storm("likes-noscripts", &redis, &url, None, false).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -178,15 +234,18 @@ async fn a_like_storm_into_postgres_counts_each_actor_once() {
     let _serial = tally_tests::serial().await;
     let redis = RedisServer::start().await;
     let pg = tally_tests::postgres::PgServer::start().await;
-    like_storm("likes-pg", &redis, &redis.url(), Some(&pg.url())).await;
+    like_storm("likes-pg", &redis, &redis.url(), Some(&pg.url()), false).await;
 }
 
 /// Where likes are kept is recorded by the first writer and holds every writer after it: an
 /// aggregator grouping a namespace's likes otherwise than the record refuses to start and says
 /// why; a deployment that counted before records existed refuses the new grouping until told.
+/// A deployment whose first writer found nothing written counts likes by their sets, and
+/// records each namespace grouped by counter as `sets`, which older writers refuse as a grouping
+/// they do not keep; one grouped by actor is recorded and kept as before.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_writer_grouping_likes_otherwise_than_the_record_refuses_to_start() {
-    use tally_common::layout::{LayoutError, record_dedup_groupings};
+    use tally_common::layout::{LayoutError, LikesCount, record_dedup_groupings};
     use tally_common::{Namespaces, RedisConn};
 
     let _serial = tally_tests::serial().await;
@@ -198,12 +257,6 @@ async fn a_writer_grouping_likes_otherwise_than_the_record_refuses_to_start() {
     let by_counter = Namespaces::from_toml("[namespaces.likes]\ndedup = true\n").expect("valid");
     let by_actor = "[namespaces.likes]\ndedup = true\ngrouping = \"actor\"\n";
     let by_actor = Namespaces::from_toml(by_actor).expect("valid");
-
-    // A fresh deployment: plain counts first (a writer without likes records the origin, then
-    // its flushes write ledgers), then likes grouped by counter, recorded.
-    record_dedup_groupings(&conn, &ks, &Namespaces::default())
-        .await
-        .expect("nothing to record but the origin");
     let mut admin = tally_tests::connect(&redis.url()).await;
     // A flush's ledger entry for partition 0 in the ledger hash `key`.
     async fn ledger(admin: &mut redis::aio::MultiplexedConnection, key: String, entry: i64) {
@@ -215,14 +268,52 @@ async fn a_writer_grouping_likes_otherwise_than_the_record_refuses_to_start() {
             .await
             .expect("HSET");
     }
+    async fn recorded(
+        admin: &mut redis::aio::MultiplexedConnection,
+        ks: &tally_common::Keyspace,
+        field: &str,
+    ) -> Option<String> {
+        redis::cmd("HGET")
+            .arg(ks.layout_key())
+            .arg(field)
+            .query_async(admin)
+            .await
+            .expect("HGET")
+    }
+
+    // A fresh deployment: plain counts first (a writer without likes records the origin and
+    // that likes count by their sets, then its flushes write ledgers), then likes grouped by
+    // counter, recorded as counted by their sets.
+    assert_eq!(
+        record_dedup_groupings(&conn, &ks, &Namespaces::default())
+            .await
+            .expect("nothing to record but the origin and how likes count"),
+        Some(LikesCount::Sets)
+    );
     ledger(&mut admin, ks.ledger_key(1), 41).await;
-    record_dedup_groupings(&conn, &ks, &by_counter)
-        .await
-        .expect("recorded");
+    assert_eq!(
+        record_dedup_groupings(&conn, &ks, &by_counter)
+            .await
+            .expect("recorded"),
+        Some(LikesCount::Sets)
+    );
+    assert_eq!(
+        recorded(&mut admin, &ks, "dedup:likes").await.as_deref(),
+        Some("sets")
+    );
     let refused = record_dedup_groupings(&conn, &ks, &by_actor).await;
     assert!(
-        matches!(&refused, Err(LayoutError::Mismatch { recorded, .. }) if recorded == "counter"),
+        matches!(&refused, Err(LayoutError::Mismatch { recorded, .. }) if recorded == "sets"),
         "{refused:?}"
+    );
+    let votes = "[namespaces.votes]\ndedup = true\ngrouping = \"actor\"\n";
+    let votes = Namespaces::from_toml(votes).expect("valid");
+    record_dedup_groupings(&conn, &ks, &votes)
+        .await
+        .expect("recorded");
+    assert_eq!(
+        recorded(&mut admin, &ks, "dedup:votes").await.as_deref(),
+        Some("actor")
     );
 
     // The aggregator binary holds to the record too: it exits at once, naming the namespace.
@@ -237,8 +328,42 @@ async fn a_writer_grouping_likes_otherwise_than_the_record_refuses_to_start() {
     assert!(!status.success(), "{status:?}");
     let log = aggregator.log();
     assert!(
-        log.contains("\"likes\" keeps its likes grouped by counter"),
+        log.contains("\"likes\" keeps its likes as \"sets\""),
         "{log}"
+    );
+
+    // A deployment an earlier version started (its origin recorded, not how likes count) and
+    // flushed into: likes count in the shares, as that version counted them, and each
+    // namespace's record is its grouping.
+    let earlier = tally_common::Keyspace::new("layout-earlier", 4).expect("valid");
+    let _: () = redis::cmd("HSET")
+        .arg(earlier.layout_key())
+        .arg("origin")
+        .arg("recorded")
+        .query_async(&mut admin)
+        .await
+        .expect("HSET");
+    ledger(&mut admin, earlier.ledger_key(0), 5).await;
+    assert_eq!(
+        record_dedup_groupings(&conn, &earlier, &by_counter)
+            .await
+            .expect("recorded"),
+        Some(LikesCount::Shares)
+    );
+    assert_eq!(
+        recorded(&mut admin, &earlier, "likes").await.as_deref(),
+        Some("shares")
+    );
+    assert_eq!(
+        recorded(&mut admin, &earlier, "dedup:likes")
+            .await
+            .as_deref(),
+        Some("counter")
+    );
+    let refused = record_dedup_groupings(&conn, &earlier, &by_actor).await;
+    assert!(
+        matches!(&refused, Err(LayoutError::Mismatch { recorded, .. }) if recorded == "counter"),
+        "{refused:?}"
     );
 
     // A deployment that counted before records existed: ledgers, and no record.

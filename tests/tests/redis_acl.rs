@@ -149,7 +149,7 @@ async fn run_under_acl(atomicity: &str) {
     expected.insert("clips:video:2".to_owned(), 1);
     wait_for_totals(&reader, &expected, Duration::from_secs(60)).await;
     // A reader user of the ACL before snapshot reads (no `+multi +exec`) still reads exactly,
-    // one pipeline at a time.
+    // one pipeline at a time, once it may run `SCARD`.
     let mut admin = connect(&redis.url()).await;
     redis::cmd("ACL")
         .arg("SETUSER")
@@ -171,6 +171,20 @@ async fn run_under_acl(atomicity: &str) {
         .expect("the older reader connects"),
         setup.keyspace(),
     );
+    // It may not read the likes this deployment counts by their sets without `+scard`, and
+    // says so rather than count them as none.
+    let refused = older.get("likes:post:1").await;
+    assert!(
+        matches!(&refused, Err(e) if e.to_string().contains("grant it +scard")),
+        "{refused:?}"
+    );
+    redis::cmd("ACL")
+        .arg("SETUSER")
+        .arg("older-reader")
+        .arg("+scard")
+        .exec_async(&mut admin)
+        .await
+        .expect("ACL SETUSER older-reader +scard");
     wait_for_totals(&older, &expected, Duration::from_secs(10)).await;
     let hour = Window {
         width_ms: 3_600_000,

@@ -301,16 +301,126 @@ async fn refused_membership_is_listed_after_the_deltas(atomicity: Atomicity) {
     assert_eq!((fine, liked), (None, false), "{atomicity:?}");
 }
 
+/// Runs counted by their sets beside runs counted in the shares, in one write: a run counted
+/// by its set writes no counter (whatever the counter's key holds, its like lands) and is
+/// refused only for a count set of another type; the others are checked as before. Once the
+/// refused memberships are taken out, the write lands, and reads count both kinds.
+async fn runs_counted_by_sets_and_in_shares_share_a_write(atomicity: Atomicity) {
+    let redis = RedisServer::start().await;
+    let by_set = tally_common::keyspace::LikesBySet {
+        listed: vec![("liked".to_owned(), true), ("shared".to_owned(), false)],
+        others: false,
+    };
+    let ks = Keyspace::new(unique("sets"), 1)
+        .expect("keyspace")
+        .with_likes_by_set(by_set);
+    let sink = sink(&redis.url(), &ks, atomicity).await;
+    let epoch = sink.next_epoch(GROUP, FIELD, 1).await.expect("epoch");
+    let stamp = sink.stamp_fence(GROUP, FIELD, epoch).await.expect("stamp");
+    assert_eq!(stamp, Stamp::Stamped { ledger: -1 });
+    let mut conn = tally_tests::connect(&redis.url()).await;
+    // A counter key no integer (its count is its set, so its like lands), a count set of
+    // another type, and a share a like would take past 64 bits.
+    let _: () = conn
+        .hset(ks.counter_key(GROUP, "liked:1"), "not", "a counter")
+        .await
+        .expect("HSET");
+    let _: () = conn
+        .set(ks.count_set_key(GROUP, "liked:2"), "a string")
+        .await
+        .expect("SET");
+    let _: () = conn
+        .set(ks.counter_key(GROUP, "shared:1"), i64::MAX)
+        .await
+        .expect("SET");
+    let mut members = Likes::from_actions([
+        ("liked:1", "u1", true),
+        ("liked:2", "u1", true),
+        ("shared:1", "u1", true),
+        ("shared:3", "u1", true),
+        ("liked:3", "u1", true),
+        ("liked:3", "u2", true),
+    ]);
+    let applied = sink
+        .apply_fenced(write(epoch, &[], &[], &members))
+        .await
+        .expect("write");
+    let Applied::Rejected(rejections) = applied else {
+        panic!("{atomicity:?}: expected a refusal, got {applied:?}");
+    };
+    let reasons: Vec<(Refused, DeadLetterReason)> = rejections
+        .into_iter()
+        .map(|r| (r.refused, r.reason))
+        .collect();
+    assert_eq!(
+        reasons,
+        vec![
+            (Refused::Member(1), DeadLetterReason::WrongType),
+            (Refused::Member(2), DeadLetterReason::Overflow),
+        ],
+        "{atomicity:?}"
+    );
+    members.remove(&[1, 2]);
+    let applied = sink
+        .apply_fenced(write(epoch, &[], &[], &members))
+        .await
+        .expect("write");
+    assert_eq!(applied, Applied::Written, "{atomicity:?}");
+    let set = |counter: &str| ks.count_set_key(GROUP, counter);
+    let liked_1: Vec<String> = conn.smembers(set("liked:1")).await.expect("SMEMBERS");
+    let mut liked_3: Vec<String> = conn.smembers(set("liked:3")).await.expect("SMEMBERS");
+    liked_3.sort();
+    assert_eq!(
+        (liked_1, liked_3),
+        (
+            vec!["u1".to_owned()],
+            vec!["u1".to_owned(), "u2".to_owned()]
+        )
+    );
+    let shares: (bool, Option<i64>, Option<i64>) = (
+        conn.exists(ks.counter_key(GROUP, "liked:3"))
+            .await
+            .expect("EXISTS"),
+        conn.get(ks.counter_key(GROUP, "shared:3"))
+            .await
+            .expect("GET"),
+        conn.get(ks.counter_key(GROUP, "shared:1"))
+            .await
+            .expect("GET"),
+    );
+    assert_eq!(shares, (false, Some(1), Some(i64::MAX)), "{atomicity:?}");
+    let shared: bool = conn
+        .sismember(ks.member_key(GROUP, "shared:3"), "u1")
+        .await
+        .expect("SISMEMBER");
+    assert!(shared, "{atomicity:?}");
+    let reader = tally_common::Reader::new(
+        RedisConn::connect(&redis.url()).await.expect("redis"),
+        ks.clone(),
+    );
+    let totals = reader
+        .get_many(&["liked:3", "shared:3", "liked:1"])
+        .await
+        .expect("read");
+    assert_eq!(totals, vec![2, 1, 1], "{atomicity:?}");
+    // A count set of another type is no count: the read says so rather than guess.
+    assert!(reader.get("liked:2").await.is_err(), "{atomicity:?}");
+    assert!(reader.has_liked("liked:3", "u2").await.expect("has_liked"));
+    assert!(!reader.has_liked("liked:3", "u3").await.expect("has_liked"));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_flush_script_undoes_a_refused_write() {
     refused_write_leaves_nothing_behind(Atomicity::Scripts).await;
     refused_membership_is_listed_after_the_deltas(Atomicity::Scripts).await;
+    runs_counted_by_sets_and_in_shares_share_a_write(Atomicity::Scripts).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn transactions_refuse_the_same_writes() {
     refused_write_leaves_nothing_behind(Atomicity::Transactions).await;
     refused_membership_is_listed_after_the_deltas(Atomicity::Transactions).await;
+    runs_counted_by_sets_and_in_shares_share_a_write(Atomicity::Transactions).await;
 }
 
 /// At-least-once: one `MULTI`/`EXEC` per group, in which Redis runs every command it can. The

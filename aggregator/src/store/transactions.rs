@@ -228,13 +228,14 @@ impl Transactions {
             .map(|(counter, _)| ks.counter_key(write.group, counter))
             .collect();
         let cells_reads = cells::Reads::new(ks, write.group, write.windows);
-        let member_keys: Vec<(String, String)> = write
+        // Each membership's set and, unless its likes are counted by their set, its counter.
+        let member_keys: Vec<(String, Option<String>)> = write
             .members
             .iter()
             .map(|m| {
                 (
-                    ks.member_key(write.group, m.counter),
-                    ks.counter_key(write.group, m.counter),
+                    ks.likes_key(write.group, m.counter),
+                    (!ks.likes_by_set(m.counter)).then(|| ks.counter_key(write.group, m.counter)),
                 )
             })
             .collect();
@@ -243,7 +244,7 @@ impl Transactions {
         watch.extend(cells_reads.stripes.iter().map(|(key, _)| key.clone()));
         for (set, counter) in &member_keys {
             watch.push(set.clone());
-            watch.push(counter.clone());
+            watch.extend(counter.iter().cloned());
         }
         let mut reads = redis::pipe();
         reads.ignore_errors();
@@ -255,7 +256,10 @@ impl Transactions {
         }
         cells_reads.add_to(&mut reads);
         for ((set, counter), m) in member_keys.iter().zip(write.members.iter()) {
-            reads.sismember(set, m.actor).get(counter);
+            reads.sismember(set, m.actor);
+            if let Some(counter) = counter {
+                reads.get(counter);
+            }
         }
         let n = counter_keys.len();
         let w = cells_reads.stripes.len();
@@ -266,7 +270,8 @@ impl Transactions {
                     &Value::Array(replies.to_vec()),
                 ));
             };
-            if rest.len() != n + w + 2 * write.members.len() {
+            let counted = member_keys.iter().filter(|(_, c)| c.is_some()).count();
+            if rest.len() != n + w + write.members.len() + counted {
                 return Err(protocol_error(
                     "short reply",
                     &Value::Array(replies.to_vec()),
@@ -287,16 +292,23 @@ impl Transactions {
                 write.windows,
                 tally_common::event::now_ms(),
             );
-            let states = rest[n + w..]
-                .chunks(2)
-                .map(|pair| {
+            // Per membership, its SISMEMBER and, unless counted by its set, its counter's GET.
+            let mut replies = rest[n + w..].iter();
+            let states = member_keys
+                .iter()
+                .map(|(_, counter)| {
+                    let short = || protocol_error("short reply", &Value::Nil);
                     Ok(MemberState {
-                        member: match &pair[0] {
+                        member: match replies.next().ok_or_else(short)? {
                             Value::Int(n) => Some(*n == 1),
                             Value::ServerError(e) if e.code() == "WRONGTYPE" => None,
                             v => return Err(protocol_error("SISMEMBER reply", v)),
                         },
-                        counter: current(&pair[1])?,
+                        // Counted by its set: no counter to take the change.
+                        counter: match counter {
+                            Some(_) => current(replies.next().ok_or_else(short)?)?,
+                            None => Current::Missing,
+                        },
                     })
                 })
                 .collect::<Result<Vec<_>, SinkError>>()?;
@@ -319,7 +331,7 @@ impl Transactions {
                 writes
                     .del(&[
                         ks.counter_key(write.group, counter),
-                        ks.member_key(write.group, counter),
+                        ks.likes_key(write.group, counter),
                         ks.journal_key(write.group, counter),
                     ])
                     .ignore();
@@ -333,18 +345,19 @@ impl Transactions {
             for (((set, counter), m), state) in
                 member_keys.iter().zip(write.members.iter()).zip(&states)
             {
-                match (m.like, state.member) {
+                let step = match (m.like, state.member) {
                     (true, Some(false)) => {
-                        writes.sadd(set, m.actor).ignore().incr(counter, 1).ignore();
+                        writes.sadd(set, m.actor).ignore();
+                        1
                     }
                     (false, Some(true)) => {
-                        writes
-                            .srem(set, m.actor)
-                            .ignore()
-                            .incr(counter, -1)
-                            .ignore();
+                        writes.srem(set, m.actor).ignore();
+                        -1
                     }
-                    _ => {}
+                    _ => continue,
+                };
+                if let Some(counter) = counter {
+                    writes.incr(counter, step).ignore();
                 }
             }
             writes

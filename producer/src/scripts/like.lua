@@ -1,9 +1,12 @@
--- A direct like in a namespace that deduplicates: add the actor to the counter's member set in
--- the actor's group, and count 1 there only if it was not in it.
--- KEYS[1] member set    KEYS[2] counter share (same group, same slot)    ARGV[1] actor
+-- A direct like in a namespace that deduplicates: add the actor to the counter's member set,
+-- and count 1 in the counter's share only if it was not in it (and the deployment counts likes
+-- in shares: where they are counted by their sets, the set is the count and KEYS[2] is absent).
+-- KEYS[1] member set    KEYS[2] counter share (same group, same slot), if any    ARGV[1] actor
 -- Returns 1 if the like counted, 0 if it was already counted.
 if redis.call('SADD', KEYS[1], ARGV[1]) == 1 then
-  redis.call('INCRBY', KEYS[2], 1)
+  if KEYS[2] then
+    redis.call('INCRBY', KEYS[2], 1)
+  end
   return 1
 end
 return 0

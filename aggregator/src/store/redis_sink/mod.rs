@@ -290,11 +290,26 @@ impl RedisSink {
         let ks = &self.keyspace;
         let refused = window_rejections(&plan.currents, write.windows);
         let likes = write.members;
+        // Which runs' likes are counted by their sets: they pass no counter key.
+        let by_set: String = (likes.each_run())
+            .map(|run| {
+                if ks.likes_by_set(run.counter) {
+                    '1'
+                } else {
+                    '0'
+                }
+            })
+            .collect();
+        let counted = by_set.bytes().filter(|&b| b == b'0').count();
         let fields: usize = plan.writes.iter().map(|s| s.fields.len()).sum();
         let mut invocation = ScriptCall::with_capacity(
             &self.scripts.flush,
-            3 + write.deltas.len() + plan.writes.len() + 3 * write.resets.len() + 2 * likes.runs(),
-            10 + write.deltas.len()
+            3 + write.deltas.len()
+                + plan.writes.len()
+                + 3 * write.resets.len()
+                + likes.runs()
+                + counted,
+            11 + write.deltas.len()
                 + 2 * plan.writes.len()
                 + 3 * fields
                 + 2 * refused.len()
@@ -314,7 +329,8 @@ impl RedisSink {
             .arg(plan.writes.len())
             .arg(write.resets.len())
             .arg(write.windows.len())
-            .arg(refused.len());
+            .arg(refused.len())
+            .arg(&by_set);
         // KEYS and ARGV are two lists: each part adds its keys and its arguments in turn.
         let mut key = String::new();
         for (counter, delta) in write.deltas {
@@ -327,7 +343,7 @@ impl RedisSink {
         for counter in write.resets {
             invocation
                 .key(ks.counter_key(write.group, counter))
-                .key(ks.member_key(write.group, counter))
+                .key(ks.likes_key(write.group, counter))
                 .key(ks.journal_key(write.group, counter));
         }
         for rejection in &refused {
@@ -337,15 +353,17 @@ impl RedisSink {
                     .arg(rejection.reason.as_str());
             }
         }
-        // The runs of likes: every member set, then every counter key, then per run its likers
-        // and unlikers.
+        // The runs of likes: every set, then every counter key (none for a run counted by its
+        // set), then per run its likers and unlikers.
         for run in likes.each_run() {
-            ks.write_member_key(&mut key, write.group, run.counter);
+            ks.write_likes_key(&mut key, write.group, run.counter);
             invocation.key(&key);
         }
         for run in likes.each_run() {
-            ks.write_counter_key(&mut key, write.group, run.counter);
-            invocation.key(&key);
+            if !ks.likes_by_set(run.counter) {
+                ks.write_counter_key(&mut key, write.group, run.counter);
+                invocation.key(&key);
+            }
             invocation.arg(run.likes.len()).arg(run.unlikes.len());
             for m in run.members() {
                 invocation.arg(likes.actor(m));
@@ -646,7 +664,7 @@ impl RedisSink {
         for counter in resets {
             pipe.cmd("DEL")
                 .arg(ks.counter_key(group, counter))
-                .arg(ks.member_key(group, counter))
+                .arg(ks.likes_key(group, counter))
                 .arg(ks.journal_key(group, counter))
                 .ignore();
         }

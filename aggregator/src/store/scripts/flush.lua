@@ -5,13 +5,15 @@
 -- are one run: one SADD of its likers, one SREM of its unlikers and one INCRBY by what they
 -- changed, together; a run is its own check, and one already applied is simply found done when
 -- the write is tried again (the set already holds its likers), so a refusal or failure after it
--- need not undo it.
+-- need not undo it. A run whose likes are counted by their set (ARGV[11]) is its SADD and SREM
+-- alone: the counter's total is its share plus the set's SCARD, and no counter is written.
 --
 -- KEYS[1] fence hash    KEYS[2] ledger hash    KEYS[3] watermark hash
 -- KEYS[4 .. 3+n] counter keys of the n deltas
 -- KEYS[4+n .. 3+n+s] the s cells hashes (window buckets) this write rewrites fields of
 -- KEYS[4+n+s .. 3+n+s+3r] per reset: the counter's key, member set and compaction journal
--- KEYS[4+n+s+3r ..] the member sets of the m runs of likes, then their m counter keys
+-- KEYS[4+n+s+3r ..] the sets of the m runs of likes, then the counter keys of those not counted
+--   by their sets, in the same order
 -- ARGV[1] partition field ("<topic>/<partition>")    ARGV[2] the writer's epoch
 -- ARGV[3] the ledger entry the writer last saw here    ARGV[4] next offset (the entry after this write)
 -- ARGV[5] watermark value to store, or '' to leave the watermark alone
@@ -19,7 +21,9 @@
 -- ARGV[8] r, the number of resets (their keys are deleted before anything is added)
 -- ARGV[9] w, the number of window deltas (memberships are numbered after them in a refusal)
 -- ARGV[10] x, the number of window deltas the writer found refused
--- ARGV[11 .. 10+n] one delta per counter key, in the same order
+-- ARGV[11] per run of likes, '1' if it is counted by its set, '0' if its count is added to its
+--   counter (m characters)
+-- ARGV[12 .. 11+n] one delta per counter key, in the same order
 -- then per cells hash: when it expires (ms since the epoch), f, then f times: a field (a
 --   counter), the value the writer read ('' for none) and the value to write ('' to delete)
 -- then x times: a refused window delta's index (n + its place among the window deltas) and why
@@ -57,11 +61,11 @@ local s = tonumber(ARGV[7])
 local r = tonumber(ARGV[8])
 local w = tonumber(ARGV[9])
 local x = tonumber(ARGV[10])
-local m = (#KEYS - 3 - n - s - 3 * r) / 2
+local m = #ARGV[11]
 local mk = 3 + n + s + 3 * r
 
 -- The cells rewrites: per hash, its expiry and where its {field, read, new} triples are.
-local stripes, arg = cells_args(4 + n, s, 11 + n)
+local stripes, arg = cells_args(4 + n, s, 12 + n)
 local refused_windows = {}
 for i = 1, x do
   refused_windows[i] = {ARGV[arg], ARGV[arg + 1]}
@@ -206,7 +210,7 @@ do
     {'del', r > 0 and KEYS[4 + n + s] or nil},
     {'sadd', m > 0 and KEYS[mk + 1] or nil, 'x'},
     {'srem', m > 0 and KEYS[mk + 1] or nil, 'x'},
-    {'incrby', m > 0 and KEYS[mk + m + 1] or nil, '1'},
+    {'incrby', #KEYS > mk + m and KEYS[mk + m + 1] or nil, '1'},
     {'hset', KEYS[2], field, '0'},
     {'hset', ARGV[5] ~= '' and KEYS[3] or nil, field, '0'},
   })
@@ -221,47 +225,68 @@ if x == 0 and cells_stale(stripes) then
   return {'stale'}
 end
 
--- The runs of likes: run k's set is KEYS[mk + k], its counter KEYS[mk + m + k]; its l likers
+-- The runs of likes: run k's set is KEYS[mk + k], its counter KEYS[counter_at[k]] (none when
+-- counted by its set); its l likers
 -- are ARGV[at[k] .. at[k] + l - 1] and its u unlikers the u after them.
-local at, likes, unlikes = {}, {}, {}
+local at, likes, unlikes, counter_at = {}, {}, {}, {}
+local counted = {}
 do
   local a = ma + 1
   for k = 1, m do
+    if string.byte(ARGV[11], k) == 48 then
+      counted[#counted + 1] = k
+      counter_at[k] = mk + m + #counted
+    end
     likes[k], unlikes[k] = tonumber(ARGV[a]), tonumber(ARGV[a + 1])
     at[k] = a + 2
     a = a + 2 + likes[k] + unlikes[k]
   end
 end
 
--- Each run's counter is checked before anything is written (one MGET per 1,000): its likes
--- may add up to l and its unlikes take u. Where a reset or a refused window delta makes
--- everything be checked first, each run's set is too; otherwise a set of another type is
--- found by its SADD or SREM, which then write nothing. Refusals are listed after the deltas'.
+-- Each run's counter (none when counted by its set) is checked before anything is written (one
+-- MGET per 1,000): its likes may add up to l and its unlikes take u. Where a reset, a refused
+-- window delta or a refused run makes everything be checked first, each run's set is too;
+-- otherwise a set of another type is found by its SADD or SREM, which then write nothing.
+-- Refusals are listed after the deltas'.
 local refused_members = {}
 local slow = r > 0 or x > 0
-if m > 0 then
-  local current = values(mk + m + 1, mk + 2 * m)
-  for k = 1, m do
-    local reason = nil
-    if current[k] == true then
-      reason = 'wrong_type'
-    elseif current[k] and not small_integer(current[k]) then
-      if likes[k] > 0 then
-        reason = refusal(current[k], tostring(likes[k]))
-      end
-      if not reason and unlikes[k] > 0 then
-        reason = refusal(current[k], '-' .. unlikes[k])
-      end
-    end
-    if not reason and slow then
-      local kind = redis.call('TYPE', KEYS[mk + k])['ok']
-      if kind ~= 'none' and kind ~= 'set' then
+if m > 0 and (slow or #counted > 0) then
+  -- The counters' values, by run (nil for a run counted by its set).
+  local current = {}
+  for i, v in ipairs(values(mk + m + 1, mk + m + #counted)) do
+    current[counted[i]] = v
+  end
+  local function check_runs(sets_too)
+    local refused = {}
+    for k = 1, m do
+      local reason = nil
+      local value = current[k]
+      if value == true then
         reason = 'wrong_type'
+      elseif value and not small_integer(value) then
+        if likes[k] > 0 then
+          reason = refusal(value, tostring(likes[k]))
+        end
+        if not reason and unlikes[k] > 0 then
+          reason = refusal(value, '-' .. unlikes[k])
+        end
+      end
+      if not reason and sets_too then
+        local kind = redis.call('TYPE', KEYS[mk + k])['ok']
+        if kind ~= 'none' and kind ~= 'set' then
+          reason = 'wrong_type'
+        end
+      end
+      if reason then
+        refuse(refused, n + w + k, reason)
       end
     end
-    if reason then
-      refuse(refused_members, n + w + k, reason)
-    end
+    return refused
+  end
+  refused_members = check_runs(slow)
+  if #refused_members > 0 and not slow then
+    -- Returning refusals anyway: the sets' too, so that one refusal lists them all.
+    refused_members = check_runs(true)
   end
 end
 
@@ -269,7 +294,7 @@ if r > 0 or x > 0 or #refused_members > 0 then
   -- Resets delete keys, which cannot be undone, and refused window deltas or memberships
   -- return anyway: every delta is read and checked before anything is written, so the writes
   -- below take them all.
-  check(4, n, function(i) return 10 + i end, 0)
+  check(4, n, function(i) return 11 + i end, 0)
   for _, v in ipairs(refused_windows) do
     refuse(rejected, v[1], v[2])
   end
@@ -300,7 +325,8 @@ end
 do
   local refused_runs = false
   for k = 1, m do
-    local set, counter, a, l, u = KEYS[mk + k], KEYS[mk + m + k], at[k], likes[k], unlikes[k]
+    local set, a, l, u = KEYS[mk + k], at[k], likes[k], unlikes[k]
+    local counter = counter_at[k] and KEYS[counter_at[k]]
     local added, removed, err = 0, 0, nil
     if l > 0 then
       added, err = members('SADD', set, a, l)
@@ -308,7 +334,7 @@ do
     if not err and u > 0 then
       removed, err = members('SREM', set, a + l, u)
     end
-    if added ~= removed then
+    if counter and added ~= removed then
       -- Checked above: the counter takes any sum of its run. Counted even when an error
       -- stopped the run half way, so that its set and its count always agree.
       redis.call('INCRBY', counter, added - removed)
@@ -363,7 +389,7 @@ do
     return sum
   end
   for i = 1, n do
-    add(KEYS[3 + i], ARGV[10 + i], i)
+    add(KEYS[3 + i], ARGV[11 + i], i)
     if failure then
       break
     end
@@ -396,7 +422,7 @@ do
     end
     for i = 1, math.min(n, done) do
       if not refused[i] then
-        undo(KEYS[3 + i], ARGV[10 + i])
+        undo(KEYS[3 + i], ARGV[11 + i])
       end
     end
     if failure then
