@@ -436,7 +436,13 @@ impl Keyspace {
     /// count set where it counts them by sets ([`Keyspace::likes_by_set`]), else its member
     /// set.
     pub fn write_likes_key(&self, out: &mut String, group: u32, counter: &str) {
-        let kind = if self.likes_by_set(counter) { "s" } else { "m" };
+        self.write_set_key(out, group, counter, self.likes_by_set(counter));
+    }
+
+    /// `counter`'s count set (`by_set`) or member set in `group`, written into `out`: for a
+    /// writer that has asked [`Keyspace::likes_by_set`] already.
+    pub fn write_set_key(&self, out: &mut String, group: u32, counter: &str, by_set: bool) {
+        let kind = if by_set { "s" } else { "m" };
         self.write_group_key(out, group, kind, counter);
     }
 

@@ -185,12 +185,17 @@ pub async fn recorded_likes_count(
     keyspace: &Keyspace,
 ) -> Result<Option<LikesCount>, LayoutError> {
     let key = keyspace.layout_key();
-    let text: Option<String> = redis::cmd("HGET")
-        .arg(&key)
-        .arg(LIKES_FIELD)
-        .query_async(&mut conn.clone())
-        .await?;
+    let text = recorded(conn, &key, LIKES_FIELD).await?;
     text.map(|text| LikesCount::parse(key, text)).transpose()
+}
+
+/// What the layout hash `key` records in `field`, if anything.
+async fn recorded(conn: &RedisConn, key: &str, field: &str) -> redis::RedisResult<Option<String>> {
+    redis::cmd("HGET")
+        .arg(key)
+        .arg(field)
+        .query_async(&mut conn.clone())
+        .await
 }
 
 /// How the deployment counts likes, recorded first if it is not: [`LikesCount::Sets`] if
@@ -338,12 +343,7 @@ pub async fn recorded_cells_stripes(
     keyspace: &Keyspace,
 ) -> Result<Option<u64>, LayoutError> {
     let key = keyspace.layout_key();
-    let text: Option<String> = redis::cmd("HGET")
-        .arg(&key)
-        .arg(STRIPES_FIELD)
-        .query_async(&mut conn.clone())
-        .await?;
-    let Some(text) = text else {
+    let Some(text) = recorded(conn, &key, STRIPES_FIELD).await? else {
         return Ok(None);
     };
     match text.parse() {

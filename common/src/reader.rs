@@ -17,6 +17,7 @@ use crate::keyspace::{Keyspace, Watermark, partition_field};
 use crate::regroup::{FOLD_READ_BOUND, PlanLease};
 
 mod error;
+mod sets;
 mod windows;
 pub use error::ReadError;
 
@@ -60,7 +61,7 @@ pub struct Reader {
     /// record never changes, and until there is one, every windowed read asks again.
     cells_stripes: std::sync::Arc<std::sync::OnceLock<u64>>,
     /// Whether reads add count sets' sizes: unknown until the first, which asks the server
-    /// whether this reader may run `SCARD` ([`SETS_UNKNOWN`] and the two answers).
+    /// whether this reader may run `SCARD` (`sets::SETS_UNKNOWN` and the two answers).
     count_sets: std::sync::Arc<std::sync::atomic::AtomicU8>,
 }
 
@@ -74,7 +75,7 @@ impl Reader {
             plan: PlanLease::default(),
             snapshots: std::sync::Arc::new(std::sync::atomic::AtomicU8::new(SNAPSHOTS_UNKNOWN)),
             cells_stripes: std::sync::Arc::default(),
-            count_sets: std::sync::Arc::new(std::sync::atomic::AtomicU8::new(SETS_UNKNOWN)),
+            count_sets: std::sync::Arc::new(std::sync::atomic::AtomicU8::new(sets::SETS_UNKNOWN)),
         }
     }
 
@@ -349,44 +350,6 @@ impl Reader {
         }
     }
 
-    /// Whether reads add count sets' sizes (`crate::layout`): if this reader may run `SCARD`
-    /// (asked once), always; if it may not, only where the deployment records that likes are
-    /// counted in the shares, and otherwise the read fails and says which permission is missing
-    /// (a read without the sets' sizes would miss every like counted by them).
-    async fn count_sets(&self) -> Result<bool, ReadError> {
-        use std::sync::atomic::Ordering;
-        match self.count_sets.load(Ordering::Relaxed) {
-            SETS_COUNTED => return Ok(true),
-            SETS_NONE => return Ok(false),
-            _ => {}
-        }
-        let ks = &self.keyspace;
-        let probe: redis::RedisResult<i64> = redis::cmd("SCARD")
-            .arg(ks.count_set_key(0, "-"))
-            .query_async(&mut self.conn.clone())
-            .await;
-        match probe {
-            Ok(_) => {
-                self.count_sets.store(SETS_COUNTED, Ordering::Relaxed);
-                Ok(true)
-            }
-            Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoPerm) => {
-                match crate::layout::recorded_likes_count(&self.conn, ks).await {
-                    Ok(Some(crate::layout::LikesCount::Shares)) => {
-                        self.count_sets.store(SETS_NONE, Ordering::Relaxed);
-                        Ok(false)
-                    }
-                    _ => Err(ReadError::Layout(format!(
-                        "this reader's Redis user may not run SCARD, which reads the likes this \
-                         deployment counts by their sets ({} field likes): grant it +scard",
-                        ks.layout_key()
-                    ))),
-                }
-            }
-            Err(e) => Err(e.into()),
-        }
-    }
-
     /// Whether this reader may read snapshots, asked once: an empty `MULTI`/`EXEC`, sent as
     /// plain commands of one request (so that nothing else on the shared connection comes
     /// between them). A refused `MULTI` inside a transaction pipeline is not an answer to ask
@@ -454,16 +417,7 @@ impl Reader {
             true => Vec::new(),
             false => value_as(replies.pop().unwrap_or(redis::Value::Nil))?,
         };
-        let sizes: Vec<i64> = (replies.drain(groups as usize..))
-            .map(value_as)
-            .collect::<Result<_, _>>()?;
-        let rows: Vec<Vec<Option<String>>> = (replies.into_iter())
-            .map(value_as)
-            .collect::<Result<_, _>>()?;
-        let mut snapshot = self.sum_rows(counters, &rows)?;
-        for (i, size) in sizes.into_iter().enumerate() {
-            snapshot.add(counters, i, size)?;
-        }
+        let (_, mut snapshot) = self.sum_replies(counters, groups, replies)?;
         let journals = std::mem::take(&mut snapshot.journals);
         for journal in &journals {
             let Ok(at) = markers.binary_search(&(journal.counter, journal.from)) else {
@@ -501,17 +455,8 @@ impl Reader {
         if sets {
             reads.extend(self.set_sizes(counters));
         }
-        let mut replies: Vec<redis::Value> = query_each(&self.conn, reads).await?;
-        let sizes: Vec<i64> = (replies.drain(groups as usize..))
-            .map(value_as)
-            .collect::<Result<_, _>>()?;
-        let rows: Vec<Vec<Option<String>>> = (replies.into_iter())
-            .map(value_as)
-            .collect::<Result<_, _>>()?;
-        let mut snapshot = self.sum_rows(counters, &rows)?;
-        for (i, size) in sizes.into_iter().enumerate() {
-            snapshot.add(counters, i, size)?;
-        }
+        let replies: Vec<redis::Value> = query_each(&self.conn, reads).await?;
+        let (rows, mut snapshot) = self.sum_replies(counters, groups, replies)?;
         let mut journals = std::mem::take(&mut snapshot.journals);
         if journals.is_empty() {
             return Ok(snapshot.totals);
@@ -554,21 +499,6 @@ impl Reader {
         Ok(snapshot.totals)
     }
 
-    /// The `SCARD` of each of `counters`' count sets ([`Keyspace::count_set_key`], in its
-    /// counter's group): where likes are counted by their sets, part of its total; 0 for a
-    /// counter without one.
-    fn set_sizes<S: AsRef<str>>(&self, counters: &[S]) -> Vec<redis::Cmd> {
-        let ks = &self.keyspace;
-        (counters.iter())
-            .map(|c| {
-                let counter = c.as_ref();
-                let mut scard = redis::cmd("SCARD");
-                scard.arg(ks.count_set_key(ks.group_for_counter(counter), counter));
-                scard
-            })
-            .collect()
-    }
-
     /// The `MGET` of `counters`' shares and journals in `group`.
     fn group_mget<S: AsRef<str>>(&self, counters: &[S], group: u32) -> redis::Cmd {
         let ks = &self.keyspace;
@@ -578,6 +508,27 @@ impl Reader {
                 .arg(ks.journal_key(group, c.as_ref()));
         }
         mget
+    }
+
+    /// The replies of every group's `MGET` (`groups` of them) and then, if read, of each
+    /// counter's count set's `SCARD`: the rows, and each counter's shares and set size summed.
+    fn sum_replies<S: AsRef<str>>(
+        &self,
+        counters: &[S],
+        groups: u32,
+        mut replies: Vec<redis::Value>,
+    ) -> Result<(Rows, Snapshot), ReadError> {
+        let sizes: Vec<i64> = (replies.drain(groups as usize..))
+            .map(value_as)
+            .collect::<Result<_, _>>()?;
+        let rows: Vec<Vec<Option<String>>> = (replies.into_iter())
+            .map(value_as)
+            .collect::<Result<_, _>>()?;
+        let mut snapshot = self.sum_rows(counters, &rows)?;
+        for (i, size) in sizes.into_iter().enumerate() {
+            snapshot.add(counters, i, size)?;
+        }
+        Ok((rows, snapshot))
     }
 
     /// Each counter's shares summed from `rows` (per group: share, journal, share, journal...),
@@ -623,19 +574,15 @@ fn value_as<T: redis::FromRedisValue>(value: redis::Value) -> Result<T, ReadErro
 /// How many times a read on a cluster during a shrink is tried within [`FOLD_READ_BOUND`].
 const SLOW_READ_ATTEMPTS: u32 = 5;
 
-/// Not yet known whether reads add count sets' sizes.
-const SETS_UNKNOWN: u8 = 0;
-/// They do.
-const SETS_COUNTED: u8 = 1;
-/// They do not: this reader may not run `SCARD`, and the deployment counts likes in shares.
-const SETS_NONE: u8 = 2;
-
 /// Not yet known whether the server lets this reader run `MULTI`/`EXEC`.
 const SNAPSHOTS_UNKNOWN: u8 = 0;
 /// It does: exact reads are snapshots.
 const SNAPSHOTS_ALLOWED: u8 = 1;
 /// It does not (an ACL user without `+multi +exec`): exact reads are pipelines.
 const SNAPSHOTS_REFUSED: u8 = 2;
+
+/// Per group read, each counter's share and journal there, in turn.
+type Rows = Vec<Vec<Option<String>>>;
 
 /// Totals read, and the compaction journals found on the way.
 struct Snapshot {

@@ -55,6 +55,21 @@ fn write<'a>(
     }
 }
 
+/// What `write` is refused for, each refusal with its reason; panics if it is not refused.
+async fn refusals(
+    sink: &RedisSink,
+    write: GroupWrite<'_>,
+    atomicity: Atomicity,
+) -> Vec<(Refused, DeadLetterReason)> {
+    let applied = sink.apply_fenced(write).await.expect("write");
+    let Applied::Rejected(rejections) = applied else {
+        panic!("{atomicity:?}: expected a refusal, got {applied:?}");
+    };
+    (rejections.into_iter())
+        .map(|r| (r.refused, r.reason))
+        .collect()
+}
+
 fn bucket(counter: &str, start_ms: i64, delta: i64) -> WindowDelta {
     WindowDelta {
         counter: counter.into(),
@@ -269,17 +284,7 @@ async fn refused_membership_is_listed_after_the_deltas(atomicity: Atomicity) {
     let members = Likes::from_actions(
         ["liked:2", "liked:1", "liked:3", "liked:4"].map(|counter| (counter, "u1", true)),
     );
-    let applied = sink
-        .apply_fenced(write(epoch, &deltas, &[], &members))
-        .await
-        .expect("write");
-    let Applied::Rejected(rejections) = applied else {
-        panic!("{atomicity:?}: expected a refusal, got {applied:?}");
-    };
-    let reasons: Vec<(Refused, DeadLetterReason)> = rejections
-        .into_iter()
-        .map(|r| (r.refused, r.reason))
-        .collect();
+    let reasons = refusals(&sink, write(epoch, &deltas, &[], &members), atomicity).await;
     assert_eq!(
         reasons,
         vec![
@@ -341,17 +346,7 @@ async fn runs_counted_by_sets_and_in_shares_share_a_write(atomicity: Atomicity) 
         ("liked:3", "u1", true),
         ("liked:3", "u2", true),
     ]);
-    let applied = sink
-        .apply_fenced(write(epoch, &[], &[], &members))
-        .await
-        .expect("write");
-    let Applied::Rejected(rejections) = applied else {
-        panic!("{atomicity:?}: expected a refusal, got {applied:?}");
-    };
-    let reasons: Vec<(Refused, DeadLetterReason)> = rejections
-        .into_iter()
-        .map(|r| (r.refused, r.reason))
-        .collect();
+    let reasons = refusals(&sink, write(epoch, &[], &[], &members), atomicity).await;
     assert_eq!(
         reasons,
         vec![

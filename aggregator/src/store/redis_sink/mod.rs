@@ -355,12 +355,12 @@ impl RedisSink {
         }
         // The runs of likes: every set, then every counter key (none for a run counted by its
         // set), then per run its likers and unlikers.
-        for run in likes.each_run() {
-            ks.write_likes_key(&mut key, write.group, run.counter);
+        for (run, flag) in likes.each_run().zip(by_set.bytes()) {
+            ks.write_set_key(&mut key, write.group, run.counter, flag == b'1');
             invocation.key(&key);
         }
-        for run in likes.each_run() {
-            if !ks.likes_by_set(run.counter) {
+        for (run, flag) in likes.each_run().zip(by_set.bytes()) {
+            if flag == b'0' {
                 ks.write_counter_key(&mut key, write.group, run.counter);
                 invocation.key(&key);
             }

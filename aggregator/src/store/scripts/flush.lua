@@ -11,7 +11,8 @@
 -- KEYS[1] fence hash    KEYS[2] ledger hash    KEYS[3] watermark hash
 -- KEYS[4 .. 3+n] counter keys of the n deltas
 -- KEYS[4+n .. 3+n+s] the s cells hashes (window buckets) this write rewrites fields of
--- KEYS[4+n+s .. 3+n+s+3r] per reset: the counter's key, member set and compaction journal
+-- KEYS[4+n+s .. 3+n+s+3r] per reset: the counter's key, its set (count or member set) and its
+--   compaction journal
 -- KEYS[4+n+s+3r ..] the sets of the m runs of likes, then the counter keys of those not counted
 --   by their sets, in the same order
 -- ARGV[1] partition field ("<topic>/<partition>")    ARGV[2] the writer's epoch
