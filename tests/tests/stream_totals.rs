@@ -49,3 +49,50 @@ async fn zipf_stream_with_negative_deltas_sums_exactly() {
     aggregator.stop_gracefully().await;
     assert_committed_to_end(&setup.group, &setup.topic, 8);
 }
+
+/// A catch-up whose batches fill while their partition's previous flush is in flight, over and
+/// over (a tiny catch-up batch): each time the partition is held, and what was fetched for it
+/// is read once it resumes, from where it stopped: every event read once, none fetched twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_catch_up_held_at_every_flush_reads_each_event_once() {
+    let dir = TempDir::new("tally-e2e");
+    let redis = RedisServer::start().await;
+    let setup = AggregatorSetup::create("held", &redis.url(), 4).await;
+    let spec = LoadSpec {
+        events: 100_000,
+        counters: 20_000,
+        zipf: 0.8,
+        max_delta: 5,
+        negative_share: 0.3,
+        seed: 11,
+        ..LoadSpec::default()
+    };
+    // Written first: the aggregator starts behind and catches up.
+    let sent = finish_load(start_load(&setup.topic, spec), 100_000).await;
+    let mut aggregator = setup.spawn(dir.path(), &["--catch-up-max-batch-counters", "100"]);
+    let reader = redis.reader(setup.keyspace()).await;
+    wait_for_totals(&reader, &sent.totals, Duration::from_secs(60)).await;
+
+    assert_eq!(
+        aggregator.metric("tally_events_consumed_total").await,
+        Some(100_000.0),
+        "every event read once"
+    );
+    assert_eq!(
+        aggregator
+            .metric("tally_fetched_records_dropped_total")
+            .await,
+        Some(0.0),
+        "nothing fetched was dropped to be fetched again"
+    );
+    let flushes = aggregator
+        .metric("tally_flushes_total")
+        .await
+        .unwrap_or(0.0);
+    assert!(
+        flushes > 100.0,
+        "the catch-up flushed in small batches: {flushes}"
+    );
+    aggregator.stop_gracefully().await;
+    assert_committed_to_end(&setup.group, &setup.topic, 4);
+}

@@ -161,13 +161,30 @@ impl<S: Sink> Shared<S> {
                 })));
             }
             Action::Commit(next_offset) => self.durable(consumer, partition, next_offset),
-            Action::Pause => self.set_paused(consumer, partition, slot, true),
-            Action::Resume => self.set_paused(consumer, partition, slot, false),
+            Action::Pause => {
+                slot.held = None;
+                self.set_paused(consumer, partition, slot, true);
+            }
+            Action::Hold => {
+                let topic = &self.settings.topic;
+                if (self.source).hold(consumer, topic, partition, &mut slot.epoch) {
+                    slot.held.get_or_insert_default();
+                }
+            }
+            Action::Resume => {
+                // What was held is read first; if that fills the buffer again, the partition
+                // is held again and its fetching stays paused.
+                self.read_held(consumer, slot);
+                if slot.held.is_none() {
+                    self.set_paused(consumer, partition, slot, false);
+                }
+            }
             Action::Acquire => {
                 let truncated_to = slot.truncated_to.take();
                 slot.acquiring = Some(self.spawn_acquire(partition, generation, truncated_to));
             }
             Action::Seek(resume) => {
+                slot.held = None;
                 let topic = &self.settings.topic;
                 let sought =
                     (self.source).seek(consumer, topic, partition, resume, &mut slot.epoch);

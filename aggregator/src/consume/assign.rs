@@ -49,6 +49,7 @@ impl<S: Sink> Shared<S> {
                 ids: None,
                 epoch: epochs.remove(&partition).unwrap_or(0),
                 truncated_to: None,
+                held: None,
             };
             if let Some(action) = action {
                 self.execute(consumer, partition, &mut slot, action);

@@ -35,7 +35,7 @@
 //! is read again by the next owner. Shutdown drains every partition the same way (bounded by
 //! `shutdown_timeout`).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
@@ -43,7 +43,7 @@ use std::time::Duration;
 use rdkafka::message::{BorrowedMessage, Message as _};
 use tally_common::regroup::{self, GroupPlan, PLAN_LEASE};
 use tally_common::{Keyspace, Namespaces};
-use tally_kafka::Fetcher;
+use tally_kafka::{Chunk, Fetcher};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -162,6 +162,11 @@ pub(crate) struct Slot {
     /// Where a leader change last truncated the partition's log under its position, until the
     /// acquisition that follows tells how much of it had been applied.
     truncated_to: Option<i64>,
+    /// With tally's fetcher, while the partition is held
+    /// ([`Action::Hold`](crate::machine::partition::Action::Hold)): the chunks fetched
+    /// for it and not read yet (the first one perhaps in part), read in order once it resumes
+    /// rather than dropped and fetched again. They stay within the fetcher's byte budget.
+    held: Option<VecDeque<Chunk>>,
 }
 
 /// A flush or a check, running as its own task.

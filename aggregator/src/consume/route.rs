@@ -27,6 +27,16 @@ struct Decoded<'a> {
     id: Option<(u64, i64)>,
 }
 
+/// Whether an item of a chunk is at or past offset `from` (every item, with `None`).
+fn unread(from: Option<i64>) -> impl Fn(&Item<'_>) -> bool {
+    move |item| {
+        from.is_none_or(|from| match item {
+            Item::Record(record) => record.offset >= from,
+            Item::Undecodable { first_offset, .. } => *first_offset >= from,
+        })
+    }
+}
+
 impl<S: Sink> Shared<S> {
     /// Handles a run of messages under one lock of the partitions.
     pub(crate) fn handle_messages<X: ConsumerContext, K: Consumer<X>>(
@@ -118,7 +128,7 @@ impl<S: Sink> Shared<S> {
             }
         };
         let mut parts = lock(&self.partitions);
-        let read = self.handle_chunk(&mut parts, consumer, &chunk);
+        let read = self.handle_chunk(&mut parts, consumer, chunk);
         self.metrics.consumed(read);
     }
 
@@ -155,12 +165,13 @@ impl<S: Sink> Shared<S> {
     }
 
     /// Routes a chunk's records while the chunk's epoch is the partition's; returns how many
-    /// were read.
+    /// were read. A chunk that arrives while its partition is held, or whose reading the
+    /// partition's hold stopped, is kept (`Slot::held`).
     pub(super) fn handle_chunk<X: ConsumerContext, K: Consumer<X>>(
         &self,
         parts: &mut Partitions,
         consumer: &K,
-        chunk: &Chunk,
+        chunk: Chunk,
     ) -> u64 {
         let partition = chunk.partition;
         let Some(slot) = parts.map.get_mut(&partition) else {
@@ -168,23 +179,95 @@ impl<S: Sink> Shared<S> {
         };
         if slot.epoch != chunk.epoch {
             // Fetched before the partition's last seek (or pause).
+            self.dropped(&chunk, None);
             return 0;
         }
         slot.machine.on_log_end(chunk.log_end);
+        if let Some(held) = &mut slot.held {
+            held.push_back(chunk);
+            return 0;
+        }
+        let (read, stopped) = self.read_chunk(slot, consumer, &chunk, None);
+        if stopped {
+            match &mut slot.held {
+                Some(held) => held.push_front(chunk),
+                None => self.dropped(&chunk, slot.machine.read_to()),
+            }
+        }
+        read
+    }
+
+    /// Counts the records of `chunk` from offset `from` on (all with `None`) as dropped unread.
+    fn dropped(&self, chunk: &Chunk, from: Option<i64>) {
+        (self.metrics).fetched_records_dropped(chunk.items().filter(unread(from)).count());
+    }
+
+    /// Reads what the partition held, in order, until it is held again (the rest is then held
+    /// still) or its epoch changes (the rest was fetched before the seek, and is dropped).
+    pub(super) fn read_held<X: ConsumerContext, K: Consumer<X>>(
+        &self,
+        consumer: &K,
+        slot: &mut Slot,
+    ) {
+        let Some(mut held) = slot.held.take() else {
+            return;
+        };
+        let epoch = slot.epoch;
+        let mut read = 0;
+        while let Some(chunk) = held.pop_front() {
+            // Where the partition stopped reading: a chunk held part way is read on from there.
+            let from = slot.machine.read_to();
+            let (n, stopped) = self.read_chunk(slot, consumer, &chunk, from);
+            read += n;
+            if !stopped {
+                continue;
+            }
+            match &mut slot.held {
+                Some(again) if slot.epoch == epoch => {
+                    // Held again: this chunk and the rest, before anything that came since.
+                    held.push_front(chunk);
+                    held.append(again);
+                    *again = held;
+                }
+                _ => {
+                    // Positioned again: the rest was fetched before.
+                    self.dropped(&chunk, slot.machine.read_to());
+                    for chunk in &held {
+                        self.dropped(chunk, None);
+                    }
+                }
+            }
+            break;
+        }
+        self.metrics.consumed(read);
+    }
+
+    /// Routes `chunk`'s records from offset `from` on (all of them with `None`): how many were
+    /// read, and whether reading stopped before the chunk's end (the partition was held, or
+    /// positioned again).
+    fn read_chunk<X: ConsumerContext, K: Consumer<X>>(
+        &self,
+        slot: &mut Slot,
+        consumer: &K,
+        chunk: &Chunk,
+        from: Option<i64>,
+    ) -> (u64, bool) {
+        let partition = chunk.partition;
+        let unread = unread(from);
         let mut read = 0;
         let mut placer = Placer::default();
         if slot.ids.is_none() {
-            for item in chunk.items() {
+            for item in chunk.items().filter(unread) {
                 read += 1;
                 if !self.handle_item(slot, &mut placer, consumer, partition, item, None) {
-                    break;
+                    return (read, true);
                 }
             }
-            return read;
+            return (read, false);
         }
         // Idempotency keys: each run of records is decoded first and the home slots of its
         // ids read together, so that deciding them one by one then finds them in cache.
-        let mut items = chunk.items();
+        let mut items = chunk.items().filter(unread);
         let mut ahead = Vec::with_capacity(DECODED_AHEAD);
         loop {
             ahead.clear();
@@ -196,7 +279,7 @@ impl<S: Sink> Shared<S> {
                 ahead.push((item, decoded));
             }
             if ahead.is_empty() {
-                return read;
+                return (read, false);
             }
             if let Some(ids) = &slot.ids {
                 ids.touch(ahead.iter().filter_map(|(_, d)| Some(d.as_ref()?.id?.0)));
@@ -204,14 +287,14 @@ impl<S: Sink> Shared<S> {
             for (item, decoded) in ahead.drain(..) {
                 read += 1;
                 if !self.handle_item(slot, &mut placer, consumer, partition, item, decoded) {
-                    return read;
+                    return (read, true);
                 }
             }
         }
     }
 
     /// Handles one item of a chunk (`decoded`, if its record was decoded already); false if
-    /// the partition was paused, so that the rest of the chunk is not read.
+    /// the partition was paused or held, so that the rest of the chunk is not read now.
     fn handle_item<'s, X: ConsumerContext, K: Consumer<X>>(
         &'s self,
         slot: &mut Slot,
@@ -266,8 +349,9 @@ impl<S: Sink> Shared<S> {
                 }
             }
         }
-        // Paused: the fetcher reads on from the next offset once resumed.
-        slot.epoch == epoch
+        // Paused: the fetcher reads on from the next offset once resumed. Held: the rest of
+        // the chunk is read once resumed.
+        slot.epoch == epoch && slot.held.is_none()
     }
 
     /// Decodes one message and routes it to its partition's state machine.

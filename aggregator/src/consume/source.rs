@@ -118,9 +118,28 @@ impl Source {
         }
     }
 
+    /// Stops fetching a partition for now, keeping what was fetched: true if tally's fetcher
+    /// reads it (the chunks already fetched, or on their way, are then the loop's to hold);
+    /// librdkafka's consumer is paused as by [`Source::set_paused`].
+    pub(crate) fn hold<X: ConsumerContext, K: Consumer<X>>(
+        &self,
+        consumer: &K,
+        topic: &str,
+        partition: i32,
+        epoch: &mut u64,
+    ) -> bool {
+        if let Source::Fetcher(fetcher) = self {
+            fetcher.pause(partition);
+            return true;
+        }
+        self.set_paused(consumer, topic, partition, true, None, epoch);
+        false
+    }
+
     /// Pauses or resumes reading a partition. A paused partition holds nothing more than it
     /// has read: tally's fetcher drops what it fetched past `read_to` (the next offset to
-    /// read, if any was) and fetches from there once resumed, as librdkafka does.
+    /// read, if any was) and fetches from there once resumed, as librdkafka does. (A held
+    /// partition, [`Source::hold`], keeps what was fetched.)
     pub(crate) fn set_paused<X: ConsumerContext, K: Consumer<X>>(
         &self,
         consumer: &K,

@@ -69,9 +69,12 @@ pub(crate) enum Action {
     Check(Owner),
     /// Commit this offset: everything before it is durable.
     Commit(i64),
-    /// Stop fetching the partition.
+    /// Stop fetching the partition, dropping what was fetched of it and not read.
     Pause,
-    /// Fetch it again.
+    /// Stop fetching the partition for now, keeping what was fetched of it and not read: its
+    /// buffer is full while a flush is in flight. Reading goes on from there on [`Action::Resume`].
+    Hold,
+    /// Read it again (what was held first, then what is fetched next).
     Resume,
     /// Acquire exactly-once ownership, then report with [`Partition::on_acquired`].
     Acquire,
@@ -402,7 +405,7 @@ impl Partition {
         }
         if !self.paused && self.buffer.is_full(&limits.pause_size(pace)) {
             self.paused = true;
-            return (handled, Some(Action::Pause));
+            return (handled, Some(Action::Hold));
         }
         (handled, None)
     }
@@ -879,7 +882,7 @@ mod tests {
         assert!(feed(&mut p, 4..11).is_empty());
         assert!(!p.paused);
         let actions = feed(&mut p, 11..12);
-        assert!(matches!(actions.as_slice(), [Action::Pause]));
+        assert!(matches!(actions.as_slice(), [Action::Hold]));
         assert!(p.paused);
         // More messages already fetched are still buffered, without a second pause.
         assert!(feed(&mut p, 12..13).is_empty());

@@ -35,6 +35,7 @@ pub struct Metrics {
     fetch_throttled: prometheus::Counter,
     /// `Fetch` requests tally's fetcher sent.
     fetch_requests: IntCounter,
+    fetched_records_dropped: IntCounter,
     /// Cells writes sent with remembered values instead of read ones, the ones of those found
     /// stale, and the fields remembered (`crate::store::recall`).
     cells_predicted: IntCounter,
@@ -175,6 +176,10 @@ impl Metrics {
             fetch_requests: r.counter(
                 "tally_fetch_requests_total",
                 "Fetch requests tally's fetcher sent to the brokers (none with --fetch librdkafka).",
+            ),
+            fetched_records_dropped: r.counter(
+                "tally_fetched_records_dropped_total",
+                "Records tally's fetcher handed over that were dropped unread, because their partition was paused or positioned again after they were fetched (a fence, a rollback, a truncated log, a rebalance): they are fetched again if still wanted.",
             ),
             cells_predicted: r.counter(
                 "tally_cells_predicted_writes_total",
@@ -318,6 +323,11 @@ impl Metrics {
     /// `n` messages were read from Kafka.
     pub fn consumed(&self, n: u64) {
         self.events_consumed.inc_by(n);
+    }
+
+    /// `records` fetched were dropped unread: their partition was paused or positioned again.
+    pub fn fetched_records_dropped(&self, records: usize) {
+        self.fetched_records_dropped.inc_by(records as u64);
     }
 
     /// A partition's position was outside its log and moved to its start.
