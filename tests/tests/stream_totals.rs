@@ -5,8 +5,8 @@ use std::time::Duration;
 
 use tally_cli::load::LoadSpec;
 use tally_tests::{
-    AggregatorSetup, RedisServer, TempDir, assert_committed_to_end, counters_in_redis, finish_load,
-    start_load, wait_for_totals,
+    AggregatorSetup, NamespacedSetup, RedisServer, TempDir, assert_committed_to_end,
+    counters_in_redis, finish_load, start_load, wait_for_totals,
 };
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -55,9 +55,25 @@ async fn zipf_stream_with_negative_deltas_sums_exactly() {
 /// is read once it resumes, from where it stopped: every event read once, none fetched twice.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_catch_up_held_at_every_flush_reads_each_event_once() {
-    let dir = TempDir::new("tally-e2e");
-    let redis = RedisServer::start().await;
-    let setup = AggregatorSetup::create("held", &redis.url(), 4).await;
+    held_catch_up("held", "", false).await;
+}
+
+/// The same with an idempotency window on every counter, each event with an id of its own:
+/// records decoded ahead of their turn are read again from where the hold stopped them, and
+/// an event read twice would count twice (its id is not a repeat of itself).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_catch_up_with_ids_held_at_every_flush_counts_each_event_once() {
+    held_catch_up(
+        "held-ids",
+        "[defaults]\nidempotency_window = \"10m\"\n",
+        true,
+    )
+    .await;
+}
+
+async fn held_catch_up(name: &str, namespaces: &str, event_ids: bool) {
+    let run = NamespacedSetup::start(name, namespaces).await;
+    let (redis, dir, setup) = (&run.redis, &run.dir, &run.setup);
     let spec = LoadSpec {
         events: 100_000,
         counters: 20_000,
@@ -65,11 +81,13 @@ async fn a_catch_up_held_at_every_flush_reads_each_event_once() {
         max_delta: 5,
         negative_share: 0.3,
         seed: 11,
+        event_ids,
         ..LoadSpec::default()
     };
     // Written first: the aggregator starts behind and catches up.
     let sent = finish_load(start_load(&setup.topic, spec), 100_000).await;
-    let mut aggregator = setup.spawn(dir.path(), &["--catch-up-max-batch-counters", "100"]);
+    let flags = run.flags(&["--catch-up-max-batch-counters", "100"]);
+    let mut aggregator = setup.spawn(dir.path(), &flags);
     let reader = redis.reader(setup.keyspace()).await;
     wait_for_totals(&reader, &sent.totals, Duration::from_secs(60)).await;
 
@@ -94,5 +112,5 @@ async fn a_catch_up_held_at_every_flush_reads_each_event_once() {
         "the catch-up flushed in small batches: {flushes}"
     );
     aggregator.stop_gracefully().await;
-    assert_committed_to_end(&setup.group, &setup.topic, 4);
+    assert_committed_to_end(&setup.group, &setup.topic, 8);
 }
