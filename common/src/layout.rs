@@ -147,6 +147,12 @@ impl LikesCount {
         }
     }
 
+    /// Whether a deduplicating namespace grouped by `grouping` counts its likes by their count
+    /// sets in a deployment that counts likes this way: only grouped by counter.
+    pub fn by_set(self, grouping: GroupingRule) -> bool {
+        self == LikesCount::Sets && grouping == GroupingRule::ByCounter
+    }
+
     fn parse(key: String, text: String) -> Result<Self, LayoutError> {
         match text.as_str() {
             "sets" => Ok(LikesCount::Sets),
@@ -164,9 +170,7 @@ impl LikesCount {
 /// deployment that counts likes as `count`: those that deduplicate grouped by counter, where
 /// likes count by sets (see the module's doc).
 pub fn likes_by_set(namespaces: &Namespaces, count: Option<LikesCount>) -> LikesBySet {
-    let by_set = |p: &Policy| {
-        count == Some(LikesCount::Sets) && p.dedup && p.grouping == GroupingRule::ByCounter
-    };
+    let by_set = |p: &Policy| p.dedup && count.is_some_and(|c| c.by_set(p.grouping));
     LikesBySet {
         listed: (namespaces.listed())
             .map(|(name, p)| (name.to_owned(), by_set(p)))
@@ -185,12 +189,16 @@ pub async fn recorded_likes_count(
     keyspace: &Keyspace,
 ) -> Result<Option<LikesCount>, LayoutError> {
     let key = keyspace.layout_key();
-    let text = recorded(conn, &key, LIKES_FIELD).await?;
+    let text = read_record(conn, &key, LIKES_FIELD).await?;
     text.map(|text| LikesCount::parse(key, text)).transpose()
 }
 
 /// What the layout hash `key` records in `field`, if anything.
-async fn recorded(conn: &RedisConn, key: &str, field: &str) -> redis::RedisResult<Option<String>> {
+async fn read_record(
+    conn: &RedisConn,
+    key: &str,
+    field: &str,
+) -> redis::RedisResult<Option<String>> {
     redis::cmd("HGET")
         .arg(key)
         .arg(field)
@@ -251,16 +259,12 @@ pub async fn record_dedup_groupings(
     let count = record_likes_count(&mut conn, keyspace).await?;
     for (namespace, grouping) in wanted {
         let field = field(&namespace);
-        let wanted = match (count, grouping) {
-            (LikesCount::Sets, GroupingRule::ByCounter) => LikesCount::Sets.as_str(),
-            _ => grouping.as_str(),
+        let expected = if count.by_set(grouping) {
+            LikesCount::Sets.as_str()
+        } else {
+            grouping.as_str()
         };
-        let recorded: Option<String> = redis::cmd("HGET")
-            .arg(&key)
-            .arg(&field)
-            .query_async(&mut conn)
-            .await?;
-        let recorded = match recorded {
+        let recorded = match read_record(&conn, &key, &field).await? {
             Some(recorded) => recorded,
             None => {
                 // Writers before records kept likes grouped by actor, the only layout then.
@@ -277,17 +281,13 @@ pub async fn record_dedup_groupings(
                 let _: bool = redis::cmd("HSETNX")
                     .arg(&key)
                     .arg(&field)
-                    .arg(wanted)
+                    .arg(expected)
                     .query_async(&mut conn)
                     .await?;
-                redis::cmd("HGET")
-                    .arg(&key)
-                    .arg(&field)
-                    .query_async(&mut conn)
-                    .await?
+                read_record(&conn, &key, &field).await?.unwrap_or_default()
             }
         };
-        if recorded != wanted {
+        if recorded != expected {
             return Err(LayoutError::Mismatch {
                 namespace,
                 recorded,
@@ -343,7 +343,7 @@ pub async fn recorded_cells_stripes(
     keyspace: &Keyspace,
 ) -> Result<Option<u64>, LayoutError> {
     let key = keyspace.layout_key();
-    let Some(text) = recorded(conn, &key, STRIPES_FIELD).await? else {
+    let Some(text) = read_record(conn, &key, STRIPES_FIELD).await? else {
         return Ok(None);
     };
     match text.parse() {

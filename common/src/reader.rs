@@ -212,15 +212,10 @@ impl Reader {
         if size > 0
             && let Some(share) = shares.get_mut(group as usize)
         {
-            *share =
-                Some(
-                    share
-                        .unwrap_or(0)
-                        .checked_add(size)
-                        .ok_or_else(|| ReadError::Overflow {
-                            counter: counter.to_owned(),
-                        })?,
-                );
+            let overflow = || ReadError::Overflow {
+                counter: counter.to_owned(),
+            };
+            *share = Some(share.unwrap_or(0).checked_add(size).ok_or_else(overflow)?);
         }
         Ok(shares)
     }

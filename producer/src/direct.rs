@@ -75,8 +75,9 @@ struct Inner {
     like: redis::Script,
     unlike: redis::Script,
     /// Set once the deployment's record of where likes are kept agrees with the namespaces
-    /// (checked before the first like or unlike).
-    layout_checked: tokio::sync::OnceCell<Option<tally_common::layout::LikesCount>>,
+    /// (checked before the first like or unlike): the namespaces whose likes are counted by
+    /// their count sets.
+    layout_checked: tokio::sync::OnceCell<tally_common::keyspace::LikesBySet>,
     /// The task reporting write rates every second.
     reporter: Mutex<Option<JoinHandle<()>>>,
     /// The store of record the increments go to instead of Redis's keys, if any.
@@ -213,20 +214,22 @@ impl DirectWriter {
             inner.wrote(counter);
             return Ok(changed);
         }
-        let likes = (inner.layout_checked)
-            .get_or_try_init(|| {
-                tally_common::layout::record_dedup_groupings(&inner.conn, ks, &inner.namespaces)
+        let by_set = (inner.layout_checked)
+            .get_or_try_init(|| async {
+                let ns = &inner.namespaces;
+                let count = tally_common::layout::record_dedup_groupings(&inner.conn, ks, ns);
+                Ok::<_, tally_common::layout::LayoutError>(tally_common::layout::likes_by_set(
+                    ns,
+                    count.await?,
+                ))
             })
-            .await?;
+            .await?
+            .counts(counter);
         let script = if like { &inner.like } else { &inner.unlike };
-        // Grouped by counter where likes count by sets, a like is in the counter's count set
-        // and adds to no share (`tally_common::layout`).
-        let by_set = *likes == Some(tally_common::layout::LikesCount::Sets)
-            && rule == tally_common::keyspace::GroupingRule::ByCounter;
-        let mut invocation = match by_set {
-            true => script.key(ks.count_set_key(group, counter)),
-            false => script.key(ks.member_key(group, counter)),
-        };
+        // Counted by its set, a like adds to no share (`tally_common::layout`).
+        let mut set = String::new();
+        ks.write_set_key(&mut set, group, counter, by_set);
+        let mut invocation = script.key(set);
         if !by_set {
             invocation.key(ks.counter_key(group, counter));
         }

@@ -28,11 +28,21 @@ async fn sink(url: &str, ks: &Keyspace, atomicity: Atomicity) -> RedisSink {
 /// The sink, the keyspace it writes and its fence's epoch, with the fence stamped.
 async fn fenced_sink(redis: &RedisServer, atomicity: Atomicity) -> (RedisSink, Keyspace, u64) {
     let keyspace = Keyspace::new(unique("refused"), 1).expect("keyspace");
-    let sink = sink(&redis.url(), &keyspace, atomicity).await;
+    let (sink, epoch) = fenced_sink_in(redis, &keyspace, atomicity).await;
+    (sink, keyspace, epoch)
+}
+
+/// [`fenced_sink`] writing by `keyspace`.
+async fn fenced_sink_in(
+    redis: &RedisServer,
+    keyspace: &Keyspace,
+    atomicity: Atomicity,
+) -> (RedisSink, u64) {
+    let sink = sink(&redis.url(), keyspace, atomicity).await;
     let epoch = sink.next_epoch(GROUP, FIELD, 1).await.expect("epoch");
     let stamp = sink.stamp_fence(GROUP, FIELD, epoch).await.expect("stamp");
     assert_eq!(stamp, Stamp::Stamped { ledger: -1 });
-    (sink, keyspace, epoch)
+    (sink, epoch)
 }
 
 fn write<'a>(
@@ -319,10 +329,7 @@ async fn runs_counted_by_sets_and_in_shares_share_a_write(atomicity: Atomicity) 
     let ks = Keyspace::new(unique("sets"), 1)
         .expect("keyspace")
         .with_likes_by_set(by_set);
-    let sink = sink(&redis.url(), &ks, atomicity).await;
-    let epoch = sink.next_epoch(GROUP, FIELD, 1).await.expect("epoch");
-    let stamp = sink.stamp_fence(GROUP, FIELD, epoch).await.expect("stamp");
-    assert_eq!(stamp, Stamp::Stamped { ledger: -1 });
+    let (sink, epoch) = fenced_sink_in(&redis, &ks, atomicity).await;
     let mut conn = tally_tests::connect(&redis.url()).await;
     // A counter key no integer (its count is its set, so its like lands), a count set of
     // another type, and a share a like would take past 64 bits.

@@ -1,6 +1,8 @@
 //! Messages in, from librdkafka or from tally's fetcher's chunks: each decoded, routed to its
 //! partition's state machine, and the action that returns carried out.
 
+use std::collections::VecDeque;
+
 use rdkafka::consumer::{Consumer, ConsumerContext};
 use rdkafka::error::KafkaResult;
 use rdkafka::message::BorrowedMessage;
@@ -187,14 +189,7 @@ impl<S: Sink> Shared<S> {
             held.push_back(chunk);
             return 0;
         }
-        let (read, stopped) = self.read_chunk(slot, consumer, &chunk, None);
-        if stopped {
-            match &mut slot.held {
-                Some(held) => held.push_front(chunk),
-                None => self.dropped(&chunk, slot.machine.read_to()),
-            }
-        }
-        read
+        self.read_chunks(consumer, slot, VecDeque::from([chunk]))
     }
 
     /// Counts the records of `chunk` from offset `from` on (all with `None`) as dropped unread.
@@ -202,20 +197,31 @@ impl<S: Sink> Shared<S> {
         (self.metrics).fetched_records_dropped(chunk.items().filter(unread(from)).count());
     }
 
-    /// Reads what the partition held, in order, until it is held again (the rest is then held
-    /// still) or its epoch changes (the rest was fetched before the seek, and is dropped).
+    /// Reads what the partition held, once it resumes.
     pub(super) fn read_held<X: ConsumerContext, K: Consumer<X>>(
         &self,
         consumer: &K,
         slot: &mut Slot,
     ) {
-        let Some(mut held) = slot.held.take() else {
-            return;
-        };
+        if let Some(held) = slot.held.take() {
+            let read = self.read_chunks(consumer, slot, held);
+            self.metrics.consumed(read);
+        }
+    }
+
+    /// Reads `chunks` in order, each from where the partition stopped reading (a chunk held
+    /// part way is read on from there), until the partition is held (the rest is then held,
+    /// before anything held since) or positioned again (the rest was fetched before the seek,
+    /// and is dropped). Returns how many records were read.
+    fn read_chunks<X: ConsumerContext, K: Consumer<X>>(
+        &self,
+        consumer: &K,
+        slot: &mut Slot,
+        mut chunks: VecDeque<Chunk>,
+    ) -> u64 {
         let epoch = slot.epoch;
         let mut read = 0;
-        while let Some(chunk) = held.pop_front() {
-            // Where the partition stopped reading: a chunk held part way is read on from there.
+        while let Some(chunk) = chunks.pop_front() {
             let from = slot.machine.read_to();
             let (n, stopped) = self.read_chunk(slot, consumer, &chunk, from);
             read += n;
@@ -224,22 +230,20 @@ impl<S: Sink> Shared<S> {
             }
             match &mut slot.held {
                 Some(again) if slot.epoch == epoch => {
-                    // Held again: this chunk and the rest, before anything that came since.
-                    held.push_front(chunk);
-                    held.append(again);
-                    *again = held;
+                    chunks.push_front(chunk);
+                    chunks.append(again);
+                    *again = chunks;
                 }
                 _ => {
-                    // Positioned again: the rest was fetched before.
                     self.dropped(&chunk, slot.machine.read_to());
-                    for chunk in &held {
+                    for chunk in &chunks {
                         self.dropped(chunk, None);
                     }
                 }
             }
             break;
         }
-        self.metrics.consumed(read);
+        read
     }
 
     /// Routes `chunk`'s records from offset `from` on (all of them with `None`): how many were

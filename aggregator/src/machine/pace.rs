@@ -48,9 +48,10 @@ impl Limits {
     /// How full a batch may grow while the partition's previous flush is still in flight
     /// before the partition stops fetching until that flush lands. Live: twice the live size
     /// (pausing makes librdkafka drop what it prefetched and fetch it again, tally's fetcher
-    /// holds it, and a live flush is short). Catching up: the catch-up size itself, so that no flush script ever writes
-    /// more than `catch_up.max_counters` (a 1-event-per-counter catch-up buffered twice that
-    /// while each flush landed: scripts of 30,000 keys ran up to 230 ms).
+    /// holds it, and a live flush is short). Catching up: the catch-up size itself, so that no
+    /// flush script ever writes more than `catch_up.max_counters` (a 1-event-per-counter
+    /// catch-up buffered twice that while each flush landed: scripts of 30,000 keys ran up to
+    /// 230 ms).
     pub fn pause_size(&self, pace: Pace) -> Size {
         match pace {
             Pace::Live => Size {

@@ -35,6 +35,7 @@ pub struct Metrics {
     fetch_throttled: prometheus::Counter,
     /// `Fetch` requests tally's fetcher sent.
     fetch_requests: IntCounter,
+    /// Records fetched and dropped unread (their partition paused or positioned again).
     fetched_records_dropped: IntCounter,
     /// Cells writes sent with remembered values instead of read ones, the ones of those found
     /// stale, and the fields remembered (`crate::store::recall`).
