@@ -334,6 +334,20 @@ impl Keyspace {
         format!("{}:{{g{group}}}:fence", self.prefix)
     }
 
+    /// The key a flush that writes runs of likes before its script leaves if one of their sets
+    /// holds another type (`SET`, then `SINTERSTORE` into it of [`Keyspace::none_key`] and the
+    /// sets, which deletes it unless Redis refuses one of them); the script deletes it. Never
+    /// seen outside that `MULTI`/`EXEC` but for a moment after a failure.
+    pub fn set_check_key(&self, group: u32) -> String {
+        format!("{}:{{g{group}}}:setcheck", self.prefix)
+    }
+
+    /// A key no tally code writes, deleted before each [`Keyspace::set_check_key`] check: the
+    /// empty set that makes its `SINTERSTORE` stop after checking every set's type.
+    pub fn none_key(&self, group: u32) -> String {
+        format!("{}:{{g{group}}}:none", self.prefix)
+    }
+
     /// The hash of epoch counters in `group` (a partition's counter lives in its home group).
     pub fn epoch_key(&self, group: u32) -> String {
         format!("{}:{{g{group}}}:epoch", self.prefix)

@@ -9,7 +9,15 @@ each flush a run of likers per counter, written four ways:
   INCRBY the counter by their number, the ledger field, EXEC (no script);
 - luasets: one script per flush that only SADDs each run's likers and sets the ledger field,
   the count being the set's SCARD (no counter key);
-- scard: WATCH the ledger, then MULTI: SADD each run's likers, the ledger field, EXEC.
+- scard: WATCH the ledger, then MULTI: SADD each run's likers, the ledger field, EXEC;
+- split: WATCH the fence, then MULTI: SADD each run's likers, then a script given only the
+  sets' keys that checks their type (one SINTERCARD with a key that does not exist) and sets
+  the ledger field, EXEC;
+- marked: WATCH the fence, then MULTI: SADD each run's likers, SET a check key, SINTERSTORE
+  into it the intersection of a key that does not exist with every set (which deletes it, or
+  fails on a key of another type and leaves it), then a script that deletes the check key (a
+  failed check stops it) and sets the ledger field, EXEC (tally's flush of likes counted by
+  their sets).
 
 Prints redis-server's CPU per event (INFO cpu), median and range over the rounds; the ways
 alternate within each round, in the opposite order every other round.
@@ -56,6 +64,24 @@ end
 redis.call('HSET', KEYS[1], 'p', '1')
 return 1
 """)
+
+CHECK_SETS = r.register_script("""
+for first = 2, #KEYS, 1000 do
+  local last = math.min(first + 999, #KEYS)
+  redis.call('SINTERCARD', last - first + 2, KEYS[1] .. ':absent', unpack(KEYS, first, last))
+end
+redis.call('HSET', KEYS[1], 'p', '1')
+return 1
+""")
+FENCE = "t:{g1}:fence"
+CHECKED = r.register_script("""
+if redis.call('DEL', KEYS[2]) == 1 then
+  return 0
+end
+redis.call('HSET', KEYS[1], 'p', '1')
+return 1
+""")
+CHECK = "t:{g1}:check"
 
 
 def flushes():
@@ -117,12 +143,40 @@ def scard():
             p.execute()
 
 
+def split():
+    for runs in flushes():
+        with r.pipeline() as p:
+            p.watch(FENCE)
+            p.hget(FENCE, "p")
+            p.hget(LEDGER, "p")
+            p.multi()
+            for s, _, m in runs:
+                p.sadd(s, *m)
+            CHECK_SETS(keys=[LEDGER] + [s for s, _, _ in runs], client=p)
+            p.execute()
+
+
+def marked():
+    for runs in flushes():
+        with r.pipeline() as p:
+            p.watch(FENCE)
+            p.hget(FENCE, "p")
+            p.hget(LEDGER, "p")
+            p.multi()
+            for s, _, m in runs:
+                p.sadd(s, *m)
+            p.set(CHECK, "1")
+            p.sinterstore(CHECK, [CHECK + ":none"] + [s for s, _, _ in runs])
+            CHECKED(keys=[LEDGER, CHECK], client=p)
+            assert p.execute()[-1] == 1
+
+
 def cpu():
     info = r.info("cpu")
     return info["used_cpu_user"] + info["used_cpu_sys"]
 
 
-ways = [lua, watch, luasets, scard]
+ways = [lua, watch, luasets, scard, split, marked]
 results = {w.__name__: [] for w in ways}
 for rnd in range(ROUNDS):
     for way in ways if rnd % 2 == 0 else ways[::-1]:

@@ -409,6 +409,17 @@ async fn runs_counted_by_sets_and_in_shares_share_a_write(atomicity: Atomicity) 
     assert!(reader.get("liked:2").await.is_err(), "{atomicity:?}");
     assert!(reader.has_liked("liked:3", "u2").await.expect("has_liked"));
     assert!(!reader.has_liked("liked:3", "u3").await.expect("has_liked"));
+    // With scripts and transactions both (the default), the write that landed wrote its sets
+    // before the script, checked by one SINTERSTORE, whose key is gone.
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(&mut conn)
+        .await
+        .expect("INFO");
+    let sets_first = info.contains("cmdstat_sinterstore:calls=");
+    assert_eq!(sets_first, atomicity == Atomicity::Auto, "{info}");
+    let check: bool = conn.exists(ks.set_check_key(GROUP)).await.expect("EXISTS");
+    assert!(!check, "{atomicity:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -416,6 +427,16 @@ async fn the_flush_script_undoes_a_refused_write() {
     refused_write_leaves_nothing_behind(Atomicity::Scripts).await;
     refused_membership_is_listed_after_the_deltas(Atomicity::Scripts).await;
     runs_counted_by_sets_and_in_shares_share_a_write(Atomicity::Scripts).await;
+}
+
+/// The default on a standalone server: runs counted by their sets go before the script, in one
+/// `MULTI`/`EXEC` with it; a set of another type sends the write back to the script alone,
+/// which refuses what it would have.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sets_written_before_the_script_refuse_the_same_writes() {
+    refused_write_leaves_nothing_behind(Atomicity::Auto).await;
+    refused_membership_is_listed_after_the_deltas(Atomicity::Auto).await;
+    runs_counted_by_sets_and_in_shares_share_a_write(Atomicity::Auto).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -792,4 +813,92 @@ async fn a_write_of_thousands_of_fields_into_one_hash_lands_whole() {
         let len: usize = conn.hlen(&hash).await.expect("HLEN");
         assert_eq!(len, 0, "every field deleted");
     }
+}
+
+/// Likes counted by their sets written before the script (the default on a standalone server)
+/// land only where the script takes the rest: not while Redis refuses writes (out of memory,
+/// read-only: the whole transaction is refused), not again once landed (a later change to a set
+/// stays), and never from an owner whose fence was taken.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sets_written_before_the_script_land_once_and_only_for_the_owner() {
+    let redis = RedisServer::start().await;
+    let ks = Keyspace::new(unique("before"), 1)
+        .expect("keyspace")
+        .with_likes_by_set(tally_common::keyspace::LikesBySet {
+            listed: Vec::new(),
+            others: true,
+        });
+    let (sink, epoch) = fenced_sink_in(&redis, &ks, Atomicity::Auto).await;
+    let mut conn = tally_tests::connect(&redis.url()).await;
+    let members = Likes::from_actions([
+        ("post:1", "u1", true),
+        ("post:1", "u2", true),
+        ("post:2", "u1", true),
+    ]);
+    let set = |counter: &str| ks.count_set_key(GROUP, counter);
+    let ledger = || async {
+        let mut conn = tally_tests::connect(&redis.url()).await;
+        let entry: Option<i64> = conn.hget(ks.ledger_key(GROUP), FIELD).await.expect("HGET");
+        entry
+    };
+    for (refuse, undo) in [
+        (
+            vec!["CONFIG", "SET", "maxmemory", "1"],
+            vec!["CONFIG", "SET", "maxmemory", "0"],
+        ),
+        (
+            vec!["REPLICAOF", "127.0.0.1", "1"],
+            vec!["REPLICAOF", "NO", "ONE"],
+        ),
+    ] {
+        let _: () = redis::cmd(refuse[0])
+            .arg(&refuse[1..])
+            .query_async(&mut conn)
+            .await
+            .expect("refuse");
+        let failed = sink.apply_fenced(write(epoch, &[], &[], &members)).await;
+        let _: () = redis::cmd(undo[0])
+            .arg(&undo[1..])
+            .query_async(&mut conn)
+            .await
+            .expect("undo");
+        assert!(failed.is_err(), "{refuse:?}: {failed:?}");
+        let sizes: (i64, i64) = (
+            conn.scard(set("post:1")).await.expect("SCARD"),
+            conn.scard(set("post:2")).await.expect("SCARD"),
+        );
+        assert_eq!(sizes, (0, 0), "{refuse:?}");
+        assert_eq!(ledger().await, None, "{refuse:?}");
+    }
+    let applied = sink
+        .apply_fenced(write(epoch, &[], &[], &members))
+        .await
+        .expect("write");
+    assert_eq!(applied, Applied::Written);
+    assert_eq!(ledger().await, Some(10));
+    // A later unlike (by hand here): the same write tried again is found done, and writes
+    // nothing.
+    let _: () = conn.srem(set("post:1"), "u2").await.expect("SREM");
+    let again = sink
+        .apply_fenced(write(epoch, &[], &[], &members))
+        .await
+        .expect("write");
+    assert_eq!(again, Applied::AlreadyApplied);
+    let members_now: Vec<String> = conn.smembers(set("post:1")).await.expect("SMEMBERS");
+    assert_eq!(members_now, vec!["u1".to_owned()]);
+    // A new owner takes the fence: the former one's next write is refused before its sets.
+    let newer = sink
+        .next_epoch(GROUP, FIELD, epoch + 1)
+        .await
+        .expect("epoch");
+    let stamp = sink.stamp_fence(GROUP, FIELD, newer).await.expect("stamp");
+    assert_eq!(stamp, Stamp::Stamped { ledger: 10 });
+    let later = Likes::from_actions([("post:3", "u9", true)]);
+    let mut zombie = write(epoch, &[], &[], &later);
+    (zombie.expected_ledger, zombie.next_offset) = (10, 20);
+    let refused = sink.apply_fenced(zombie).await.expect("write");
+    assert_eq!(refused, Applied::Fenced);
+    let landed: bool = conn.exists(set("post:3")).await.expect("EXISTS");
+    assert!(!landed, "a fenced writer's like landed");
+    assert_eq!(ledger().await, Some(10));
 }

@@ -71,8 +71,13 @@ impl<'a> ScriptCall<'a> {
         }
     }
 
+    /// Loads the script into Redis (`SCRIPT LOAD`), for an `EVALSHA` sent by other means.
+    pub async fn load(&self, conn: &mut impl redis::aio::ConnectionLike) -> RedisResult<()> {
+        self.script.load_async(conn).await.map(drop)
+    }
+
     /// `EVALSHA hash numkeys key... arg...`.
-    fn command(&self) -> Cmd {
+    pub fn command(&self) -> Cmd {
         let keys = self.keys.args_iter();
         let args = self.args.args_iter();
         let bytes: usize = (keys.clone().chain(args.clone()))

@@ -52,11 +52,13 @@ pub struct Transactions {
 }
 
 /// What an operation decided after reading under `WATCH`.
-enum Plan<T> {
+enum Plan<'w, T> {
     /// Nothing to write; the answer is known.
     Done(T),
     /// Write this `MULTI`/`EXEC` pipeline; if it lands, the answer is `T`.
     Write(Pipeline, T),
+    /// Write this pipeline, already `MULTI`/`EXEC` ([`Pipeline::atomic`]), without a copy.
+    WriteAtomic(&'w Pipeline, T),
 }
 
 fn protocol_error(what: &'static str, value: &Value) -> SinkError {
@@ -188,33 +190,84 @@ impl Transactions {
         &self,
         watch: &[String],
         reads: &Pipeline,
-        mut decide: impl FnMut(&[Value]) -> Result<Plan<T>, SinkError>,
+        decide: impl FnMut(&[Value]) -> Result<Plan<'static, T>, SinkError>,
     ) -> Result<T, SinkError> {
+        Ok(self.optimistic_replies(watch, reads, decide).await?.0)
+    }
+
+    /// [`Transactions::optimistic`], with the `EXEC`'s replies (`Nil` when nothing was written).
+    async fn optimistic_replies<'w, T>(
+        &self,
+        watch: &[String],
+        reads: &Pipeline,
+        mut decide: impl FnMut(&[Value]) -> Result<Plan<'w, T>, SinkError>,
+    ) -> Result<(T, Value), SinkError> {
         let mut rereads = cells::Rereads::new(MAX_CONFLICTS);
         loop {
             // On any error the connection is dropped, never returned with a watch pending.
             let mut conn = self.checkout().await?;
             redis::cmd("WATCH").arg(watch).exec_async(&mut conn).await?;
             let replies: Vec<Value> = reads.query_async(&mut conn).await?;
-            match decide(&replies)? {
+            // EXEC clears the watch whether it runs the writes or aborts them (Nil).
+            let (result, answer): (Value, T) = match decide(&replies)? {
                 Plan::Done(answer) => {
                     redis::cmd("UNWATCH").exec_async(&mut conn).await?;
                     self.release(conn);
-                    return Ok(answer);
+                    return Ok((answer, Value::Nil));
                 }
                 Plan::Write(mut writes, answer) => {
-                    // EXEC clears the watch whether it runs the writes or aborts them (Nil).
-                    let result: Value = writes.atomic().query_async(&mut conn).await?;
-                    self.release(conn);
-                    if result != Value::Nil {
-                        return Ok(answer);
-                    }
-                    tracing::debug!("transaction aborted by a concurrent write; starting over");
-                    if !rereads.again().await {
-                        return Err(conflict());
-                    }
+                    (writes.atomic().query_async(&mut conn).await?, answer)
                 }
+                Plan::WriteAtomic(writes, answer) => {
+                    debug_assert!(writes.is_transaction());
+                    (writes.query_async(&mut conn).await?, answer)
+                }
+            };
+            self.release(conn);
+            if result != Value::Nil {
+                return Ok((answer, result));
             }
+            tracing::debug!("transaction aborted by a concurrent write; starting over");
+            if !rereads.again().await {
+                return Err(conflict());
+            }
+        }
+    }
+
+    /// Runs `writes` (a `MULTI`/`EXEC` pipeline) only where `write` may land: the
+    /// group's fence holds the writer's epoch and its ledger entry is neither past the write
+    /// nor behind what the writer saw, the fence watched until `EXEC` (no other writer changes
+    /// the partition's ledger entry while the fence holds). The `EXEC`'s replies, or what
+    /// stopped it.
+    pub async fn exec_if_owner(
+        &self,
+        write: &GroupWrite<'_>,
+        writes: &Pipeline,
+    ) -> Result<Result<Vec<Value>, Applied>, SinkError> {
+        let ks = &self.keyspace;
+        let fence_key = ks.fence_key(write.group);
+        let mut reads = redis::pipe();
+        reads
+            .hget(&fence_key, write.field)
+            .hget(ks.ledger_key(write.group), write.field);
+        let (stopped, replies) = (self.optimistic_replies(&[fence_key], &reads, |replies| {
+            let [fence, ledger] = replies else {
+                return Err(protocol_error(
+                    "short reply",
+                    &Value::Array(replies.to_vec()),
+                ));
+            };
+            let (fence, ledger) = (number(fence)?, number(ledger)?);
+            Ok(match flush_verdict(fence, ledger, &[], &[], &[], write) {
+                Some(verdict) => Plan::Done(Some(verdict)),
+                None => Plan::WriteAtomic(writes, None),
+            })
+        }))
+        .await?;
+        match (stopped, replies) {
+            (Some(verdict), _) => Ok(Err(verdict)),
+            (None, Value::Array(replies)) => Ok(Ok(replies)),
+            (None, other) => Err(protocol_error("not the replies of EXEC", &other)),
         }
     }
 

@@ -3,8 +3,11 @@
 //! - at-least-once: a group's `INCRBY`s inside one `MULTI`/`EXEC`;
 //! - exactly-once: one Lua script per group (`scripts/flush.lua`) that checks the writer's fence,
 //!   recognises a write the group already applied, and writes all of it or, when Redis refuses a
-//!   counter, none of it (undoing what it wrote). The other scripts take epochs, stamp fences and store watermarks (see
-//!   `crate::store::fence`). For servers that refuse scripts the same operations run as optimistic
+//!   counter, none of it (undoing what it wrote). On a standalone server in `auto` mode, the
+//!   likes counted by their sets are written before it by plain `SADD`s and `SREM`s in one
+//!   `MULTI`/`EXEC` with it, under a `WATCH` of the fence (`flush`): in Lua each member costs
+//!   Redis about twice as much. The other scripts take epochs, stamp fences and store
+//!   watermarks (see `crate::store::fence`). For servers that refuse scripts the same operations run as optimistic
 //!   `WATCH`/`MULTI`/`EXEC` transactions (`crate::store::transactions`), chosen by the
 //!   `redis_atomicity` setting: `auto` (the default) tries scripts and switches for good on the
 //!   first refusal (`NOPERM`, or an unknown `EVALSHA`).
@@ -17,23 +20,18 @@ use redis::ErrorKind;
 use tally_common::{DeadLetterReason, Keyspace, RedisConn, RedisTarget};
 
 use crate::machine::batch::WindowDelta;
-use crate::machine::verdict::window_rejections;
 use crate::operator::config::Atomicity;
-use crate::store::cells;
 use crate::store::recall::{self, Recall, RecallCounts};
 use crate::store::script_call::ScriptCall;
 use crate::store::sink::{
     Applied, GroupWrite, IdleWrite, Marked, Refused, Rejection, Sink, SinkError, SinkErrorKind,
     Stamp,
 };
-use crate::store::store_error::{ERR_NOT_AN_INTEGER, ERR_OVERFLOW, RedisReply};
+use crate::store::store_error::{ERR_NOT_AN_INTEGER, ERR_OVERFLOW};
 use crate::store::transactions::{Transactions, redis_integer};
 
 mod cells_io;
-
-use cells_io::stale_cells;
-
-use crate::store::cells::{MAX_STALE_READS, Rereads};
+mod flush;
 
 /// `scripts/flush.lua`, after the cells functions it shares with `scripts/cells.lua`.
 pub const FLUSH_SCRIPT: &str = concat!(
@@ -90,6 +88,10 @@ pub struct RedisSink {
     fall_back: bool,
     /// The cells fields this writer read and wrote, so that its scripts can skip reading them.
     recall: Arc<Recall>,
+    /// Whether runs of likes counted by their sets are written by plain commands before the
+    /// flush script, in one `MULTI`/`EXEC` with it (with transactions only; off for good once
+    /// the server refuses one of those commands).
+    sets_first: Arc<AtomicBool>,
 }
 
 impl RedisSink {
@@ -114,6 +116,7 @@ impl RedisSink {
             use_scripts: Arc::new(AtomicBool::new(atomicity != Atomicity::Transactions)),
             fall_back: atomicity == Atomicity::Auto,
             recall: Arc::new(Recall::new(recall::DEFAULT_FIELDS)),
+            sets_first: Arc::new(AtomicBool::new(true)),
         })
     }
 
@@ -127,6 +130,7 @@ impl RedisSink {
             use_scripts: Arc::new(AtomicBool::new(true)),
             fall_back: false,
             recall: Arc::new(Recall::new(recall::DEFAULT_FIELDS)),
+            sets_first: Arc::new(AtomicBool::new(false)),
         }
     }
 
@@ -255,164 +259,6 @@ impl RedisSink {
             ))),
             _ => Err(unexpected(&reply)),
         }
-    }
-
-    async fn script_apply_fenced(&self, write: GroupWrite<'_>) -> Result<Applied, SinkError> {
-        let reads = cells::Reads::new(&self.keyspace, write.group, write.windows);
-        let mut rereads = Rereads::new(MAX_STALE_READS);
-        loop {
-            let (plan, predicted) =
-                (self.read_cells(write.group, &reads, write.windows, rereads.may_predict()))
-                    .await?;
-            match self.script_flush(write, &plan).await? {
-                Some(applied) => {
-                    if applied == Applied::Written {
-                        self.recall.wrote(write.group, &plan.writes);
-                    }
-                    return Ok(applied);
-                }
-                None => {
-                    self.recall.stale(write.group, predicted);
-                    if !rereads.again_after(predicted).await {
-                        return Err(stale_cells());
-                    }
-                }
-            }
-        }
-    }
-
-    /// One run of `scripts/flush.lua`; `None` when a cells field changed since it was read.
-    async fn script_flush(
-        &self,
-        write: GroupWrite<'_>,
-        plan: &cells::Plan,
-    ) -> Result<Option<Applied>, SinkError> {
-        let ks = &self.keyspace;
-        let refused = window_rejections(&plan.currents, write.windows);
-        let likes = write.members;
-        // Which runs' likes are counted by their sets: they pass no counter key.
-        let by_set: String = (likes.each_run())
-            .map(|run| {
-                if ks.likes_by_set(run.counter) {
-                    '1'
-                } else {
-                    '0'
-                }
-            })
-            .collect();
-        let counted = by_set.bytes().filter(|&b| b == b'0').count();
-        let fields: usize = plan.writes.iter().map(|s| s.fields.len()).sum();
-        let mut invocation = ScriptCall::with_capacity(
-            &self.scripts.flush,
-            3 + write.deltas.len()
-                + plan.writes.len()
-                + 3 * write.resets.len()
-                + likes.runs()
-                + counted,
-            11 + write.deltas.len()
-                + 2 * plan.writes.len()
-                + 3 * fields
-                + 2 * refused.len()
-                + 2 * likes.runs()
-                + likes.len(),
-        );
-        invocation
-            .key(ks.fence_key(write.group))
-            .key(ks.ledger_key(write.group))
-            .key(ks.watermark_key(write.group))
-            .arg(write.field)
-            .arg(write.epoch)
-            .arg(write.expected_ledger)
-            .arg(write.next_offset)
-            .arg(write.watermark.unwrap_or(""))
-            .arg(write.deltas.len())
-            .arg(plan.writes.len())
-            .arg(write.resets.len())
-            .arg(write.windows.len())
-            .arg(refused.len())
-            .arg(&by_set);
-        // KEYS and ARGV are two lists: each part adds its keys and its arguments in turn.
-        let mut key = String::new();
-        for (counter, delta) in write.deltas {
-            ks.write_counter_key(&mut key, write.group, counter);
-            invocation.key(&key).arg(*delta);
-        }
-        for stripe in &plan.writes {
-            stripe.add_to(&mut invocation);
-        }
-        for counter in write.resets {
-            invocation
-                .key(ks.counter_key(write.group, counter))
-                .key(ks.likes_key(write.group, counter))
-                .key(ks.journal_key(write.group, counter));
-        }
-        for rejection in &refused {
-            if let Refused::Window(i) = rejection.refused {
-                invocation
-                    .arg(write.deltas.len() + i + 1)
-                    .arg(rejection.reason.as_str());
-            }
-        }
-        // The runs of likes: every set, then every counter key (none for a run counted by its
-        // set), then per run its likers and unlikers.
-        for (run, flag) in likes.each_run().zip(by_set.bytes()) {
-            ks.write_set_key(&mut key, write.group, run.counter, flag == b'1');
-            invocation.key(&key);
-        }
-        for (run, flag) in likes.each_run().zip(by_set.bytes()) {
-            if flag == b'0' {
-                ks.write_counter_key(&mut key, write.group, run.counter);
-                invocation.key(&key);
-            }
-            invocation.arg(run.likes.len()).arg(run.unlikes.len());
-            for m in run.members() {
-                invocation.arg(likes.actor(m));
-            }
-        }
-        let mut conn = self.conn.clone();
-        let reply: Vec<String> = invocation.invoke(&mut conn).await?;
-        if reply.first().map(String::as_str) == Some("stale") {
-            return Ok(None);
-        }
-        fenced_flush_reply(&reply, write).map(Some)
-    }
-}
-
-/// `scripts/flush.lua`'s reply, other than `{'stale'}`.
-fn fenced_flush_reply(reply: &[String], write: GroupWrite<'_>) -> Result<Applied, SinkError> {
-    match reply.first().map(String::as_str) {
-        Some("ok") => Ok(Applied::Written),
-        Some("duplicate") => Ok(Applied::AlreadyApplied),
-        Some("fenced") => Ok(Applied::from_fence(
-            parse_number(reply, 1).ok(),
-            write.epoch,
-        )),
-        Some("rolled_back") => Ok(Applied::RolledBack),
-        Some("failed") => Err(SinkError::from(RedisReply(
-            reply.get(1).cloned().unwrap_or_default(),
-        ))),
-        Some("rejected") => {
-            let mut rejections = Vec::new();
-            for pair in reply[1..].chunks(2) {
-                // A reason not about the data is not a refusal: the write is retried.
-                let [index, reason] = pair else {
-                    return Err(unexpected(reply));
-                };
-                let refused = (index.parse().ok()).map(|i| write.refused(i));
-                let reason = DeadLetterReason::from_script(reason);
-                let (Some(refused), Some(reason)) = (refused.filter(|r| !r.is_empty()), reason)
-                else {
-                    return Err(unexpected(reply));
-                };
-                rejections.extend(
-                    refused
-                        .into_iter()
-                        .map(|refused| Rejection { refused, reason }),
-                );
-            }
-            Ok(Applied::Rejected(rejections))
-        }
-        _ => Err(unexpected(reply)),
     }
 }
 

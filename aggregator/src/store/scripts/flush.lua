@@ -7,14 +7,23 @@
 -- the write is tried again (the set already holds its likers), so a refusal or failure after it
 -- need not undo it. A run whose likes are counted by their set (ARGV[11]) is its SADD and SREM
 -- alone: the counter's total is its share plus the set's SCARD, and no counter is written.
+-- Such runs may also be written before this script, by the writer's plain SADDs and SREMs in
+-- the same MULTI/EXEC (Lua costs about as much again per member): they are then checked here
+-- and pass nothing but their flag. The writer sends them only while it watches the group's
+-- fence, having read that it holds its epoch and that its ledger entry lets the write land, so
+-- that they land only where this script is found ready to take the rest; and it ends them with
+-- `SET check 1`, `DEL none` and `SINTERSTORE check none <their sets>`, which deletes the check
+-- key unless one of the sets holds another type (Redis then refuses that run's SADD and SREM,
+-- which write nothing, and the SINTERSTORE, which leaves the check key).
 --
 -- KEYS[1] fence hash    KEYS[2] ledger hash    KEYS[3] watermark hash
 -- KEYS[4 .. 3+n] counter keys of the n deltas
 -- KEYS[4+n .. 3+n+s] the s cells hashes (window buckets) this write rewrites fields of
 -- KEYS[4+n+s .. 3+n+s+3r] per reset: the counter's key, its set (count or member set) and its
 --   compaction journal
--- KEYS[4+n+s+3r ..] the sets of the m runs of likes, then the counter keys of those not counted
---   by their sets, in the same order
+-- KEYS[4+n+s+3r ..] the sets of the runs of likes written here, then the counter keys of those
+--   not counted by their sets, in the same order; then, if runs were written before this
+--   script, the check key
 -- ARGV[1] partition field ("<topic>/<partition>")    ARGV[2] the writer's epoch
 -- ARGV[3] the ledger entry the writer last saw here    ARGV[4] next offset (the entry after this write)
 -- ARGV[5] watermark value to store, or '' to leave the watermark alone
@@ -23,12 +32,13 @@
 -- ARGV[9] w, the number of window deltas (memberships are numbered after them in a refusal)
 -- ARGV[10] x, the number of window deltas the writer found refused
 -- ARGV[11] per run of likes, '1' if it is counted by its set, '0' if its count is added to its
---   counter (m characters)
+--   counter, '2' if it is counted by its set and was written before this script (m characters)
 -- ARGV[12 .. 11+n] one delta per counter key, in the same order
 -- then per cells hash: when it expires (ms since the epoch), f, then f times: a field (a
 --   counter), the value the writer read ('' for none) and the value to write ('' to delete)
 -- then x times: a refused window delta's index (n + its place among the window deltas) and why
--- then per run: l, u, then the l actors who like the counter and the u who unlike it
+-- then per run written here: l, u, then the l actors who like the counter and the u who unlike
+-- it
 --
 -- The writer reads the cells fields and computes their new values (tally_common::window::cells);
 -- if any field no longer holds what it read, the script writes nothing and returns {'stale'}, and
@@ -36,6 +46,7 @@
 --
 -- Returns {'ok'}, {'fenced', current epoch or '0'}, {'duplicate', ledger entry},
 -- {'rolled_back', ledger entry} (the group lost writes the writer had seen land), {'stale'},
+-- {'sets_refused'} (a set of a run written before holds another type: the writer finds which),
 -- {'rejected', index, reason, index, reason, ...} with 1-based indexes: deltas first, then
 -- window deltas (index n + i), then runs of likes (index n + w + k, w the window deltas), or
 -- {'failed', error}.
@@ -46,6 +57,10 @@
 -- not the event's: the script undoes what it wrote and returns {'failed', error}, and the
 -- aggregator retries the whole write.
 local field = ARGV[1]
+-- Whether runs were written before this script, and if so whether their check failed (which
+-- deletes the check key either way).
+local before = string.find(ARGV[11], '2', 1, true) ~= nil
+local sets_refused = before and redis.call('DEL', KEYS[#KEYS]) == 1
 local fence = redis.call('HGET', KEYS[1], field)
 if fence ~= ARGV[2] then
   return {'fenced', fence or '0'}
@@ -56,6 +71,9 @@ if applied >= tonumber(ARGV[4]) then
 end
 if applied < tonumber(ARGV[3]) then
   return {'rolled_back', tostring(applied)}
+end
+if sets_refused then
+  return {'sets_refused'}
 end
 local n = tonumber(ARGV[6])
 local s = tonumber(ARGV[7])
@@ -73,6 +91,35 @@ for i = 1, x do
   arg = arg + 2
 end
 local ma = arg - 1
+
+-- The runs of likes: run k's set is KEYS[set_at[k]] and its counter KEYS[counter_at[k]] (none
+-- when counted by its set; neither when written before); its l likers are ARGV[at[k] .. at[k]
+-- + l - 1] and its u unlikers the u after them (none when written before).
+local at, likes, unlikes, set_at, counter_at = {}, {}, {}, {}, {}
+local counted = {}
+local here = 0
+do
+  for k = 1, m do
+    if string.byte(ARGV[11], k) ~= 50 then
+      here = here + 1
+      set_at[k] = mk + here
+    end
+  end
+  local a = ma + 1
+  for k = 1, m do
+    if string.byte(ARGV[11], k) == 48 then
+      counted[#counted + 1] = k
+      counter_at[k] = mk + here + #counted
+    end
+    if set_at[k] then
+      likes[k], unlikes[k] = tonumber(ARGV[a]), tonumber(ARGV[a + 1])
+      at[k] = a + 2
+      a = a + 2 + likes[k] + unlikes[k]
+    else
+      likes[k], unlikes[k], at[k] = 0, 0, a
+    end
+  end
+end
 
 -- A 64-bit integer as Redis reads one (string2ll: no sign but '-', no leading zero, no '-0'),
 -- as {high, low}: high * 10^9 + low, both exact in Lua's doubles. nil if `s` is not one.
@@ -209,9 +256,12 @@ do
     {'hdel', s > 0 and KEYS[4 + n] or nil, 'x'},
     {'pexpireat', s > 0 and KEYS[4 + n] or nil, '0'},
     {'del', r > 0 and KEYS[4 + n + s] or nil},
-    {'sadd', m > 0 and KEYS[mk + 1] or nil, 'x'},
-    {'srem', m > 0 and KEYS[mk + 1] or nil, 'x'},
-    {'incrby', #KEYS > mk + m and KEYS[mk + m + 1] or nil, '1'},
+    {'sadd', here > 0 and KEYS[mk + 1] or nil, 'x'},
+    {'srem', here > 0 and KEYS[mk + 1] or nil, 'x'},
+    -- Runs written before: the check key stands for their sets (same kind of key, same user).
+    {'sadd', before and KEYS[#KEYS] or nil, 'x'},
+    {'srem', before and KEYS[#KEYS] or nil, 'x'},
+    {'incrby', #counted > 0 and KEYS[mk + here + 1] or nil, '1'},
     {'hset', KEYS[2], field, '0'},
     {'hset', ARGV[5] ~= '' and KEYS[3] or nil, field, '0'},
   })
@@ -226,24 +276,6 @@ if x == 0 and cells_stale(stripes) then
   return {'stale'}
 end
 
--- The runs of likes: run k's set is KEYS[mk + k], its counter KEYS[counter_at[k]] (none when
--- counted by its set); its l likers
--- are ARGV[at[k] .. at[k] + l - 1] and its u unlikers the u after them.
-local at, likes, unlikes, counter_at = {}, {}, {}, {}
-local counted = {}
-do
-  local a = ma + 1
-  for k = 1, m do
-    if string.byte(ARGV[11], k) == 48 then
-      counted[#counted + 1] = k
-      counter_at[k] = mk + m + #counted
-    end
-    likes[k], unlikes[k] = tonumber(ARGV[a]), tonumber(ARGV[a + 1])
-    at[k] = a + 2
-    a = a + 2 + likes[k] + unlikes[k]
-  end
-end
-
 -- Each run's counter (none when counted by its set) is checked before anything is written (one
 -- MGET per 1,000): its likes may add up to l and its unlikes take u. Where a reset, a refused
 -- window delta or a refused run makes everything be checked first, each run's set is too;
@@ -254,7 +286,7 @@ local slow = r > 0 or x > 0
 if m > 0 and (slow or #counted > 0) then
   -- The counters' values, by run (nil for a run counted by its set).
   local current = {}
-  for i, v in ipairs(values(mk + m + 1, mk + m + #counted)) do
+  for i, v in ipairs(values(mk + here + 1, mk + here + #counted)) do
     current[counted[i]] = v
   end
   local function check_runs(sets_too)
@@ -272,8 +304,9 @@ if m > 0 and (slow or #counted > 0) then
           reason = refusal(value, '-' .. unlikes[k])
         end
       end
-      if not reason and sets_too then
-        local kind = redis.call('TYPE', KEYS[mk + k])['ok']
+      -- A run written before was checked by its SINTERSTORE.
+      if not reason and sets_too and set_at[k] then
+        local kind = redis.call('TYPE', KEYS[set_at[k]])['ok']
         if kind ~= 'none' and kind ~= 'set' then
           reason = 'wrong_type'
         end
@@ -326,7 +359,7 @@ end
 do
   local refused_runs = false
   for k = 1, m do
-    local set, a, l, u = KEYS[mk + k], at[k], likes[k], unlikes[k]
+    local set, a, l, u = KEYS[set_at[k]], at[k], likes[k], unlikes[k]
     local counter = counter_at[k] and KEYS[counter_at[k]]
     local added, removed, err = 0, 0, nil
     if l > 0 then
