@@ -256,7 +256,7 @@ impl Env<'_> {
             _ => 0.0,
         };
         let after = CommandStats::read(&mut self.redis).await?;
-        let mut script_ms = scripts.finish(&mut self.redis).await?;
+        let (mut script_ms, longest_ms) = scripts.finish(&mut self.redis).await?;
         stop(&mut child)?;
         let from_first = last_t - first.unwrap_or(0.0);
         let counters = metrics
@@ -292,7 +292,7 @@ impl Env<'_> {
             flush_histogram: probe::histogram_buckets(&metrics, "tally_flush_duration_seconds"),
             scripts_over_1ms: script_ms.len(),
             script_p50_ms: probe::quantile(&mut script_ms, 0.5),
-            script_max_ms: script_ms.last().copied().unwrap_or(0.0),
+            script_max_ms: script_ms.last().copied().unwrap_or(0.0).max(longest_ms),
         })
     }
 }

@@ -265,11 +265,14 @@ impl CommandStats {
     }
 }
 
-/// Redis's own timing of every script and transaction it runs, from its slow log (set to log
-/// everything over 1 ms while [`ScriptLog::start`]ed): how long each one held the server.
+/// Redis's own timing of every script it runs, from its slow log (set to log everything over
+/// 1 ms while [`ScriptLog::start`]ed): how long each one held the server. The slow log never
+/// lists `EXEC` (only the commands inside it), so the longest command of all, a transaction
+/// included, comes from the latency monitor (set to 1 ms meanwhile).
 #[derive(Debug)]
 pub struct ScriptLog {
-    /// `slowlog-log-slower-than` and `slowlog-max-len` as they were, put back at the finish.
+    /// `slowlog-log-slower-than`, `slowlog-max-len` and `latency-monitor-threshold` as they
+    /// were, put back at the finish.
     before: Vec<(String, String)>,
 }
 
@@ -277,7 +280,11 @@ impl ScriptLog {
     /// Empties the slow log and has it keep every command over 1 ms.
     pub async fn start(conn: &mut redis::aio::MultiplexedConnection) -> anyhow::Result<Self> {
         let mut before = Vec::new();
-        for name in ["slowlog-log-slower-than", "slowlog-max-len"] {
+        for name in [
+            "slowlog-log-slower-than",
+            "slowlog-max-len",
+            "latency-monitor-threshold",
+        ] {
             let got: Vec<String> = redis::cmd("CONFIG")
                 .arg("GET")
                 .arg(name)
@@ -293,23 +300,36 @@ impl ScriptLog {
             .arg(1_000)
             .arg("slowlog-max-len")
             .arg(100_000)
+            .arg("latency-monitor-threshold")
+            .arg(1)
             .query_async(conn)
             .await?;
         let _: () = redis::cmd("SLOWLOG").arg("RESET").query_async(conn).await?;
+        let _: i64 = redis::cmd("LATENCY").arg("RESET").query_async(conn).await?;
         Ok(Self { before })
     }
 
-    /// The durations, ms, of the scripts and transactions (`EVALSHA`, `EVAL`, `EXEC`) logged
-    /// since the start; puts the slow log's settings back as they were.
+    /// The durations, ms, of the scripts (`EVALSHA`, `EVAL`) logged since the start, and the
+    /// longest any command (an `EXEC` included) held the server, ms, by the latency monitor
+    /// (whole milliseconds); puts the settings back as they were.
     pub async fn finish(
         self,
         conn: &mut redis::aio::MultiplexedConnection,
-    ) -> anyhow::Result<Vec<f64>> {
+    ) -> anyhow::Result<(Vec<f64>, f64)> {
         let entries: Vec<redis::Value> = redis::cmd("SLOWLOG")
             .arg("GET")
             .arg(-1)
             .query_async(conn)
             .await?;
+        // Per event: its name, when it last passed the threshold, that latency and the most.
+        let latest: Vec<(String, i64, i64, i64)> = redis::cmd("LATENCY")
+            .arg("LATEST")
+            .query_async(conn)
+            .await?;
+        let longest = (latest.iter())
+            .filter(|(event, ..)| event == "command")
+            .map(|&(.., most)| most as f64)
+            .fold(0.0, f64::max);
         for (name, value) in &self.before {
             let _: () = redis::cmd("CONFIG")
                 .arg("SET")
@@ -335,10 +355,10 @@ impl ScriptLog {
                     return None;
                 };
                 let command = text(args.first()?);
-                matches!(command.as_str(), "evalsha" | "eval" | "exec")
-                    .then_some(*micros as f64 / 1000.0)
+                matches!(command.as_str(), "evalsha" | "eval").then_some(*micros as f64 / 1000.0)
             })
-            .collect())
+            .collect::<Vec<f64>>())
+        .map(|scripts| (scripts, longest))
     }
 }
 

@@ -85,11 +85,12 @@ pub struct CatchUp {
     pub series: Vec<(f64, f64)>,
     /// Flush duration histogram: (upper bound in seconds, flushes).
     pub flush_histogram: Vec<(f64, f64)>,
-    /// Scripts and transactions that held Redis more than 1 ms (Redis's slow log).
+    /// Scripts that held Redis more than 1 ms (Redis's slow log).
     pub scripts_over_1ms: usize,
     /// Their median, ms.
     pub script_p50_ms: f64,
-    /// The longest, ms: how long one flush kept Redis from every other client.
+    /// The longest script or transaction (`EXEC`, by the latency monitor), ms: how long one
+    /// flush kept Redis from every other client.
     pub script_max_ms: f64,
 }
 
