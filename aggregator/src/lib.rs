@@ -375,7 +375,14 @@ async fn consume<S: Sink>(
     };
     let settings = LoopSettings {
         topic: config.topic.clone(),
-        limits: config.limits,
+        limits: {
+            // Batches weigh likes by what they cost this sink's flush.
+            let mut limits = config.limits;
+            let weight = flusher.sink.memberships_per_entry();
+            limits.live.memberships_per_entry = weight;
+            limits.catch_up.memberships_per_entry = weight;
+            limits
+        },
         keyspace: config.keyspace.clone(),
         partition_spread: config.partition_spread,
         namespaces: config.namespaces.clone(),

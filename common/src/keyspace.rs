@@ -172,6 +172,9 @@ pub struct LikesBySet {
     pub listed: Vec<(String, bool)>,
     /// Whether the namespaces not listed are.
     pub others: bool,
+    /// Whether every namespace that deduplicates counts its likes by sets (false if none
+    /// deduplicates).
+    pub every_dedup: bool,
 }
 
 impl LikesBySet {
@@ -245,6 +248,11 @@ impl Keyspace {
     /// adds to no share.
     pub fn likes_by_set(&self, counter: &str) -> bool {
         self.likes_by_set.counts(counter)
+    }
+
+    /// Whether every namespace that deduplicates counts its likes by sets.
+    pub fn every_dedup_by_set(&self) -> bool {
+        self.likes_by_set.every_dedup
     }
 
     /// How many cells hashes each group keeps (see [`Keyspace::cells_key`]).

@@ -171,11 +171,13 @@ impl LikesCount {
 /// likes count by sets (see the module's doc).
 pub fn likes_by_set(namespaces: &Namespaces, count: Option<LikesCount>) -> LikesBySet {
     let by_set = |p: &Policy| p.dedup && count.is_some_and(|c| c.by_set(p.grouping));
+    let policies = || (namespaces.listed().map(|(_, p)| p)).chain([namespaces.defaults()]);
     LikesBySet {
         listed: (namespaces.listed())
             .map(|(name, p)| (name.to_owned(), by_set(p)))
             .collect(),
         others: by_set(namespaces.defaults()),
+        every_dedup: policies().any(|p| p.dedup) && policies().all(|p| !p.dedup || by_set(p)),
     }
 }
 
@@ -467,6 +469,25 @@ mod tests {
         assert_eq!(
             deduplicating(&all),
             [("*".to_owned(), GroupingRule::ByCounter)]
+        );
+    }
+
+    #[test]
+    fn every_deduplicating_namespace_by_sets_only_when_each_is() {
+        let every = |text: &str, count| {
+            let ns = Namespaces::from_toml(text).expect("valid");
+            likes_by_set(&ns, Some(count)).every_dedup
+        };
+        let likes = "[namespaces.likes]\ndedup = true\n[namespaces.views]\n";
+        assert!(every(likes, LikesCount::Sets));
+        assert!(!every(likes, LikesCount::Shares));
+        let by_actor = "[namespaces.likes]\ndedup = true\n\
+                        [namespaces.votes]\ndedup = true\ngrouping = \"actor\"\n";
+        assert!(!every(by_actor, LikesCount::Sets));
+        assert!(every("[defaults]\ndedup = true\n", LikesCount::Sets));
+        assert!(
+            !every("[namespaces.views]\n", LikesCount::Sets),
+            "none deduplicates"
         );
     }
 }

@@ -325,6 +325,7 @@ async fn runs_counted_by_sets_and_in_shares_share_a_write(atomicity: Atomicity) 
     let by_set = tally_common::keyspace::LikesBySet {
         listed: vec![("liked".to_owned(), true), ("shared".to_owned(), false)],
         others: false,
+        every_dedup: false,
     };
     let ks = Keyspace::new(unique("sets"), 1)
         .expect("keyspace")
@@ -827,8 +828,18 @@ async fn sets_written_before_the_script_land_once_and_only_for_the_owner() {
         .with_likes_by_set(tally_common::keyspace::LikesBySet {
             listed: Vec::new(),
             others: true,
+            every_dedup: true,
         });
     let (sink, epoch) = fenced_sink_in(&redis, &ks, Atomicity::Auto).await;
+    // Batches weigh memberships by what they cost here: 16 to an entry, against the script's 8.
+    assert_eq!(sink.memberships_per_entry(), 16);
+    for atomicity in [Atomicity::Scripts, Atomicity::Transactions] {
+        let other = crate::sink(&redis.url(), &ks, atomicity).await;
+        assert_eq!(other.memberships_per_entry(), 8, "{atomicity:?}");
+    }
+    let in_shares = Keyspace::new(unique("shares"), 1).expect("keyspace");
+    let shares = crate::sink(&redis.url(), &in_shares, Atomicity::Auto).await;
+    assert_eq!(shares.memberships_per_entry(), 8);
     let mut conn = tally_tests::connect(&redis.url()).await;
     let members = Likes::from_actions([
         ("post:1", "u1", true),

@@ -464,7 +464,7 @@ mod tests {
     use crate::consume::dead_letter::DeadLetterQueue;
     use crate::machine::outcome::{FlushOutcome, Standing};
     use crate::machine::ownership::{Owner, Resume};
-    use crate::machine::pace::{Limits, Size};
+    use crate::machine::pace::{Limits, MEMBERSHIPS_PER_ENTRY, Size};
     use crate::machine::partition::{Action, Entry, Partition};
     use crate::operator::metrics::Metrics;
     use crate::store::fence::{self, Watermark};
@@ -495,6 +495,7 @@ mod tests {
         let size = Size {
             max_events: 3,
             max_counters: 100,
+            memberships_per_entry: MEMBERSHIPS_PER_ENTRY,
         };
         Limits {
             flush_interval: Duration::from_secs(1),

@@ -13,6 +13,8 @@ use tally_common::window::Bucket;
 
 use super::letter::DeadLetter;
 use super::likes::{LikeTable, Likes};
+#[cfg(test)]
+use super::pace::MEMBERSHIPS_PER_ENTRY;
 use super::pace::{FlushClock, Limits, Pace, Size};
 
 /// A delta for one time bucket of a counter in a windowed namespace (`tally_common::window`).
@@ -80,16 +82,6 @@ struct Sums {
 }
 
 const _: () = assert!(std::mem::size_of::<Sums>() == 32);
-
-/// How many memberships count as one entry toward `Size::max_counters`, whose point is to
-/// bound how long one flush script runs. A counter's likes are one run in the script (an
-/// `SADD`, an `SREM`, an `INCRBY`, its type check: ~10 us of Redis whatever the run's
-/// length, measured with `INFO commandstats` over the likes workload), and each membership
-/// adds ~0.5 us to its run, where a counter's delta costs 6-7 us (a new key): so a counter with
-/// likes counts as one entry, and every 8 memberships as one more. Counting each membership
-/// as a whole entry cut a catch-up into flushes that wrote each counter's likes several times
-/// over, about ten members to a run.
-const MEMBERSHIPS_PER_ENTRY: usize = 8;
 
 /// `Sums::first` of a counter no windowed event has reached.
 const NO_PLACEMENT: u32 = u32::MAX;
@@ -536,7 +528,8 @@ impl Batch {
     /// Whether the batch hit a size limit and must be flushed now.
     pub fn is_full(&self, size: &Size) -> bool {
         self.events >= size.max_events
-            || self.entries + self.memberships / MEMBERSHIPS_PER_ENTRY >= size.max_counters
+            || self.entries + self.memberships / size.memberships_per_entry.max(1)
+                >= size.max_counters
     }
 
     /// Whether the batch must be flushed at `now`. Live: full, or its partition's flush time
@@ -801,10 +794,12 @@ mod tests {
             live: Size {
                 max_events: 5,
                 max_counters: 3,
+                memberships_per_entry: MEMBERSHIPS_PER_ENTRY,
             },
             catch_up: Size {
                 max_events: 50,
                 max_counters: 30,
+                memberships_per_entry: MEMBERSHIPS_PER_ENTRY,
             },
             catch_up_interval: Duration::from_secs(7200),
         }
@@ -869,6 +864,7 @@ mod tests {
         let size = Size {
             max_events: 100,
             max_counters: 3,
+            memberships_per_entry: MEMBERSHIPS_PER_ENTRY,
         };
         let mut b = Batch::default();
         // One counter with 7 likers and an unlike: 1 + 8 / 8 = 2 entries, of 3.
@@ -887,6 +883,24 @@ mod tests {
             .expect("group 0")
             .members;
         assert!(members.iter().any(|m| m.actor == "u1" && !m.like));
+    }
+
+    #[test]
+    fn a_sink_that_writes_memberships_for_less_weighs_them_less() {
+        let size = |memberships_per_entry| Size {
+            max_events: 100,
+            max_counters: 3,
+            memberships_per_entry,
+        };
+        let mut b = Batch::default();
+        // One counter with 16 likers: 1 + 16 / 8 = 3 entries, or 1 + 16 / 16 = 2.
+        for actor in 0..16 {
+            b.add_member(0, "a", &format!("u{actor}"), true, actor);
+        }
+        assert!(b.is_full(&size(MEMBERSHIPS_PER_ENTRY)));
+        assert!(!b.is_full(&size(16)));
+        b.add_member(0, "b", "u1", true, 16);
+        assert!(b.is_full(&size(16)));
     }
 
     #[test]

@@ -16,10 +16,31 @@ pub struct Size {
     /// Flush once this many messages are buffered.
     pub max_events: usize,
     /// Flush once this many distinct (group, counter) entries are buffered (a counter's likes
-    /// are one entry, and every 8 memberships one more: `batch::MEMBERSHIPS_PER_ENTRY`): bounds
-    /// how long one flush script runs.
+    /// are one entry, and every `memberships_per_entry` memberships one more): bounds how long
+    /// one flush script runs.
     pub max_counters: usize,
+    /// How many memberships count as one more entry: what costs the store's flush about what a
+    /// counter's delta does ([`MEMBERSHIPS_PER_ENTRY`], or the sink's own).
+    pub memberships_per_entry: usize,
 }
+
+/// How many memberships count as one entry toward [`Size::max_counters`], whose point is to
+/// bound how long one flush script runs. A counter's likes are one run in the script (an
+/// `SADD`, an `SREM`, an `INCRBY`, its type check: ~10 us of Redis whatever the run's
+/// length, measured with `INFO commandstats` over the likes workload), and each membership
+/// adds ~0.5 us to its run, where a counter's delta costs 6-7 us (a new key): so a counter with
+/// likes counts as one entry, and every 8 memberships as one more. Counting each membership
+/// as a whole entry cut a catch-up into flushes that wrote each counter's likes several times
+/// over, about ten members to a run.
+pub const MEMBERSHIPS_PER_ENTRY: usize = 8;
+
+/// [`MEMBERSHIPS_PER_ENTRY`] where likes' sets are written by plain `SADD`s and `SREM`s before
+/// the flush script (`crate::store::redis_sink`): a membership costs Redis ~0.37 us there and a
+/// run ~0.5 us more (`deploy/local/dedup-paths.py`, `INFO commandstats` over the bench's likes:
+/// 395,075 `SADD`s of 3.6 M members took 1.28 s), so 16 memberships cost about a counter's
+/// delta. Batches of likes twice as large at 8 took the bench's dedup catch-up 1.05-1.25 x as
+/// fast, its longest transaction 15 ms.
+pub const MEMBERSHIPS_PER_ENTRY_BEFORE_SCRIPT: usize = 16;
 
 /// When a partition's buffer must be flushed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -57,6 +78,7 @@ impl Limits {
             Pace::Live => Size {
                 max_events: 2 * self.live.max_events,
                 max_counters: 2 * self.live.max_counters,
+                ..self.live
             },
             Pace::CatchingUp => self.catch_up,
         }

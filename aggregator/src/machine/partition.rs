@@ -679,7 +679,7 @@ impl Draining {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::machine::pace::Size;
+    use crate::machine::pace::{MEMBERSHIPS_PER_ENTRY, Size};
     use tally_common::keyspace::Spread;
 
     const INTERVAL: Duration = Duration::from_millis(1_000);
@@ -690,10 +690,12 @@ mod tests {
             live: Size {
                 max_events: 4,
                 max_counters: 100,
+                memberships_per_entry: MEMBERSHIPS_PER_ENTRY,
             },
             catch_up: Size {
                 max_events: 8,
                 max_counters: 100,
+                memberships_per_entry: MEMBERSHIPS_PER_ENTRY,
             },
             catch_up_interval: Duration::from_secs(10),
         }

@@ -230,4 +230,11 @@ pub trait Sink: Clone + Send + Sync + 'static {
     fn recall_counts(&self) -> Option<RecallCounts> {
         None
     }
+
+    /// How many memberships cost this store's flush about what a counter's delta does
+    /// ([`crate::machine::pace::Size::memberships_per_entry`]), as it writes them from its
+    /// start.
+    fn memberships_per_entry(&self) -> usize {
+        crate::machine::pace::MEMBERSHIPS_PER_ENTRY
+    }
 }

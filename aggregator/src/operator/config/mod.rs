@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use tally_common::{GroupingRule, Keyspace, Namespaces, Policy, RedisTarget};
 
-use crate::machine::pace::{Limits, Size};
+use crate::machine::pace::{Limits, MEMBERSHIPS_PER_ENTRY, Size};
 pub use tally_ops::ConfigError;
 use tally_ops::config::positive;
 pub use tally_ops::config::{PostgresTarget, Store};
@@ -256,6 +256,8 @@ fn limits(v: &Values) -> Result<Limits, ConfigError> {
         Ok::<_, ConfigError>(Size {
             max_events: positive(events_name, events)?,
             max_counters: positive(counters_name, counters)?,
+            // The flush script's weight; a sink that writes likes otherwise says its own.
+            memberships_per_entry: MEMBERSHIPS_PER_ENTRY,
         })
     };
     Ok(Limits {

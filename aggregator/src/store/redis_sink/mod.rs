@@ -20,6 +20,7 @@ use redis::ErrorKind;
 use tally_common::{DeadLetterReason, Keyspace, RedisConn, RedisTarget};
 
 use crate::machine::batch::WindowDelta;
+use crate::machine::pace::{MEMBERSHIPS_PER_ENTRY, MEMBERSHIPS_PER_ENTRY_BEFORE_SCRIPT};
 use crate::operator::config::Atomicity;
 use crate::store::recall::{self, Recall, RecallCounts};
 use crate::store::script_call::ScriptCall;
@@ -371,6 +372,21 @@ impl Sink for RedisSink {
 
     fn recall_counts(&self) -> Option<RecallCounts> {
         Some(self.recall.counts())
+    }
+
+    fn memberships_per_entry(&self) -> usize {
+        // Where every deduplicating namespace counts likes by sets, they go before the script
+        // (an ACL that refuses it switches to the script later: its flushes may then run up to
+        // twice as long on likes, with the warning that names the grant).
+        let likes = self.keyspace.every_dedup_by_set();
+        let before = self.transactions.is_some()
+            && self.use_scripts.load(Ordering::Relaxed)
+            && self.sets_first.load(Ordering::Relaxed);
+        if before && likes {
+            MEMBERSHIPS_PER_ENTRY_BEFORE_SCRIPT
+        } else {
+            MEMBERSHIPS_PER_ENTRY
+        }
     }
 
     async fn forget_cached(&self, counters: &[String]) -> Result<(), SinkError> {
