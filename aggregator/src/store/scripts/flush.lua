@@ -12,7 +12,7 @@
 -- and pass nothing but their flag. The writer sends them only while it watches the group's
 -- fence, having read that it holds its epoch and that its ledger entry lets the write land, so
 -- that they land only where this script is found ready to take the rest; and it ends them with
--- `SET check 1`, `DEL none` and `SINTERSTORE check none <their sets>`, which deletes the check
+-- `DEL none`, `SET check 1` and `SINTERSTORE check none <their sets>`, which deletes the check
 -- key unless one of the sets holds another type (Redis then refuses that run's SADD and SREM,
 -- which write nothing, and the SINTERSTORE, which leaves the check key).
 --
@@ -46,7 +46,8 @@
 --
 -- Returns {'ok'}, {'fenced', current epoch or '0'}, {'duplicate', ledger entry},
 -- {'rolled_back', ledger entry} (the group lost writes the writer had seen land), {'stale'},
--- {'sets_refused'} (a set of a run written before holds another type: the writer finds which),
+-- {'sets_refused'} (a set of a run written before holds another type: the writer tries the
+-- write again with this script alone, which finds which),
 -- {'rejected', index, reason, index, reason, ...} with 1-based indexes: deltas first, then
 -- window deltas (index n + i), then runs of likes (index n + w + k, w the window deltas), or
 -- {'failed', error}.
