@@ -897,19 +897,34 @@ async fn sets_written_before_the_script_land_once_and_only_for_the_owner() {
     assert_eq!(again, Applied::AlreadyApplied);
     let members_now: Vec<String> = conn.smembers(set("post:1")).await.expect("SMEMBERS");
     assert_eq!(members_now, vec!["u1".to_owned()]);
+    // A Redis that forgot its scripts (a restart, SCRIPT FLUSH) refuses the EVALSHA inside the
+    // transaction, after the sets: the script is loaded and the whole written again, once.
+    let _: () = redis::cmd("SCRIPT")
+        .arg("FLUSH")
+        .query_async(&mut conn)
+        .await
+        .expect("SCRIPT FLUSH");
+    let next = Likes::from_actions([("post:2", "u1", false), ("post:2", "u3", true)]);
+    let mut after_flush = write(epoch, &[], &[], &next);
+    (after_flush.expected_ledger, after_flush.next_offset) = (10, 15);
+    let applied = sink.apply_fenced(after_flush).await.expect("write");
+    assert_eq!(applied, Applied::Written);
+    let post_2: Vec<String> = conn.smembers(set("post:2")).await.expect("SMEMBERS");
+    assert_eq!(post_2, vec!["u3".to_owned()]);
+    assert_eq!(ledger().await, Some(15));
     // A new owner takes the fence: the former one's next write is refused before its sets.
     let newer = sink
         .next_epoch(GROUP, FIELD, epoch + 1)
         .await
         .expect("epoch");
     let stamp = sink.stamp_fence(GROUP, FIELD, newer).await.expect("stamp");
-    assert_eq!(stamp, Stamp::Stamped { ledger: 10 });
+    assert_eq!(stamp, Stamp::Stamped { ledger: 15 });
     let later = Likes::from_actions([("post:3", "u9", true)]);
     let mut zombie = write(epoch, &[], &[], &later);
-    (zombie.expected_ledger, zombie.next_offset) = (10, 20);
+    (zombie.expected_ledger, zombie.next_offset) = (15, 20);
     let refused = sink.apply_fenced(zombie).await.expect("write");
     assert_eq!(refused, Applied::Fenced);
     let landed: bool = conn.exists(set("post:3")).await.expect("EXISTS");
     assert!(!landed, "a fenced writer's like landed");
-    assert_eq!(ledger().await, Some(10));
+    assert_eq!(ledger().await, Some(15));
 }
