@@ -53,29 +53,26 @@ impl RedisSink {
         // Runs counted by their sets are written before the script where they can be (see the
         // script's top); if one of their sets holds another type, the script alone tries the
         // write again, and finds every refusal as it would have.
-        let mut reply = self.script_flush_once(write, plan, true).await?;
-        if reply
-            .as_ref()
-            .is_ok_and(|r| r.first().is_some_and(|s| s == SETS_REFUSED))
-        {
-            reply = self.script_flush_once(write, plan, false).await?;
+        let mut tried = self.script_flush_once(write, plan, true).await?;
+        if matches!(tried, Tried::ScriptAlone) {
+            tried = self.script_flush_once(write, plan, false).await?;
         }
-        match reply {
-            Err(stopped) => Ok(Some(stopped)),
-            Ok(reply) if reply.first().is_some_and(|s| s == "stale") => Ok(None),
-            Ok(reply) => fenced_flush_reply(&reply, write).map(Some),
+        match tried {
+            Tried::Stopped(stopped) => Ok(Some(stopped)),
+            Tried::Replied(reply) if reply.first().is_some_and(|s| s == "stale") => Ok(None),
+            Tried::Replied(reply) => fenced_flush_reply(&reply, write).map(Some),
+            Tried::ScriptAlone => Err(unexpected(&[SETS_REFUSED.to_owned()])),
         }
     }
 
     /// [`RedisSink::script_flush`]'s one try, writing runs counted by their sets before the
-    /// script if `sets_first` and the sink can: the script's reply, or what stopped the write
-    /// before the script ran.
+    /// script if `sets_first` and the sink can.
     async fn script_flush_once(
         &self,
         write: GroupWrite<'_>,
         plan: &cells::Plan,
         sets_first: bool,
-    ) -> Result<Result<Vec<String>, Applied>, SinkError> {
+    ) -> Result<Tried, SinkError> {
         let ks = &self.keyspace;
         let refused = window_rejections(&plan.currents, write.windows);
         let likes = write.members;
@@ -98,6 +95,11 @@ impl RedisSink {
             .collect();
         let counted = by_set.bytes().filter(|&b| b == b'0').count();
         let fields: usize = plan.writes.iter().map(|s| s.fields.len()).sum();
+        // Members of the runs the script writes (none of those written before it).
+        let members: usize = (likes.each_run().zip(by_set.bytes()))
+            .filter(|(_, flag)| *flag != RUN_BEFORE)
+            .map(|(run, _)| run.members().len())
+            .sum();
         let mut invocation = ScriptCall::with_capacity(
             &self.scripts.flush,
             3 + write.deltas.len()
@@ -110,7 +112,7 @@ impl RedisSink {
                 + 3 * fields
                 + 2 * refused.len()
                 + 2 * likes.runs()
-                + likes.len(),
+                + members,
         );
         invocation
             .key(ks.fence_key(write.group))
@@ -175,21 +177,22 @@ impl RedisSink {
                 invocation.key(ks.set_check_key(write.group));
                 (self.sets_then_script(transactions, write, &by_set, &invocation)).await
             }
-            _ => Ok(Ok(invocation.invoke(&mut self.conn.clone()).await?)),
+            _ => Ok(Tried::Replied(
+                invocation.invoke(&mut self.conn.clone()).await?,
+            )),
         }
     }
 
     /// The runs flagged [`RUN_BEFORE`] in `by_set` written by plain `SADD`s and `SREM`s, checked
     /// and followed by `script` in one `MULTI`/`EXEC`, where `write` may land (see
-    /// `scripts/flush.lua`'s top): the script's reply (`{'sets_refused'}` if a set holds
-    /// another type), or what stopped the write before it.
+    /// `scripts/flush.lua`'s top).
     async fn sets_then_script(
         &self,
         transactions: &Transactions,
         write: GroupWrite<'_>,
         by_set: &str,
         script: &ScriptCall<'_>,
-    ) -> Result<Result<Vec<String>, Applied>, SinkError> {
+    ) -> Result<Tried, SinkError> {
         let ks = &self.keyspace;
         let likes = write.members;
         let before: Vec<LikeRun<'_>> = (likes.each_run().zip(by_set.bytes()))
@@ -225,18 +228,18 @@ impl RedisSink {
         for _ in 0..2 {
             let replies = match transactions.exec_if_owner(&write, &writes).await {
                 Ok(Ok(replies)) => replies,
-                Ok(Err(stopped)) => return Ok(Err(stopped)),
+                Ok(Err(stopped)) => return Ok(Tried::Stopped(stopped)),
                 Err(e) if e.redis().is_some_and(refuses_commands) => {
                     // An ACL from before this way of writing (no SINTERSTORE), which discarded
-                    // the whole transaction: the script alone takes the write, as after a
-                    // failed check, and every write from now on.
+                    // the whole transaction: the script alone takes this write, and every one
+                    // from now on.
                     if self.sets_first.swap(false, Ordering::Relaxed) {
                         tracing::warn!(
                             error = %e.source,
                             "Redis refuses a command of the likes' fast path: they are written by the flush script alone (grant +sinterstore to use it)"
                         );
                     }
-                    return Ok(Ok(vec![SETS_REFUSED.to_owned()]));
+                    return Ok(Tried::ScriptAlone);
                 }
                 Err(e) => return Err(e),
             };
@@ -249,7 +252,10 @@ impl RedisSink {
                     .map_err(|e| SinkError::from(redis::RedisError::from(e)))?,
                 None => return Err(unexpected(&[])),
             };
-            return Ok(Ok(reply));
+            if reply.first().is_some_and(|s| s == SETS_REFUSED) {
+                return Ok(Tried::ScriptAlone);
+            }
+            return Ok(Tried::Replied(reply));
         }
         Err(SinkError {
             kind: SinkErrorKind::Retryable,
@@ -260,6 +266,17 @@ impl RedisSink {
             ))),
         })
     }
+}
+
+/// What one try of the flush script came to.
+enum Tried {
+    /// The script's reply.
+    Replied(Vec<String>),
+    /// Stopped before the script ran: not the owner, already applied, or rolled back.
+    Stopped(Applied),
+    /// The runs written before the script could not be (a set of another type, which wrote
+    /// nothing of its run, or an ACL without their commands): the script alone is to try.
+    ScriptAlone,
 }
 
 /// The flag of a run of likes written before the flush script (`scripts/flush.lua`).
