@@ -375,14 +375,8 @@ async fn consume<S: Sink>(
     };
     let settings = LoopSettings {
         topic: config.topic.clone(),
-        limits: {
-            // Batches weigh likes by what they cost this sink's flush.
-            let mut limits = config.limits;
-            let weight = flusher.sink.memberships_per_entry();
-            limits.live.memberships_per_entry = weight;
-            limits.catch_up.memberships_per_entry = weight;
-            limits
-        },
+        // Batches weigh likes by what they cost this sink's flush.
+        limits: (config.limits).with_memberships_per_entry(flusher.sink.memberships_per_entry()),
         keyspace: config.keyspace.clone(),
         partition_spread: config.partition_spread,
         namespaces: config.namespaces.clone(),

@@ -527,9 +527,11 @@ impl Batch {
 
     /// Whether the batch hit a size limit and must be flushed now.
     pub fn is_full(&self, size: &Size) -> bool {
+        // entries + memberships / per_entry >= max_counters, without a division per event.
+        let per_entry = size.memberships_per_entry.max(1);
         self.events >= size.max_events
-            || self.entries + self.memberships / size.memberships_per_entry.max(1)
-                >= size.max_counters
+            || self.entries * per_entry + self.memberships
+                >= size.max_counters.saturating_mul(per_entry)
     }
 
     /// Whether the batch must be flushed at `now`. Live: full, or its partition's flush time

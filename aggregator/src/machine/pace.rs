@@ -58,6 +58,14 @@ pub struct Limits {
 }
 
 impl Limits {
+    /// These limits with memberships weighed `per_entry` to an entry, live and catching up
+    /// alike (what a sink's flush pays for them, `crate::store::sink::Sink`).
+    pub fn with_memberships_per_entry(mut self, per_entry: usize) -> Self {
+        self.live.memberships_per_entry = per_entry;
+        self.catch_up.memberships_per_entry = per_entry;
+        self
+    }
+
     /// The batch size at `pace`.
     pub fn size(&self, pace: Pace) -> &Size {
         match pace {
