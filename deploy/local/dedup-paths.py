@@ -143,15 +143,20 @@ def scard():
             p.execute()
 
 
+def sadds_under_the_fence(p, runs):
+    """WATCH the fence, read it and the ledger, then MULTI and each run's SADD."""
+    p.watch(FENCE)
+    p.hget(FENCE, "p")
+    p.hget(LEDGER, "p")
+    p.multi()
+    for s, _, m in runs:
+        p.sadd(s, *m)
+
+
 def split():
     for runs in flushes():
         with r.pipeline() as p:
-            p.watch(FENCE)
-            p.hget(FENCE, "p")
-            p.hget(LEDGER, "p")
-            p.multi()
-            for s, _, m in runs:
-                p.sadd(s, *m)
+            sadds_under_the_fence(p, runs)
             CHECK_SETS(keys=[LEDGER] + [s for s, _, _ in runs], client=p)
             p.execute()
 
@@ -159,12 +164,7 @@ def split():
 def marked():
     for runs in flushes():
         with r.pipeline() as p:
-            p.watch(FENCE)
-            p.hget(FENCE, "p")
-            p.hget(LEDGER, "p")
-            p.multi()
-            for s, _, m in runs:
-                p.sadd(s, *m)
+            sadds_under_the_fence(p, runs)
             p.set(CHECK, "1")
             p.sinterstore(CHECK, [CHECK + ":none"] + [s for s, _, _ in runs])
             CHECKED(keys=[LEDGER, CHECK], client=p)
