@@ -9,6 +9,11 @@
 //! fields already holding every bucket their windows keep (48 each), and for fields never
 //! written (`one_group_fresh`).
 //!
+//! `likes`: one catch-up batch of likes in a namespace that counts one per actor (`dedup`),
+//! shaped as the bench's dedup scenario: 400,000 likes over 100,000 Zipf-like counters by
+//! 10,000 actors, added to the batch (the last action per counter and actor, per shard group)
+//! and sealed into runs.
+//!
 //! `recent_ids`: deciding 5,000,000 new event ids (every one recorded, the table growing to
 //! 112 MB, as in the bench's idempotency scenario), one after another, and as the consume loop
 //! does: their home slots read 16 at a time first (`RecentIds::touch`).
@@ -168,6 +173,38 @@ fn windowed(c: &mut Criterion) {
     group.finish();
 }
 
+fn likes(c: &mut Criterion) {
+    const LIKES: usize = 400_000;
+    let mut state: u64 = 0x2545_f491_4f6c_dd1d;
+    let likes: Vec<(String, String)> = (0..LIKES)
+        .map(|_| {
+            state = state
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1);
+            let r = (state >> 33) as f64 / (1u64 << 31) as f64;
+            let rank = (100_000f64.powf(r * r) as u64).max(1);
+            (format!("likes:post:{rank}"), format!("u{}", state % 10_000))
+        })
+        .collect();
+    let keyspace = Keyspace::default();
+    let namespaces = Namespaces::from_toml("[namespaces.likes]\ndedup = true\n").expect("valid");
+    let grouping = namespaces.policy("likes:").grouping;
+    let fan = tally_common::keyspace::Fan::of(tally_common::keyspace::DEFAULT_SPREAD);
+    let mut group = c.benchmark_group("decode_aggregate");
+    group.throughput(Throughput::Elements(LIKES as u64));
+    group.bench_function("likes", |b| {
+        b.iter(|| {
+            let mut batch = Batch::default();
+            for (offset, (counter, actor)) in likes.iter().enumerate() {
+                let shard = keyspace.group_for_event(grouping, 3, Some(actor), counter, fan);
+                batch.add_member(shard, counter, actor, true, offset as i64);
+            }
+            black_box(batch.seal())
+        });
+    });
+    group.finish();
+}
+
 fn recent_ids(c: &mut Criterion) {
     const IDS: usize = 5_000_000;
     const WINDOW_MS: i64 = 600_000;
@@ -198,5 +235,5 @@ fn recent_ids(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, decode_aggregate, windowed, recent_ids);
+criterion_group!(benches, decode_aggregate, windowed, likes, recent_ids);
 criterion_main!(benches);

@@ -190,7 +190,11 @@ impl LikesBySet {
 
 /// The namespace of a counter id: everything before the first `:` (the whole id if none).
 pub fn namespace_of(counter: &str) -> &str {
-    counter.split_once(':').map_or(counter, |(ns, _)| ns)
+    // A byte scan: this runs once per event where namespaces are listed, and `split_once`'s
+    // generic char search was 1.5% of a likes catch-up's CPU (perf). `:` is ASCII, so where it
+    // is found is a char boundary.
+    let end = (counter.bytes().position(|b| b == b':')).unwrap_or(counter.len());
+    &counter[..end]
 }
 
 impl Default for Keyspace {

@@ -502,5 +502,7 @@ write_path = "direct"
     fn the_namespace_is_what_comes_before_the_first_colon() {
         assert_eq!(namespace_of("likes:post:42"), "likes");
         assert_eq!(namespace_of("plain"), "plain");
+        assert_eq!(namespace_of("caf\u{e9}:1"), "caf\u{e9}");
+        assert_eq!(namespace_of(":x"), "");
     }
 }

@@ -44,11 +44,31 @@ fn push(text: &mut String, name: &str) -> Span {
     }
 }
 
+/// Where a key's hash and place sit in an index table: the hash's top 32 bits above the place,
+/// so that probing compares hashes and growing rehashes without reading the key (a cache miss
+/// each, in tables of hundreds of thousands of memberships: they were a fifth of the consume
+/// thread on a catch-up of likes).
+fn entry(hash: u64, i: u32) -> u64 {
+    (hash & !u64::from(u32::MAX)) | u64::from(i)
+}
+
+/// The place an [`entry`] holds.
+fn place(entry: u64) -> u32 {
+    (entry & u64::from(u32::MAX)) as u32
+}
+
+/// The hash an index table is given for a key's hash, or for an [`entry`] as it grows: the
+/// top 32 bits twice, so that both the bucket (low bits) and the tag hashbrown keeps (top seven)
+/// come from what the entry holds.
+fn table_hash(hash_or_entry: u64) -> u64 {
+    let top = hash_or_entry >> 32;
+    top << 32 | top
+}
+
 /// A counter in the table.
 #[derive(Debug)]
 struct CounterSlot {
     name: Span,
-    hash: u64,
     /// Its first membership (the latest added), linked through [`Slot::next`].
     head: u32,
     /// Bumped when the counter's likes are removed (a reset, an expiry record): slots of an
@@ -57,16 +77,46 @@ struct CounterSlot {
     generation: u32,
 }
 
+/// Actor ids up to this long are kept in their slot as well as in the text, so that finding a
+/// membership compares its actor without reading the text.
+const INLINE: usize = 12;
+
 /// A (counter, actor) in the table, and the actor's last action.
 #[derive(Debug)]
 struct Slot {
-    hash: u64,
-    actor: Span,
+    /// The actor's first [`INLINE`] bytes (all of them, zero-padded, if it is that short).
+    inline: [u8; INLINE],
+    /// The actor's length.
+    len: u32,
+    /// Where the actor starts in the text.
+    start: usize,
     counter: u32,
     generation: u32,
     like: bool,
     /// The counter's next membership.
     next: u32,
+}
+
+impl Slot {
+    /// Whether this is (`counter`, `actor`), the table's text being `text`.
+    fn is(&self, text: &str, counter: u32, actor: &str) -> bool {
+        let (len, bytes) = (actor.len(), actor.as_bytes());
+        self.counter == counter
+            && self.len as usize == len
+            && if len <= INLINE {
+                self.inline[..len] == *bytes
+            } else {
+                self.inline[..] == bytes[..INLINE] && &text[self.actor().range()] == actor
+            }
+    }
+
+    /// Where the actor is in the text.
+    fn actor(&self) -> Span {
+        Span {
+            start: self.start,
+            end: self.start + self.len as usize,
+        }
+    }
 }
 
 /// What [`LikeTable::set`] added.
@@ -83,9 +133,11 @@ pub struct Added {
 pub struct LikeTable {
     text: String,
     counters: Vec<CounterSlot>,
-    counter_index: HashTable<u32>,
+    /// [`entry`] per counter.
+    counter_index: HashTable<u64>,
     slots: Vec<Slot>,
-    slot_index: HashTable<u32>,
+    /// [`entry`] per slot.
+    slot_index: HashTable<u64>,
     hasher: Hasher,
 }
 
@@ -107,11 +159,10 @@ impl LikeTable {
     fn find_counter_hashed(&self, counter: &str, hash: u64) -> Option<u32> {
         let (text, counters) = (&self.text, &self.counters);
         (self.counter_index)
-            .find(hash, |&c| {
-                let slot = &counters[c as usize];
-                slot.hash == hash && &text[slot.name.range()] == counter
+            .find(table_hash(hash), |&e| {
+                e >> 32 == hash >> 32 && &text[counters[place(e) as usize].name.range()] == counter
             })
-            .copied()
+            .map(|&e| place(e))
     }
 
     /// The counter's index, added if new.
@@ -124,12 +175,10 @@ impl LikeTable {
         let name = push(&mut self.text, counter);
         self.counters.push(CounterSlot {
             name,
-            hash,
             head: NONE,
             generation: 0,
         });
-        let counters = &self.counters;
-        (self.counter_index).insert_unique(hash, c, |&c| counters[c as usize].hash);
+        (self.counter_index).insert_unique(table_hash(hash), entry(hash, c), |&e| table_hash(e));
         c
     }
 
@@ -137,11 +186,10 @@ impl LikeTable {
     fn find_slot(&self, c: u32, actor: &str, hash: u64) -> Option<u32> {
         let (text, slots) = (&self.text, &self.slots);
         (self.slot_index)
-            .find(hash, |&i| {
-                let slot = &slots[i as usize];
-                slot.hash == hash && slot.counter == c && &text[slot.actor.range()] == actor
+            .find(table_hash(hash), |&e| {
+                e >> 32 == hash >> 32 && slots[place(e) as usize].is(text, c, actor)
             })
-            .copied()
+            .map(|&e| place(e))
     }
 
     /// Records that `actor` likes `counter` (`like`) or unlikes it, replacing the actor's
@@ -169,17 +217,21 @@ impl LikeTable {
             }
             None => {
                 let i = index(self.slots.len());
-                let actor = push(&mut self.text, actor);
+                let mut inline = [0; INLINE];
+                let head = &actor.as_bytes()[..actor.len().min(INLINE)];
+                inline[..head.len()].copy_from_slice(head);
+                let Span { start, end } = push(&mut self.text, actor);
                 self.slots.push(Slot {
-                    hash,
-                    actor,
+                    inline,
+                    len: u32::try_from(end - start).expect("an actor id is shorter than 4 GiB"),
+                    start,
                     counter: c,
                     generation: owner.generation,
                     like,
                     next: owner.head,
                 });
-                let slots = &self.slots;
-                (self.slot_index).insert_unique(hash, i, |&i| slots[i as usize].hash);
+                (self.slot_index)
+                    .insert_unique(table_hash(hash), entry(hash, i), |&e| table_hash(e));
                 i
             }
         };
@@ -212,7 +264,7 @@ impl LikeTable {
         let mut removed = Vec::new();
         while i != NONE {
             let slot = &self.slots[i as usize];
-            removed.push((self.text[slot.actor.range()].to_owned(), slot.like));
+            removed.push((self.text[slot.actor().range()].to_owned(), slot.like));
             i = slot.next;
         }
         removed
@@ -229,9 +281,9 @@ impl LikeTable {
             while i != NONE {
                 let slot = &self.slots[i as usize];
                 if slot.like {
-                    members.push(slot.actor);
+                    members.push(slot.actor());
                 } else {
-                    unlikes.push(slot.actor);
+                    unlikes.push(slot.actor());
                 }
                 i = slot.next;
             }
@@ -559,6 +611,47 @@ mod tests {
             sorted(&merged),
             owned(&[("p1", "u1", false), ("p1", "u2", true), ("p2", "u1", false)])
         );
+    }
+
+    #[test]
+    fn actors_are_told_apart_at_every_length_around_the_inline_bytes() {
+        // Ids that share their first bytes, their length, or both, on both sides of INLINE.
+        let mut actors = Vec::new();
+        for len in [1, INLINE - 1, INLINE, INLINE + 1, 40] {
+            for tail in ['a', 'b'] {
+                let mut id = "x".repeat(len - 1);
+                id.push(tail);
+                actors.push(id);
+            }
+        }
+        actors.push("x".repeat(INLINE - 1) + "\u{e9}");
+        let mut table = LikeTable::default();
+        for (i, actor) in actors.iter().enumerate() {
+            assert!(table.set("p1", actor, i % 2 == 0).membership, "{actor}");
+            assert!(table.set("p2", actor, true).membership, "{actor}");
+        }
+        for actor in &actors {
+            assert!(!table.set("p1", actor, true).membership, "{actor}");
+            assert!(table.contains("p2", actor), "{actor}");
+        }
+        assert!(!table.contains("p1", &"x".repeat(INLINE + 2)));
+        let likes = table.seal();
+        assert_eq!((likes.len(), likes.runs()), (2 * actors.len(), 2));
+        let mut listed: Vec<&str> = (likes.run(0).members()).map(|i| likes.actor(i)).collect();
+        listed.sort_unstable();
+        let mut expected: Vec<&str> = actors.iter().map(String::as_str).collect();
+        expected.sort_unstable();
+        assert_eq!(listed, expected);
+    }
+
+    #[test]
+    fn an_entry_keeps_its_place_and_the_hash_the_table_uses() {
+        let hash = 0x1234_5678_9abc_def0;
+        let e = entry(hash, 42);
+        assert_eq!(place(e), 42);
+        assert_eq!(table_hash(e), table_hash(hash));
+        assert_eq!(table_hash(hash), 0x1234_5678_1234_5678);
+        assert_eq!(place(entry(u64::MAX, NONE - 1)), NONE - 1);
     }
 
     #[test]
