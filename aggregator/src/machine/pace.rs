@@ -37,10 +37,15 @@ pub const MEMBERSHIPS_PER_ENTRY: usize = 8;
 /// [`MEMBERSHIPS_PER_ENTRY`] where likes' sets are written by plain `SADD`s and `SREM`s before
 /// the flush script (`crate::store::redis_sink`): a membership costs Redis ~0.37 us there and a
 /// run ~0.5 us more (`deploy/local/dedup-paths.py`, `INFO commandstats` over the bench's likes:
-/// 395,075 `SADD`s of 3.6 M members took 1.28 s), so 16 memberships cost about a counter's
-/// delta. Batches of likes twice as large at 8 took the bench's dedup catch-up 1.05-1.25 x as
-/// fast, its longest transaction 15 ms.
-pub const MEMBERSHIPS_PER_ENTRY_BEFORE_SCRIPT: usize = 16;
+/// 395,075 `SADD`s of 3.6 M members took 1.28 s), so 16 to 32 memberships cost about a
+/// counter's delta. A flush of likes grouped by counter also spreads over every group, each
+/// its own transaction, so its transactions are shorter than a flush of deltas at the same
+/// weight: the bench's dedup catch-up took 12-13 ms at most per transaction at 16 and at 32
+/// (a plain catch-up's longest script: 23-24 ms). At 32 against 16, 10 alternated rounds:
+/// 0.95-1.13 x the rate (median 1.06), redis-server 0.23-0.28 against 0.29-0.35 CPU-us per
+/// like (bigger batches net more repeats and send more members per `SADD`); at 64 the bench's
+/// ratio did not rise further (median 0.44 against 0.50 at 32, 7 rounds each).
+pub const MEMBERSHIPS_PER_ENTRY_BEFORE_SCRIPT: usize = 32;
 
 /// When a partition's buffer must be flushed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
