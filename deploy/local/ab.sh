@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Compares two tally-aggregator builds on one topic, alternating them, so that the machine's
-# drift between runs (20-30% on this 2-core machine) falls on both alike. Each run starts the
+# Compares two tally-aggregator builds on one topic, alternating them (each round in the order
+# opposite to the last), so that the machine's drift between runs (20-30% on this 2-core
+# machine) falls on both alike. Each run starts the
 # binary with a fresh consumer group and key prefix, times it from launch until
 # tally_events_flushed_total reaches N (read from its /metrics), and reports events/s, the
 # aggregator's CPU seconds per million events, its peak RSS and redis-server's CPU per event
@@ -63,10 +64,21 @@ run() {
 
 ratios=()
 for ((i = 1; i <= rounds; i++)); do
-  run "$old" old "${AB_OLD_FLAGS:-}"
-  old_rate=$rate
-  run "$new" new "${AB_NEW_FLAGS:-}"
-  ratios+=("$(awk -v a="$rate" -v b="$old_rate" 'BEGIN { printf "%.3f", a / b }')")
+  # Each round in the order opposite to the last (old, new, then new, old), so that whatever
+  # the first run of a round leaves behind (the broker's page cache, Redis's allocator) falls
+  # on both alike.
+  if ((i % 2)); then
+    run "$old" old "${AB_OLD_FLAGS:-}"
+    old_rate=$rate
+    run "$new" new "${AB_NEW_FLAGS:-}"
+    new_rate=$rate
+  else
+    run "$new" new "${AB_NEW_FLAGS:-}"
+    new_rate=$rate
+    run "$old" old "${AB_OLD_FLAGS:-}"
+    old_rate=$rate
+  fi
+  ratios+=("$(awk -v a="$new_rate" -v b="$old_rate" 'BEGIN { printf "%.3f", a / b }')")
 done
 printf '%s\n' "${ratios[@]}" | sort -n | awk -v listed="${ratios[*]}" '
   { r[NR] = $1 }
