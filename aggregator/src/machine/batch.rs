@@ -15,7 +15,7 @@ use super::letter::DeadLetter;
 use super::likes::{LikeTable, Likes};
 #[cfg(test)]
 use super::pace::MEMBERSHIPS_PER_ENTRY;
-use super::pace::{FlushClock, Limits, Pace, Size};
+use super::pace::{FlushClock, GROUP_MEMBERSHIPS_SHARE, Limits, Pace, Size};
 
 /// A delta for one time bucket of a counter in a windowed namespace (`tally_common::window`).
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
@@ -168,6 +168,9 @@ pub struct Batch {
     /// Distinct (group, counter, actor) memberships over all groups; every
     /// [`MEMBERSHIPS_PER_ENTRY`] of them count as one more entry.
     memberships: usize,
+    /// The most (counter, actor) pairs any one group's likes hold (`LikeTable::held`): a
+    /// group's write is one transaction, bounded by [`GROUP_MEMBERSHIPS_SHARE`].
+    largest_group: usize,
     /// Malformed messages waiting to be copied to the dead-letter topic.
     dead_letters: Vec<DeadLetter>,
     /// In namespaces that expire counters: the latest idle deadline per counter written since
@@ -475,7 +478,12 @@ impl Batch {
     /// Adds a like (or unlike) of `counter` by `actor` at `offset`, bound for `group` (the
     /// actor's). A later action of the same actor on the same counter replaces it.
     pub fn add_member(&mut self, group: u32, counter: &str, actor: &str, like: bool, offset: i64) {
-        let added = self.group(group).members.set(counter, actor, like);
+        let members = &mut self.group(group).members;
+        let added = members.set(counter, actor, like);
+        let held = members.held();
+        if added.membership {
+            self.largest_group = self.largest_group.max(held);
+        }
         self.entries += usize::from(added.run);
         self.memberships += usize::from(added.membership);
         self.advance(offset);
@@ -527,11 +535,13 @@ impl Batch {
 
     /// Whether the batch hit a size limit and must be flushed now.
     pub fn is_full(&self, size: &Size) -> bool {
-        // entries + memberships / per_entry >= max_counters, without a division per event.
+        // entries + memberships / per_entry >= max_counters, and one group's memberships >=
+        // max_counters * per_entry / GROUP_MEMBERSHIPS_SHARE, without a division per event.
         let per_entry = size.memberships_per_entry.max(1);
+        let weight = size.max_counters.saturating_mul(per_entry);
         self.events >= size.max_events
-            || self.entries * per_entry + self.memberships
-                >= size.max_counters.saturating_mul(per_entry)
+            || self.entries * per_entry + self.memberships >= weight
+            || self.largest_group.saturating_mul(GROUP_MEMBERSHIPS_SHARE) >= weight
     }
 
     /// Whether the batch must be flushed at `now`. Live: full, or its partition's flush time
@@ -861,37 +871,72 @@ mod tests {
         assert!(b.is_full(&limits().live));
     }
 
+    /// Adds counters `c<i>` for `i` in `range`, a delta each, to group 1 at offset 100 + i.
+    fn add_counters(b: &mut Batch, range: std::ops::Range<i64>) {
+        for i in range {
+            b.add(1, &format!("c{i}"), 1, 100 + i);
+        }
+    }
+
     #[test]
     fn a_counters_likes_count_as_one_entry_and_every_eight_memberships_as_one_more() {
+        // 18 entries (and at most 18 * 8 / 16 = 9 memberships in one group).
         let size = Size {
-            max_events: 100,
-            max_counters: 3,
+            max_events: 1_000,
+            max_counters: 18,
             memberships_per_entry: MEMBERSHIPS_PER_ENTRY,
         };
         let mut b = Batch::default();
-        // One counter with 7 likers and an unlike: 1 + 8 / 8 = 2 entries, of 3.
+        // One counter with 7 likers and an unlike: 1 + 8 / 8 = 2 entries.
         for actor in 0..8 {
             b.add_member(0, "a", &format!("u{actor}"), actor != 7, actor);
         }
         b.add_member(0, "a", "u1", false, 8);
+        // 15 more counters: 17 entries of 18.
+        add_counters(&mut b, 0..15);
         assert!(!b.is_full(&size));
-        // A second counter is the third entry.
-        b.add_member(4, "b", "u1", true, 9);
+        // Another is the 18th.
+        add_counters(&mut b, 15..16);
         assert!(b.is_full(&size));
         let sealed = b.seal().expect("not empty");
-        assert_eq!(sealed.writes(), 9, "nine memberships");
         let members = &(sealed.groups.iter())
             .find(|g| g.group == 0)
             .expect("group 0")
             .members;
+        assert_eq!(members.len(), 8, "eight memberships");
         assert!(members.iter().any(|m| m.actor == "u1" && !m.like));
     }
 
     #[test]
-    fn a_sink_that_writes_memberships_for_less_weighs_them_less() {
-        let size = |memberships_per_entry| Size {
-            max_events: 100,
+    fn one_groups_likes_fill_the_batch_at_its_share_of_the_weight() {
+        // 3 entries of 32 memberships: 96 memberships in all, at most 96 / 16 = 6 in one group.
+        let size = Size {
+            max_events: 1_000,
             max_counters: 3,
+            memberships_per_entry: 32,
+        };
+        let mut b = Batch::default();
+        for actor in 0..5 {
+            b.add_member(0, "viral", &format!("u{actor}"), true, actor);
+            b.add_member(1, "other", &format!("u{actor}"), true, 100 + actor);
+        }
+        assert!(!b.is_full(&size), "5 in each of two groups");
+        // The same actor again is no new membership.
+        b.add_member(0, "viral", "u4", false, 200);
+        assert!(!b.is_full(&size));
+        b.add_member(0, "viral", "u5", true, 201);
+        assert!(b.is_full(&size), "6 in one group");
+        let sealed = b.seal().expect("not empty");
+        assert!(!b.is_full(&size), "an empty batch holds none");
+        assert_eq!(sealed.writes(), 11);
+    }
+
+    #[test]
+    fn a_sink_that_writes_memberships_for_less_weighs_them_less() {
+        // 34 entries (and at least 17 memberships in one group at either weight).
+        let size = |memberships_per_entry| Size {
+            max_events: 1_000,
+            max_counters: 34,
             memberships_per_entry,
         };
         let mut b = Batch::default();
@@ -899,9 +944,10 @@ mod tests {
         for actor in 0..16 {
             b.add_member(0, "a", &format!("u{actor}"), true, actor);
         }
+        add_counters(&mut b, 0..31);
         assert!(b.is_full(&size(MEMBERSHIPS_PER_ENTRY)));
         assert!(!b.is_full(&size(16)));
-        b.add_member(0, "b", "u1", true, 16);
+        add_counters(&mut b, 31..32);
         assert!(b.is_full(&size(16)));
     }
 

@@ -253,6 +253,12 @@ impl LikeTable {
         })
     }
 
+    /// How many (counter, actor) pairs the table has held: its memberships, and those a reset
+    /// or an expiry took out until their actor comes back (so at least as many as it holds).
+    pub fn held(&self) -> usize {
+        self.slots.len()
+    }
+
     /// Takes out `counter`'s likes and unlikes: `(actor, like)`, latest first.
     pub fn remove(&mut self, counter: &str) -> Vec<(String, bool)> {
         let Some(c) = self.find_counter(counter) else {
