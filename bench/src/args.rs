@@ -79,7 +79,7 @@ pub struct Args {
     pub postgres_url: String,
     /// Run only these scenarios (producer, catch-up, json, postgres, windows, dedup, members,
     /// expiry, idempotency, partitions, rebalance, regroup, naive, yardsticks, steady,
-    /// steady-windows, steady-likes, hot, cardinality, reads, micro); all when empty.
+    /// steady-windows, steady-likes, hot, hot-likes, cardinality, reads, micro); all when empty.
     #[arg(long, value_delimiter = ',')]
     pub only: Vec<String>,
     /// Run nothing: read this `results.json` and write `capacity.md` (the sizing guide) into

@@ -97,7 +97,7 @@ fn targets(r: &Results) -> Vec<Target> {
         },
         Target {
             name: "longest script or transaction of the exactly-once catch-ups (ms, Redis SLOWLOG and LATENCY)",
-            value: [eo, json]
+            value: [eo, json, r.hot_likes.as_ref()]
                 .into_iter()
                 .flatten()
                 .map(|c| c.script_max_ms)
@@ -385,6 +385,9 @@ pub fn markdown(args: &Args, r: &Results) -> String {
     }
     if let Some(h) = &r.hot {
         catch_up_rows(&mut out, "hot counter (90% on one)", h);
+    }
+    if let Some(h) = &r.hot_likes {
+        catch_up_rows(&mut out, "hot likes (one counter, dedup)", h);
     }
     if let Some(c) = &r.cardinality {
         catch_up_rows(&mut out, "cardinality (1 event per counter)", c);

@@ -352,6 +352,9 @@ pub struct Results {
     pub steady_likes: Option<Steady>,
     /// 90% of events on one counter.
     pub hot: Option<CatchUp>,
+    /// Likes of one counter by as many actors, `dedup = true`.
+    #[serde(default)]
+    pub hot_likes: Option<CatchUp>,
     /// One event per counter, a million counters (the median round's).
     pub cardinality: Option<CatchUp>,
     /// Redis memory the cardinality catch-up added per counter.

@@ -253,6 +253,21 @@ pub async fn run_all(args: &Args) -> anyhow::Result<Results> {
         hot.distinct_counters = load.distinct_counters;
         results.hot = Some(hot);
     }
+    if args.runs("hot-likes") {
+        // One viral counter's likes, nearly every one by a new actor, all in its group: the
+        // largest transactions a likes catch-up writes (each a `SADD` of its members).
+        let topic = env.name("hot-likes");
+        env.create_topic(&topic, args.partitions).await?;
+        println!("hot likes: {} likes of one counter", args.hot_events);
+        let actors = args.hot_events.to_string();
+        let extra = ["--counters", "1", "--zipf", "0", "--actors", &actors];
+        env.load(&topic, "hot-likes", args.hot_events, &extra)
+            .await?;
+        let namespaces = "[namespaces.likes]\ndedup = true\n";
+        let mut run = (env.catch_up_with_namespaces(&topic, args.hot_events, namespaces)).await?;
+        run.distinct_counters = 1;
+        results.hot_likes = Some(run);
+    }
     if args.runs("cardinality") {
         let topic = env.name("distinct");
         env.create_topic(&topic, args.partitions).await?;
