@@ -880,10 +880,10 @@ mod tests {
 
     #[test]
     fn a_counters_likes_count_as_one_entry_and_every_eight_memberships_as_one_more() {
-        // 18 entries (and at most 18 * 8 / 16 = 9 memberships in one group).
+        // 26 entries (and fewer than 26 * 8 / 24 = 8.7 memberships in one group).
         let size = Size {
             max_events: 1_000,
-            max_counters: 18,
+            max_counters: 26,
             memberships_per_entry: MEMBERSHIPS_PER_ENTRY,
         };
         let mut b = Batch::default();
@@ -892,11 +892,11 @@ mod tests {
             b.add_member(0, "a", &format!("u{actor}"), actor != 7, actor);
         }
         b.add_member(0, "a", "u1", false, 8);
-        // 15 more counters: 17 entries of 18.
-        add_counters(&mut b, 0..15);
+        // 23 more counters: 25 entries of 26.
+        add_counters(&mut b, 0..23);
         assert!(!b.is_full(&size));
-        // Another is the 18th.
-        add_counters(&mut b, 15..16);
+        // Another is the 26th.
+        add_counters(&mut b, 23..24);
         assert!(b.is_full(&size));
         let sealed = b.seal().expect("not empty");
         let members = &(sealed.groups.iter())
@@ -909,34 +909,34 @@ mod tests {
 
     #[test]
     fn one_groups_likes_fill_the_batch_at_its_share_of_the_weight() {
-        // 3 entries of 32 memberships: 96 memberships in all, at most 96 / 16 = 6 in one group.
+        // 3 entries of 32 memberships: 96 memberships in all, at most 96 / 24 = 4 in one group.
         let size = Size {
             max_events: 1_000,
             max_counters: 3,
             memberships_per_entry: 32,
         };
         let mut b = Batch::default();
-        for actor in 0..5 {
+        for actor in 0..3 {
             b.add_member(0, "viral", &format!("u{actor}"), true, actor);
             b.add_member(1, "other", &format!("u{actor}"), true, 100 + actor);
         }
-        assert!(!b.is_full(&size), "5 in each of two groups");
+        assert!(!b.is_full(&size), "3 in each of two groups");
         // The same actor again is no new membership.
-        b.add_member(0, "viral", "u4", false, 200);
+        b.add_member(0, "viral", "u2", false, 200);
         assert!(!b.is_full(&size));
-        b.add_member(0, "viral", "u5", true, 201);
-        assert!(b.is_full(&size), "6 in one group");
+        b.add_member(0, "viral", "u3", true, 201);
+        assert!(b.is_full(&size), "4 in one group");
         let sealed = b.seal().expect("not empty");
         assert!(!b.is_full(&size), "an empty batch holds none");
-        assert_eq!(sealed.writes(), 11);
+        assert_eq!(sealed.writes(), 7);
     }
 
     #[test]
     fn a_sink_that_writes_memberships_for_less_weighs_them_less() {
-        // 34 entries (and at least 17 memberships in one group at either weight).
+        // 50 entries (and more than 16 memberships in one group at either weight).
         let size = |memberships_per_entry| Size {
             max_events: 1_000,
-            max_counters: 34,
+            max_counters: 50,
             memberships_per_entry,
         };
         let mut b = Batch::default();
@@ -944,10 +944,10 @@ mod tests {
         for actor in 0..16 {
             b.add_member(0, "a", &format!("u{actor}"), true, actor);
         }
-        add_counters(&mut b, 0..31);
+        add_counters(&mut b, 0..47);
         assert!(b.is_full(&size(MEMBERSHIPS_PER_ENTRY)));
         assert!(!b.is_full(&size(16)));
-        add_counters(&mut b, 31..32);
+        add_counters(&mut b, 47..48);
         assert!(b.is_full(&size(16)));
     }
 

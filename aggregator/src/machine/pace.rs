@@ -36,17 +36,19 @@ pub const MEMBERSHIPS_PER_ENTRY: usize = 8;
 
 /// How many of a batch's weighted memberships one shard group's write may hold: at most
 /// `max_counters * memberships_per_entry / GROUP_MEMBERSHIPS_SHARE` memberships in any one group
-/// (half of `max_counters` through the flush script, twice it where likes' sets go first). The
+/// (a third of `max_counters` through the flush script, 4/3 of it where likes' sets go first). The
 /// weight assumes a flush's likes spread over the groups, as the likes of many counters do; the
 /// likes of one viral counter all go to its group, one transaction, which the weight alone let
 /// grow to 240,000-480,000 members: 120-230 ms of one `SADD` and 180-300 ms of its `EXEC` with
 /// the sets first, a 138 ms script through Lua (a catch-up of 1,000,000 likes of one counter by
 /// as many actors, Redis's slow log and latency monitor, 2026-12-06). A `SADD` into a set of
-/// up to a million members took 1-1.8 us a member there, so at this share a catch-up's group
-/// write holds at most 30,000 members with the sets first (its longest command 35-55 ms) and
-/// 7,500 through the script (13-18 ms); the bench's likes, spread over 100,000 counters, are
-/// not slowed (`ab.sh`, 8 rounds, 0.78-1.11 x, median 1.05).
-pub const GROUP_MEMBERSHIPS_SHARE: usize = 16;
+/// up to a million members took 1-1.8 us a member there. At this share a catch-up's group write
+/// holds at most 20,000 members with the sets first (that catch-up's longest command 21-33 ms in
+/// five runs, once 50 ms; 35-55 ms at 16) and 5,000 through the script (15-18 ms). The bench's
+/// likes, spread over 100,000 counters, are not slowed (`ab.sh`, 8 rounds against 16: 0.80-1.19
+/// x, median 0.99); the one-counter catch-up is, by about 15% (0.66-0.74 against 0.81-0.84 M
+/// likes/s): more, shorter transactions.
+pub const GROUP_MEMBERSHIPS_SHARE: usize = 24;
 
 /// [`MEMBERSHIPS_PER_ENTRY`] where likes' sets are written by plain `SADD`s and `SREM`s before
 /// the flush script (`crate::store::redis_sink`): a membership costs Redis ~0.37 us there and a
