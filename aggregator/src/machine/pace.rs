@@ -56,8 +56,8 @@ pub const GROUP_MEMBERSHIPS_SHARE: usize = 24;
 /// 395,075 `SADD`s of 3.6 M members took 1.28 s), so 16 to 32 memberships cost about a
 /// counter's delta. A flush of likes grouped by counter also spreads over every group, each
 /// its own transaction, so its transactions are shorter than a flush of deltas at the same
-/// weight: the bench's dedup catch-up took 12-13 ms at most per transaction at 16 and at 32
-/// (a plain catch-up's longest script: 23-24 ms). At 32 against 16, 10 alternated rounds:
+/// weight: the bench's dedup catch-up took 12-13 ms at most per transaction at 16 and 13-22 ms
+/// at 32 (a plain catch-up's longest script: 14-24 ms). At 32 against 16, 10 alternated rounds:
 /// 0.95-1.13 x the rate (median 1.06), redis-server 0.23-0.28 against 0.29-0.35 CPU-us per
 /// like (bigger batches net more repeats and send more members per `SADD`); at 64 the bench's
 /// ratio did not rise further (median 0.44 against 0.50 at 32, 7 rounds each).
