@@ -33,18 +33,25 @@ use tally_common::{CounterEvent, Keyspace, Namespaces, codec};
 
 const EVENTS: usize = 100_000;
 
+/// `n` (counter, actor) pairs of a fixed pseudo-random sequence from `seed`: counter ranks
+/// among `counters` skewed towards the head, like Zipf, and 10,000 actors.
+fn zipf_likes(n: usize, counters: f64, seed: u64) -> impl Iterator<Item = (String, String)> {
+    let mut state = seed;
+    (0..n).map(move |_| {
+        state = state
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1);
+        let r = (state >> 33) as f64 / (1u64 << 31) as f64;
+        let rank = (counters.powf(r * r) as u64).max(1);
+        (format!("likes:post:{rank}"), format!("u{}", state % 10_000))
+    })
+}
+
 fn events() -> Vec<CounterEvent> {
-    // A fixed pseudo-random sequence: counter ranks skewed towards the head, like Zipf.
-    let mut state: u64 = 0x9e37_79b9_7f4a_7c15;
-    (0..EVENTS)
-        .map(|_| {
-            state = state
-                .wrapping_mul(6_364_136_223_846_793_005)
-                .wrapping_add(1);
-            let r = (state >> 33) as f64 / (1u64 << 31) as f64;
-            let rank = (10_000f64.powf(r * r) as u64).max(1);
-            CounterEvent::new(format!("likes:post:{rank}"), 1)
-                .and_then(|e| e.with_actor(format!("u{}", state % 10_000)))
+    zipf_likes(EVENTS, 10_000.0, 0x9e37_79b9_7f4a_7c15)
+        .map(|(counter, actor)| {
+            CounterEvent::new(counter, 1)
+                .and_then(|e| e.with_actor(actor))
                 .expect("valid event")
         })
         .collect()
@@ -175,17 +182,8 @@ fn windowed(c: &mut Criterion) {
 
 fn likes(c: &mut Criterion) {
     const LIKES: usize = 400_000;
-    let mut state: u64 = 0x2545_f491_4f6c_dd1d;
-    let likes: Vec<(String, String)> = (0..LIKES)
-        .map(|_| {
-            state = state
-                .wrapping_mul(6_364_136_223_846_793_005)
-                .wrapping_add(1);
-            let r = (state >> 33) as f64 / (1u64 << 31) as f64;
-            let rank = (100_000f64.powf(r * r) as u64).max(1);
-            (format!("likes:post:{rank}"), format!("u{}", state % 10_000))
-        })
-        .collect();
+    let likes: Vec<(String, String)> =
+        zipf_likes(LIKES, 100_000.0, 0x2545_f491_4f6c_dd1d).collect();
     let keyspace = Keyspace::default();
     let namespaces = Namespaces::from_toml("[namespaces.likes]\ndedup = true\n").expect("valid");
     let grouping = namespaces.policy("likes:").grouping;

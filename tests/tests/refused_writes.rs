@@ -9,6 +9,7 @@ use redis::AsyncCommands;
 use tally_aggregator::RedisSink;
 use tally_aggregator::machine::batch::WindowDelta;
 use tally_aggregator::machine::likes::Likes;
+use tally_aggregator::machine::pace::{MEMBERSHIPS_PER_ENTRY, MEMBERSHIPS_PER_ENTRY_BEFORE_SCRIPT};
 use tally_aggregator::operator::config::Atomicity;
 use tally_aggregator::store::sink::{Applied, GroupWrite, Refused, Rejection, Sink, Stamp};
 use tally_common::{DeadLetterReason, Keyspace, RedisConn, RedisTarget};
@@ -831,15 +832,23 @@ async fn sets_written_before_the_script_land_once_and_only_for_the_owner() {
             every_dedup: true,
         });
     let (sink, epoch) = fenced_sink_in(&redis, &ks, Atomicity::Auto).await;
-    // Batches weigh memberships by what they cost here: 32 to an entry, against the script's 8.
-    assert_eq!(sink.memberships_per_entry(), 32);
+    // Batches weigh memberships by what they cost here: more to an entry than through the
+    // script.
+    assert_eq!(
+        sink.memberships_per_entry(),
+        MEMBERSHIPS_PER_ENTRY_BEFORE_SCRIPT
+    );
     for atomicity in [Atomicity::Scripts, Atomicity::Transactions] {
         let other = crate::sink(&redis.url(), &ks, atomicity).await;
-        assert_eq!(other.memberships_per_entry(), 8, "{atomicity:?}");
+        assert_eq!(
+            other.memberships_per_entry(),
+            MEMBERSHIPS_PER_ENTRY,
+            "{atomicity:?}"
+        );
     }
     let in_shares = Keyspace::new(unique("shares"), 1).expect("keyspace");
     let shares = crate::sink(&redis.url(), &in_shares, Atomicity::Auto).await;
-    assert_eq!(shares.memberships_per_entry(), 8);
+    assert_eq!(shares.memberships_per_entry(), MEMBERSHIPS_PER_ENTRY);
     let mut conn = tally_tests::connect(&redis.url()).await;
     let members = Likes::from_actions([
         ("post:1", "u1", true),

@@ -166,7 +166,7 @@ pub struct Batch {
     /// likes (a run each), resets and expiry records.
     entries: usize,
     /// Distinct (group, counter, actor) memberships over all groups; every
-    /// [`MEMBERSHIPS_PER_ENTRY`] of them count as one more entry.
+    /// [`Size::memberships_per_entry`] of them count as one more entry.
     memberships: usize,
     /// The most (counter, actor) pairs any one group's likes hold (`LikeTable::held`): a
     /// group's write is one transaction, bounded by [`GROUP_MEMBERSHIPS_SHARE`].
