@@ -1,6 +1,7 @@
 //! The state machines' actions carried out: ticks, task reports, flush and check tasks,
 //! acquisitions, seeks, pauses and offset commits.
 
+use std::sync::{Arc, PoisonError};
 use std::time::Instant;
 
 use rdkafka::consumer::{CommitMode, Consumer, ConsumerContext};
@@ -15,7 +16,7 @@ use crate::store::fence;
 use crate::store::sink::Sink;
 use tally_kafka::backoff::Backoff;
 
-use super::{Done, Report, Shared, Slot, Task, lock, warm_up_ids};
+use super::{Done, Ids, RecentIds, Report, Shared, Slot, Task, lock, warm_up_ids};
 
 impl<S: Sink> Shared<S> {
     /// Starts flushes of due buffers and checks of idle owners, and refreshes the buffer and
@@ -48,8 +49,9 @@ impl<S: Sink> Shared<S> {
             buffered += slot.machine.pending_events();
             paused += usize::from(slot.machine.paused);
             if let Some(ids) = &slot.ids {
-                ids_held += ids.len();
-                id_bytes += ids.bytes();
+                let (held, bytes) = ids.sizes();
+                ids_held += held;
+                id_bytes += bytes;
             }
         }
         self.metrics
@@ -94,7 +96,7 @@ impl<S: Sink> Shared<S> {
                 rewound,
             } => {
                 slot.acquiring = None;
-                slot.ids = ids;
+                self.install_ids(partition, slot, ids);
                 if let Some((to, past)) = rewound.filter(|(_, past)| *past > 0) {
                     self.metrics.truncated_applied(past);
                     tracing::error!(
@@ -186,8 +188,17 @@ impl<S: Sink> Shared<S> {
             Action::Seek(resume) => {
                 slot.held = None;
                 let topic = &self.settings.topic;
-                let sought =
-                    (self.source).seek(consumer, topic, partition, resume, &mut slot.epoch);
+                let epoch = &mut slot.epoch;
+                let mut seek = || {
+                    let sought = (self.source).seek(consumer, topic, partition, resume, epoch);
+                    (sought, *epoch)
+                };
+                // With idempotency keys, the decider decides the new epoch's chunks from
+                // `resume` on.
+                let sought = match slot.ids.clone() {
+                    Some(ids) => ids.positioned(resume, seek),
+                    None => seek().0,
+                };
                 let next = slot.machine.on_seek(sought, Instant::now());
                 self.execute(consumer, partition, slot, next);
             }
@@ -320,6 +331,27 @@ impl<S: Sink> Shared<S> {
             // Not fatal: the work is durable, and at worst the next owner re-reads it.
             tracing::warn!(%error, "offset commit failed");
         }
+    }
+
+    /// A new acquisition's recent ids (`None`: no namespace keeps a window) replace the
+    /// partition's, which the decider then finds.
+    fn install_ids(&self, partition: i32, slot: &mut Slot, ids: Option<RecentIds>) {
+        let mut registry = self.ids.lock().unwrap_or_else(PoisonError::into_inner);
+        slot.ids = match (ids, slot.ids.take()) {
+            (Some(ids), Some(state)) => {
+                state.install(ids);
+                Some(state)
+            }
+            (Some(ids), None) => {
+                let state = Arc::new(Ids::new(ids));
+                registry.insert(partition, state.clone());
+                Some(state)
+            }
+            (None, _) => {
+                registry.remove(&partition);
+                None
+            }
+        };
     }
 
     pub(super) fn set_paused<X: ConsumerContext, K: Consumer<X>>(

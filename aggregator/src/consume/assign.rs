@@ -2,6 +2,7 @@
 //! acquiring); revoked ones, and every one at shutdown, are drained: in-flight work awaited,
 //! buffers flushed, offsets committed, within a deadline.
 
+use std::sync::PoisonError;
 use std::time::{Instant, SystemTime};
 
 use rdkafka::TopicPartitionList;
@@ -74,6 +75,7 @@ impl<S: Sink> Shared<S> {
                 .filter_map(|e| parts.map.remove(&e.partition()).map(|s| (e.partition(), s)))
                 .collect()
         };
+        self.forget_ids(taken.iter().map(|(p, _)| *p));
         if taken.is_empty() {
             return;
         }
@@ -94,6 +96,14 @@ impl<S: Sink> Shared<S> {
         );
     }
 
+    /// Partitions no longer owned: the decider no longer finds their ids.
+    fn forget_ids(&self, partitions: impl Iterator<Item = i32>) {
+        let mut registry = self.ids.lock().unwrap_or_else(PoisonError::into_inner);
+        for partition in partitions {
+            registry.remove(&partition);
+        }
+    }
+
     /// Shutdown: drains every partition (bounded by the shutdown timeout), commits, and stops
     /// every flush still retrying.
     pub(crate) async fn drain_all<X: ConsumerContext, K: Consumer<X>>(
@@ -101,6 +111,7 @@ impl<S: Sink> Shared<S> {
         consumer: &K,
     ) -> Drained {
         let taken: Vec<(i32, Slot)> = lock(&self.partitions).map.drain().collect();
+        self.forget_ids(taken.iter().map(|(p, _)| *p));
         self.source
             .released(taken.iter().map(|(partition, _)| *partition));
         let deadline = Instant::now() + self.settings.shutdown_timeout;

@@ -17,6 +17,7 @@ use tokio_util::sync::CancellationToken;
 
 use tally_kafka::{Fetched, Fetcher};
 
+use crate::consume::decide::{Decided, Decider};
 use crate::consume::flush::Flusher;
 use crate::consume::idempotency::WarmUp;
 use crate::consume::rebalance::AggregatorContext;
@@ -55,13 +56,21 @@ pub struct Aggregator<S: Sink> {
     consumer: StreamConsumer<AggregatorContext<S>>,
     done_rx: mpsc::UnboundedReceiver<Report>,
     /// What tally's fetcher reads, when it reads the partitions.
-    fetched_rx: Option<mpsc::UnboundedReceiver<Fetched>>,
+    fetched_rx: Option<Feed>,
+}
+
+/// Where tally's fetcher's chunks come from: the fetcher, or the decider after it (when a
+/// namespace keeps an idempotency window).
+enum Feed {
+    Fetched(mpsc::UnboundedReceiver<Fetched>),
+    Decided(mpsc::UnboundedReceiver<Decided>),
 }
 
 /// The next thing tally's fetcher handed over; never, without one.
-async fn next_fetched(rx: &mut Option<mpsc::UnboundedReceiver<Fetched>>) -> Option<Fetched> {
+async fn next_fetched(rx: &mut Option<Feed>) -> Option<Decided> {
     match rx {
-        Some(rx) => rx.recv().await,
+        Some(Feed::Fetched(rx)) => rx.recv().await.map(|fetched| (fetched, None)),
+        Some(Feed::Decided(rx)) => rx.recv().await,
         None => std::future::pending().await,
     }
 }
@@ -99,7 +108,19 @@ impl<S: Sink> Aggregator<S> {
             }
             None => (None, None),
         };
+        let namespaces = settings.namespaces.clone();
+        let max_message_bytes = settings.max_message_bytes;
+        let ids = warm_up.is_some();
         let (shared, done_rx) = Shared::new(settings, flusher, warm_up, fetcher);
+        // Idempotency keys are decided on a thread of their own, between the fetcher and
+        // the loop.
+        let fetched_rx = fetched_rx.map(|rx| match ids {
+            true => {
+                let decider = Decider::new(namespaces, max_message_bytes);
+                Feed::Decided(decider.start(shared.ids.clone(), rx))
+            }
+            false => Feed::Fetched(rx),
+        });
         // tally's consumer settings under the operator's: start from the operator's (copying the
         // config, never its `config_map()`, which masks secrets such as `sasl.password`).
         let mut config = kafka.clone();

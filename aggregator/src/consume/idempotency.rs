@@ -8,7 +8,8 @@
 //! function of the log before it, so the state is rebuilt from the log instead: when the
 //! aggregator takes a partition (at start, after a crash, in a rebalance, after a rollback), it
 //! first reads the window of log before the offset it resumes from ([`WarmUp`]), deciding those
-//! events as they were decided the first time, then decides the rest as it reads them. A
+//! events as they were decided the first time, then decides the rest as they are read (with
+//! tally's fetcher on a thread of their own, `crate::consume::decide`). A
 //! replay, a restart or a new owner therefore decides every event the same way, and a duplicate
 //! is never counted, exactly once like everything else.
 //!

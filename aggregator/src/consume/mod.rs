@@ -48,6 +48,7 @@ use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
+use crate::consume::decide::{Decisions, Ids, Registry};
 use crate::consume::flush::Flusher;
 use crate::consume::idempotency::{RecentIds, WarmUp};
 use crate::machine::outcome::{FlushOutcome, Standing};
@@ -63,6 +64,7 @@ mod act;
 mod assign;
 pub mod daemon;
 pub mod dead_letter;
+mod decide;
 mod expirer;
 pub mod flush;
 pub mod idempotency;
@@ -154,8 +156,8 @@ pub(crate) struct Slot {
     /// The acquisition running for it.
     acquiring: Option<JoinHandle<()>>,
     /// The ids counted over the last idempotency window (namespaces that keep one), rebuilt
-    /// from the log on each acquisition.
-    ids: Option<RecentIds>,
+    /// from the log on each acquisition, shared with the decider (`decide`).
+    ids: Option<Arc<Ids>>,
     /// With tally's fetcher: the epoch of the partition's last seek (chunks of another epoch
     /// were fetched before it and are dropped).
     epoch: u64,
@@ -166,7 +168,7 @@ pub(crate) struct Slot {
     /// ([`Action::Hold`](crate::machine::partition::Action::Hold)): the chunks fetched
     /// for it and not read yet (the first one perhaps in part), read in order once it resumes
     /// rather than dropped and fetched again. They stay within the fetcher's byte budget.
-    held: Option<VecDeque<Chunk>>,
+    held: Option<VecDeque<(Chunk, Option<Decisions>)>>,
 }
 
 /// A flush or a check, running as its own task.
@@ -239,6 +241,8 @@ pub(crate) struct Shared<S> {
     runtime: tokio::runtime::Handle,
     /// Rebuilds recent ids on acquisition, when a namespace keeps an idempotency window.
     warm_up: Option<Arc<WarmUp>>,
+    /// The partitions' idempotency states, for the decider (`decide`) to find.
+    ids: Registry,
     /// Where the partitions' records come from: librdkafka's consumer or tally's fetcher.
     pub(crate) source: Source,
     /// The deployment's group plan as last read ([`refresh_plan`]).
@@ -352,6 +356,7 @@ impl<S: Sink> Shared<S> {
             runtime: tokio::runtime::Handle::current(),
             plan: PlanCell::new(&GroupPlan::initial(settings.keyspace.groups())),
             warm_up: warm_up.map(Arc::new),
+            ids: Registry::default(),
             source: Source::new(fetcher),
             settings,
         });

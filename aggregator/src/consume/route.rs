@@ -12,15 +12,13 @@ use tally_common::window::{Placement, Placer};
 use tally_common::{DeadLetterReason, codec};
 use tally_kafka::{Chunk, Fetched, Item};
 
+use crate::consume::decide::{Decided, Decisions};
 use crate::consume::idempotency;
 use crate::machine::letter::DeadLetter;
 use crate::machine::partition::{Entry, Handled};
 use crate::store::sink::Sink;
 
 use super::{MAX_UNREADABLE_BYTES, Message, Partitions, Shared, Slot, lock};
-
-/// Records decoded ahead of their turn in a chunk, when idempotency keys are kept.
-const DECODED_AHEAD: usize = 16;
 
 /// A message decoded: the record, or why it is malformed, and for an event with an
 /// idempotency key, the key and its window ([`idempotency::id_of`]).
@@ -55,7 +53,7 @@ impl<S: Sink> Shared<S> {
                     read += 1;
                     let message = Message::of(message);
                     if let Some(slot) = parts.map.get_mut(&message.partition) {
-                        self.handle_message(slot, &mut placer, consumer, &message);
+                        self.handle_message(slot, &mut placer, consumer, &message, None);
                     }
                 }
                 Err(error) => tracing::warn!(%error, "Kafka consumer error"),
@@ -64,12 +62,13 @@ impl<S: Sink> Shared<S> {
         self.metrics.consumed(read);
     }
 
-    /// What tally's fetcher handed over: a chunk of one partition's records, each decoded and
-    /// routed to the partition's state machine in turn, under one lock.
+    /// What tally's fetcher handed over: a chunk of one partition's records (with its ids'
+    /// decisions, if the decider made them), each decoded and routed to the partition's state
+    /// machine in turn, under one lock.
     pub(crate) fn handle_fetched<X: ConsumerContext, K: Consumer<X>>(
         &self,
         consumer: &K,
-        fetched: Fetched,
+        (fetched, decisions): Decided,
     ) {
         let chunk = match fetched {
             Fetched::Chunk(chunk) => chunk,
@@ -130,7 +129,7 @@ impl<S: Sink> Shared<S> {
             }
         };
         let mut parts = lock(&self.partitions);
-        let read = self.handle_chunk(&mut parts, consumer, chunk);
+        let read = self.handle_chunk(&mut parts, consumer, chunk, decisions);
         self.metrics.consumed(read);
     }
 
@@ -174,6 +173,7 @@ impl<S: Sink> Shared<S> {
         parts: &mut Partitions,
         consumer: &K,
         chunk: Chunk,
+        decisions: Option<Decisions>,
     ) -> u64 {
         let partition = chunk.partition;
         let Some(slot) = parts.map.get_mut(&partition) else {
@@ -186,10 +186,10 @@ impl<S: Sink> Shared<S> {
         }
         slot.machine.on_log_end(chunk.log_end);
         if let Some(held) = &mut slot.held {
-            held.push_back(chunk);
+            held.push_back((chunk, decisions));
             return 0;
         }
-        self.read_chunks(consumer, slot, VecDeque::from([chunk]))
+        self.read_chunks(consumer, slot, VecDeque::from([(chunk, decisions)]))
     }
 
     /// Counts the records of `chunk` from offset `from` on (all with `None`) as dropped unread.
@@ -217,26 +217,26 @@ impl<S: Sink> Shared<S> {
         &self,
         consumer: &K,
         slot: &mut Slot,
-        mut chunks: VecDeque<Chunk>,
+        mut chunks: VecDeque<(Chunk, Option<Decisions>)>,
     ) -> u64 {
         let epoch = slot.epoch;
         let mut read = 0;
-        while let Some(chunk) = chunks.pop_front() {
+        while let Some((chunk, decisions)) = chunks.pop_front() {
             let from = slot.machine.read_to();
-            let (n, stopped) = self.read_chunk(slot, consumer, &chunk, from);
+            let (n, stopped) = self.read_chunk(slot, consumer, &chunk, decisions.as_ref(), from);
             read += n;
             if !stopped {
                 continue;
             }
             match &mut slot.held {
                 Some(again) if slot.epoch == epoch => {
-                    chunks.push_front(chunk);
+                    chunks.push_front((chunk, decisions));
                     chunks.append(again);
                     *again = chunks;
                 }
                 _ => {
                     self.dropped(&chunk, slot.machine.read_to());
-                    for chunk in &chunks {
+                    for (chunk, _) in &chunks {
                         self.dropped(chunk, None);
                     }
                 }
@@ -246,59 +246,31 @@ impl<S: Sink> Shared<S> {
         read
     }
 
-    /// Routes `chunk`'s records from offset `from` on (all of them with `None`): how many were
-    /// read, and whether reading stopped before the chunk's end (the partition was held, or
-    /// positioned again).
+    /// Routes `chunk`'s records from offset `from` on (all of them with `None`), with their
+    /// ids' `decisions` if the decider made them: how many were read, and whether reading
+    /// stopped before the chunk's end (the partition was held, or positioned again).
     fn read_chunk<X: ConsumerContext, K: Consumer<X>>(
         &self,
         slot: &mut Slot,
         consumer: &K,
         chunk: &Chunk,
+        decisions: Option<&Decisions>,
         from: Option<i64>,
     ) -> (u64, bool) {
         let partition = chunk.partition;
-        let unread = unread(from);
         let mut read = 0;
         let mut placer = Placer::default();
-        if slot.ids.is_none() {
-            for item in chunk.items().filter(unread) {
-                read += 1;
-                if !self.handle_item(slot, &mut placer, consumer, partition, item, None) {
-                    return (read, true);
-                }
-            }
-            return (read, false);
-        }
-        // Idempotency keys: each run of records is decoded first and the home slots of its
-        // ids read together, so that deciding them one by one then finds them in cache.
-        let mut items = chunk.items().filter(unread);
-        let mut ahead = Vec::with_capacity(DECODED_AHEAD);
-        loop {
-            ahead.clear();
-            for item in items.by_ref().take(DECODED_AHEAD) {
-                let decoded = match &item {
-                    Item::Record(record) => Some(self.decode(record.value, true)),
-                    Item::Undecodable { .. } => None,
-                };
-                ahead.push((item, decoded));
-            }
-            if ahead.is_empty() {
-                return (read, false);
-            }
-            if let Some(ids) = &slot.ids {
-                ids.touch(ahead.iter().filter_map(|(_, d)| Some(d.as_ref()?.id?.0)));
-            }
-            for (item, decoded) in ahead.drain(..) {
-                read += 1;
-                if !self.handle_item(slot, &mut placer, consumer, partition, item, decoded) {
-                    return (read, true);
-                }
+        for item in chunk.items().filter(unread(from)) {
+            read += 1;
+            if !self.handle_item(slot, &mut placer, consumer, partition, item, decisions) {
+                return (read, true);
             }
         }
+        (read, false)
     }
 
-    /// Handles one item of a chunk (`decoded`, if its record was decoded already); false if
-    /// the partition was paused or held, so that the rest of the chunk is not read now.
+    /// Handles one item of a chunk (with its ids' `decisions`, if made); false if the
+    /// partition was paused or held, so that the rest of the chunk is not read now.
     fn handle_item<'s, X: ConsumerContext, K: Consumer<X>>(
         &'s self,
         slot: &mut Slot,
@@ -306,7 +278,7 @@ impl<S: Sink> Shared<S> {
         consumer: &K,
         partition: i32,
         item: Item<'_>,
-        decoded: Option<Decoded<'_>>,
+        decisions: Option<&Decisions>,
     ) -> bool {
         let epoch = slot.epoch;
         match item {
@@ -318,10 +290,7 @@ impl<S: Sink> Shared<S> {
                     payload: record.value,
                     timestamp_ms: (record.timestamp_ms >= 0).then_some(record.timestamp_ms),
                 };
-                match decoded {
-                    Some(decoded) => self.route(slot, placer, consumer, &message, decoded),
-                    None => self.handle_message(slot, placer, consumer, &message),
-                }
+                self.handle_message(slot, placer, consumer, &message, decisions);
             }
             Item::Undecodable {
                 first_offset,
@@ -358,20 +327,23 @@ impl<S: Sink> Shared<S> {
         slot.epoch == epoch && slot.held.is_none()
     }
 
-    /// Decodes one message and routes it to its partition's state machine.
+    /// Decodes one message and routes it to its partition's state machine, by its id's
+    /// decision in `decisions` if the decider made it.
     pub(super) fn handle_message<'s, X: ConsumerContext, K: Consumer<X>>(
         &'s self,
         slot: &mut Slot,
         placer: &mut Placer<'s>,
         consumer: &K,
         message: &Message<'_>,
+        decisions: Option<&Decisions>,
     ) {
         // Not positioned yet (it will be re-read after the seek), or fenced off: not decoded.
         if !slot.machine.accepts() {
             return;
         }
-        let decoded = self.decode(message.payload, slot.ids.is_some());
-        self.route(slot, placer, consumer, message, decoded);
+        let decided = decisions.and_then(|d| d.repeat(message.offset));
+        let decoded = self.decode(message.payload, slot.ids.is_some() && decided.is_none());
+        self.route(slot, placer, consumer, message, decoded, decided);
     }
 
     /// Decodes a message's payload: an event, or an expiry record an expirer wrote into the
@@ -387,7 +359,8 @@ impl<S: Sink> Shared<S> {
         Decoded { decoded, id }
     }
 
-    /// Routes a decoded message to its partition's state machine.
+    /// Routes a decoded message to its partition's state machine; `decided`: whether its id
+    /// repeats one counted, if the decider decided it.
     fn route<'s, X: ConsumerContext, K: Consumer<X>>(
         &'s self,
         slot: &mut Slot,
@@ -395,6 +368,7 @@ impl<S: Sink> Shared<S> {
         consumer: &K,
         message: &Message<'_>,
         decoded: Decoded<'_>,
+        decided: Option<bool>,
     ) {
         if !slot.machine.accepts() {
             return;
@@ -417,10 +391,12 @@ impl<S: Sink> Shared<S> {
         let Decoded { decoded, id } = decoded;
         // Every message's Kafka timestamp (`kafka_ms`) is what windows, idempotency windows and
         // expiry go by.
-        // Idempotency keys: every event read is decided (and its id recorded) in log order.
-        let repeat = match (id, slot.ids.as_mut()) {
-            (Some((key, window)), Some(ids)) => {
-                ids.is_repeat(key, offset, kafka_ms.unwrap_or(0), window)
+        // Idempotency keys: every event read is decided (and its id recorded) in log order, by
+        // the decider or here.
+        let repeat = match (decided, id, &slot.ids) {
+            (Some(repeat), _, _) => repeat,
+            (None, Some((key, window)), Some(ids)) => {
+                (ids.lock()).decide(offset, kafka_ms.unwrap_or(0), key, window)
             }
             _ => false,
         };
