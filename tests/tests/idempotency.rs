@@ -1,6 +1,7 @@
 //! Idempotency keys end to end: up to 200,000 events with ids (the stream runs until the last of
-//! 5 aggregator SIGKILLs is over and flushed), of which about 10% are sent again with the same
-//! id (at once, a few seconds later, and after the last SIGKILL), in a
+//! 5 aggregator SIGKILLs, or of 3 hand-overs between aggregators, is over and flushed), of which
+//! about 10% are sent again with the same id (at once, a few seconds later, and after the
+//! last change), in a
 //! namespace with a 10-minute idempotency window, grouped by partition and by actor. Every total
 //! equals the sum over distinct ids, `tally audit` agrees, and the last aggregator's gauge
 //! holds one id per event counted. Then the window itself, with
@@ -88,7 +89,49 @@ async fn send(topic: String, seed: u64, stop: Arc<AtomicBool>) -> Sent {
     }
 }
 
-async fn repeats_count_once(name: &str, grouping: &str) {
+/// How the aggregators change while the events are sent.
+#[derive(Debug, Clone, Copy)]
+enum Changes {
+    /// The aggregator is SIGKILLed 5 times, a new one started each time.
+    Kills,
+    /// 3 times, a second aggregator joins the group (the partitions are split between the
+    /// two, each taking its share from the log's window), then the first leaves gracefully
+    /// (its partitions revoked and taken by the second).
+    HandOvers,
+}
+
+/// `Changes::HandOvers`: returns the last aggregator.
+async fn hand_over_repeatedly<T>(
+    setup: &tally_tests::AggregatorSetup,
+    dir: &std::path::Path,
+    flags: &[&str],
+    first: tally_tests::AggregatorProcess,
+    load: &tokio::task::JoinHandle<T>,
+) -> tally_tests::AggregatorProcess {
+    let mut current = first;
+    for change in 1..=3 {
+        let minute = Duration::from_secs(60);
+        current
+            .wait_metric("tally_flushes_total", 1.0, minute)
+            .await;
+        let mut joined = setup.spawn(dir, flags);
+        joined.wait_metric("tally_flushes_total", 1.0, minute).await;
+        assert!(
+            !load.is_finished(),
+            "the load ended before hand-over {change} of 3: make it longer"
+        );
+        current.stop_gracefully().await;
+        eprintln!("hand-over {change}/3: the first aggregator left the second");
+        std::mem::swap(&mut current, &mut joined);
+        drop(joined);
+    }
+    current
+        .wait_metric("tally_flushes_total", 3.0, Duration::from_secs(60))
+        .await;
+    current
+}
+
+async fn repeats_count_once(name: &str, grouping: &str, changes: Changes) {
     let seed = seed();
     let run = NamespacedSetup::start(name, NAMESPACES).await;
     let (redis, dir, setup) = (&run.redis, &run.dir, &run.setup);
@@ -96,10 +139,13 @@ async fn repeats_count_once(name: &str, grouping: &str) {
     let first = setup.spawn(dir.path(), &flags);
     let stop = Arc::new(AtomicBool::new(false));
     let load = tokio::spawn(send(setup.topic.clone(), seed, stop.clone()));
-    let mut last = kill_repeatedly(setup, dir.path(), &flags, first, 5, seed, &load).await;
+    let mut last = match changes {
+        Changes::Kills => kill_repeatedly(setup, dir.path(), &flags, first, 5, seed, &load).await,
+        Changes::HandOvers => hand_over_repeatedly(setup, dir.path(), &flags, first, &load).await,
+    };
     stop.store(true, Ordering::Relaxed);
     let sent = load.await.expect("load task");
-    // After the last kill: the rest of the repeats.
+    // After the last change: the rest of the repeats.
     let producer = Producer::new(&ProducerConfig::new(brokers(), &setup.topic)).expect("producer");
     // Pipelined: one round trip each would spend most of the test waiting.
     let mut acks = Vec::with_capacity(sent.later.len());
@@ -110,7 +156,7 @@ async fn repeats_count_once(name: &str, grouping: &str) {
         ack.acked().await.expect("sent again");
     }
     eprintln!(
-        "{} events, {} sent again ({} after the kills)",
+        "{} events, {} sent again ({} after the last change)",
         sent.events,
         sent.repeats,
         sent.later.len()
@@ -179,11 +225,17 @@ async fn repeats_count_once(name: &str, grouping: &str) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn repeated_ids_count_once_under_sigkills_grouped_by_partition() {
     let _serial = tally_tests::serial().await;
-    repeats_count_once("ids", "partition").await;
+    repeats_count_once("ids", "partition", Changes::Kills).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn repeated_ids_count_once_under_sigkills_grouped_by_actor() {
     let _serial = tally_tests::serial().await;
-    repeats_count_once("ids-actor", "actor").await;
+    repeats_count_once("ids-actor", "actor", Changes::Kills).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn repeated_ids_count_once_as_partitions_change_hands() {
+    let _serial = tally_tests::serial().await;
+    repeats_count_once("ids-hands", "partition", Changes::HandOvers).await;
 }
