@@ -12,6 +12,7 @@
 //! - [`flush`]: making a sealed batch durable through the sink, with retries, its refused
 //!   writes dead-lettered and its counters fed to trending.
 //! - [`idempotency`]: idempotency keys, decided from the log and warmed up from it.
+//! - `decide`: with tally's fetcher, the ids decided on a thread of their own.
 //! - `source`: where records come from (librdkafka's consumer or tally's fetcher), the one
 //!   place that tells the two read paths apart.
 //! - `route`, `act`, `assign`: messages in, actions out, partitions assigned and revoked.
