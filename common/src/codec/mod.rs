@@ -14,6 +14,7 @@
 //! else through serde_json); bincode is used only inside this module, so it can be swapped for another
 //! encoding behind a new envelope version. The format is documented in `docs/wire-format.md`.
 
+mod binary;
 #[cfg(test)]
 mod fuzz;
 mod json;
@@ -164,6 +165,7 @@ impl EventRef<'_> {
 /// The binary body, borrowed both ways: for encoding, and for decoding (bincode strings are
 /// never escaped, so `&str` always works).
 #[derive(Serialize, Deserialize)]
+#[cfg_attr(test, derive(Debug, PartialEq))]
 struct Binary<'a> {
     counter: &'a str,
     delta: i64,
@@ -267,6 +269,24 @@ pub fn decode(payload: &[u8], max_bytes: usize) -> Result<EventRef<'_>, DecodeEr
 }
 
 fn decode_binary_v1(body: &[u8]) -> Result<EventRef<'_>, DecodeError> {
+    let wire = match binary::read(body) {
+        Some(wire) => wire,
+        // bincode says why it does not read.
+        None => bincode_v1(body)?,
+    };
+    Ok(EventRef {
+        counter: Cow::Borrowed(wire.counter),
+        delta: wire.delta,
+        actor: wire.actor.map(Cow::Borrowed),
+        ts_ms: wire.ts_ms,
+        event_id: wire.event_id.map(Cow::Borrowed),
+        // The binary form writes a reset as a delta of 0, which no delta may be.
+        reset: wire.delta == 0,
+    })
+}
+
+/// The binary body read by bincode.
+fn bincode_v1(body: &[u8]) -> Result<Binary<'_>, DecodeError> {
     let (wire, read): (Binary<'_>, usize) =
         bincode::serde::borrow_decode_from_slice(body, bincode_config()).map_err(|e| {
             DecodeError::Binary {
@@ -278,15 +298,7 @@ fn decode_binary_v1(body: &[u8]) -> Result<EventRef<'_>, DecodeError> {
             message: format!("{} trailing bytes after the event", body.len() - read),
         });
     }
-    Ok(EventRef {
-        counter: Cow::Borrowed(wire.counter),
-        delta: wire.delta,
-        actor: wire.actor.map(Cow::Borrowed),
-        ts_ms: wire.ts_ms,
-        event_id: wire.event_id.map(Cow::Borrowed),
-        // The binary form writes a reset as a delta of 0, which no delta may be.
-        reset: wire.delta == 0,
-    })
+    Ok(wire)
 }
 
 /// The envelope byte of an expiry record: written into a partition by the aggregator's expirer
