@@ -130,6 +130,9 @@ fn fetch_config(
     // The values from `get`: `config_map` masks secrets such as `sasl.password`.
     let keys: Vec<&str> = kafka.config_map().into_keys().collect();
     let options = keys.iter().filter_map(|k| kafka.get(k).map(|v| (*k, v)));
+    // The aggregator's fetch sizes, where the operator sets none.
+    let sizes = (consume::daemon::FETCH_SIZES.into_iter()).filter(|(k, _)| kafka.get(k).is_none());
+    let options = options.chain(sizes);
     match tally_kafka::FetchConfig::from_options(&config.topic, options) {
         Ok(fetch) => Ok(Some(fetch)),
         Err(unsupported) if config.fetch == Fetch::Auto => {

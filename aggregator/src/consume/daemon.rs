@@ -50,6 +50,19 @@ async fn ready_messages<'a, C: rdkafka::consumer::ConsumerContext>(
     .await
 }
 
+/// How much the aggregator fetches per partition and holds fetched, through librdkafka or
+/// tally's fetcher, unless the operator's Kafka options say otherwise. Fetch more per
+/// partition, hold less: librdkafka's defaults (1 MiB per partition per fetch, 64 MiB queued)
+/// caught up at 363,209 events/s with a 160 MiB peak RSS; these at 506,765 events/s with 280
+/// MiB (3,000,000 events, 8 partitions, 2 cores; 8 MiB fetches reached 862,161 events/s but
+/// peaked at 723 MiB). Through tally's fetcher, against its library defaults (4 MiB, 64 MiB)
+/// over the bench's 5,000,000 events, 8 alternated rounds: 0.99 x the rate (0.78-1.16), peak
+/// RSS 78-95 MiB against 131-147.
+pub(crate) const FETCH_SIZES: [(&str, &str); 2] = [
+    ("max.partition.fetch.bytes", "2097152"),
+    ("queued.max.messages.kbytes", "16384"),
+];
+
 /// The aggregator: a consumer, its partitions' state, and the flusher.
 pub struct Aggregator<S: Sink> {
     shared: Arc<Shared<S>>,
@@ -131,12 +144,6 @@ impl<S: Sink> Aggregator<S> {
             // Each report tells every partition where its log ends (its pace, see
             // `pace::Pace`) and feeds the lag gauge.
             ("statistics.interval.ms", "1000"),
-            // Fetch more per partition, hold less: librdkafka's defaults (1 MiB per partition
-            // per fetch, 64 MiB queued) caught up at 363,209 events/s with a 160 MiB peak RSS;
-            // these at 506,765 events/s with 280 MiB (3,000,000 events, 8 partitions, 2 cores).
-            // 8 MiB fetches reached 862,161 events/s but peaked at 723 MiB.
-            ("max.partition.fetch.bytes", "2097152"),
-            ("queued.max.messages.kbytes", "16384"),
             // Once a partition's prefetched messages pass the queue limits above, librdkafka
             // waits this long before fetching it again. Its default, 1,000 ms, starved a
             // catch-up: every partition got one burst a second and the machine sat 63-76% idle
@@ -148,7 +155,7 @@ impl<S: Sink> Aggregator<S> {
             // starts the rebalance that assigns them): librdkafka's default is 5 minutes.
             ("topic.metadata.refresh.interval.ms", "5000"),
         ];
-        for (key, value) in defaults {
+        for (key, value) in FETCH_SIZES.into_iter().chain(defaults) {
             if config.get(key).is_none() {
                 config.set(key, value);
             }
