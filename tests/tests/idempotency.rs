@@ -110,15 +110,32 @@ async fn hand_over_repeatedly<T>(
 ) -> tally_tests::AggregatorProcess {
     let mut current = first;
     for change in 1..=3 {
-        let minute = Duration::from_secs(60);
-        current
-            .wait_metric("tally_flushes_total", 1.0, minute)
+        (current)
+            .wait_metric("tally_flushes_total", 1.0, Duration::from_secs(60))
             .await;
-        let mut joined = setup.spawn(dir, flags);
+        // A member of its own: under the first's static member id it would replace it
+        // rather than share the partitions with it.
+        let member = format!("group.instance.id={}", tally_tests::unique("joined"));
+        let flags: Vec<&str> = (flags.iter())
+            .map(|f| match f.starts_with("group.instance.id=") {
+                true => member.as_str(),
+                false => f,
+            })
+            .collect();
+        let mut joined = setup.spawn(dir, &flags);
+        let minute = Duration::from_secs(60);
         joined.wait_metric("tally_flushes_total", 1.0, minute).await;
         assert!(
             !load.is_finished(),
             "the load ended before hand-over {change} of 3: make it longer"
+        );
+        // Both own some: the partitions split between them.
+        let theirs = joined.metric("tally_assigned_partitions").await;
+        let ours = current.metric("tally_assigned_partitions").await;
+        eprintln!("hand-over {change}/3: {ours:?} and {theirs:?} partitions");
+        assert!(
+            theirs.is_some_and(|n| n >= 1.0) && ours.is_some_and(|n| n >= 1.0),
+            "the partitions split between the two: {ours:?} and {theirs:?}"
         );
         current.stop_gracefully().await;
         eprintln!("hand-over {change}/3: the first aggregator left the second");
