@@ -14,7 +14,7 @@
 //! - The decider decides a chunk only if it is of the state's epoch, and only its records from
 //!   the next offset on; any other chunk goes on undecided. A record the loop reads without a
 //!   decision (a chunk that went by before the epoch was set, or read through librdkafka) is
-//!   decided by the loop, under the same lock ([`Ids::decide`]).
+//!   decided by the loop, under the same lock ([`Ids::lock`], [`Deciding::decide`]).
 //! - Chunks of another epoch than the partition's are dropped by the loop unread, as before.
 //!   Every change of epoch other than an acquisition's seek stops the partition until it is
 //!   acquired again (a rollback, a truncated log, a fenced owner), and the new acquisition
@@ -68,17 +68,15 @@ impl Deciding {
 impl Ids {
     /// A partition's state as its acquisition rebuilt it, positioned nowhere yet.
     pub(crate) fn new(ids: RecentIds) -> Self {
-        let this = Self {
+        Self {
+            held: AtomicUsize::new(ids.len()),
+            bytes: AtomicUsize::new(ids.bytes()),
             deciding: Mutex::new(Deciding {
                 epoch: None,
                 next: i64::MIN,
-                ids: RecentIds::new(0),
+                ids,
             }),
-            held: AtomicUsize::new(0),
-            bytes: AtomicUsize::new(0),
-        };
-        this.install(ids);
-        this
+        }
     }
 
     /// Replaces the state with `ids`, rebuilt by a new acquisition: nothing is decided with it
