@@ -127,12 +127,13 @@ impl<S: Sink> Aggregator<S> {
         let (shared, done_rx) = Shared::new(settings, flusher, warm_up, fetcher);
         // Idempotency keys are decided on a thread of their own, between the fetcher and
         // the loop.
-        let fetched_rx = fetched_rx.map(|rx| match ids {
-            true => {
+        let fetched_rx = fetched_rx.map(|rx| {
+            if ids {
                 let decider = Decider::new(namespaces, max_message_bytes);
                 Feed::Decided(decider.start(shared.ids.clone(), rx))
+            } else {
+                Feed::Fetched(rx)
             }
-            false => Feed::Fetched(rx),
         });
         // tally's consumer settings under the operator's: start from the operator's (copying the
         // config, never its `config_map()`, which masks secrets such as `sasl.password`).

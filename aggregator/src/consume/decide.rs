@@ -25,8 +25,8 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
-use tally_common::codec::{self, Record};
-use tally_common::{DecodeError, Namespaces};
+use tally_common::Namespaces;
+use tally_common::codec;
 use tally_kafka::{Chunk, Fetched, Item};
 use tokio::sync::mpsc;
 
@@ -252,12 +252,8 @@ impl Decider {
     /// The id key and window of a record's value, if it is an event with an id in a namespace
     /// that keeps a window.
     fn id_of(&self, value: Option<&[u8]>) -> Option<(u64, i64)> {
-        let decoded: Result<Record<'_>, DecodeError> =
-            codec::decode_record(value.unwrap_or_default(), self.max_message_bytes);
-        match decoded {
-            Ok(Record::Event(event)) => idempotency::id_of(&self.namespaces, &event),
-            _ => None,
-        }
+        let record = codec::decode_record(value.unwrap_or_default(), self.max_message_bytes);
+        idempotency::record_id(&self.namespaces, &record.ok()?)
     }
 }
 

@@ -342,6 +342,15 @@ pub fn id_of(namespaces: &Namespaces, event: &codec::EventRef<'_>) -> Option<(u6
     Some((id_key(&event.counter, id), window))
 }
 
+/// What a record read from the log is decided by: an event's [`id_of`]; an expiry record
+/// has none. The loop and the decider (`crate::consume::decide`) both ask this.
+pub fn record_id(namespaces: &Namespaces, record: &codec::Record<'_>) -> Option<(u64, i64)> {
+    match record {
+        codec::Record::Event(event) => id_of(namespaces, event),
+        codec::Record::Expiry(_) => None,
+    }
+}
+
 /// Decides one message for idempotency: `Some(true)` if it repeats an id counted within its
 /// namespace's window, `Some(false)` if it counts, `None` if its namespace keeps no window or it
 /// carries no id.

@@ -21,7 +21,7 @@ use crate::store::sink::Sink;
 use super::{MAX_UNREADABLE_BYTES, Message, Partitions, Shared, Slot, lock};
 
 /// A message decoded: the record, or why it is malformed, and for an event with an
-/// idempotency key, the key and its window ([`idempotency::id_of`]).
+/// idempotency key, the key and its window ([`idempotency::record_id`]).
 struct Decoded<'a> {
     decoded: Result<Record<'a>, codec::DecodeError>,
     id: Option<(u64, i64)>,
@@ -353,7 +353,7 @@ impl<S: Sink> Shared<S> {
         let payload = payload.unwrap_or_default();
         let decoded = codec::decode_record(payload, self.settings.max_message_bytes);
         let id = match &decoded {
-            Ok(Record::Event(event)) if ids => idempotency::id_of(&self.settings.namespaces, event),
+            Ok(record) if ids => idempotency::record_id(&self.settings.namespaces, record),
             _ => None,
         };
         Decoded { decoded, id }
