@@ -35,8 +35,8 @@ fn abort_on_panic() {
 /// MiB), so once the idempotency tables and the fetcher's buffers have grown and been replaced,
 /// later large blocks come from the heaps of the threads that allocate them (the loop's, the
 /// decider's) and stay there, fragmented. Measured over the bench's 5,000,000 ids
-/// (`docs/capacity.md`, "Idempotency keys"): 200-214 MiB of peak RSS with the dynamic threshold,
-/// 184-186 with it fixed, at the same rate.
+/// (`docs/guarantees.md`, "Idempotency keys"): 195-214 MiB of peak RSS with the dynamic threshold,
+/// 184-188 with it fixed, at the same rate.
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
 #[allow(unsafe_code)]
 fn tune_allocator() {
