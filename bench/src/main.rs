@@ -17,7 +17,7 @@
 //! # Layout
 //! - [`args`]: the command line.
 //! - [`probe`]: CPU time and peak RSS from `/proc`, Prometheus metrics, Redis command counts.
-//! - [`env`]: the run's names, topics and Redis, and starting the release binaries.
+//! - [`env`](mod@env): the run's names, topics and Redis, and starting the release binaries.
 //! - [`scenarios`]: each scenario and yardstick, one module per kind.
 //! - [`results`]: what was measured.
 //! - [`report`]: `results.json`, `results.md` and the plots ([`svg`]).

@@ -20,7 +20,7 @@
 //!   growing a live deployment's groups.
 //! - [`cache`]: [`CachedReader`], totals cached per namespace TTL in the process and in Redis,
 //!   with one refresh per counter in flight (no stampede).
-//! - [`display`]: counts rendered for people (`9,847`, `10.2K`).
+//! - [`display`](mod@display): counts rendered for people (`9,847`, `10.2K`).
 
 pub mod cache;
 pub mod codec;

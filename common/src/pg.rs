@@ -107,7 +107,7 @@ pub struct Statements {
     /// `$1` counter, `$2` actor, `$3` shard: an unlike; takes 1 from the share if the actor was
     /// a member.
     pub unlike: String,
-    /// `$1` counters, `$2` actors (pairs, each pair once), `$3` shard: [`Sql::like`] for
+    /// `$1` counters, `$2` actors (pairs, each pair once), `$3` shard: [`Statements::like`] for
     /// every pair in one statement; each counter's share gains the number of new members.
     pub likes: String,
     /// The same for unlikes: each counter's share loses the number of members removed.

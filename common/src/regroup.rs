@@ -203,7 +203,7 @@ return 1";
     Ok(stored == 1)
 }
 
-/// Stores `plan` over version `plan.version - 1` ([`store_plan`]); if another change came first,
+/// Stores `plan` over version `plan.version - 1` (`store_plan`); if another change came first,
 /// fails with the plan now stored.
 pub async fn replace_plan(
     conn: &RedisConn,

@@ -8,7 +8,7 @@
 //! - [`http`]: the one HTTP server, every resource a client can make it hold bounded.
 //! - [`secrets`]: where credentials come from (environment, files) and where they are refused
 //!   (flags).
-//! - [`settings`]: a daemon's settings, each declared once (`settings!`), and the settings
+//! - [`settings`](mod@settings): a daemon's settings, each declared once (`settings!`), and the settings
 //!   file and Kafka options every daemon takes.
 //! - [`shutdown`]: signals into a cancellation token.
 //! - [`topic`]: a topic's partitions, their ends, and reading offset ranges back.

@@ -13,7 +13,7 @@ use crate::process::{AggregatorProcess, AggregatorSetup};
 use crate::support::unique;
 
 /// Aggregators of one group, each with a stable `group.instance.id` and a name, watched by a
-/// [`PauseWatch`].
+/// [`Watch`].
 #[derive(Debug)]
 pub struct Group<'a> {
     setup: &'a AggregatorSetup,

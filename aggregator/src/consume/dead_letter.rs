@@ -68,7 +68,7 @@ struct Unlogged {
     first: Option<String>,
 }
 
-/// Logs dead letters at warning level, one line per reason at most every [`LOG_EVERY`], with
+/// Logs dead letters at warning level, one line per reason at most every `LOG_EVERY`, with
 /// how many went since the last line and the first one's counter: a burst of malformed events
 /// cannot flood the log, and none goes unmentioned for longer than that while more follow.
 #[derive(Debug, Default)]

@@ -1,5 +1,5 @@
 //! The Kafka side of the partitions' state machines: messages decoded and routed into their
-//! partition's [`Partition`], ticks, task reports, and the [`Action`]s these return carried out
+//! partition's `Partition`, ticks, task reports, and the `Action`s these return carried out
 //! (flush and check tasks, acquisitions, seeks, pauses, offset commits); rebalances (the
 //! assignment and the revoke, called by `crate::consume::rebalance`'s callbacks) and the drain that
 //! revokes and shutdown share.
@@ -23,10 +23,10 @@
 //!
 //! # Offsets
 //! **An offset is committed only after everything before it is durable**: the commit is the
-//! state machine's [`Action::Commit`], which only a [`FlushOutcome::Durable`] produces. Auto-commit
+//! state machine's `Action::Commit`, which only a [`FlushOutcome::Durable`] produces. Auto-commit
 //! is off. In exactly-once mode ([`Delivery::ExactlyOnce`]) the committed offset is only a
 //! progress hint for lag monitoring: the truth is in Redis. A newly assigned partition is paused
-//! while [`fence::acquire`] stamps a new epoch into every group's fence and reads where to
+//! while [`crate::store::fence::acquire`] stamps a new epoch into every group's fence and reads where to
 //! resume; then it seeks there and resumes.
 //!
 //! # Rebalances and shutdown

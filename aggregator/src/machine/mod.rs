@@ -10,7 +10,7 @@
 //! - [`ownership`]: an exactly-once owner's epoch and ledgers, and where a partition resumes.
 //! - [`outcome`]: how a flush or a check ended.
 //! - [`letter`]: a message bound for the dead-letter topic.
-//! - [`write`]: one write into a shard group as the stores take it, and what they answer.
+//! - [`write`](mod@write): one write into a shard group as the stores take it, and what they answer.
 //! - [`verdict`]: the exactly-once decisions every store makes before it writes.
 
 pub mod batch;

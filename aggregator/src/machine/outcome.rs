@@ -22,7 +22,7 @@ pub enum FlushOutcome {
     RolledBack,
 }
 
-/// What a check of an idle partition's standing found ([`Flusher::verify`]).
+/// What a check of an idle partition's standing found ([`crate::consume::flush::Flusher::verify`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Standing {
     /// Redis still holds everything this owner wrote (or could not be asked: the next check or

@@ -1,11 +1,11 @@
 //! One owned partition as a state machine, with no I/O: the consume loop (`crate::consume`) feeds
 //! it what happened (a message, a tick, a flush's or a check's outcome, an acquisition) and
-//! carries out the [`Action`]s it returns (start a flush of this sealed batch, commit this
+//! carries out the `Action`s it returns (start a flush of this sealed batch, commit this
 //! offset, pause, resume, seek, acquire, check). Everything that decides when to flush, what
 //! may be committed, and when fetching pauses lives here, and is unit-tested here.
 //!
 //! The rules:
-//! - **An offset is committed only after everything before it is durable**: [`Action::Commit`]
+//! - **An offset is committed only after everything before it is durable**: `Action::Commit`
 //!   comes only from a flush that reported [`FlushOutcome::Durable`], with that flush's offset.
 //! - **One flush (or check) in flight at a time**, so flushes land in offset order.
 //! - **Backpressure**: while a flush is in flight, a buffer that reaches its pause size pauses

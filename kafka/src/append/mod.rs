@@ -51,7 +51,7 @@ pub enum AppendError {
 }
 
 /// Appends records to one topic. Dropping it stops its I/O thread; records not reported by then
-/// are lost to the caller (call [`Appender::flush`] first).
+/// are lost to the caller (wait for their completions first: [`Appender::send_now`], [`Appender::wait`], [`Appender::completions`]).
 pub struct Appender {
     shared: Arc<Shared>,
 }
