@@ -45,20 +45,29 @@ fn abort_on_panic() {
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
 #[allow(unsafe_code)]
 fn tune_allocator() {
+    // (the operator's variable, the tunable's name, the parameter, its value)
+    const SETTINGS: [(&str, &str, libc::c_int, libc::c_int); 2] = [
+        (
+            "MALLOC_MMAP_THRESHOLD_",
+            "mmap_threshold",
+            libc::M_MMAP_THRESHOLD,
+            128 * 1024,
+        ),
+        (
+            "MALLOC_TRIM_THRESHOLD_",
+            "trim_threshold",
+            libc::M_TRIM_THRESHOLD,
+            32 * 1024 * 1024,
+        ),
+    ];
     let tunables = std::env::var("GLIBC_TUNABLES").unwrap_or_default();
-    let set_by_operator =
-        |env: &str, tunable: &str| std::env::var_os(env).is_some() || tunables.contains(tunable);
-    if !set_by_operator("MALLOC_MMAP_THRESHOLD_", "mmap_threshold") {
-        // SAFETY: `mallopt` only sets a parameter of the allocator, under its own lock; it is
-        // called before the runtime starts any thread.
-        unsafe {
-            libc::mallopt(libc::M_MMAP_THRESHOLD, 128 * 1024);
-        }
-    }
-    if !set_by_operator("MALLOC_TRIM_THRESHOLD_", "trim_threshold") {
-        // SAFETY: as above.
-        unsafe {
-            libc::mallopt(libc::M_TRIM_THRESHOLD, 32 * 1024 * 1024);
+    for (variable, tunable, parameter, value) in SETTINGS {
+        if std::env::var_os(variable).is_none() && !tunables.contains(tunable) {
+            // SAFETY: `mallopt` only sets a parameter of the allocator, under its own lock; it
+            // is called before the runtime starts any thread.
+            unsafe {
+                libc::mallopt(parameter, value);
+            }
         }
     }
 }

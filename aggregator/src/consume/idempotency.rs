@@ -153,9 +153,9 @@ impl Shard {
 /// The ids one partition counted over the last window: per id, the 64-bit key of (counter,
 /// id) with the offset and Kafka timestamp of the occurrence that counted, in 16 bytes, and
 /// about 21.5 bytes of slots per id held with the slots kept free (the bench's idempotency
-/// scenario measured 21.5 bytes of table and 23 bytes of peak RSS per id on 2026-12-06). Ids
-/// stamped before the keep horizon are forgotten when their shard is swept: when it fills up,
-/// and each shard once every quarter of the horizon.
+/// scenario measured 21.5 bytes of table and 22-24 bytes of peak RSS per id in three runs on
+/// 2026-12-06). Ids stamped before the keep horizon are forgotten when their shard is swept:
+/// when it fills up, and each shard once every quarter of the horizon.
 #[derive(Debug, Clone)]
 pub struct RecentIds {
     shards: Vec<Shard>,

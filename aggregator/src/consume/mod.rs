@@ -26,8 +26,8 @@
 //! state machine's `Action::Commit`, which only a [`FlushOutcome::Durable`] produces. Auto-commit
 //! is off. In exactly-once mode ([`Delivery::ExactlyOnce`]) the committed offset is only a
 //! progress hint for lag monitoring: the truth is in Redis. A newly assigned partition is paused
-//! while [`crate::store::fence::acquire`] stamps a new epoch into every group's fence and reads where to
-//! resume; then it seeks there and resumes.
+//! while [`crate::store::fence::acquire`] stamps a new epoch into every group's fence and reads
+//! where to resume; then it seeks there and resumes.
 //!
 //! # Rebalances and shutdown
 //! The revoke runs synchronously inside the consumer's poll: before it returns it waits for the
