@@ -49,6 +49,11 @@ pub(crate) enum Command {
     /// List the dead-letter topic's messages, or put them back on the topic they came from.
     #[command(subcommand)]
     DeadLetters(DeadLettersCommand),
+    /// Move a deployment's likes from the shares to count sets (about half of Redis's work per
+    /// like): stop every writer (aggregators, services writing likes directly) first, run this
+    /// with their namespaces file, then start writers of this version. Run it again to finish
+    /// an interrupted move; print what it moved.
+    LikesToSets(RedisArgs),
     /// Upkeep of the window buckets: drop expired ones, or migrate the keys of the old layout.
     #[command(subcommand)]
     Windows(WindowsCommand),

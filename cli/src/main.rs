@@ -46,6 +46,7 @@ async fn main() -> anyhow::Result<ExitCode> {
         Command::DeadLetters(DeadLettersCommand::Replay(args)) => replay_dead_letters(&args),
         Command::Windows(WindowsCommand::Sweep(args)) => sweep_windows(args).await,
         Command::Windows(WindowsCommand::Migrate(args)) => migrate_windows(args).await,
+        Command::LikesToSets(args) => likes_to_sets(args).await,
         Command::Regroup(args) => regroup(args).await,
     };
     // Output piped into a reader that stops early (`tally load | head`): what was asked for is
@@ -197,6 +198,31 @@ async fn migrate_windows(args: RedisArgs) -> anyhow::Result<ExitCode> {
         r.fields,
         r.corrupt
     )?;
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn likes_to_sets(args: RedisArgs) -> anyhow::Result<ExitCode> {
+    let namespaces = args.namespaces()?;
+    let reader = args.reader().await?;
+    let (conn, keyspace) = (reader.conn(), reader.keyspace());
+    let moved = tally_aggregator::tasks::likes_move::likes_to_sets(conn, keyspace, &namespaces);
+    let moved = moved.await?;
+    if moved.already {
+        writeln!(
+            out(),
+            "likes are counted by their sets already: nothing to move"
+        )?;
+    } else {
+        writeln!(
+            out(),
+            "likes moved to count sets: namespaces {}, sets {}, likes {}, member sets left \
+             (grouped by actor, or not deduplicating) {}",
+            moved.namespaces.join(","),
+            moved.sets,
+            moved.likes,
+            moved.left
+        )?;
+    }
     Ok(ExitCode::SUCCESS)
 }
 

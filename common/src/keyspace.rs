@@ -175,6 +175,10 @@ pub struct LikesBySet {
     /// Whether every namespace that deduplicates counts its likes by sets (false if none
     /// deduplicates).
     pub every_dedup: bool,
+    /// Whether some namespace that deduplicates grouped by counter counts its likes in the
+    /// shares (a deployment that records likes counted in the shares): such a writer may not
+    /// write a group whose likes were moved to count sets (`crate::layout::MOVED_FIELD`).
+    pub in_shares: bool,
 }
 
 impl LikesBySet {
@@ -257,6 +261,12 @@ impl Keyspace {
     /// Whether every namespace that deduplicates counts its likes by sets.
     pub fn every_dedup_by_set(&self) -> bool {
         self.likes_by_set.every_dedup
+    }
+
+    /// Whether this writer counts some namespace's likes, grouped by counter, in the shares
+    /// ([`LikesBySet::in_shares`]).
+    pub fn likes_in_shares(&self) -> bool {
+        self.likes_by_set.in_shares
     }
 
     /// How many cells hashes each group keeps (see [`Keyspace::cells_key`]).

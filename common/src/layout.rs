@@ -80,6 +80,16 @@ pub enum LayoutError {
         /// The record's field.
         field: String,
     },
+    /// The deployment's likes are being moved from the shares to count sets.
+    #[error(
+        "{key} field likes holds \"moving\": this deployment's likes are being moved from the \
+         shares to count sets (`tally likes-to-sets`); start writers once it has finished (run \
+         it again if it was interrupted)"
+    )]
+    Moving {
+        /// The record's key.
+        key: String,
+    },
     /// The recorded way of counting likes is not one tally knows.
     #[error(
         "{key} field {field} holds {text:?}, not a way of counting likes (\"sets\" or \
@@ -157,6 +167,7 @@ impl LikesCount {
         match text.as_str() {
             "sets" => Ok(LikesCount::Sets),
             "shares" => Ok(LikesCount::Shares),
+            MOVING => Err(LayoutError::Moving { key }),
             _ => Err(LayoutError::Likes {
                 key,
                 field: LIKES_FIELD,
@@ -178,11 +189,31 @@ pub fn likes_by_set(namespaces: &Namespaces, count: Option<LikesCount>) -> Likes
             .collect(),
         others: by_set(namespaces.defaults()),
         every_dedup: policies().any(|p| p.dedup) && policies().all(|p| !p.dedup || by_set(p)),
+        in_shares: policies()
+            .any(|p| p.dedup && p.grouping == GroupingRule::ByCounter && !by_set(p)),
     }
 }
 
 /// The field recording how the deployment counts likes.
-const LIKES_FIELD: &str = "likes";
+pub const LIKES_FIELD: &str = "likes";
+
+/// What the field `likes` holds while `tally likes-to-sets` moves a deployment's likes from the
+/// shares to count sets: no writer starts then.
+pub const MOVING: &str = "moving";
+
+/// The field of a group's fence hash that marks the group's likes as moved to count sets: a
+/// writer that counts likes grouped by counter in the shares may not take a partition there
+/// (`scripts/stamp.lua`), nor write a like directly. A partition's field is `<topic>/<n>`, and
+/// a topic has no `~`.
+pub const MOVED_FIELD: &str = "~likes";
+
+/// The message of a writer refused at a group whose likes were moved.
+pub fn moved_message(group: u32) -> String {
+    format!(
+        "this writer counts likes in the shares, but group {group}'s likes were moved to count \
+         sets (`tally likes-to-sets`): restart it, and it counts them by their sets"
+    )
+}
 
 /// How the deployment counts likes, or `None` if no writer has recorded it yet (nothing was
 /// written by this version's writers: no likes are kept in sets alone).

@@ -21,7 +21,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use rand::Rng;
 use tally_common::event::{validate_counter, validate_delta};
-use tally_common::keyspace::Fan;
+use tally_common::keyspace::{Fan, GroupingRule};
 use tally_common::{EventError, Keyspace, Namespaces, RedisConn};
 use tokio::task::JoinHandle;
 
@@ -50,6 +50,10 @@ pub enum DirectError {
     /// was written (`tally_common::layout`).
     #[error("{0}")]
     Layout(#[from] tally_common::layout::LayoutError),
+    /// This writer counts likes in the shares, and the group's were moved to count sets
+    /// (`tally likes-to-sets`); nothing was written.
+    #[error("{0}")]
+    Moved(String),
     /// The PostgreSQL store failed.
     #[cfg(feature = "postgres")]
     #[error("postgres: {0}")]
@@ -232,13 +236,29 @@ impl DirectWriter {
         let mut invocation = script.key(set);
         if !by_set {
             invocation.key(ks.counter_key(group, counter));
+            // Grouped by counter, its likes may have been moved to count sets since.
+            if rule == GroupingRule::ByCounter {
+                invocation.key(ks.fence_key(group));
+            }
         }
-        let changed: i64 = invocation
+        let changed: redis::Value = invocation
             .arg(actor)
             .invoke_async(&mut inner.conn.clone())
             .await?;
-        inner.wrote(counter);
-        Ok(changed == 1)
+        match changed {
+            redis::Value::Int(changed) => {
+                inner.wrote(counter);
+                Ok(changed == 1)
+            }
+            redis::Value::BulkString(reply) if reply == b"moved" => Err(DirectError::Moved(
+                tally_common::layout::moved_message(group),
+            )),
+            other => Err(DirectError::Redis(redis::RedisError::from((
+                redis::ErrorKind::Client,
+                "unexpected reply to a direct like",
+                format!("{other:?}"),
+            )))),
+        }
     }
 
     /// The shard count this writer uses for `counter` now.

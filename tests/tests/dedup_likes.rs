@@ -15,8 +15,8 @@ use rand::{Rng, SeedableRng};
 use tally_common::CounterEvent;
 use tally_producer::{Producer, ProducerConfig};
 use tally_tests::{
-    AggregatorSetup, RedisServer, TempDir, brokers, kill_repeatedly, reader, seed, unique,
-    wait_for_totals,
+    AggregatorProcess, AggregatorSetup, RedisServer, TempDir, brokers, kill_repeatedly, reader,
+    seed, unique, wait_for_totals,
 };
 
 const COUNTERS: u64 = 5;
@@ -200,10 +200,161 @@ async fn like_storm(
             "{actor} on {counter}"
         );
     }
+    let mut totals = totals;
+    if in_shares {
+        let file = namespaces.to_str().expect("utf-8 path");
+        let moved = MoveToSets {
+            setup: &setup,
+            redis,
+            dir: dir.path(),
+            namespaces: file,
+            seed,
+        };
+        (last, totals) = moved.run(last, truth, &flags).await;
+    }
     last.stop_gracefully().await;
     if postgres.is_none() {
         let namespaces = namespaces.to_str().expect("utf-8 path");
         setup.assert_audit_clean(&["--namespaces", namespaces], totals.len());
+    }
+}
+
+/// A deployment counting likes in the shares, moved to count sets by `tally likes-to-sets`.
+struct MoveToSets<'a> {
+    setup: &'a AggregatorSetup,
+    redis: &'a RedisServer,
+    dir: &'a std::path::Path,
+    namespaces: &'a str,
+    seed: u64,
+}
+
+impl MoveToSets<'_> {
+    /// Moves the likes while `running` (an aggregator counting them in the shares) still runs
+    /// and a direct writer that counts them in the shares is open: every total and `has_liked`
+    /// reads the same after, the aggregator can take no partition again and the direct writer
+    /// writes no like. Then a second storm, through an aggregator started after the move,
+    /// likes, re-likes and unlikes the likes moved: each counted once, by the sets. Returns
+    /// that aggregator and the totals.
+    async fn run(
+        &self,
+        mut running: AggregatorProcess,
+        truth: Truth,
+        flags: &[&str],
+    ) -> (AggregatorProcess, HashMap<String, i64>) {
+        use redis::AsyncCommands as _;
+        let setup = self.setup;
+        let ks = setup.keyspace();
+        let mut admin = tally_tests::connect(&self.redis.url()).await;
+        let conn = tally_common::RedisConn::connect(&self.redis.url())
+            .await
+            .expect("connects");
+        let namespaces = tally_common::Namespaces::from_file(std::path::Path::new(self.namespaces))
+            .expect("namespaces");
+        let direct = tally_producer::DirectWriter::new(conn, ks.clone(), Arc::new(namespaces));
+        let mut last = truth.last;
+        // It writes likes in the shares (taken back, for the audit's sake, which recounts the
+        // log and not direct writes).
+        let actor = "direct-actor";
+        assert!(direct.like("likes:post:0", actor).await.expect("a like"));
+        assert!(
+            direct
+                .unlike("likes:post:0", actor)
+                .await
+                .expect("an unlike")
+        );
+        let totals = |last: &HashMap<(String, String), bool>| {
+            Truth {
+                last: last.clone(),
+                sent: 0,
+            }
+            .totals()
+        };
+        let reader = self.redis.reader(ks.clone()).await;
+        wait_for_totals(&reader, &totals(&last), Duration::from_secs(30)).await;
+
+        let tally = |args: &[&str]| {
+            let output = std::process::Command::new(tally_tests::binary("tally"))
+                .arg("likes-to-sets")
+                .args([
+                    "--namespaces",
+                    self.namespaces,
+                    "--redis-url",
+                    &self.redis.url(),
+                ])
+                .args(["--key-prefix", &setup.key_prefix, "--shard-groups", "16"])
+                .args(args)
+                .output()
+                .expect("tally runs");
+            let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+            let stderr = String::from_utf8_lossy(&output.stderr);
+            assert!(output.status.success(), "{stdout}{stderr}");
+            stdout
+        };
+        let said = tally(&[]);
+        assert!(said.contains("likes moved to count sets"), "{said}");
+        eprintln!("{said}");
+        // Every total the same, read at once; no member set left; the record says sets.
+        let expected = totals(&last);
+        for (counter, total) in &expected {
+            assert_eq!(
+                reader.get(counter).await.expect("read"),
+                *total,
+                "{counter}"
+            );
+        }
+        let members: Vec<String> =
+            (admin.keys(format!("{}:*:m:*", setup.key_prefix)).await).expect("KEYS");
+        assert_eq!(members, Vec::<String>::new(), "every member set moved");
+        let record: HashMap<String, String> =
+            admin.hgetall(ks.layout_key()).await.expect("HGETALL");
+        assert_eq!(record.get("likes").map(String::as_str), Some("sets"));
+        assert_eq!(record.get("dedup:likes").map(String::as_str), Some("sets"));
+        let again = tally(&[]);
+        assert!(again.contains("already"), "{again}");
+        // The writers of the shares write no like now.
+        let refused = direct.like("likes:post:1", actor).await;
+        assert!(
+            matches!(&refused, Err(tally_producer::DirectError::Moved(_))),
+            "{refused:?}"
+        );
+
+        // A second storm while the old aggregator still holds its partitions (fenced: it writes
+        // nothing more, and takes no partition again, `refused_writes.rs`), and a new one.
+        let member = format!("group.instance.id={}", unique("member"));
+        let mut flags = flags.to_vec();
+        let at = flags
+            .iter()
+            .position(|f| f.starts_with("group.instance.id="));
+        if let Some(at) = at {
+            flags[at] = &member;
+        }
+        let load = tokio::spawn(storm(
+            setup.topic.clone(),
+            self.seed ^ 0x5e75,
+            Arc::new(AtomicBool::new(false)),
+        ));
+        let after = setup.spawn(self.dir, &flags);
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        running.kill();
+        let second = load.await.expect("storm task");
+        last.extend(second.last);
+        let expected = totals(&last);
+        wait_for_totals(&reader, &expected, Duration::from_secs(90)).await;
+        let members: Vec<String> =
+            (admin.keys(format!("{}:*:m:*", setup.key_prefix)).await).expect("KEYS");
+        assert_eq!(
+            members,
+            Vec::<String>::new(),
+            "likes are kept in count sets"
+        );
+        for ((counter, actor), liked) in last.iter().take(2_000) {
+            assert_eq!(
+                reader.has_liked(counter, actor).await.expect("has_liked"),
+                *liked,
+                "{actor} on {counter}"
+            );
+        }
+        (after, expected)
     }
 }
 

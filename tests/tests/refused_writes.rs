@@ -327,6 +327,7 @@ async fn runs_counted_by_sets_and_in_shares_share_a_write(atomicity: Atomicity) 
         listed: vec![("liked".to_owned(), true), ("shared".to_owned(), false)],
         others: false,
         every_dedup: false,
+        in_shares: true,
     };
     let ks = Keyspace::new(unique("sets"), 1)
         .expect("keyspace")
@@ -424,11 +425,52 @@ async fn runs_counted_by_sets_and_in_shares_share_a_write(atomicity: Atomicity) 
     assert!(!check, "{atomicity:?}");
 }
 
+/// A group whose likes were moved to count sets (`tally likes-to-sets` marks its fence) takes
+/// no new owner that counts likes in the shares, which would count them again; any other owner
+/// takes it as before.
+async fn a_group_whose_likes_moved_takes_no_owner_counting_them_in_the_shares(
+    atomicity: Atomicity,
+) {
+    let redis = RedisServer::start().await;
+    let ks = Keyspace::new(unique("moved"), 1).expect("keyspace");
+    let mut conn = tally_tests::connect(&redis.url()).await;
+    let _: () = conn
+        .hset(
+            ks.fence_key(GROUP),
+            tally_common::layout::MOVED_FIELD,
+            "sets",
+        )
+        .await
+        .expect("HSET");
+    let in_shares = ks
+        .clone()
+        .with_likes_by_set(tally_common::keyspace::LikesBySet {
+            listed: Vec::new(),
+            others: false,
+            every_dedup: false,
+            in_shares: true,
+        });
+    let shares = sink(&redis.url(), &in_shares, atomicity).await;
+    let epoch = shares.next_epoch(GROUP, FIELD, 1).await.expect("epoch");
+    let refused = shares.stamp_fence(GROUP, FIELD, epoch).await;
+    let error = refused.expect_err("refused").to_string();
+    assert!(
+        error.contains("were moved to count sets"),
+        "{atomicity:?}: {error}"
+    );
+    let fence: Option<u64> = conn.hget(ks.fence_key(GROUP), FIELD).await.expect("HGET");
+    assert_eq!(fence, None, "{atomicity:?}: nothing stamped");
+    let sets = sink(&redis.url(), &ks, atomicity).await;
+    let stamped = sets.stamp_fence(GROUP, FIELD, epoch).await.expect("stamp");
+    assert_eq!(stamped, Stamp::Stamped { ledger: -1 }, "{atomicity:?}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_flush_script_undoes_a_refused_write() {
     refused_write_leaves_nothing_behind(Atomicity::Scripts).await;
     refused_membership_is_listed_after_the_deltas(Atomicity::Scripts).await;
     runs_counted_by_sets_and_in_shares_share_a_write(Atomicity::Scripts).await;
+    a_group_whose_likes_moved_takes_no_owner_counting_them_in_the_shares(Atomicity::Scripts).await;
 }
 
 /// The default on a standalone server: runs counted by their sets go before the script, in one
@@ -439,6 +481,7 @@ async fn sets_written_before_the_script_refuse_the_same_writes() {
     refused_write_leaves_nothing_behind(Atomicity::Auto).await;
     refused_membership_is_listed_after_the_deltas(Atomicity::Auto).await;
     runs_counted_by_sets_and_in_shares_share_a_write(Atomicity::Auto).await;
+    a_group_whose_likes_moved_takes_no_owner_counting_them_in_the_shares(Atomicity::Auto).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -446,6 +489,8 @@ async fn transactions_refuse_the_same_writes() {
     refused_write_leaves_nothing_behind(Atomicity::Transactions).await;
     refused_membership_is_listed_after_the_deltas(Atomicity::Transactions).await;
     runs_counted_by_sets_and_in_shares_share_a_write(Atomicity::Transactions).await;
+    a_group_whose_likes_moved_takes_no_owner_counting_them_in_the_shares(Atomicity::Transactions)
+        .await;
 }
 
 /// At-least-once: one `MULTI`/`EXEC` per group, in which Redis runs every command it can. The
@@ -830,6 +875,7 @@ async fn sets_written_before_the_script_land_once_and_only_for_the_owner() {
             listed: Vec::new(),
             others: true,
             every_dedup: true,
+            in_shares: false,
         });
     let (sink, epoch) = fenced_sink_in(&redis, &ks, Atomicity::Auto).await;
     // Batches weigh memberships by what they cost here: more to an entry than through the

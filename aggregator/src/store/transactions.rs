@@ -493,13 +493,18 @@ impl Transactions {
         let watch = [fence_key.clone(), ledger_key.clone()];
         let mut reads = redis::pipe();
         reads.hget(&fence_key, field).hget(&ledger_key, field);
+        reads.hexists(&fence_key, tally_common::layout::MOVED_FIELD);
+        let in_shares = self.keyspace.likes_in_shares();
         self.optimistic(&watch, &reads, |replies| {
-            let [fence, ledger] = replies else {
+            let [fence, ledger, moved] = replies else {
                 return Err(protocol_error(
                     "short reply",
                     &Value::Array(replies.to_vec()),
                 ));
             };
+            if in_shares && matches!(moved, Value::Int(n) if *n != 0) {
+                return Err(SinkError::fatal(tally_common::layout::moved_message(group)));
+            }
             if let Some(stale) = stamp_refusal(number(fence)?, epoch) {
                 return Ok(Plan::Done(stale));
             }

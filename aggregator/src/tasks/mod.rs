@@ -5,11 +5,14 @@
 //! - [`shard_monitor`]: raises the shard counts of directly written counters that run hot.
 //! - [`cells`]: the window cells' sweep of expired buckets, and the migration from bucket keys.
 //! - [`compact`]: collapsing cold counters' shares into one key, crash-safe (`tally compact`).
+//! - [`likes_move`]: moving a deployment's likes from the shares to count sets
+//!   (`tally likes-to-sets`).
 //! - [`regroup`]: growing and shrinking a live deployment's shard groups (`tally regroup`).
 
 pub mod cells;
 pub mod compact;
 pub mod expiry;
+pub mod likes_move;
 pub mod regroup;
 pub mod shard_monitor;
 pub mod trending;

@@ -296,6 +296,11 @@ impl RedisSink {
             .key(self.keyspace.ledger_key(group))
             .arg(field)
             .arg(epoch)
+            .arg(if self.keyspace.likes_in_shares() {
+                "1"
+            } else {
+                "0"
+            })
             .invoke_async(&mut conn)
             .await?;
         match reply.first().map(String::as_str) {
@@ -305,6 +310,7 @@ impl RedisSink {
             Some("stale") => Ok(Stamp::Stale {
                 current: parse_number(&reply, 1)?,
             }),
+            Some("moved") => Err(SinkError::fatal(tally_common::layout::moved_message(group))),
             _ => Err(unexpected(&reply)),
         }
     }

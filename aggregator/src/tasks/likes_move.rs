@@ -1,0 +1,313 @@
+//! Moving a deployment's likes from the shares to count sets (`tally likes-to-sets`).
+//!
+//! A deployment that counted likes before count sets existed keeps each like of a namespace
+//! grouped by counter twice: its actor in the counter's member set, and 1 in the counter's share
+//! (`tally_common::layout`). Counted by sets, the set's size is the count and a like is one
+//! `SADD`, about half of Redis's work per like. The move, with every writer of the old layout
+//! stopped:
+//!
+//! 1. The layout record (`<prefix>:layout`): `likes` from `shares` to `moving`, and each moved
+//!    namespace's grouping from `counter` to `sets`, in one script. No writer starts while
+//!    `likes` is `moving` (`LayoutError::Moving`), and writers older than the `likes` record
+//!    refuse the grouping `sets`.
+//! 2. Each group is marked (field `~likes` of its fence hash) and every partition's fence there
+//!    moves one epoch on, in one script: an owner still running loses its partitions at its next
+//!    write, and a writer that counts likes in the shares can take none there again
+//!    (`scripts/stamp.lua`), nor write a like directly (`producer/src/scripts/like.lua`). Writers
+//!    of versions before the mark know neither: they must be stopped.
+//! 3. Each member set of a moved namespace, in its counter's group, is renamed to the counter's
+//!    count set and its size taken off the counter's share, in one script per set: readers add
+//!    the count set's size to the shares, so every total reads the same before and after each
+//!    move, and a move interrupted anywhere is finished by running the command again.
+//! 4. The record's `likes` becomes `sets`: writers start again, counting likes by their sets.
+//!
+//! Finding the member sets needs `SCAN`: a standalone Redis, as for the other migrations.
+
+use redis::Script;
+use tally_common::keyspace::GroupingRule;
+use tally_common::layout::LIKES_FIELD;
+use tally_common::{Keyspace, Namespaces, RedisConn};
+
+/// Keys per `SCAN` call.
+const BATCH: usize = 1000;
+
+/// Why the move did not finish.
+#[derive(Debug, thiserror::Error)]
+pub enum MoveError {
+    /// Finding the member sets needs `SCAN`, which a cluster connection does not offer here.
+    #[error("moving likes to count sets needs a standalone Redis (it finds member sets with SCAN)")]
+    Cluster,
+    /// The deployment's record does not allow the move, or does not match the namespaces.
+    #[error("{0}")]
+    Refused(String),
+    /// A member set could not be moved (nothing of it was).
+    #[error("{key}: {reason} (nothing of this set was moved; fix it and run the command again)")]
+    Set {
+        /// The member set.
+        key: String,
+        /// What Redis said.
+        reason: String,
+    },
+    /// Redis failed; run the command again to finish the move.
+    #[error("redis: {0} (run the command again to finish the move)")]
+    Redis(#[from] redis::RedisError),
+}
+
+/// What a move did.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Moved {
+    /// Whether the deployment already counted likes by their sets (nothing was done).
+    pub already: bool,
+    /// Namespaces moved (`*`: those the defaults cover).
+    pub namespaces: Vec<String>,
+    /// Member sets renamed to count sets.
+    pub sets: u64,
+    /// Likes in them.
+    pub likes: u64,
+    /// Member sets left where they are: of namespaces that stay grouped by actor or do not
+    /// deduplicate, or outside their counter's group.
+    pub left: u64,
+}
+
+/// Step 1: the record, from `shares` (or `moving`, a move run before) to `moving`.
+/// KEYS[1] the layout hash; ARGV the fields of the moved namespaces' groupings.
+const START: &str = r"
+local likes = redis.call('HGET', KEYS[1], 'likes')
+if likes == 'sets' then return {'sets'} end
+if likes ~= 'shares' and likes ~= 'moving' then return {'likes', likes or ''} end
+for i = 1, #ARGV do
+  local grouping = redis.call('HGET', KEYS[1], ARGV[i])
+  if grouping and grouping ~= 'counter' and grouping ~= 'sets' then
+    return {'grouping', ARGV[i], grouping}
+  end
+end
+redis.call('HSET', KEYS[1], 'likes', 'moving')
+for i = 1, #ARGV do redis.call('HSET', KEYS[1], ARGV[i], 'sets') end
+return {'moving'}
+";
+
+/// Step 2: a group's mark, and every owner there fenced. KEYS[1] the fence hash.
+const MARK: &str = r"
+local fields = redis.call('HKEYS', KEYS[1])
+redis.call('HSET', KEYS[1], '~likes', 'sets')
+for _, field in ipairs(fields) do
+  if field ~= '~likes' then redis.call('HINCRBY', KEYS[1], field, 1) end
+end
+return #fields
+";
+
+/// Step 3: one member set to its count set. KEYS[1] the member set, KEYS[2] the count set,
+/// KEYS[3] the counter's share, KEYS[4] the group's fence hash (all one slot). Returns the
+/// likes moved (0 if the set is gone: moved before).
+const MOVE: &str = r"
+if redis.call('HEXISTS', KEYS[4], '~likes') == 0 then
+  return redis.error_reply('the group is not marked as moved')
+end
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+if redis.call('TYPE', KEYS[1]).ok ~= 'set' then
+  return redis.error_reply('not a set')
+end
+if redis.call('EXISTS', KEYS[2]) == 1 then
+  return redis.error_reply('its count set exists already')
+end
+local n = redis.call('SCARD', KEYS[1])
+local share = redis.call('GET', KEYS[3])
+if share and not tonumber(share) then
+  return redis.error_reply('its counter share is not an integer')
+end
+redis.call('RENAME', KEYS[1], KEYS[2])
+redis.call('DECRBY', KEYS[3], n)
+return n
+";
+
+/// Moves `keyspace`'s likes from the shares to count sets, as the module's doc says: every
+/// namespace of `namespaces` (the writers' namespace file) that deduplicates grouped by counter.
+pub async fn likes_to_sets(
+    conn: &RedisConn,
+    keyspace: &Keyspace,
+    namespaces: &Namespaces,
+) -> Result<Moved, MoveError> {
+    if conn.is_cluster() {
+        return Err(MoveError::Cluster);
+    }
+    let moved = moved_namespaces(conn, keyspace, namespaces).await?;
+    let fields: Vec<String> = moved.iter().map(|ns| format!("dedup:{ns}")).collect();
+    let start = Script::new(START);
+    let mut started = start.key(keyspace.layout_key());
+    for field in &fields {
+        started.arg(field);
+    }
+    let reply: Vec<String> = started.invoke_async(&mut conn.clone()).await?;
+    match reply.iter().map(String::as_str).collect::<Vec<_>>()[..] {
+        ["sets"] => {
+            return Ok(Moved {
+                already: true,
+                ..Moved::default()
+            });
+        }
+        ["moving"] => {}
+        ["likes", text] => {
+            return Err(MoveError::Refused(format!(
+                "{} field {LIKES_FIELD} holds {text:?}, not \"shares\": nothing recorded to move \
+                 from (a deployment records how it counts likes once a writer of this version \
+                 has started)",
+                keyspace.layout_key()
+            )));
+        }
+        ["grouping", field, grouping] => {
+            return Err(MoveError::Refused(format!(
+                "{} field {field} holds {grouping:?}, but the namespaces file groups that \
+                 namespace's likes by counter: give the writers' namespaces file",
+                keyspace.layout_key()
+            )));
+        }
+        _ => {
+            return Err(MoveError::Refused(format!(
+                "unexpected reply to the move's start: {reply:?}"
+            )));
+        }
+    }
+    let mark = Script::new(MARK);
+    for group in 0..keyspace.groups() {
+        let _: i64 = mark
+            .key(keyspace.fence_key(group))
+            .invoke_async(&mut conn.clone())
+            .await?;
+    }
+    let mut report = Moved {
+        namespaces: moved.clone(),
+        ..Moved::default()
+    };
+    let moves = |counter: &str| {
+        let policy = namespaces.policy(counter);
+        policy.dedup && policy.grouping == GroupingRule::ByCounter
+    };
+    let script = Script::new(MOVE);
+    let pattern = format!("{}:{{g*}}:m:*", keyspace.prefix());
+    let mut cursor: u64 = 0;
+    loop {
+        let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
+            .arg(cursor)
+            .arg("MATCH")
+            .arg(&pattern)
+            .arg("COUNT")
+            .arg(BATCH)
+            .query_async(&mut conn.clone())
+            .await?;
+        for key in keys {
+            let Some((group, counter)) = member_set_of(keyspace, &key) else {
+                continue;
+            };
+            if !moves(counter) || keyspace.group_for_counter(counter) != group {
+                report.left += 1;
+                continue;
+            }
+            let likes: redis::RedisResult<u64> = script
+                .key(&key)
+                .key(keyspace.count_set_key(group, counter))
+                .key(keyspace.counter_key(group, counter))
+                .key(keyspace.fence_key(group))
+                .invoke_async(&mut conn.clone())
+                .await;
+            match likes {
+                Ok(0) => {}
+                Ok(likes) => {
+                    report.sets += 1;
+                    report.likes += likes;
+                }
+                Err(e) => {
+                    return Err(MoveError::Set {
+                        key,
+                        reason: e.to_string(),
+                    });
+                }
+            }
+        }
+        cursor = next;
+        if cursor == 0 {
+            break;
+        }
+    }
+    let _: () = redis::cmd("HSET")
+        .arg(keyspace.layout_key())
+        .arg(LIKES_FIELD)
+        .arg("sets")
+        .query_async(&mut conn.clone())
+        .await?;
+    Ok(report)
+}
+
+/// The namespaces the move moves: those of `namespaces` that deduplicate grouped by counter
+/// (`*` for the defaults). Refused if the record groups a namespace by counter that
+/// `namespaces` does not move, or records `moving` for none.
+async fn moved_namespaces(
+    conn: &RedisConn,
+    keyspace: &Keyspace,
+    namespaces: &Namespaces,
+) -> Result<Vec<String>, MoveError> {
+    let listed = namespaces.listed().map(|(name, p)| (name.to_owned(), p));
+    let moved: Vec<String> = (listed.chain([("*".to_owned(), namespaces.defaults())]))
+        .filter(|(_, p)| p.dedup && p.grouping == GroupingRule::ByCounter)
+        .map(|(name, _)| name)
+        .collect();
+    let recorded: Vec<(String, String)> = redis::cmd("HGETALL")
+        .arg(keyspace.layout_key())
+        .query_async(&mut conn.clone())
+        .await?;
+    for (field, grouping) in &recorded {
+        let Some(namespace) = field.strip_prefix("dedup:") else {
+            continue;
+        };
+        if grouping == "counter" && !moved.iter().any(|m| m == namespace) {
+            return Err(MoveError::Refused(format!(
+                "{} records namespace {namespace:?} grouped by counter ({field} = {grouping:?}), \
+                 but the namespaces file does not deduplicate it grouped by counter: give the \
+                 writers' namespaces file",
+                keyspace.layout_key()
+            )));
+        }
+    }
+    if moved.is_empty() {
+        return Err(MoveError::Refused(
+            "the namespaces file deduplicates no namespace grouped by counter: nothing to move \
+             (give the writers' namespaces file)"
+                .to_owned(),
+        ));
+    }
+    Ok(moved)
+}
+
+/// The group and counter of a member set key of `keyspace` (`<prefix>:{g<n>}:m:<counter>`).
+fn member_set_of<'k>(keyspace: &Keyspace, key: &'k str) -> Option<(u32, &'k str)> {
+    let rest = key.strip_prefix(keyspace.prefix())?.strip_prefix(":{g")?;
+    let close = rest.find('}')?;
+    let group = rest[..close].parse::<u32>().ok()?;
+    let counter = rest[close..].strip_prefix("}:m:")?;
+    (group < keyspace.groups()).then_some((group, counter))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn member_set_keys_name_their_group_and_counter() {
+        let ks = Keyspace::new("t".to_owned(), 8).expect("keyspace");
+        let key = ks.member_key(3, "likes:post:7");
+        assert_eq!(member_set_of(&ks, &key), Some((3, "likes:post:7")));
+        assert_eq!(
+            member_set_of(&ks, &ks.count_set_key(3, "likes:post:7")),
+            None
+        );
+        assert_eq!(
+            member_set_of(&ks, "t:{g9}:m:likes:x"),
+            None,
+            "no group 9 of 8"
+        );
+        assert_eq!(
+            member_set_of(&ks, "u:{g1}:m:likes:x"),
+            None,
+            "another prefix"
+        );
+    }
+}
