@@ -521,4 +521,22 @@ mod tests {
             "none deduplicates"
         );
     }
+
+    #[test]
+    fn only_likes_grouped_by_counter_and_counted_in_the_shares_are_in_shares() {
+        let in_shares = |text: &str, count| {
+            let ns = Namespaces::from_toml(text).expect("valid");
+            likes_by_set(&ns, count).in_shares
+        };
+        let likes = "[namespaces.likes]\ndedup = true\n[namespaces.views]\n";
+        assert!(in_shares(likes, Some(LikesCount::Shares)));
+        assert!(!in_shares(likes, Some(LikesCount::Sets)));
+        let by_actor = "[namespaces.votes]\ndedup = true\ngrouping = \"actor\"\n";
+        assert!(!in_shares(by_actor, Some(LikesCount::Shares)), "not moved");
+        assert!(in_shares(
+            "[defaults]\ndedup = true\n",
+            Some(LikesCount::Shares)
+        ));
+        assert!(!in_shares("[namespaces.views]\n", Some(LikesCount::Shares)));
+    }
 }

@@ -493,16 +493,22 @@ impl Transactions {
         let watch = [fence_key.clone(), ledger_key.clone()];
         let mut reads = redis::pipe();
         reads.hget(&fence_key, field).hget(&ledger_key, field);
-        reads.hexists(&fence_key, tally_common::layout::MOVED_FIELD);
-        let in_shares = self.keyspace.likes_in_shares();
+        // A writer counting likes in the shares also reads whether the group's were moved.
+        if self.keyspace.likes_in_shares() {
+            reads.hget(&fence_key, tally_common::layout::MOVED_FIELD);
+        }
         self.optimistic(&watch, &reads, |replies| {
-            let [fence, ledger, moved] = replies else {
-                return Err(protocol_error(
-                    "short reply",
-                    &Value::Array(replies.to_vec()),
-                ));
+            let (fence, ledger, moved) = match replies {
+                [fence, ledger] => (fence, ledger, &Value::Nil),
+                [fence, ledger, moved] => (fence, ledger, moved),
+                _ => {
+                    return Err(protocol_error(
+                        "short reply",
+                        &Value::Array(replies.to_vec()),
+                    ));
+                }
             };
-            if in_shares && matches!(moved, Value::Int(n) if *n != 0) {
+            if !matches!(moved, Value::Nil) {
                 return Err(SinkError::fatal(tally_common::layout::moved_message(group)));
             }
             if let Some(stale) = stamp_refusal(number(fence)?, epoch) {

@@ -100,7 +100,7 @@ return #fields
 /// KEYS[3] the counter's share, KEYS[4] the group's fence hash (all one slot). Returns the
 /// likes moved (0 if the set is gone: moved before).
 const MOVE: &str = r"
-if redis.call('HEXISTS', KEYS[4], '~likes') == 0 then
+if not redis.call('HGET', KEYS[4], '~likes') then
   return redis.error_reply('the group is not marked as moved')
 end
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
@@ -167,8 +167,14 @@ pub async fn likes_to_sets(
             )));
         }
     }
+    // Every group an owner stamps (more than the configured count after a re-grouping grew it).
+    let width = match tally_common::regroup::read_plan(conn, keyspace).await {
+        Ok(plan) => plan.read.max(keyspace.groups()),
+        Err(tally_common::regroup::PlanError::Redis(e)) => return Err(e.into()),
+        Err(e) => return Err(MoveError::Refused(e.to_string())),
+    };
     let mark = Script::new(MARK);
-    for group in 0..keyspace.groups() {
+    for group in 0..width {
         let _: i64 = mark
             .key(keyspace.fence_key(group))
             .invoke_async(&mut conn.clone())
@@ -178,11 +184,17 @@ pub async fn likes_to_sets(
         namespaces: moved.clone(),
         ..Moved::default()
     };
-    let moves = |counter: &str| {
+    let moved_counter = |counter: &str| {
         let policy = namespaces.policy(counter);
         policy.dedup && policy.grouping == GroupingRule::ByCounter
     };
-    let script = Script::new(MOVE);
+    // One script per set, a pipeline of them per SCAN batch: a round trip per set would make
+    // the move (writers stopped) take hours over millions of counters.
+    let sha: String = redis::cmd("SCRIPT")
+        .arg("LOAD")
+        .arg(MOVE)
+        .query_async(&mut conn.clone())
+        .await?;
     let pattern = format!("{}:{{g*}}:m:*", keyspace.prefix());
     let mut cursor: u64 = 0;
     loop {
@@ -194,32 +206,45 @@ pub async fn likes_to_sets(
             .arg(BATCH)
             .query_async(&mut conn.clone())
             .await?;
+        let mut moves = redis::pipe();
+        moves.ignore_errors();
+        let mut moving = Vec::new();
         for key in keys {
             let Some((group, counter)) = member_set_of(keyspace, &key) else {
                 continue;
             };
-            if !moves(counter) || keyspace.group_for_counter(counter) != group {
+            if !moved_counter(counter) || keyspace.group_for_counter(counter) != group {
                 report.left += 1;
                 continue;
             }
-            let likes: redis::RedisResult<u64> = script
-                .key(&key)
-                .key(keyspace.count_set_key(group, counter))
-                .key(keyspace.counter_key(group, counter))
-                .key(keyspace.fence_key(group))
-                .invoke_async(&mut conn.clone())
-                .await;
-            match likes {
-                Ok(0) => {}
-                Ok(likes) => {
-                    report.sets += 1;
-                    report.likes += likes;
-                }
-                Err(e) => {
-                    return Err(MoveError::Set {
-                        key,
-                        reason: e.to_string(),
-                    });
+            moves
+                .cmd("EVALSHA")
+                .arg(&sha)
+                .arg(4)
+                .arg(&key)
+                .arg(keyspace.count_set_key(group, counter))
+                .arg(keyspace.counter_key(group, counter))
+                .arg(keyspace.fence_key(group));
+            moving.push(key);
+        }
+        if !moving.is_empty() {
+            let results: Vec<redis::RedisResult<u64>> =
+                moves.query_async(&mut conn.clone()).await?;
+            for (key, result) in moving.into_iter().zip(results) {
+                match result {
+                    Ok(0) => {}
+                    Ok(likes) => {
+                        report.sets += 1;
+                        report.likes += likes;
+                    }
+                    // Redis restarted and lost the script meanwhile: run the command again.
+                    Err(e) if e.code() == Some("NOSCRIPT") => return Err(e.into()),
+                    Err(e) => {
+                        return Err(MoveError::Set {
+                            key,
+                            reason: e.to_string(),
+                        });
+                    }
                 }
             }
         }

@@ -8,7 +8,7 @@
 -- group's fence hash, if checked    ARGV[1] actor
 -- Returns 'moved' if the group's likes were moved;
 -- else 1 if the like counted, 0 if it was already counted.
-if KEYS[3] and redis.call('HEXISTS', KEYS[3], '~likes') == 1 then
+if KEYS[3] and redis.call('HGET', KEYS[3], '~likes') then
   return 'moved'
 end
 if redis.call('SADD', KEYS[1], ARGV[1]) == 1 then

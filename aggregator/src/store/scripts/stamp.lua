@@ -8,7 +8,7 @@
 -- in the shares
 --
 -- Returns {'stamped', ledger entry or '-1'}, {'stale', current epoch} or {'moved'}.
-if ARGV[3] == '1' and redis.call('HEXISTS', KEYS[1], '~likes') == 1 then
+if ARGV[3] == '1' and redis.call('HGET', KEYS[1], '~likes') then
   return {'moved'}
 end
 local current = tonumber(redis.call('HGET', KEYS[1], ARGV[1]) or '0')
