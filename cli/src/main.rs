@@ -216,7 +216,7 @@ async fn likes_to_sets(args: RedisArgs) -> anyhow::Result<ExitCode> {
         writeln!(
             out(),
             "likes moved to count sets: namespaces {}, sets {}, likes {}, member sets left \
-             (grouped by actor, or not deduplicating) {}",
+             (of namespaces not moved, or outside their counter's group) {}",
             moved.namespaces.join(","),
             moved.sets,
             moved.likes,

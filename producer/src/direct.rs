@@ -50,8 +50,9 @@ pub enum DirectError {
     /// was written (`tally_common::layout`).
     #[error("{0}")]
     Layout(#[from] tally_common::layout::LayoutError),
-    /// This writer counts likes in the shares, and the group's were moved to count sets
-    /// (`tally likes-to-sets`); nothing was written.
+    /// This writer counted likes in the shares, the group's were moved to count sets
+    /// (`tally likes-to-sets`), and the layout read again still counts them in the shares;
+    /// nothing was written.
     #[error("{0}")]
     Moved(String),
     /// The PostgreSQL store failed.
@@ -82,6 +83,9 @@ struct Inner {
     /// (checked before the first like or unlike): the namespaces whose likes are counted by
     /// their count sets.
     layout_checked: tokio::sync::OnceCell<tally_common::keyspace::LikesBySet>,
+    /// The layout read again once a like found its group's likes moved to count sets
+    /// (`tally likes-to-sets`): it replaces `layout_checked` from then on.
+    relaid: tokio::sync::OnceCell<tally_common::keyspace::LikesBySet>,
     /// The task reporting write rates every second.
     reporter: Mutex<Option<JoinHandle<()>>>,
     /// The store of record the increments go to instead of Redis's keys, if any.
@@ -127,6 +131,7 @@ impl DirectWriter {
             like: redis::Script::new(include_str!("scripts/like.lua")),
             unlike: redis::Script::new(include_str!("scripts/unlike.lua")),
             layout_checked: tokio::sync::OnceCell::new(),
+            relaid: tokio::sync::OnceCell::new(),
             reporter: Mutex::new(None),
             #[cfg(feature = "postgres")]
             store: std::sync::OnceLock::new(),
@@ -218,17 +223,44 @@ impl DirectWriter {
             inner.wrote(counter);
             return Ok(changed);
         }
-        let by_set = (inner.layout_checked)
-            .get_or_try_init(|| async {
-                let ns = &inner.namespaces;
-                let count = tally_common::layout::record_dedup_groupings(&inner.conn, ks, ns);
-                Ok::<_, tally_common::layout::LayoutError>(tally_common::layout::likes_by_set(
-                    ns,
-                    count.await?,
-                ))
-            })
-            .await?
-            .counts(counter);
+        let layout = || async {
+            let ns = &inner.namespaces;
+            let count = tally_common::layout::record_dedup_groupings(&inner.conn, ks, ns);
+            Ok::<_, tally_common::layout::LayoutError>(tally_common::layout::likes_by_set(
+                ns,
+                count.await?,
+            ))
+        };
+        let by_set = match inner.relaid.get() {
+            Some(relaid) => relaid.counts(counter),
+            None => (inner.layout_checked.get_or_try_init(layout).await?).counts(counter),
+        };
+        if let Some(changed) = self.write_member(counter, actor, like, by_set).await? {
+            return Ok(changed);
+        }
+        // The likes were moved to count sets since this writer read the layout: read it again
+        // (refused while the move runs), and write by the sets from now on.
+        let relaid = inner.relaid.get_or_try_init(layout).await?;
+        let by_set = relaid.counts(counter);
+        let moved = || DirectError::Moved(tally_common::layout::moved_message(group));
+        (self.write_member(counter, actor, like, by_set).await?).ok_or_else(moved)
+    }
+
+    /// Writes `actor`'s like (`like`) or unlike of `counter` by the direct like scripts, into
+    /// its count set if `by_set`, else into its member set and share: whether it changed the
+    /// count, or `None` if the group's likes were moved to count sets meanwhile (nothing
+    /// written).
+    async fn write_member(
+        &self,
+        counter: &str,
+        actor: &str,
+        like: bool,
+        by_set: bool,
+    ) -> Result<Option<bool>, DirectError> {
+        let inner = &self.inner;
+        let ks = &inner.keyspace;
+        let rule = inner.namespaces.policy(counter).grouping;
+        let group = ks.group_for_event(rule, 0, Some(actor), counter, Fan::of(1));
         let script = if like { &inner.like } else { &inner.unlike };
         // Counted by its set, a like adds to no share (`tally_common::layout`).
         let mut set = String::new();
@@ -248,11 +280,9 @@ impl DirectWriter {
         match changed {
             redis::Value::Int(changed) => {
                 inner.wrote(counter);
-                Ok(changed == 1)
+                Ok(Some(changed == 1))
             }
-            redis::Value::BulkString(reply) if reply == b"moved" => Err(DirectError::Moved(
-                tally_common::layout::moved_message(group),
-            )),
+            redis::Value::BulkString(reply) if reply == b"moved" => Ok(None),
             other => Err(DirectError::Redis(redis::RedisError::from((
                 redis::ErrorKind::Client,
                 "unexpected reply to a direct like",

@@ -311,12 +311,23 @@ impl MoveToSets<'_> {
         assert_eq!(record.get("dedup:likes").map(String::as_str), Some("sets"));
         let again = tally(&[]);
         assert!(again.contains("already"), "{again}");
-        // The writers of the shares write no like now.
-        let refused = direct.like("likes:post:1", actor).await;
+        // The direct writer that counted in the shares finds the group moved, reads the layout
+        // again and writes by the sets: the like lands in the count set, not in a member set
+        // (taken back again for the audit).
+        let counter = "likes:post:1";
+        let set = ks.count_set_key(ks.group_for_counter(counter), counter);
         assert!(
-            matches!(&refused, Err(tally_producer::DirectError::Moved(_))),
-            "{refused:?}"
+            direct
+                .like(counter, actor)
+                .await
+                .expect("a like by the sets")
         );
+        let counted: bool = admin.sismember(&set, actor).await.expect("SISMEMBER");
+        assert!(counted, "{set}");
+        assert!(direct.unlike(counter, actor).await.expect("an unlike"));
+        let members: Vec<String> =
+            (admin.keys(format!("{}:*:m:*", setup.key_prefix)).await).expect("KEYS");
+        assert_eq!(members, Vec::<String>::new(), "no member set written");
 
         // A second storm while the old aggregator still holds its partitions (fenced: it writes
         // nothing more, and takes no partition again, `refused_writes.rs`), and a new one.

@@ -13,8 +13,9 @@
 //! 2. Each group is marked (field `~likes` of its fence hash) and every partition's fence there
 //!    moves one epoch on, in one script: an owner still running loses its partitions at its next
 //!    write, and a writer that counts likes in the shares can take none there again
-//!    (`scripts/stamp.lua`), nor write a like directly (`producer/src/scripts/like.lua`). Writers
-//!    of versions before the mark know neither: they must be stopped.
+//!    (`scripts/stamp.lua`), nor write a like directly (`producer/src/scripts/like.lua`: the
+//!    direct writer then reads the record again, and writes by the sets once it says so).
+//!    Writers of versions before the mark know neither: they must be stopped.
 //! 3. Each member set of a moved namespace, in its counter's group, is renamed to the counter's
 //!    count set and its size taken off the counter's share, in one script per set: readers add
 //!    the count set's size to the shares, so every total reads the same before and after each
