@@ -421,6 +421,25 @@ impl RedisConn {
         matches!(self, RedisConn::Cluster(_))
     }
 
+    /// One `SCAN` call from `cursor`: the next cursor (0 once done) and about `count` keys
+    /// matching `pattern`, some perhaps seen before. A standalone Redis's keys; on a cluster
+    /// connection, one node's only.
+    pub async fn scan_page(
+        &self,
+        cursor: u64,
+        pattern: &str,
+        count: usize,
+    ) -> redis::RedisResult<(u64, Vec<String>)> {
+        redis::cmd("SCAN")
+            .arg(cursor)
+            .arg("MATCH")
+            .arg(pattern)
+            .arg("COUNT")
+            .arg(count)
+            .query_async(&mut self.clone())
+            .await
+    }
+
     /// Up to `count` keys of the cluster slot `key` hashes to (`CLUSTER GETKEYSINSLOT`, sent to
     /// that slot's master): what one slot holds, where `SCAN` would cover one node only. Fails on
     /// a standalone Redis.

@@ -542,10 +542,7 @@ impl Keyspace {
 
     /// What a key matched by [`Keyspace::compaction_pattern`] is, or `None` for any other key.
     pub fn parse_compaction_key<'k>(&self, key: &'k str) -> Option<(u32, CompactionKey, &'k str)> {
-        let rest = key.strip_prefix(&self.prefix)?.strip_prefix(":{g")?;
-        let close = rest.find('}')?;
-        let group = rest[..close].parse::<u32>().ok()?;
-        let rest = rest[close..].strip_prefix("}:")?;
+        let (group, rest) = self.split_group_key(key)?;
         if let Some(counter) = rest.strip_prefix("c:") {
             return Some((group, CompactionKey::Share, counter));
         }
@@ -587,10 +584,23 @@ impl Keyspace {
 
     /// The counter id inside a counter key of this keyspace, or `None` for any other key.
     pub fn counter_of_key<'k>(&self, key: &'k str) -> Option<&'k str> {
+        self.split_group_key(key)?.1.strip_prefix("c:")
+    }
+
+    /// The group and counter of a member set key of this keyspace
+    /// ([`Keyspace::member_key`]), or `None` for any other key.
+    pub fn member_set_of_key<'k>(&self, key: &'k str) -> Option<(u32, &'k str)> {
+        let (group, rest) = self.split_group_key(key)?;
+        Some((group, rest.strip_prefix("m:")?))
+    }
+
+    /// A group key of this keyspace (`<prefix>:{g<group>}:<rest>`) split into its group and
+    /// its rest.
+    fn split_group_key<'k>(&self, key: &'k str) -> Option<(u32, &'k str)> {
         let rest = key.strip_prefix(&self.prefix)?.strip_prefix(":{g")?;
         let close = rest.find('}')?;
-        rest[..close].parse::<u32>().ok()?;
-        rest[close..].strip_prefix("}:c:")
+        let group = rest[..close].parse::<u32>().ok()?;
+        Some((group, rest[close..].strip_prefix("}:")?))
     }
 }
 
@@ -859,6 +869,13 @@ mod tests {
         assert_eq!(ks.counter_of_key(&key), Some("likes:post:42"));
         assert_eq!(ks.counter_of_key("test-1:{gx}:c:a"), None);
         assert_eq!(ks.counter_of_key("other:{g1}:c:a"), None);
+        let member = ks.member_key(3, "likes:post:7");
+        assert_eq!(ks.member_set_of_key(&member), Some((3, "likes:post:7")));
+        assert_eq!(
+            ks.member_set_of_key(&ks.count_set_key(3, "likes:post:7")),
+            None
+        );
+        assert_eq!(ks.member_set_of_key(&key), None, "a counter key");
     }
 
     #[test]

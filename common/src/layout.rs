@@ -127,7 +127,7 @@ fn field(namespace: &str) -> String {
 }
 
 /// The deduplicating namespaces of `namespaces` with their groupings (`*` for the defaults).
-fn deduplicating(namespaces: &Namespaces) -> Vec<(String, GroupingRule)> {
+pub fn deduplicating(namespaces: &Namespaces) -> Vec<(String, GroupingRule)> {
     let listed = namespaces.listed().map(|(name, p)| (name.to_owned(), p));
     (listed.chain([("*".to_owned(), namespaces.defaults())]))
         .filter(|(_, p): &(String, &Policy)| p.dedup)

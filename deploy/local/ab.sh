@@ -41,12 +41,7 @@ run() {
     --topic "$topic" --group "$group" --key-prefix "$group" \
     --metrics-addr "127.0.0.1:$port" $flags >"$state/ab-$group.log" 2>&1 &
   pid=$!
-  while :; do
-    v=$(curl -s "127.0.0.1:$port/metrics" | awk '/^tally_events_flushed_total/ { print $2 }') || true
-    [[ -n $v && ${v%.*} -ge $events ]] && break
-    kill -0 "$pid" 2>/dev/null || die "$bin exited; see $state/ab-$group.log"
-    sleep 0.02
-  done
+  wait_flushed "$port" "$events" "$pid" "$state/ab-$group.log" || exit 1
   end=$(date +%s.%N)
   redis_after=$(redis_cpu)
   cpu=$(awk -v t="$ticks" '{ print ($14 + $15) / t }' "/proc/$pid/stat")

@@ -78,3 +78,15 @@ as_postgres() {
 
 # The local PostgreSQL's URL (trust authentication on loopback, user tally).
 postgres_url="postgres://tally@127.0.0.1:$postgres_port/postgres"
+
+# wait_flushed PORT N PID LOG: waits until the aggregator PID, serving its metrics on PORT, has
+# flushed N events (tally_events_flushed_total); fails, naming its LOG, if it exits first.
+wait_flushed() {
+  local port=$1 events=$2 pid=$3 log_file=$4 v
+  while :; do
+    v=$(curl -s "127.0.0.1:$port/metrics" | awk '/^tally_events_flushed_total/ { print $2 }') || true
+    [[ -n $v && ${v%.*} -ge $events ]] && return 0
+    kill -0 "$pid" 2>/dev/null || { log "the aggregator exited; see $log_file"; return 1; }
+    sleep 0.02
+  done
+}

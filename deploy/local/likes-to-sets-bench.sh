@@ -22,12 +22,7 @@ rcli hset "$prefix:layout" origin recorded likes shares >/dev/null
   --group "$prefix" --key-prefix "$prefix" --metrics-addr "127.0.0.1:$port" \
   --namespaces "$namespaces" >"$state/$prefix.log" 2>&1 &
 pid=$!
-while :; do
-  v=$(curl -s "127.0.0.1:$port/metrics" | awk '/^tally_events_flushed_total/ { print $2 }') || true
-  [[ -n $v && ${v%.*} -ge $events ]] && break
-  kill -0 "$pid" 2>/dev/null || { log "the aggregator exited; see $state/$prefix.log"; exit 1; }
-  sleep 0.1
-done
+wait_flushed "$port" "$events" "$pid" "$state/$prefix.log" || exit 1
 kill "$pid"
 wait "$pid" 2>/dev/null || true
 echo "member sets: $(rcli --scan --pattern "$prefix:*:m:*" | wc -l)"

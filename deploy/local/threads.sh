@@ -27,12 +27,7 @@ start=$(date +%s.%N)
   --topic "$topic" --group "$group" --key-prefix "$group" --metrics-addr "127.0.0.1:$port" \
   "$@" >"$state/threads-$group.log" 2>&1 &
 pid=$!
-while :; do
-  v=$(curl -s "127.0.0.1:$port/metrics" | awk '/^tally_events_flushed_total/ { print $2 }') || true
-  [[ -n $v && ${v%.*} -ge $events ]] && break
-  kill -0 "$pid" 2>/dev/null || { log "$bin exited; see $state/threads-$group.log"; exit 1; }
-  sleep 0.02
-done
+wait_flushed "$port" "$events" "$pid" "$state/threads-$group.log" || exit 1
 end=$(date +%s.%N)
 read -r _ u n s i w x y z _ </proc/stat
 t1=$((u + n + s + i + w + x + y + z)) i1=$((i + w))

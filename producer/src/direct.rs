@@ -235,7 +235,8 @@ impl DirectWriter {
             Some(relaid) => relaid.counts(counter),
             None => (inner.layout_checked.get_or_try_init(layout).await?).counts(counter),
         };
-        if let Some(changed) = self.write_member(counter, actor, like, by_set).await? {
+        let at = (group, rule);
+        if let Some(changed) = self.write_member(counter, actor, like, at, by_set).await? {
             return Ok(changed);
         }
         // The likes were moved to count sets since this writer read the layout: read it again
@@ -243,24 +244,23 @@ impl DirectWriter {
         let relaid = inner.relaid.get_or_try_init(layout).await?;
         let by_set = relaid.counts(counter);
         let moved = || DirectError::Moved(tally_common::layout::moved_message(group));
-        (self.write_member(counter, actor, like, by_set).await?).ok_or_else(moved)
+        (self.write_member(counter, actor, like, at, by_set).await?).ok_or_else(moved)
     }
 
-    /// Writes `actor`'s like (`like`) or unlike of `counter` by the direct like scripts, into
-    /// its count set if `by_set`, else into its member set and share: whether it changed the
-    /// count, or `None` if the group's likes were moved to count sets meanwhile (nothing
-    /// written).
+    /// Writes `actor`'s like (`like`) or unlike of `counter` by the direct like scripts, in
+    /// `group` (its namespace grouped by `rule`): into its count set if `by_set`, else into its
+    /// member set and share. Whether it changed the count, or `None` if the group's likes were
+    /// moved to count sets meanwhile (nothing written).
     async fn write_member(
         &self,
         counter: &str,
         actor: &str,
         like: bool,
+        (group, rule): (u32, GroupingRule),
         by_set: bool,
     ) -> Result<Option<bool>, DirectError> {
         let inner = &self.inner;
         let ks = &inner.keyspace;
-        let rule = inner.namespaces.policy(counter).grouping;
-        let group = ks.group_for_event(rule, 0, Some(actor), counter, Fan::of(1));
         let script = if like { &inner.like } else { &inner.unlike };
         // Counted by its set, a like adds to no share (`tally_common::layout`).
         let mut set = String::new();

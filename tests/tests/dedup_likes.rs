@@ -345,7 +345,12 @@ impl MoveToSets<'_> {
             Arc::new(AtomicBool::new(false)),
         ));
         let after = setup.spawn(self.dir, &flags);
-        tokio::time::sleep(Duration::from_secs(2)).await;
+        // Both in the group, the new one writing the storm's likes by the sets, before the old
+        // one goes.
+        let flushed = "tally_events_flushed_total";
+        after
+            .wait_metric(flushed, 1.0, Duration::from_secs(60))
+            .await;
         running.kill();
         let second = load.await.expect("storm task");
         last.extend(second.last);

@@ -232,14 +232,7 @@ pub async fn migrate(conn: &RedisConn, keyspace: &Keyspace) -> Result<MigrateRep
     let mut found: BTreeMap<(u32, String), Vec<OldKey>> = BTreeMap::new();
     let mut cursor: u64 = 0;
     loop {
-        let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
-            .arg(cursor)
-            .arg("MATCH")
-            .arg(&pattern)
-            .arg("COUNT")
-            .arg(BATCH)
-            .query_async(&mut conn.clone())
-            .await?;
+        let (next, keys) = conn.scan_page(cursor, &pattern, BATCH).await?;
         for key in keys {
             if let Some((group, counter, width, start)) = parse_old_key(keyspace, &key) {
                 let entry = found.entry((group, counter.to_owned())).or_default();

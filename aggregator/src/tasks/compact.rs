@@ -243,18 +243,11 @@ impl Compactor {
 
     /// Every counter with a share outside its base group, a journal or a marker.
     async fn scan(&self) -> Result<BTreeMap<String, Found>, CompactError> {
-        let mut conn = self.conn.clone();
+        let pattern = self.keyspace.compaction_pattern();
         let mut found: BTreeMap<String, Found> = BTreeMap::new();
         let mut cursor: u64 = 0;
         loop {
-            let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
-                .arg(cursor)
-                .arg("MATCH")
-                .arg(self.keyspace.compaction_pattern())
-                .arg("COUNT")
-                .arg(1000)
-                .query_async(&mut conn)
-                .await?;
+            let (next, keys) = self.conn.scan_page(cursor, &pattern, 1000).await?;
             for key in &keys {
                 if let Some((group, kind, counter)) = self.keyspace.parse_compaction_key(key)
                     && group < self.groups

@@ -199,19 +199,12 @@ pub async fn likes_to_sets(
     let pattern = format!("{}:{{g*}}:m:*", keyspace.prefix());
     let mut cursor: u64 = 0;
     loop {
-        let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
-            .arg(cursor)
-            .arg("MATCH")
-            .arg(&pattern)
-            .arg("COUNT")
-            .arg(BATCH)
-            .query_async(&mut conn.clone())
-            .await?;
+        let (next, keys) = conn.scan_page(cursor, &pattern, BATCH).await?;
         let mut moves = redis::pipe();
         moves.ignore_errors();
         let mut moving = Vec::new();
         for key in keys {
-            let Some((group, counter)) = member_set_of(keyspace, &key) else {
+            let Some((group, counter)) = keyspace.member_set_of_key(&key) else {
                 continue;
             };
             if !moved_counter(counter) || keyspace.group_for_counter(counter) != group {
@@ -271,9 +264,8 @@ async fn moved_namespaces(
     keyspace: &Keyspace,
     namespaces: &Namespaces,
 ) -> Result<Vec<String>, MoveError> {
-    let listed = namespaces.listed().map(|(name, p)| (name.to_owned(), p));
-    let moved: Vec<String> = (listed.chain([("*".to_owned(), namespaces.defaults())]))
-        .filter(|(_, p)| p.dedup && p.grouping == GroupingRule::ByCounter)
+    let moved: Vec<String> = (tally_common::layout::deduplicating(namespaces).into_iter())
+        .filter(|(_, grouping)| *grouping == GroupingRule::ByCounter)
         .map(|(name, _)| name)
         .collect();
     let recorded: Vec<(String, String)> = redis::cmd("HGETALL")
@@ -301,39 +293,4 @@ async fn moved_namespaces(
         ));
     }
     Ok(moved)
-}
-
-/// The group and counter of a member set key of `keyspace` (`<prefix>:{g<n>}:m:<counter>`).
-fn member_set_of<'k>(keyspace: &Keyspace, key: &'k str) -> Option<(u32, &'k str)> {
-    let rest = key.strip_prefix(keyspace.prefix())?.strip_prefix(":{g")?;
-    let close = rest.find('}')?;
-    let group = rest[..close].parse::<u32>().ok()?;
-    let counter = rest[close..].strip_prefix("}:m:")?;
-    (group < keyspace.groups()).then_some((group, counter))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn member_set_keys_name_their_group_and_counter() {
-        let ks = Keyspace::new("t".to_owned(), 8).expect("keyspace");
-        let key = ks.member_key(3, "likes:post:7");
-        assert_eq!(member_set_of(&ks, &key), Some((3, "likes:post:7")));
-        assert_eq!(
-            member_set_of(&ks, &ks.count_set_key(3, "likes:post:7")),
-            None
-        );
-        assert_eq!(
-            member_set_of(&ks, "t:{g9}:m:likes:x"),
-            None,
-            "no group 9 of 8"
-        );
-        assert_eq!(
-            member_set_of(&ks, "u:{g1}:m:likes:x"),
-            None,
-            "another prefix"
-        );
-    }
 }
