@@ -264,7 +264,7 @@ pub async fn run(
                         tokio::select! {
                             () = shutdown.cancelled() => {
                                 server.abort();
-                                return Ok(RunSummary { drained: 0, not_drained: Vec::new() });
+                                return Ok(RunSummary { drained: 0, not_drained: Vec::new(), outdated: None });
                             }
                             () = backoff.wait() => {}
                         }

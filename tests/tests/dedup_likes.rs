@@ -231,7 +231,7 @@ struct MoveToSets<'a> {
 impl MoveToSets<'_> {
     /// Moves the likes while `running` (an aggregator counting them in the shares) still runs
     /// and a direct writer that counts them in the shares is open: every total and `has_liked`
-    /// reads the same after, the aggregator can take no partition again and the direct writer
+    /// reads the same after, the aggregator stops by itself once fenced and the direct writer
     /// writes no like. Then a second storm, through an aggregator started after the move,
     /// likes, re-likes and unlikes the likes moved: each counted once, by the sets. Returns
     /// that aggregator and the totals.
@@ -331,6 +331,8 @@ impl MoveToSets<'_> {
 
         // A second storm while the old aggregator still holds its partitions (fenced: it writes
         // nothing more, and takes no partition again, `refused_writes.rs`), and a new one.
+        // Fenced, the old one finds the likes moved and stops by itself, failing, so that a
+        // supervisor restarts it into the sets.
         let member = format!("group.instance.id={}", unique("member"));
         let mut flags = flags.to_vec();
         let at = flags
@@ -351,7 +353,17 @@ impl MoveToSets<'_> {
         after
             .wait_metric(flushed, 1.0, Duration::from_secs(60))
             .await;
-        running.kill();
+        let status = running.wait_exit(Duration::from_secs(60)).await;
+        assert!(
+            !status.success(),
+            "the old aggregator exits failing: {status}"
+        );
+        let log = running.log();
+        assert!(
+            log.contains("likes were moved to count sets") && log.contains("stopping"),
+            "{}",
+            running.log_tail(20)
+        );
         let second = load.await.expect("storm task");
         last.extend(second.last);
         let expected = totals(&last);

@@ -453,14 +453,26 @@ async fn a_group_whose_likes_moved_takes_no_owner_counting_them_in_the_shares(
     let shares = sink(&redis.url(), &in_shares, atomicity).await;
     let epoch = shares.next_epoch(GROUP, FIELD, 1).await.expect("epoch");
     let refused = shares.stamp_fence(GROUP, FIELD, epoch).await;
-    let error = refused.expect_err("refused").to_string();
+    let error = refused.expect_err("refused");
+    // Known as the move's refusal, which stops the aggregator rather than being retried.
+    assert!(error.is_likes_moved(), "{atomicity:?}: {error}");
+    let error = error.to_string();
     assert!(
         error.contains("were moved to count sets"),
         "{atomicity:?}: {error}"
     );
+    // A fenced owner asks, and is told the same; a writer by the sets is not.
+    assert!(
+        shares.likes_moved(GROUP).await.expect("HGET"),
+        "{atomicity:?}"
+    );
     let fence: Option<u64> = conn.hget(ks.fence_key(GROUP), FIELD).await.expect("HGET");
     assert_eq!(fence, None, "{atomicity:?}: nothing stamped");
     let sets = sink(&redis.url(), &ks, atomicity).await;
+    assert!(
+        !sets.likes_moved(GROUP).await.expect("no read"),
+        "{atomicity:?}"
+    );
     let stamped = sets.stamp_fence(GROUP, FIELD, epoch).await.expect("stamp");
     assert_eq!(stamped, Stamp::Stamped { ledger: -1 }, "{atomicity:?}");
 }

@@ -91,6 +91,11 @@ async fn run() -> anyhow::Result<std::process::ExitCode> {
     tracing::info!(?config, "starting");
     let shutdown = tally_ops::shutdown::on_signals()?;
     let summary = tally_aggregator::run(config, shutdown).await?;
+    if let Some(why) = &summary.outdated {
+        // Exits failing, so that a supervisor restarts it into the deployment's new layout.
+        tracing::error!(partitions = summary.drained, %why, "stopped: the deployment moved on under this process; restart it");
+        return Ok(std::process::ExitCode::FAILURE);
+    }
     if summary.not_drained.is_empty() {
         tracing::info!(partitions = summary.drained, "drained and committed; bye");
         Ok(std::process::ExitCode::SUCCESS)

@@ -8,7 +8,7 @@ use rdkafka::consumer::{CommitMode, Consumer, ConsumerContext};
 use rdkafka::{Offset, TopicPartitionList};
 use tokio::task::JoinHandle;
 
-use crate::machine::outcome::FlushOutcome;
+use crate::machine::outcome::{FlushOutcome, Standing};
 use crate::machine::ownership::Resume;
 use crate::machine::pace::Pace;
 use crate::machine::partition::Action;
@@ -16,7 +16,7 @@ use crate::store::fence;
 use crate::store::sink::Sink;
 use tally_kafka::backoff::Backoff;
 
-use super::{Done, Ids, RecentIds, Report, Shared, Slot, Task, lock, warm_up_ids};
+use super::{Done, Ids, Outdated, RecentIds, Report, Shared, Slot, Task, lock, warm_up_ids};
 
 impl<S: Sink> Shared<S> {
     /// Starts flushes of due buffers and checks of idle owners, and refreshes the buffer and
@@ -129,12 +129,17 @@ impl<S: Sink> Shared<S> {
                 let flusher = self.flusher.clone();
                 let cancel = self.hard_stop.clone();
                 let done_tx = self.done_tx.clone();
+                let outdated = self.outdated.clone();
+                let home = owner.as_ref().map(|owner| owner.home);
                 slot.task = Some(Task::Flush(tokio::spawn(async move {
                     // In the task, not the consume loop: feeding the sketches costs a hash per
                     // counter.
                     let trending = flusher.trending.as_ref();
                     let warm = trending.map(|t| t.observe(&batch)).unwrap_or_default();
                     let outcome = flusher.flush(partition, batch, owner, &cancel).await;
+                    if let (FlushOutcome::Fenced, Some(home)) = (&outcome, home) {
+                        check_moved(&flusher.sink, home, &outdated).await;
+                    }
                     // The loop may be gone (shutdown); the outcome is also the task's output.
                     let _ = done_tx.send(Report {
                         partition,
@@ -152,8 +157,12 @@ impl<S: Sink> Shared<S> {
             Action::Check(owner) => {
                 let flusher = self.flusher.clone();
                 let done_tx = self.done_tx.clone();
+                let outdated = self.outdated.clone();
                 slot.task = Some(Task::Check(tokio::spawn(async move {
                     let standing = flusher.verify(partition, &owner).await;
+                    if standing == Standing::Fenced {
+                        check_moved(&flusher.sink, owner.home, &outdated).await;
+                    }
                     let _ = done_tx.send(Report {
                         partition,
                         generation,
@@ -245,6 +254,7 @@ impl<S: Sink> Shared<S> {
         let done_tx = self.done_tx.clone();
         let (initial, max) = (self.flusher.retry_initial, self.flusher.retry_max);
         let warm_up = self.warm_up.clone();
+        let outdated = self.outdated.clone();
         tokio::spawn(async move {
             let mut backoff = Backoff::new(initial, max);
             loop {
@@ -299,6 +309,12 @@ impl<S: Sink> Shared<S> {
                                 rewound,
                             },
                         });
+                        return;
+                    }
+                    Err(error) if error.is_likes_moved() => {
+                        // No retry can succeed: this process's layout is outdated.
+                        tracing::error!(partition, %error, "acquiring the partition was refused; stopping");
+                        outdated.fire(error.source.to_string());
                         return;
                     }
                     Err(error) => {
@@ -364,5 +380,17 @@ impl<S: Sink> Shared<S> {
         let read_to = slot.machine.read_to();
         let topic = &self.settings.topic;
         (self.source).set_paused(consumer, topic, partition, pause, read_to, &mut slot.epoch);
+    }
+}
+
+/// After a write of this process's was fenced at `group`: if the fence was moved by a move of
+/// the likes to count sets (`tally likes-to-sets`), no owner of this process's can write there
+/// again, and no other owner took the partition: the loop stops, so that a restart reads the
+/// layout again (a read that fails leaves the partition fenced, as any fenced write does).
+async fn check_moved<S: Sink>(sink: &S, group: u32, outdated: &Outdated) {
+    if let Ok(true) = sink.likes_moved(group).await {
+        let why = tally_common::layout::moved_message(group);
+        tracing::error!(group, %why, "a write was fenced by the move of the likes; stopping");
+        outdated.fire(why);
     }
 }

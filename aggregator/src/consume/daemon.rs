@@ -193,6 +193,7 @@ impl<S: Sink> Aggregator<S> {
             tokio::select! {
                 biased;
                 () = shutdown.cancelled() => break,
+                () = shared.outdated.fired.cancelled() => break,
                 Some(report) = self.done_rx.recv() => shared.report(&self.consumer, report),
                 _ = tick.tick() => shared.tick(&self.consumer),
                 Some(fetched) = next_fetched(&mut self.fetched_rx) => {
@@ -212,6 +213,7 @@ impl<S: Sink> Aggregator<S> {
         RunSummary {
             drained: drained.drained,
             not_drained: drained.not_drained,
+            outdated: shared.outdated.why(),
         }
     }
 }

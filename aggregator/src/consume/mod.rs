@@ -145,6 +145,10 @@ pub struct RunSummary {
     /// Partitions whose last flush did not become durable before the shutdown deadline; their
     /// uncommitted events will be read again by the next owner.
     pub not_drained: Vec<i32>,
+    /// Why it stopped by itself, if it did: the deployment moved on under it (a group refused it
+    /// a partition because its likes were moved to count sets), and only a restart, which reads
+    /// the layout again, can go on.
+    pub outdated: Option<String>,
 }
 
 /// A partition in the loop: its state machine, and the tasks carrying out its actions.
@@ -239,6 +243,8 @@ pub(crate) struct Shared<S> {
     flushes: std::sync::atomic::AtomicU64,
     /// Cancels every flush still retrying: fired when the shutdown deadline passes.
     hard_stop: CancellationToken,
+    /// Fired, with why, when the deployment moved on under this process ([`RunSummary::outdated`]).
+    outdated: Arc<Outdated>,
     runtime: tokio::runtime::Handle,
     /// Rebuilds recent ids on acquisition, when a namespace keeps an idempotency window.
     warm_up: Option<Arc<WarmUp>>,
@@ -333,6 +339,26 @@ async fn warm_up_ids(
     Ok(warmed.ids)
 }
 
+/// Stops the loop when the deployment moved on under this process: with why, once.
+#[derive(Debug, Default)]
+pub(crate) struct Outdated {
+    why: std::sync::OnceLock<String>,
+    fired: CancellationToken,
+}
+
+impl Outdated {
+    /// Stops the loop (the first reason given is kept).
+    pub(crate) fn fire(&self, why: String) {
+        let _ = self.why.set(why);
+        self.fired.cancel();
+    }
+
+    /// Why it fired, if it did.
+    pub(crate) fn why(&self) -> Option<String> {
+        self.why.get().cloned()
+    }
+}
+
 fn lock(m: &Mutex<Partitions>) -> MutexGuard<'_, Partitions> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
 }
@@ -354,6 +380,7 @@ impl<S: Sink> Shared<S> {
             done_tx,
             flushes: std::sync::atomic::AtomicU64::new(0),
             hard_stop: CancellationToken::new(),
+            outdated: Arc::default(),
             runtime: tokio::runtime::Handle::current(),
             plan: PlanCell::new(&GroupPlan::initial(settings.keyspace.groups())),
             warm_up: warm_up.map(Arc::new),

@@ -59,7 +59,34 @@ impl SinkError {
     pub fn redis(&self) -> Option<&redis::RedisError> {
         self.source.downcast_ref()
     }
+
+    /// The refusal of an owner that counts likes in the shares, at a group whose likes were
+    /// moved to count sets: fatal, and no retry of this process's can succeed.
+    pub fn likes_moved(group: u32) -> Self {
+        Self::fatal(LikesMoved { group })
+    }
+
+    /// Whether it is [`SinkError::likes_moved`].
+    pub fn is_likes_moved(&self) -> bool {
+        self.source.downcast_ref::<LikesMoved>().is_some()
+    }
 }
+
+/// A group's likes were moved to count sets (`tally likes-to-sets`) under a writer that counts
+/// them in the shares ([`tally_common::layout::moved_message`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LikesMoved {
+    /// The group.
+    pub group: u32,
+}
+
+impl std::fmt::Display for LikesMoved {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&tally_common::layout::moved_message(self.group))
+    }
+}
+
+impl std::error::Error for LikesMoved {}
 
 /// Retryable or fatal, decided once here.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -223,6 +250,14 @@ pub trait Sink: Clone + Send + Sync + 'static {
     /// store that cannot be re-grouped has none.
     fn read_plan(&self) -> impl Future<Output = Result<Option<String>, SinkError>> + Send {
         std::future::ready(Ok(None))
+    }
+
+    /// Whether `group`'s likes were moved to count sets under this writer, which counts them
+    /// in the shares: asked when a write of its is fenced, since the move fences every owner.
+    /// A store without likes in the shares says no.
+    fn likes_moved(&self, group: u32) -> impl Future<Output = Result<bool, SinkError>> + Send {
+        let _ = group;
+        std::future::ready(Ok(false))
     }
 
     /// How the writer's predictions of window cells went (`crate::store::recall`), for a store

@@ -509,7 +509,7 @@ impl Transactions {
                 }
             };
             if !matches!(moved, Value::Nil) {
-                return Err(SinkError::fatal(tally_common::layout::moved_message(group)));
+                return Err(SinkError::likes_moved(group));
             }
             if let Some(stale) = stamp_refusal(number(fence)?, epoch) {
                 return Ok(Plan::Done(stale));

@@ -310,7 +310,7 @@ impl RedisSink {
             Some("stale") => Ok(Stamp::Stale {
                 current: parse_number(&reply, 1)?,
             }),
-            Some("moved") => Err(SinkError::fatal(tally_common::layout::moved_message(group))),
+            Some("moved") => Err(SinkError::likes_moved(group)),
             _ => Err(unexpected(&reply)),
         }
     }
@@ -512,6 +512,19 @@ impl Sink for RedisSink {
             .arg(self.keyspace.plan_key())
             .query_async(&mut conn)
             .await?)
+    }
+
+    async fn likes_moved(&self, group: u32) -> Result<bool, SinkError> {
+        if !self.keyspace.likes_in_shares() {
+            return Ok(false);
+        }
+        let mut conn = self.conn.clone();
+        let mark: Option<String> = redis::cmd("HGET")
+            .arg(self.keyspace.fence_key(group))
+            .arg(tally_common::layout::MOVED_FIELD)
+            .query_async(&mut conn)
+            .await?;
+        Ok(mark.is_some())
     }
 }
 
