@@ -440,6 +440,46 @@ impl RedisConn {
             .await
     }
 
+    /// One `SCAN` call from `cursor` on the server holding `slot_key`'s slot: on a cluster, that
+    /// slot's master, whose keys (of every slot it serves) it walks; on a standalone server, the
+    /// server's. As [`RedisConn::scan_page`] otherwise. A cursor is only good at the node that
+    /// gave it: if the slot moves meanwhile, the walk ends early or repeats keys.
+    pub async fn scan_page_at(
+        &self,
+        slot_key: &str,
+        cursor: u64,
+        pattern: &str,
+        count: usize,
+    ) -> redis::RedisResult<(u64, Vec<String>)> {
+        let mut cmd = redis::cmd("SCAN");
+        cmd.arg(cursor)
+            .arg("MATCH")
+            .arg(pattern)
+            .arg("COUNT")
+            .arg(count);
+        match self {
+            RedisConn::Single(_) => cmd.query_async(&mut self.clone()).await,
+            RedisConn::Cluster(cluster) => Ok(redis::from_redis_value(
+                at_master(cluster, slot_key, cmd).await?,
+            )?),
+        }
+    }
+
+    /// The node holding `slot_key`'s slot (its master's `CLUSTER MYID`); `None` on a standalone
+    /// server, which holds every key.
+    pub async fn node_of(&self, slot_key: &str) -> redis::RedisResult<Option<String>> {
+        match self {
+            RedisConn::Single(_) => Ok(None),
+            RedisConn::Cluster(cluster) => {
+                let mut cmd = redis::cmd("CLUSTER");
+                cmd.arg("MYID");
+                Ok(Some(redis::from_redis_value(
+                    at_master(cluster, slot_key, cmd).await?,
+                )?))
+            }
+        }
+    }
+
     /// Up to `count` keys of the cluster slot `key` hashes to (`CLUSTER GETKEYSINSLOT`, sent to
     /// that slot's master): what one slot holds, where `SCAN` would cover one node only. Fails on
     /// a standalone Redis.
@@ -454,16 +494,25 @@ impl RedisConn {
                 "CLUSTER GETKEYSINSLOT needs a Redis Cluster",
             )));
         };
-        let slot = cluster_slot(key);
         let mut cmd = redis::cmd("CLUSTER");
-        cmd.arg("GETKEYSINSLOT").arg(slot).arg(count);
-        let route = Route::new(slot, SlotAddr::Master);
-        let routing = RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(route));
-        let reply = cluster
-            .request(move |mut conn| async move { conn.route_command(cmd, routing).await })
-            .await?;
-        Ok(redis::from_redis_value(reply)?)
+        cmd.arg("GETKEYSINSLOT").arg(cluster_slot(key)).arg(count);
+        Ok(redis::from_redis_value(
+            at_master(cluster, key, cmd).await?,
+        )?)
     }
+}
+
+/// Sends `cmd` to the master of `slot_key`'s slot.
+async fn at_master(
+    cluster: &HealingCluster,
+    slot_key: &str,
+    cmd: Cmd,
+) -> redis::RedisResult<Value> {
+    let route = Route::new(cluster_slot(slot_key), SlotAddr::Master);
+    let routing = RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(route));
+    cluster
+        .request(move |mut conn| async move { conn.route_command(cmd, routing).await })
+        .await
 }
 
 /// Redis Cluster's slot of `key`: CRC16/XMODEM of its hash tag (or of the whole key), mod 16384.

@@ -272,3 +272,137 @@ async fn a_cluster_connection_that_only_times_out_is_replaced() {
         .expect("GET");
     assert_eq!(stored, n);
 }
+
+/// `tally likes-to-sets` on a Redis Cluster: a deployment that counted likes in the shares
+/// (member sets and shares written as its writers wrote them, in 16 groups over the 3 masters)
+/// is moved to count sets, its member sets found by `SCAN` on every master. Every total reads
+/// the same after, no member set is left on any node, every partition's fence moved one epoch
+/// on beside the mark, and a second run finds nothing to do.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn likes_counted_in_the_shares_move_to_count_sets_on_a_cluster() {
+    use redis::AsyncCommands as _;
+    let cluster = RedisCluster::start().await;
+    let dir = TempDir::new("likes-move-cluster");
+    let namespaces = dir.path().join("ns.toml");
+    std::fs::write(&namespaces, "[namespaces.likes]\ndedup = true\n").expect("namespaces file");
+    let prefix = tally_tests::unique("moved");
+    let ks = tally_common::Keyspace::new(prefix.clone(), 16).expect("keyspace");
+    let conn = tally_common::RedisConn::connect(&cluster.url())
+        .await
+        .expect("cluster");
+    let mut writes = conn.clone();
+    let _: () = writes
+        .hset_multiple(
+            ks.layout_key(),
+            &[("likes", "shares"), ("dedup:likes", "counter")],
+        )
+        .await
+        .expect("HSET layout");
+    for group in 0..16 {
+        let _: () = writes
+            .hset(ks.fence_key(group), "likes.events/0", 5)
+            .await
+            .expect("HSET fence");
+    }
+    // 400 counters, each liked by 1 to 9 actors; some with an extra share in another group (a
+    // share moved by a regroup, or written before a spread change).
+    let (mut expected, mut likes) = (std::collections::HashMap::new(), 0);
+    for i in 0..400u32 {
+        let counter = format!("likes:post:{i}");
+        let group = ks.group_for_counter(&counter);
+        let actors: Vec<String> = (0..=i % 9).map(|a| format!("u{a}")).collect();
+        let _: () = writes
+            .sadd(ks.member_key(group, &counter), &actors)
+            .await
+            .expect("SADD");
+        let mut total = actors.len() as i64;
+        likes += total;
+        let _: () = writes
+            .set(ks.counter_key(group, &counter), total)
+            .await
+            .expect("SET share");
+        if i % 5 == 0 {
+            let other = (group + 1) % 16;
+            let _: () = writes
+                .set(ks.counter_key(other, &counter), 3)
+                .await
+                .expect("SET share");
+            total += 3;
+        }
+        expected.insert(counter, total);
+    }
+    let reader = tally_common::Reader::new(conn.clone(), ks.clone());
+    let totals = |reader: &tally_common::Reader| {
+        let reader = reader.clone();
+        let counters: Vec<String> = expected.keys().cloned().collect();
+        async move {
+            let mut read = std::collections::HashMap::new();
+            for counter in counters {
+                let total = reader.get(&counter).await.expect("read");
+                read.insert(counter, total);
+            }
+            read
+        }
+    };
+    assert_eq!(totals(&reader).await, expected, "read before the move");
+
+    let tally = || {
+        let output = std::process::Command::new(tally_tests::binary("tally"))
+            .arg("likes-to-sets")
+            .arg("--namespaces")
+            .arg(&namespaces)
+            .args(["--redis-url", &cluster.url(), "--key-prefix", &prefix])
+            .args(["--shard-groups", "16"])
+            .output()
+            .expect("tally runs");
+        let said = String::from_utf8_lossy(&output.stdout).into_owned();
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(output.status.success(), "{said}{stderr}");
+        said
+    };
+    let said = tally();
+    assert!(
+        said.contains(&format!("sets 400, likes {likes}")) && said.ends_with(" 0\n"),
+        "{said}"
+    );
+    assert_eq!(totals(&reader).await, expected, "read after the move");
+    for node in 0..3 {
+        let mut node_conn = tally_tests::connect(&cluster.node_url(node)).await;
+        let members: Vec<String> = node_conn
+            .keys(format!("{prefix}:*:m:*"))
+            .await
+            .expect("KEYS");
+        assert_eq!(
+            members,
+            Vec::<String>::new(),
+            "node {node}: no member set left"
+        );
+    }
+    for (counter, total) in &expected {
+        let group = ks.group_for_counter(counter);
+        let size: i64 = writes
+            .scard(ks.count_set_key(group, counter))
+            .await
+            .expect("SCARD");
+        let share: i64 = writes
+            .get(ks.counter_key(group, counter))
+            .await
+            .expect("GET");
+        // The likes in the count set, none left in the share; the other group's share kept.
+        let id: u32 = counter["likes:post:".len()..].parse().expect("id");
+        assert_eq!(size, i64::from(id % 9 + 1), "{counter}");
+        assert_eq!(share, 0, "{counter}");
+        assert_eq!(*total - size, if id % 5 == 0 { 3 } else { 0 }, "{counter}");
+    }
+    for group in 0..16 {
+        let fence: std::collections::HashMap<String, String> =
+            writes.hgetall(ks.fence_key(group)).await.expect("HGETALL");
+        assert_eq!(fence.get("likes.events/0").map(String::as_str), Some("6"));
+        assert_eq!(fence.get("~likes").map(String::as_str), Some("sets"));
+    }
+    let record: std::collections::HashMap<String, String> =
+        writes.hgetall(ks.layout_key()).await.expect("HGETALL");
+    assert_eq!(record.get("likes").map(String::as_str), Some("sets"));
+    assert_eq!(record.get("dedup:likes").map(String::as_str), Some("sets"));
+    assert!(tally().contains("already"));
+}

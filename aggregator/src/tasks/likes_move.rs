@@ -22,7 +22,9 @@
 //!    move, and a move interrupted anywhere is finished by running the command again.
 //! 4. The record's `likes` becomes `sets`: writers start again, counting likes by their sets.
 //!
-//! Finding the member sets needs `SCAN`: a standalone Redis, as for the other migrations.
+//! The member sets are found with `SCAN`: on a Redis Cluster, on the master of each group's
+//! slot (once per node), pass after pass until one finds no set to move, since a slot
+//! migrated during a pass may have been walked on neither node.
 
 use redis::Script;
 use tally_common::keyspace::GroupingRule;
@@ -31,13 +33,19 @@ use tally_common::{Keyspace, Namespaces, RedisConn};
 
 /// Keys per `SCAN` call.
 const BATCH: usize = 1000;
+/// Passes over a cluster's nodes before the move gives up on sets that keep appearing.
+const MAX_PASSES: u32 = 8;
 
 /// Why the move did not finish.
 #[derive(Debug, thiserror::Error)]
 pub enum MoveError {
-    /// Finding the member sets needs `SCAN`, which a cluster connection does not offer here.
-    #[error("moving likes to count sets needs a standalone Redis (it finds member sets with SCAN)")]
-    Cluster,
+    /// Member sets to move kept appearing pass after pass (writers left running, or slots
+    /// migrating all along).
+    #[error(
+        "member sets to move were still found after {MAX_PASSES} passes over the cluster's nodes: \
+         stop every writer of likes and run the command again"
+    )]
+    Unsettled,
     /// The deployment's record does not allow the move, or does not match the namespaces.
     #[error("{0}")]
     Refused(String),
@@ -128,9 +136,6 @@ pub async fn likes_to_sets(
     keyspace: &Keyspace,
     namespaces: &Namespaces,
 ) -> Result<Moved, MoveError> {
-    if conn.is_cluster() {
-        return Err(MoveError::Cluster);
-    }
     let moved = moved_namespaces(conn, keyspace, namespaces).await?;
     let fields: Vec<String> = moved.iter().map(|ns| format!("dedup:{ns}")).collect();
     let start = Script::new(START);
@@ -189,62 +194,61 @@ pub async fn likes_to_sets(
         let policy = namespaces.policy(counter);
         policy.dedup && policy.grouping == GroupingRule::ByCounter
     };
-    // One script per set, a pipeline of them per SCAN batch: a round trip per set would make
-    // the move (writers stopped) take hours over millions of counters.
-    let sha: String = redis::cmd("SCRIPT")
-        .arg("LOAD")
-        .arg(MOVE)
-        .query_async(&mut conn.clone())
-        .await?;
+    // A slot of each node holding a group: where its SCANs go.
+    let mut nodes = std::collections::BTreeMap::new();
+    for group in 0..width {
+        let slot_key = keyspace.fence_key(group);
+        nodes
+            .entry(conn.node_of(&slot_key).await?)
+            .or_insert(slot_key);
+    }
+    let mover = Mover::new(conn).await?;
     let pattern = format!("{}:{{g*}}:m:*", keyspace.prefix());
-    let mut cursor: u64 = 0;
+    let mut passes = 0;
     loop {
-        let (next, keys) = conn.scan_page(cursor, &pattern, BATCH).await?;
-        let mut moves = redis::pipe();
-        moves.ignore_errors();
-        let mut moving = Vec::new();
-        for key in keys {
-            let Some((group, counter)) = keyspace.member_set_of_key(&key) else {
-                continue;
-            };
-            if !moved_counter(counter) || keyspace.group_for_counter(counter) != group {
-                report.left += 1;
-                continue;
-            }
-            moves
-                .cmd("EVALSHA")
-                .arg(&sha)
-                .arg(4)
-                .arg(&key)
-                .arg(keyspace.count_set_key(group, counter))
-                .arg(keyspace.counter_key(group, counter))
-                .arg(keyspace.fence_key(group));
-            moving.push(key);
-        }
-        if !moving.is_empty() {
-            let results: Vec<redis::RedisResult<u64>> =
-                moves.query_async(&mut conn.clone()).await?;
-            for (key, result) in moving.into_iter().zip(results) {
-                match result {
-                    Ok(0) => {}
-                    Ok(likes) => {
+        passes += 1;
+        let (mut found, mut left) = (0, 0);
+        for slot_key in nodes.values() {
+            let mut cursor: u64 = 0;
+            loop {
+                let (next, keys) = conn.scan_page_at(slot_key, cursor, &pattern, BATCH).await?;
+                let mut moves = Vec::new();
+                for key in keys {
+                    let Some((group, counter)) = keyspace.member_set_of_key(&key) else {
+                        continue;
+                    };
+                    if !moved_counter(counter) || keyspace.group_for_counter(counter) != group {
+                        left += 1;
+                        continue;
+                    }
+                    let keys = [
+                        keyspace.count_set_key(group, counter),
+                        keyspace.counter_key(group, counter),
+                        keyspace.fence_key(group),
+                    ];
+                    moves.push((key, keys));
+                }
+                found += moves.len();
+                for likes in mover.run(moves).await? {
+                    if likes > 0 {
                         report.sets += 1;
                         report.likes += likes;
                     }
-                    // Redis restarted and lost the script meanwhile: run the command again.
-                    Err(e) if e.code() == Some("NOSCRIPT") => return Err(e.into()),
-                    Err(e) => {
-                        return Err(MoveError::Set {
-                            key,
-                            reason: e.to_string(),
-                        });
-                    }
+                }
+                cursor = next;
+                if cursor == 0 {
+                    break;
                 }
             }
         }
-        cursor = next;
-        if cursor == 0 {
+        report.left = left;
+        // A standalone server's SCAN returns every key there all along; a cluster's nodes are
+        // walked again until a pass finds nothing to move.
+        if !conn.is_cluster() || found == 0 {
             break;
+        }
+        if passes == MAX_PASSES {
+            return Err(MoveError::Unsettled);
         }
     }
     let _: () = redis::cmd("HSET")
@@ -254,6 +258,98 @@ pub async fn likes_to_sets(
         .query_async(&mut conn.clone())
         .await?;
     Ok(report)
+}
+
+/// Runs step 3's script over member sets: as one pipeline of `EVALSHA`s on a standalone
+/// server (a round trip per set would make the move, writers stopped, take hours over
+/// millions of counters), as concurrent requests on a cluster (each set in its own slot).
+struct Mover<'a> {
+    conn: &'a RedisConn,
+    script: std::sync::Arc<Script>,
+    /// The script's SHA, loaded on the standalone server.
+    sha: Option<String>,
+}
+
+impl<'a> Mover<'a> {
+    async fn new(conn: &'a RedisConn) -> Result<Self, MoveError> {
+        let script = Script::new(MOVE);
+        let sha = if conn.is_cluster() {
+            None
+        } else {
+            let load = redis::cmd("SCRIPT").arg("LOAD").arg(MOVE).clone();
+            Some(load.query_async(&mut conn.clone()).await?)
+        };
+        Ok(Self {
+            conn,
+            script: std::sync::Arc::new(script),
+            sha,
+        })
+    }
+
+    /// Moves each member set with its count set, share and fence keys: the likes each moved
+    /// (0: gone, moved before). The first set refused stops the move, named.
+    async fn run(&self, moves: Vec<(String, [String; 3])>) -> Result<Vec<u64>, MoveError> {
+        if moves.is_empty() {
+            return Ok(Vec::new());
+        }
+        let results: Vec<redis::RedisResult<u64>> = match &self.sha {
+            Some(sha) => {
+                let mut pipe = redis::pipe();
+                pipe.ignore_errors();
+                for (key, [count_set, share, fence]) in &moves {
+                    pipe.cmd("EVALSHA")
+                        .arg(sha)
+                        .arg(4)
+                        .arg(key)
+                        .arg(count_set)
+                        .arg(share)
+                        .arg(fence);
+                }
+                pipe.query_async(&mut self.conn.clone()).await?
+            }
+            None => {
+                let requests: Vec<_> = (moves.iter())
+                    .map(|(key, [count_set, share, fence])| {
+                        let (script, mut conn) = (self.script.clone(), self.conn.clone());
+                        let keys = [key.clone(), count_set.clone(), share.clone(), fence.clone()];
+                        tokio::spawn(async move {
+                            let mut invocation = script.prepare_invoke();
+                            for key in &keys {
+                                invocation.key(key);
+                            }
+                            invocation.invoke_async::<u64>(&mut conn).await
+                        })
+                    })
+                    .collect();
+                let mut results = Vec::with_capacity(requests.len());
+                for request in requests {
+                    results.push(request.await.map_err(|_| {
+                        redis::RedisError::from((redis::ErrorKind::Io, "move task cancelled"))
+                    })?);
+                }
+                results
+            }
+        };
+        let mut moved = Vec::with_capacity(results.len());
+        for ((key, _), result) in moves.into_iter().zip(results) {
+            match result {
+                Ok(likes) => moved.push(likes),
+                // Redis restarted and lost the script meanwhile: run the command again.
+                Err(e) if e.code() == Some("NOSCRIPT") => return Err(e.into()),
+                // The connection failed: nothing is known of this set; run the command again.
+                Err(e) if e.is_io_error() || e.is_timeout() || e.is_connection_dropped() => {
+                    return Err(e.into());
+                }
+                Err(e) => {
+                    return Err(MoveError::Set {
+                        key,
+                        reason: e.to_string(),
+                    });
+                }
+            }
+        }
+        Ok(moved)
+    }
 }
 
 /// The namespaces the move moves: those of `namespaces` that deduplicate grouped by counter
