@@ -465,6 +465,26 @@ impl RedisConn {
         }
     }
 
+    /// Of `slot_keys`, one per node holding their slots, to walk every key of those slots with
+    /// [`RedisConn::scan_page_at`], each node once; the first alone on a standalone server.
+    /// A slot that migrates during the walk may be walked on neither node: walk again until a
+    /// walk finds nothing left to do.
+    pub async fn one_per_node(
+        &self,
+        slot_keys: impl IntoIterator<Item = String>,
+    ) -> redis::RedisResult<Vec<String>> {
+        let mut nodes = std::collections::BTreeMap::new();
+        for slot_key in slot_keys {
+            nodes
+                .entry(self.node_of(&slot_key).await?)
+                .or_insert(slot_key);
+            if !self.is_cluster() {
+                break;
+            }
+        }
+        Ok(nodes.into_values().collect())
+    }
+
     /// The node holding `slot_key`'s slot (its master's `CLUSTER MYID`); `None` on a standalone
     /// server, which holds every key.
     pub async fn node_of(&self, slot_key: &str) -> redis::RedisResult<Option<String>> {

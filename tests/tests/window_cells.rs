@@ -26,11 +26,11 @@ async fn redis_conn(redis: &RedisServer) -> RedisConn {
     RedisConn::connect(&redis.url()).await.expect("redis")
 }
 
-/// Runs `tally windows <what>` against `redis` under `keyspace`; its output.
-fn tally_windows(what: &str, redis: &RedisServer, keyspace: &Keyspace, extra: &[&str]) -> String {
+/// Runs `tally windows <what>` against the Redis at `url` under `keyspace`; its output.
+fn tally_windows(what: &str, url: &str, keyspace: &Keyspace, extra: &[&str]) -> String {
     let out = Command::new(binary("tally"))
         .args(["windows", what])
-        .args(["--redis-url", &redis.url()])
+        .args(["--redis-url", url])
         .args(["--key-prefix", keyspace.prefix()])
         .args(["--shard-groups", &keyspace.groups().to_string()])
         .args(extra)
@@ -51,18 +51,28 @@ async fn old_bucket_keys_are_folded_into_cells_once() {
     // Into the stripes of a deployment that kept cells before their number was recorded, and
     // into those a newer one records.
     for legacy in [true, false] {
-        fold_old_bucket_keys(&redis, legacy).await;
+        fold_old_bucket_keys(&redis.url(), legacy).await;
     }
 }
 
-async fn fold_old_bucket_keys(redis: &RedisServer, legacy: bool) {
+/// The same on a 3-master Redis Cluster, the old keys of 4 groups spread over its nodes: each
+/// node is walked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn old_bucket_keys_are_folded_into_cells_once_on_a_cluster() {
+    let cluster = tally_tests::RedisCluster::start().await;
+    for legacy in [true, false] {
+        fold_old_bucket_keys(&cluster.url(), legacy).await;
+    }
+}
+
+async fn fold_old_bucket_keys(url: &str, legacy: bool) {
     let keyspace = Keyspace::new(unique("migrate"), 4).expect("keyspace");
-    let mut conn = connect(&redis.url()).await;
+    let mut conn = RedisConn::connect(url).await.expect("redis");
     let layout = if legacy {
         keyspace.clone().with_cells_stripes(LEGACY_STRIPES)
     } else {
         // As the first aggregator records it.
-        let recorded = record_cells_stripes(&redis_conn(redis).await, &keyspace).await;
+        let recorded = record_cells_stripes(&conn, &keyspace).await;
         recorded.expect("recorded")
     };
     assert_eq!(
@@ -95,12 +105,12 @@ async fn fold_old_bucket_keys(redis: &RedisServer, legacy: bool) {
         .await
         .expect("HSET");
 
-    let out = tally_windows("migrate", redis, &keyspace, &[]);
+    let out = tally_windows("migrate", url, &keyspace, &[]);
     assert!(
         out.contains("bucket keys folded: 5, fields written: 3, keys left (not integers): 1"),
         "{out}"
     );
-    let reader = redis.reader(keyspace.clone()).await;
+    let reader = tally_tests::reader(url, keyspace.clone()).await;
     let minutes = Window {
         width_ms: MINUTE,
         retention_ms: 48 * MINUTE,
@@ -139,7 +149,7 @@ async fn fold_old_bucket_keys(redis: &RedisServer, legacy: bool) {
     assert_eq!(kept.as_deref(), Some("abc"));
 
     // Run again: nothing left to fold, nothing counted twice.
-    let again = tally_windows("migrate", redis, &keyspace, &[]);
+    let again = tally_windows("migrate", url, &keyspace, &[]);
     assert!(
         again.contains("bucket keys folded: 0, fields written: 0"),
         "{again}"
@@ -208,7 +218,7 @@ async fn sweep_case(redis: &RedisServer, legacy: bool) {
             .expect("HSET");
     }
     let ns = namespaces.to_str().expect("utf-8 path");
-    let out = tally_windows("sweep", redis, &keyspace, &["--namespaces", ns]);
+    let out = tally_windows("sweep", &redis.url(), &keyspace, &["--namespaces", ns]);
     assert!(
         out.contains("fields read: 5, trimmed: 1, deleted: 2, not cells (left alone): 1"),
         "{out}"

@@ -7,7 +7,8 @@
 //!   hash with `HSCAN`, so it also runs against a cluster.
 //! - **migrate** ([`migrate`]): folds the keys of the layout before cells (a key per bucket,
 //!   `<prefix>:{g<group>}:w:<width>:<start>:<counter>`) into the cells, deleting each key in
-//!   the same script that adds its value. Finding them needs `SCAN`: a standalone Redis.
+//!   the same script that adds its value. It finds them with `SCAN`: on a Redis Cluster, on
+//!   every node holding a group, walked again until a walk folds nothing.
 //!
 //! Both rewrite a field only if it still holds what they read (`scripts/cells.lua`), so they run
 //! beside the aggregators, and a run killed anywhere is simply run again.
@@ -31,9 +32,6 @@ pub enum UpkeepError {
     /// Redis failed; running it again picks up.
     #[error("redis: {0}")]
     Redis(#[from] redis::RedisError),
-    /// Finding the old keys needs `SCAN`, which a cluster connection does not offer here.
-    #[error("migrating the old window keys needs a standalone Redis (it finds them with SCAN)")]
-    Cluster,
     /// A field kept changing between read and write.
     #[error("{0}: the cells kept changing between read and write")]
     Stale(String),
@@ -221,18 +219,41 @@ fn parse_old_key<'k>(keyspace: &Keyspace, key: &'k str) -> Option<(u32, &'k str,
 
 /// Folds every old bucket key into the cells and deletes it.
 pub async fn migrate(conn: &RedisConn, keyspace: &Keyspace) -> Result<MigrateReport, UpkeepError> {
-    if conn.is_cluster() {
-        return Err(UpkeepError::Cluster);
-    }
     // A writer of cells: the deployment's stripes, recorded first if none are.
     let keyspace = &tally_common::layout::record_cells_stripes(conn, keyspace).await?;
     let script = script();
     let mut report = MigrateReport::default();
     let pattern = format!("{}:{{g*}}:w:*", keyspace.prefix());
+    let nodes = conn
+        .one_per_node((0..keyspace.groups()).map(|group| keyspace.fence_key(group)))
+        .await?;
+    // A cluster's nodes are walked again until a walk folds nothing (a slot migrated during a
+    // walk may have been walked on neither node); what was left is counted by the last walk.
+    loop {
+        let folded = report.keys;
+        report.corrupt = 0;
+        for slot_key in &nodes {
+            fold_walked(conn, keyspace, &script, slot_key, &pattern, &mut report).await?;
+        }
+        if !conn.is_cluster() || report.keys == folded {
+            return Ok(report);
+        }
+    }
+}
+
+/// Walks the old bucket keys at `slot_key`'s node and folds them into the cells.
+async fn fold_walked(
+    conn: &RedisConn,
+    keyspace: &Keyspace,
+    script: &redis::Script,
+    slot_key: &str,
+    pattern: &str,
+    report: &mut MigrateReport,
+) -> Result<(), UpkeepError> {
     let mut found: BTreeMap<(u32, String), Vec<OldKey>> = BTreeMap::new();
     let mut cursor: u64 = 0;
     loop {
-        let (next, keys) = conn.scan_page(cursor, &pattern, BATCH).await?;
+        let (next, keys) = conn.scan_page_at(slot_key, cursor, pattern, BATCH).await?;
         for key in keys {
             if let Some((group, counter, width, start)) = parse_old_key(keyspace, &key) {
                 let entry = found.entry((group, counter.to_owned())).or_default();
@@ -290,7 +311,7 @@ pub async fn migrate(conn: &RedisConn, keyspace: &Keyspace) -> Result<MigrateRep
                 }],
             };
             // Counted once, on the attempt that lands (or finds nothing to fold).
-            if extra.is_empty() || rewrite(conn, &script, &stripe, &extra).await? {
+            if extra.is_empty() || rewrite(conn, script, &stripe, &extra).await? {
                 report.keys += extra.len() as u64;
                 report.fields += u64::from(!extra.is_empty());
                 report.corrupt += corrupt;
@@ -301,7 +322,7 @@ pub async fn migrate(conn: &RedisConn, keyspace: &Keyspace) -> Result<MigrateRep
             }
         }
     }
-    Ok(report)
+    Ok(())
 }
 
 #[cfg(test)]

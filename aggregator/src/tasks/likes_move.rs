@@ -195,20 +195,16 @@ pub async fn likes_to_sets(
         policy.dedup && policy.grouping == GroupingRule::ByCounter
     };
     // A slot of each node holding a group: where its SCANs go.
-    let mut nodes = std::collections::BTreeMap::new();
-    for group in 0..width {
-        let slot_key = keyspace.fence_key(group);
-        nodes
-            .entry(conn.node_of(&slot_key).await?)
-            .or_insert(slot_key);
-    }
+    let nodes = conn
+        .one_per_node((0..width).map(|group| keyspace.fence_key(group)))
+        .await?;
     let mover = Mover::new(conn).await?;
     let pattern = format!("{}:{{g*}}:m:*", keyspace.prefix());
     let mut passes = 0;
     loop {
         passes += 1;
         let (mut found, mut left) = (0, 0);
-        for slot_key in nodes.values() {
+        for slot_key in &nodes {
             let mut cursor: u64 = 0;
             loop {
                 let (next, keys) = conn.scan_page_at(slot_key, cursor, &pattern, BATCH).await?;
