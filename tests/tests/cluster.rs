@@ -321,7 +321,7 @@ async fn likes_counted_in_the_shares_move_to_count_sets_on_a_cluster() {
             .set(ks.counter_key(group, &counter), total)
             .await
             .expect("SET share");
-        if i % 5 == 0 {
+        if i.is_multiple_of(5) {
             let other = (group + 1) % 16;
             let _: () = writes
                 .set(ks.counter_key(other, &counter), 3)
@@ -392,7 +392,11 @@ async fn likes_counted_in_the_shares_move_to_count_sets_on_a_cluster() {
         let id: u32 = counter["likes:post:".len()..].parse().expect("id");
         assert_eq!(size, i64::from(id % 9 + 1), "{counter}");
         assert_eq!(share, 0, "{counter}");
-        assert_eq!(*total - size, if id % 5 == 0 { 3 } else { 0 }, "{counter}");
+        assert_eq!(
+            *total - size,
+            if id.is_multiple_of(5) { 3 } else { 0 },
+            "{counter}"
+        );
     }
     for group in 0..16 {
         let fence: std::collections::HashMap<String, String> =
