@@ -52,8 +52,9 @@ pub(crate) enum Command {
     /// Move a deployment's likes from the shares to count sets (about half of Redis's work per
     /// like): stop every writer (aggregators, services writing likes directly) first, run this
     /// with their namespaces file, then start writers of this version. Run it again to finish
-    /// an interrupted move; print what it moved.
-    LikesToSets(RedisArgs),
+    /// an interrupted move; print what it moved. With --dry-run, change nothing and print what
+    /// it would move, or the set it would stop at.
+    LikesToSets(LikesToSetsArgs),
     /// Upkeep of the window buckets: drop expired ones, or migrate the keys of the old layout.
     #[command(subcommand)]
     Windows(WindowsCommand),
@@ -208,6 +209,16 @@ pub(crate) struct ResetArgs {
     pub(crate) counters: Vec<String>,
     #[command(flatten)]
     pub(crate) kafka: KafkaArgs,
+}
+
+#[derive(Debug, clap::Args)]
+pub(crate) struct LikesToSetsArgs {
+    /// Change nothing: check the record and every member set as the move would, and print what
+    /// it would move (writers may keep running meanwhile).
+    #[arg(long)]
+    pub(crate) dry_run: bool,
+    #[command(flatten)]
+    pub(crate) redis: RedisArgs,
 }
 
 #[derive(Debug, clap::Args)]

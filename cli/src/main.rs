@@ -24,8 +24,8 @@ mod args;
 
 use args::{
     AuditArgs, Cli, Command, CompactArgs, CounterArgs, DeadLetterArgs, DeadLettersCommand, GetArgs,
-    LikeArgs, LikedArgs, LoadArgs, RedisArgs, RegroupArgs, ReplayArgs, ResetArgs, TopArgs,
-    VerifyArgs, WindowsCommand,
+    LikeArgs, LikedArgs, LikesToSetsArgs, LoadArgs, RedisArgs, RegroupArgs, ReplayArgs, ResetArgs,
+    TopArgs, VerifyArgs, WindowsCommand,
 };
 
 #[tokio::main]
@@ -201,12 +201,16 @@ async fn migrate_windows(args: RedisArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-async fn likes_to_sets(args: RedisArgs) -> anyhow::Result<ExitCode> {
-    let namespaces = args.namespaces()?;
-    let reader = args.reader().await?;
+async fn likes_to_sets(args: LikesToSetsArgs) -> anyhow::Result<ExitCode> {
+    use tally_aggregator::tasks::likes_move;
+    let namespaces = args.redis.namespaces()?;
+    let reader = args.redis.reader().await?;
     let (conn, keyspace) = (reader.conn(), reader.keyspace());
-    let moved = tally_aggregator::tasks::likes_move::likes_to_sets(conn, keyspace, &namespaces);
-    let moved = moved.await?;
+    let moved = if args.dry_run {
+        likes_move::plan_likes_to_sets(conn, keyspace, &namespaces).await?
+    } else {
+        likes_move::likes_to_sets(conn, keyspace, &namespaces).await?
+    };
     if moved.already {
         writeln!(
             out(),
@@ -215,8 +219,13 @@ async fn likes_to_sets(args: RedisArgs) -> anyhow::Result<ExitCode> {
     } else {
         writeln!(
             out(),
-            "likes moved to count sets: namespaces {}, sets {}, likes {}, member sets left \
+            "likes {} to count sets: namespaces {}, sets {}, likes {}, member sets left \
              (of namespaces not moved, or outside their counter's group) {}",
+            if args.dry_run {
+                "would move (dry run, nothing changed)"
+            } else {
+                "moved"
+            },
             moved.namespaces.join(","),
             moved.sets,
             moved.likes,

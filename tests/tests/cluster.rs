@@ -346,21 +346,51 @@ async fn likes_counted_in_the_shares_move_to_count_sets_on_a_cluster() {
     };
     assert_eq!(totals(&reader).await, expected, "read before the move");
 
-    let tally = || {
+    // Whether it succeeded, and what it said.
+    let run = |extra: &[&str]| {
         let output = std::process::Command::new(tally_tests::binary("tally"))
             .arg("likes-to-sets")
             .arg("--namespaces")
             .arg(&namespaces)
             .args(["--redis-url", &cluster.url(), "--key-prefix", &prefix])
             .args(["--shard-groups", "16"])
+            .args(extra)
             .output()
             .expect("tally runs");
         let said = String::from_utf8_lossy(&output.stdout).into_owned();
         let stderr = String::from_utf8_lossy(&output.stderr);
-        assert!(output.status.success(), "{said}{stderr}");
+        (output.status.success(), format!("{said}{stderr}"))
+    };
+    let tally = |extra: &[&str]| {
+        let (succeeded, said) = run(extra);
+        assert!(succeeded, "{said}");
         said
     };
-    let said = tally();
+    // A dry run: what would move, with nothing changed; a set the move would stop at (its count
+    // set exists already) is named, and stops the dry run too.
+    let said = tally(&["--dry-run"]);
+    assert!(
+        said.contains(&format!("would move (dry run, nothing changed) to count sets: namespaces likes, sets 400, likes {likes}")),
+        "{said}"
+    );
+    let blocking = ks.count_set_key(ks.group_for_counter("likes:post:7"), "likes:post:7");
+    let _: () = writes.sadd(&blocking, "u0").await.expect("SADD");
+    let (succeeded, said) = run(&["--dry-run"]);
+    assert!(
+        !succeeded
+            && said.contains("its count set exists already")
+            && said.contains(":m:likes:post:7"),
+        "{said}"
+    );
+    let _: () = writes.del(&blocking).await.expect("DEL");
+    let record: std::collections::HashMap<String, String> =
+        writes.hgetall(ks.layout_key()).await.expect("HGETALL");
+    assert_eq!(record.get("likes").map(String::as_str), Some("shares"));
+    let fence: Option<String> = writes.hget(ks.fence_key(0), "~likes").await.expect("HGET");
+    assert_eq!(fence, None, "a dry run marks nothing");
+    assert_eq!(totals(&reader).await, expected, "read after the dry runs");
+
+    let said = tally(&[]);
     assert!(
         said.contains(&format!("sets 400, likes {likes}")) && said.ends_with(" 0\n"),
         "{said}"
@@ -408,5 +438,5 @@ async fn likes_counted_in_the_shares_move_to_count_sets_on_a_cluster() {
         writes.hgetall(ks.layout_key()).await.expect("HGETALL");
     assert_eq!(record.get("likes").map(String::as_str), Some("sets"));
     assert_eq!(record.get("dedup:likes").map(String::as_str), Some("sets"));
-    assert!(tally().contains("already"));
+    assert!(tally(&[]).contains("already"));
 }

@@ -290,8 +290,14 @@ impl MoveToSets<'_> {
             assert!(output.status.success(), "{stdout}{stderr}");
             stdout
         };
+        // A dry run first: what the move then does, with nothing changed.
+        let planned = tally(&["--dry-run"]);
+        let (_, would) = planned
+            .split_once("would move (dry run, nothing changed) to count sets: ")
+            .unwrap_or_else(|| panic!("{planned}"));
         let said = tally(&[]);
         assert!(said.contains("likes moved to count sets"), "{said}");
+        assert!(said.ends_with(would), "dry run: {planned}; move: {said}");
         eprintln!("{said}");
         // Every total the same, read at once; no member set left; the record says sets.
         let expected = totals(&last);

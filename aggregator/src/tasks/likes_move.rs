@@ -129,6 +129,57 @@ redis.call('DECRBY', KEYS[3], n)
 return n
 ";
 
+/// A dry run's step 3: what [`MOVE`] would do with the same keys, changing nothing. Returns
+/// the likes it would move (0: no such set), or the error it would stop with.
+const CHECK: &str = r"
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+if redis.call('TYPE', KEYS[1]).ok ~= 'set' then
+  return redis.error_reply('not a set')
+end
+if redis.call('EXISTS', KEYS[2]) == 1 then
+  return redis.error_reply('its count set exists already')
+end
+local share = redis.call('GET', KEYS[3])
+if share and not tonumber(share) then
+  return redis.error_reply('its counter share is not an integer')
+end
+return redis.call('SCARD', KEYS[1])
+";
+
+/// What the move would do, changing nothing (`tally likes-to-sets --dry-run`): the record's
+/// checks of step 1, then every member set found as step 3 would find it, checked by the
+/// move's own conditions; the first it would stop at is the error. Reported as if moved.
+pub async fn plan_likes_to_sets(
+    conn: &RedisConn,
+    keyspace: &Keyspace,
+    namespaces: &Namespaces,
+) -> Result<Moved, MoveError> {
+    let moved = moved_namespaces(conn, keyspace, namespaces).await?;
+    let likes: Option<String> = redis::cmd("HGET")
+        .arg(keyspace.layout_key())
+        .arg(LIKES_FIELD)
+        .query_async(&mut conn.clone())
+        .await?;
+    match likes.as_deref() {
+        Some("sets") => {
+            return Ok(Moved {
+                already: true,
+                ..Moved::default()
+            });
+        }
+        Some("shares" | "moving") => {}
+        other => return Err(not_shares(keyspace, other.unwrap_or(""))),
+    }
+    let width = group_width(conn, keyspace).await?;
+    let mut report = Moved {
+        namespaces: moved,
+        ..Moved::default()
+    };
+    let checker = Mover::new(conn, CHECK).await?;
+    walk(conn, keyspace, namespaces, width, &checker, &mut report).await?;
+    Ok(report)
+}
+
 /// Moves `keyspace`'s likes from the shares to count sets, as the module's doc says: every
 /// namespace of `namespaces` (the writers' namespace file) that deduplicates grouped by counter.
 pub async fn likes_to_sets(
@@ -152,14 +203,7 @@ pub async fn likes_to_sets(
             });
         }
         ["moving"] => {}
-        ["likes", text] => {
-            return Err(MoveError::Refused(format!(
-                "{} field {LIKES_FIELD} holds {text:?}, not \"shares\": nothing recorded to move \
-                 from (a deployment records how it counts likes once a writer of this version \
-                 has started)",
-                keyspace.layout_key()
-            )));
-        }
+        ["likes", text] => return Err(not_shares(keyspace, text)),
         ["grouping", field, grouping] => {
             return Err(MoveError::Refused(format!(
                 "{} field {field} holds {grouping:?}, but the namespaces file groups that \
@@ -173,12 +217,7 @@ pub async fn likes_to_sets(
             )));
         }
     }
-    // Every group an owner stamps (more than the configured count after a re-grouping grew it).
-    let width = match tally_common::regroup::read_plan(conn, keyspace).await {
-        Ok(plan) => plan.read.max(keyspace.groups()),
-        Err(tally_common::regroup::PlanError::Redis(e)) => return Err(e.into()),
-        Err(e) => return Err(MoveError::Refused(e.to_string())),
-    };
+    let width = group_width(conn, keyspace).await?;
     let mark = Script::new(MARK);
     for group in 0..width {
         let _: i64 = mark
@@ -190,54 +229,11 @@ pub async fn likes_to_sets(
         namespaces: moved.clone(),
         ..Moved::default()
     };
-    let moved_counter = |counter: &str| {
-        let policy = namespaces.policy(counter);
-        policy.dedup && policy.grouping == GroupingRule::ByCounter
-    };
-    // A slot of each node holding a group: where its SCANs go.
-    let nodes = conn
-        .one_per_node((0..width).map(|group| keyspace.fence_key(group)))
-        .await?;
-    let mover = Mover::new(conn).await?;
-    let pattern = format!("{}:{{g*}}:m:*", keyspace.prefix());
+    let mover = Mover::new(conn, MOVE).await?;
     let mut passes = 0;
     loop {
         passes += 1;
-        let (mut found, mut left) = (0, 0);
-        for slot_key in &nodes {
-            let mut cursor: u64 = 0;
-            loop {
-                let (next, keys) = conn.scan_page_at(slot_key, cursor, &pattern, BATCH).await?;
-                let mut moves = Vec::new();
-                for key in keys {
-                    let Some((group, counter)) = keyspace.member_set_of_key(&key) else {
-                        continue;
-                    };
-                    if !moved_counter(counter) || keyspace.group_for_counter(counter) != group {
-                        left += 1;
-                        continue;
-                    }
-                    let keys = [
-                        keyspace.count_set_key(group, counter),
-                        keyspace.counter_key(group, counter),
-                        keyspace.fence_key(group),
-                    ];
-                    moves.push((key, keys));
-                }
-                found += moves.len();
-                for likes in mover.run(moves).await? {
-                    if likes > 0 {
-                        report.sets += 1;
-                        report.likes += likes;
-                    }
-                }
-                cursor = next;
-                if cursor == 0 {
-                    break;
-                }
-            }
-        }
-        report.left = left;
+        let found = walk(conn, keyspace, namespaces, width, &mover, &mut report).await?;
         // A standalone server's SCAN returns every key there all along; a cluster's nodes are
         // walked again until a pass finds nothing to move.
         if !conn.is_cluster() || found == 0 {
@@ -256,6 +252,83 @@ pub async fn likes_to_sets(
     Ok(report)
 }
 
+/// The refusal of a record whose `likes` field is not `shares`.
+fn not_shares(keyspace: &Keyspace, text: &str) -> MoveError {
+    MoveError::Refused(format!(
+        "{} field {LIKES_FIELD} holds {text:?}, not \"shares\": nothing recorded to move from (a \
+         deployment records how it counts likes once a writer of this version has started)",
+        keyspace.layout_key()
+    ))
+}
+
+/// Every group an owner stamps (more than the configured count after a re-grouping grew it).
+async fn group_width(conn: &RedisConn, keyspace: &Keyspace) -> Result<u32, MoveError> {
+    match tally_common::regroup::read_plan(conn, keyspace).await {
+        Ok(plan) => Ok(plan.read.max(keyspace.groups())),
+        Err(tally_common::regroup::PlanError::Redis(e)) => Err(e.into()),
+        Err(e) => Err(MoveError::Refused(e.to_string())),
+    }
+}
+
+/// One walk of the member sets of `width` groups (each node holding one walked once), step 3's
+/// `mover` run over those of namespaces that move, in their counter's group; the sets and likes
+/// it moved are added to `report`, and the sets left counted anew. Returns the sets it found to
+/// move.
+async fn walk(
+    conn: &RedisConn,
+    keyspace: &Keyspace,
+    namespaces: &Namespaces,
+    width: u32,
+    mover: &Mover<'_>,
+    report: &mut Moved,
+) -> Result<usize, MoveError> {
+    let moved_counter = |counter: &str| {
+        let policy = namespaces.policy(counter);
+        policy.dedup && policy.grouping == GroupingRule::ByCounter
+    };
+    // A slot of each node holding a group: where its SCANs go.
+    let nodes = conn
+        .one_per_node((0..width).map(|group| keyspace.fence_key(group)))
+        .await?;
+    let pattern = format!("{}:{{g*}}:m:*", keyspace.prefix());
+    let (mut found, mut left) = (0, 0);
+    for slot_key in &nodes {
+        let mut cursor: u64 = 0;
+        loop {
+            let (next, keys) = conn.scan_page_at(slot_key, cursor, &pattern, BATCH).await?;
+            let mut moves = Vec::new();
+            for key in keys {
+                let Some((group, counter)) = keyspace.member_set_of_key(&key) else {
+                    continue;
+                };
+                if !moved_counter(counter) || keyspace.group_for_counter(counter) != group {
+                    left += 1;
+                    continue;
+                }
+                let keys = [
+                    keyspace.count_set_key(group, counter),
+                    keyspace.counter_key(group, counter),
+                    keyspace.fence_key(group),
+                ];
+                moves.push((key, keys));
+            }
+            found += moves.len();
+            for likes in mover.run(moves).await? {
+                if likes > 0 {
+                    report.sets += 1;
+                    report.likes += likes;
+                }
+            }
+            cursor = next;
+            if cursor == 0 {
+                break;
+            }
+        }
+    }
+    report.left = left;
+    Ok(found)
+}
+
 /// Runs step 3's script over member sets: as one pipeline of `EVALSHA`s on a standalone
 /// server (a round trip per set would make the move, writers stopped, take hours over
 /// millions of counters), as concurrent requests on a cluster (each set in its own slot).
@@ -267,12 +340,13 @@ struct Mover<'a> {
 }
 
 impl<'a> Mover<'a> {
-    async fn new(conn: &'a RedisConn) -> Result<Self, MoveError> {
-        let script = Script::new(MOVE);
+    /// A runner of `source` ([`MOVE`], or [`CHECK`] for a dry run).
+    async fn new(conn: &'a RedisConn, source: &str) -> Result<Self, MoveError> {
+        let script = Script::new(source);
         let sha = if conn.is_cluster() {
             None
         } else {
-            let load = redis::cmd("SCRIPT").arg("LOAD").arg(MOVE).clone();
+            let load = redis::cmd("SCRIPT").arg("LOAD").arg(source).clone();
             Some(load.query_async(&mut conn.clone()).await?)
         };
         Ok(Self {
@@ -336,11 +410,13 @@ impl<'a> Mover<'a> {
                 Err(e) if e.is_io_error() || e.is_timeout() || e.is_connection_dropped() => {
                     return Err(e.into());
                 }
+                // The script's refusal, whose first word Redis takes for an error code.
                 Err(e) => {
-                    return Err(MoveError::Set {
-                        key,
-                        reason: e.to_string(),
-                    });
+                    let reason = match (e.code(), e.detail()) {
+                        (Some(code), Some(detail)) => format!("{code} {detail}"),
+                        _ => e.to_string(),
+                    };
+                    return Err(MoveError::Set { key, reason });
                 }
             }
         }
