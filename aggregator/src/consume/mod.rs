@@ -145,9 +145,9 @@ pub struct RunSummary {
     /// Partitions whose last flush did not become durable before the shutdown deadline; their
     /// uncommitted events will be read again by the next owner.
     pub not_drained: Vec<i32>,
-    /// Why it stopped by itself, if it did: the deployment moved on under it (a group refused it
-    /// a partition because its likes were moved to count sets), and only a restart, which reads
-    /// the layout again, can go on.
+    /// Why it stopped by itself, if it did: the deployment moved on under it (a group's likes
+    /// were moved to count sets, which fenced its writes and refuses it a partition there), and
+    /// only a restart, which reads the layout again, can go on.
     pub outdated: Option<String>,
 }
 
