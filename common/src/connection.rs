@@ -430,12 +430,7 @@ impl RedisConn {
         pattern: &str,
         count: usize,
     ) -> redis::RedisResult<(u64, Vec<String>)> {
-        redis::cmd("SCAN")
-            .arg(cursor)
-            .arg("MATCH")
-            .arg(pattern)
-            .arg("COUNT")
-            .arg(count)
+        scan(cursor, pattern, count)
             .query_async(&mut self.clone())
             .await
     }
@@ -451,12 +446,7 @@ impl RedisConn {
         pattern: &str,
         count: usize,
     ) -> redis::RedisResult<(u64, Vec<String>)> {
-        let mut cmd = redis::cmd("SCAN");
-        cmd.arg(cursor)
-            .arg("MATCH")
-            .arg(pattern)
-            .arg("COUNT")
-            .arg(count);
+        let cmd = scan(cursor, pattern, count);
         match self {
             RedisConn::Single(_) => cmd.query_async(&mut self.clone()).await,
             RedisConn::Cluster(cluster) => Ok(redis::from_redis_value(
@@ -473,14 +463,14 @@ impl RedisConn {
         &self,
         slot_keys: impl IntoIterator<Item = String>,
     ) -> redis::RedisResult<Vec<String>> {
+        if !self.is_cluster() {
+            return Ok(slot_keys.into_iter().take(1).collect());
+        }
         let mut nodes = std::collections::BTreeMap::new();
         for slot_key in slot_keys {
             nodes
                 .entry(self.node_of(&slot_key).await?)
                 .or_insert(slot_key);
-            if !self.is_cluster() {
-                break;
-            }
         }
         Ok(nodes.into_values().collect())
     }
@@ -520,6 +510,17 @@ impl RedisConn {
             at_master(cluster, key, cmd).await?,
         )?)
     }
+}
+
+/// `SCAN cursor MATCH pattern COUNT count`.
+fn scan(cursor: u64, pattern: &str, count: usize) -> Cmd {
+    let mut cmd = redis::cmd("SCAN");
+    cmd.arg(cursor)
+        .arg("MATCH")
+        .arg(pattern)
+        .arg("COUNT")
+        .arg(count);
+    cmd
 }
 
 /// Sends `cmd` to the master of `slot_key`'s slot.

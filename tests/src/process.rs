@@ -47,6 +47,33 @@ pub fn binary(name: &str) -> PathBuf {
     path
 }
 
+/// Runs `tally likes-to-sets` against the Redis at `url` for the deployment `prefix` of
+/// `groups` shard groups, with the writers' `namespaces` file and `extra` flags: whether it
+/// succeeded, its standard output and its standard error.
+pub fn likes_to_sets(
+    url: &str,
+    namespaces: &Path,
+    prefix: &str,
+    groups: u32,
+    extra: &[&str],
+) -> (bool, String, String) {
+    let output = Command::new(binary("tally"))
+        .arg("likes-to-sets")
+        .arg("--namespaces")
+        .arg(namespaces)
+        .args(["--redis-url", url, "--key-prefix", prefix])
+        .args(["--shard-groups", &groups.to_string()])
+        .args(extra)
+        .output()
+        .expect("tally runs");
+    let text = |bytes: &[u8]| String::from_utf8_lossy(bytes).into_owned();
+    (
+        output.status.success(),
+        text(&output.stdout),
+        text(&output.stderr),
+    )
+}
+
 /// A running `tally-aggregator` process.
 #[derive(Debug)]
 pub struct AggregatorProcess {

@@ -348,18 +348,9 @@ async fn likes_counted_in_the_shares_move_to_count_sets_on_a_cluster() {
 
     // Whether it succeeded, and what it said.
     let run = |extra: &[&str]| {
-        let output = std::process::Command::new(tally_tests::binary("tally"))
-            .arg("likes-to-sets")
-            .arg("--namespaces")
-            .arg(&namespaces)
-            .args(["--redis-url", &cluster.url(), "--key-prefix", &prefix])
-            .args(["--shard-groups", "16"])
-            .args(extra)
-            .output()
-            .expect("tally runs");
-        let said = String::from_utf8_lossy(&output.stdout).into_owned();
-        let stderr = String::from_utf8_lossy(&output.stderr);
-        (output.status.success(), format!("{said}{stderr}"))
+        let (succeeded, stdout, stderr) =
+            tally_tests::process::likes_to_sets(&cluster.url(), &namespaces, &prefix, 16, extra);
+        (succeeded, format!("{stdout}{stderr}"))
     };
     let tally = |extra: &[&str]| {
         let (succeeded, said) = run(extra);
@@ -383,6 +374,21 @@ async fn likes_counted_in_the_shares_move_to_count_sets_on_a_cluster() {
         "{said}"
     );
     let _: () = writes.del(&blocking).await.expect("DEL");
+    // A record that groups the namespace otherwise than the file: refused by the dry run as by
+    // the move.
+    let _: () = writes
+        .hset(ks.layout_key(), "dedup:likes", "actor")
+        .await
+        .expect("HSET");
+    let (succeeded, said) = run(&["--dry-run"]);
+    assert!(
+        !succeeded && said.contains("groups that namespace's likes by counter"),
+        "{said}"
+    );
+    let _: () = writes
+        .hset(ks.layout_key(), "dedup:likes", "counter")
+        .await
+        .expect("HSET");
     let record: std::collections::HashMap<String, String> =
         writes.hgetall(ks.layout_key()).await.expect("HGETALL");
     assert_eq!(record.get("likes").map(String::as_str), Some("shares"));

@@ -272,22 +272,12 @@ impl MoveToSets<'_> {
         let reader = self.redis.reader(ks.clone()).await;
         wait_for_totals(&reader, &totals(&last), Duration::from_secs(30)).await;
 
+        let namespaces = std::path::Path::new(self.namespaces);
         let tally = |args: &[&str]| {
-            let output = std::process::Command::new(tally_tests::binary("tally"))
-                .arg("likes-to-sets")
-                .args([
-                    "--namespaces",
-                    self.namespaces,
-                    "--redis-url",
-                    &self.redis.url(),
-                ])
-                .args(["--key-prefix", &setup.key_prefix, "--shard-groups", "16"])
-                .args(args)
-                .output()
-                .expect("tally runs");
-            let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
-            let stderr = String::from_utf8_lossy(&output.stderr);
-            assert!(output.status.success(), "{stdout}{stderr}");
+            let url = self.redis.url();
+            let (succeeded, stdout, stderr) =
+                tally_tests::process::likes_to_sets(&url, namespaces, &setup.key_prefix, 16, args);
+            assert!(succeeded, "{stdout}{stderr}");
             stdout
         };
         // A dry run first: what the move then does, with nothing changed.

@@ -79,20 +79,22 @@ pub struct Moved {
 }
 
 /// Step 1: the record, from `shares` (or `moving`, a move run before) to `moving`.
-/// KEYS[1] the layout hash; ARGV the fields of the moved namespaces' groupings.
+/// KEYS[1] the layout hash; ARGV[1] `dry` for a dry run (checks only), ARGV[2..] the fields of
+/// the moved namespaces' groupings.
 const START: &str = r"
 local likes = redis.call('HGET', KEYS[1], 'likes')
 if likes == 'sets' then return {'sets'} end
 if likes ~= 'shares' and likes ~= 'moving' then return {'likes', likes or ''} end
-for i = 1, #ARGV do
+for i = 2, #ARGV do
   local grouping = redis.call('HGET', KEYS[1], ARGV[i])
   if grouping and grouping ~= 'counter' and grouping ~= 'sets' then
     return {'grouping', ARGV[i], grouping}
   end
 end
+if ARGV[1] == 'dry' then return {'ready'} end
 redis.call('HSET', KEYS[1], 'likes', 'moving')
-for i = 1, #ARGV do redis.call('HSET', KEYS[1], ARGV[i], 'sets') end
-return {'moving'}
+for i = 2, #ARGV do redis.call('HSET', KEYS[1], ARGV[i], 'sets') end
+return {'ready'}
 ";
 
 /// Step 2: a group's mark, and every owner there fenced. KEYS[1] the fence hash.
@@ -106,10 +108,12 @@ return #fields
 ";
 
 /// Step 3: one member set to its count set. KEYS[1] the member set, KEYS[2] the count set,
-/// KEYS[3] the counter's share, KEYS[4] the group's fence hash (all one slot). Returns the
-/// likes moved (0 if the set is gone: moved before).
+/// KEYS[3] the counter's share, KEYS[4] the group's fence hash (all one slot); ARGV[1] `dry`
+/// for a dry run, which checks the same and changes nothing (the group is not marked yet).
+/// Returns the likes moved (0 if the set is gone: moved before).
 const MOVE: &str = r"
-if not redis.call('HGET', KEYS[4], '~likes') then
+local dry = ARGV[1] == 'dry'
+if not dry and not redis.call('HGET', KEYS[4], '~likes') then
   return redis.error_reply('the group is not marked as moved')
 end
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
@@ -124,60 +128,21 @@ local share = redis.call('GET', KEYS[3])
 if share and not tonumber(share) then
   return redis.error_reply('its counter share is not an integer')
 end
+if dry then return n end
 redis.call('RENAME', KEYS[1], KEYS[2])
 redis.call('DECRBY', KEYS[3], n)
 return n
 ";
 
-/// A dry run's step 3: what [`MOVE`] would do with the same keys, changing nothing. Returns
-/// the likes it would move (0: no such set), or the error it would stop with.
-const CHECK: &str = r"
-if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
-if redis.call('TYPE', KEYS[1]).ok ~= 'set' then
-  return redis.error_reply('not a set')
-end
-if redis.call('EXISTS', KEYS[2]) == 1 then
-  return redis.error_reply('its count set exists already')
-end
-local share = redis.call('GET', KEYS[3])
-if share and not tonumber(share) then
-  return redis.error_reply('its counter share is not an integer')
-end
-return redis.call('SCARD', KEYS[1])
-";
-
-/// What the move would do, changing nothing (`tally likes-to-sets --dry-run`): the record's
-/// checks of step 1, then every member set found as step 3 would find it, checked by the
-/// move's own conditions; the first it would stop at is the error. Reported as if moved.
+/// What the move would do, changing nothing (`tally likes-to-sets --dry-run`): step 1's
+/// checks of the record, then one walk over the member sets with step 3's checks; the first
+/// set the move would stop at is the error. Reported as if moved.
 pub async fn plan_likes_to_sets(
     conn: &RedisConn,
     keyspace: &Keyspace,
     namespaces: &Namespaces,
 ) -> Result<Moved, MoveError> {
-    let moved = moved_namespaces(conn, keyspace, namespaces).await?;
-    let likes: Option<String> = redis::cmd("HGET")
-        .arg(keyspace.layout_key())
-        .arg(LIKES_FIELD)
-        .query_async(&mut conn.clone())
-        .await?;
-    match likes.as_deref() {
-        Some("sets") => {
-            return Ok(Moved {
-                already: true,
-                ..Moved::default()
-            });
-        }
-        Some("shares" | "moving") => {}
-        other => return Err(not_shares(keyspace, other.unwrap_or(""))),
-    }
-    let width = group_width(conn, keyspace).await?;
-    let mut report = Moved {
-        namespaces: moved,
-        ..Moved::default()
-    };
-    let checker = Mover::new(conn, CHECK).await?;
-    walk(conn, keyspace, namespaces, width, &checker, &mut report).await?;
-    Ok(report)
+    run(conn, keyspace, namespaces, Mode::Dry).await
 }
 
 /// Moves `keyspace`'s likes from the shares to count sets, as the module's doc says: every
@@ -187,12 +152,38 @@ pub async fn likes_to_sets(
     keyspace: &Keyspace,
     namespaces: &Namespaces,
 ) -> Result<Moved, MoveError> {
+    run(conn, keyspace, namespaces, Mode::Move).await
+}
+
+/// A move, or its dry run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    Move,
+    Dry,
+}
+
+impl Mode {
+    /// The scripts' ARGV[1].
+    fn arg(self) -> &'static str {
+        match self {
+            Mode::Move => "move",
+            Mode::Dry => "dry",
+        }
+    }
+}
+
+async fn run(
+    conn: &RedisConn,
+    keyspace: &Keyspace,
+    namespaces: &Namespaces,
+    mode: Mode,
+) -> Result<Moved, MoveError> {
     let moved = moved_namespaces(conn, keyspace, namespaces).await?;
-    let fields: Vec<String> = moved.iter().map(|ns| format!("dedup:{ns}")).collect();
     let start = Script::new(START);
     let mut started = start.key(keyspace.layout_key());
-    for field in &fields {
-        started.arg(field);
+    started.arg(mode.arg());
+    for ns in &moved {
+        started.arg(format!("dedup:{ns}"));
     }
     let reply: Vec<String> = started.invoke_async(&mut conn.clone()).await?;
     match reply.iter().map(String::as_str).collect::<Vec<_>>()[..] {
@@ -202,8 +193,15 @@ pub async fn likes_to_sets(
                 ..Moved::default()
             });
         }
-        ["moving"] => {}
-        ["likes", text] => return Err(not_shares(keyspace, text)),
+        ["ready"] => {}
+        ["likes", text] => {
+            return Err(MoveError::Refused(format!(
+                "{} field {LIKES_FIELD} holds {text:?}, not \"shares\": nothing recorded to move \
+                 from (a deployment records how it counts likes once a writer of this version \
+                 has started)",
+                keyspace.layout_key()
+            )));
+        }
         ["grouping", field, grouping] => {
             return Err(MoveError::Refused(format!(
                 "{} field {field} holds {grouping:?}, but the namespaces file groups that \
@@ -217,57 +215,49 @@ pub async fn likes_to_sets(
             )));
         }
     }
-    let width = group_width(conn, keyspace).await?;
-    let mark = Script::new(MARK);
-    for group in 0..width {
-        let _: i64 = mark
-            .key(keyspace.fence_key(group))
-            .invoke_async(&mut conn.clone())
-            .await?;
+    // Every group an owner stamps (more than the configured count after a re-grouping grew it).
+    let width = match tally_common::regroup::read_plan(conn, keyspace).await {
+        Ok(plan) => plan.read.max(keyspace.groups()),
+        Err(tally_common::regroup::PlanError::Redis(e)) => return Err(e.into()),
+        Err(e) => return Err(MoveError::Refused(e.to_string())),
+    };
+    if mode == Mode::Move {
+        let mark = Script::new(MARK);
+        for group in 0..width {
+            let _: i64 = mark
+                .key(keyspace.fence_key(group))
+                .invoke_async(&mut conn.clone())
+                .await?;
+        }
     }
     let mut report = Moved {
-        namespaces: moved.clone(),
+        namespaces: moved,
         ..Moved::default()
     };
-    let mover = Mover::new(conn, MOVE).await?;
+    let mover = Mover::new(conn, mode).await?;
     let mut passes = 0;
     loop {
         passes += 1;
         let found = walk(conn, keyspace, namespaces, width, &mover, &mut report).await?;
         // A standalone server's SCAN returns every key there all along; a cluster's nodes are
-        // walked again until a pass finds nothing to move.
-        if !conn.is_cluster() || found == 0 {
+        // walked again until a pass finds nothing to move (a dry run, which moves nothing,
+        // walks once).
+        if mode == Mode::Dry || !conn.is_cluster() || found == 0 {
             break;
         }
         if passes == MAX_PASSES {
             return Err(MoveError::Unsettled);
         }
     }
-    let _: () = redis::cmd("HSET")
-        .arg(keyspace.layout_key())
-        .arg(LIKES_FIELD)
-        .arg("sets")
-        .query_async(&mut conn.clone())
-        .await?;
-    Ok(report)
-}
-
-/// The refusal of a record whose `likes` field is not `shares`.
-fn not_shares(keyspace: &Keyspace, text: &str) -> MoveError {
-    MoveError::Refused(format!(
-        "{} field {LIKES_FIELD} holds {text:?}, not \"shares\": nothing recorded to move from (a \
-         deployment records how it counts likes once a writer of this version has started)",
-        keyspace.layout_key()
-    ))
-}
-
-/// Every group an owner stamps (more than the configured count after a re-grouping grew it).
-async fn group_width(conn: &RedisConn, keyspace: &Keyspace) -> Result<u32, MoveError> {
-    match tally_common::regroup::read_plan(conn, keyspace).await {
-        Ok(plan) => Ok(plan.read.max(keyspace.groups())),
-        Err(tally_common::regroup::PlanError::Redis(e)) => Err(e.into()),
-        Err(e) => Err(MoveError::Refused(e.to_string())),
+    if mode == Mode::Move {
+        let _: () = redis::cmd("HSET")
+            .arg(keyspace.layout_key())
+            .arg(LIKES_FIELD)
+            .arg("sets")
+            .query_async(&mut conn.clone())
+            .await?;
     }
+    Ok(report)
 }
 
 /// One walk of the member sets of `width` groups (each node holding one walked once), step 3's
@@ -334,24 +324,24 @@ async fn walk(
 /// millions of counters), as concurrent requests on a cluster (each set in its own slot).
 struct Mover<'a> {
     conn: &'a RedisConn,
+    mode: Mode,
     script: std::sync::Arc<Script>,
     /// The script's SHA, loaded on the standalone server.
     sha: Option<String>,
 }
 
 impl<'a> Mover<'a> {
-    /// A runner of `source` ([`MOVE`], or [`CHECK`] for a dry run).
-    async fn new(conn: &'a RedisConn, source: &str) -> Result<Self, MoveError> {
-        let script = Script::new(source);
+    async fn new(conn: &'a RedisConn, mode: Mode) -> Result<Self, MoveError> {
         let sha = if conn.is_cluster() {
             None
         } else {
-            let load = redis::cmd("SCRIPT").arg("LOAD").arg(source).clone();
+            let load = redis::cmd("SCRIPT").arg("LOAD").arg(MOVE).clone();
             Some(load.query_async(&mut conn.clone()).await?)
         };
         Ok(Self {
             conn,
-            script: std::sync::Arc::new(script),
+            mode,
+            script: std::sync::Arc::new(Script::new(MOVE)),
             sha,
         })
     }
@@ -373,7 +363,8 @@ impl<'a> Mover<'a> {
                         .arg(key)
                         .arg(count_set)
                         .arg(share)
-                        .arg(fence);
+                        .arg(fence)
+                        .arg(self.mode.arg());
                 }
                 pipe.query_async(&mut self.conn.clone()).await?
             }
@@ -382,12 +373,13 @@ impl<'a> Mover<'a> {
                     .map(|(key, [count_set, share, fence])| {
                         let (script, mut conn) = (self.script.clone(), self.conn.clone());
                         let keys = [key.clone(), count_set.clone(), share.clone(), fence.clone()];
+                        let mode = self.mode.arg();
                         tokio::spawn(async move {
                             let mut invocation = script.prepare_invoke();
                             for key in &keys {
                                 invocation.key(key);
                             }
-                            invocation.invoke_async::<u64>(&mut conn).await
+                            invocation.arg(mode).invoke_async::<u64>(&mut conn).await
                         })
                     })
                     .collect();
