@@ -1,7 +1,8 @@
 //! Idempotency keys decided off the loop's thread. With tally's fetcher and a namespace that
 //! keeps an idempotency window, a thread of its own (the decider) sits between the fetcher and
 //! the loop: it decodes each chunk's records, decides their ids against the partition's
-//! [`RecentIds`] and hands the chunk on with its [`Decisions`], which the loop then routes by.
+//! [`RecentIds`] and hands the chunk on with its [`Decisions`], which the loop then routes by,
+//! with the events it decoded, which the loop does not decode again ([`Decisions::event`]).
 //! Looking ids up in tables of millions waits on memory; on the loop's thread that was the
 //! bound of an idempotent catch-up (`docs/guarantees.md`, "Idempotency keys").
 //!
@@ -21,12 +22,14 @@
 //!   installs a state rebuilt from the log, so what the decider decided of chunks that are then
 //!   dropped never decides a record that is read.
 
+use std::borrow::Cow;
+use std::cell::Cell;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use tally_common::Namespaces;
-use tally_common::codec;
+use tally_common::codec::{self, EventRef, Record};
 use tally_kafka::{Chunk, Fetched, Item};
 use tokio::sync::mpsc;
 
@@ -127,12 +130,131 @@ impl Ids {
 }
 
 /// Which of a run of records repeat an id counted: every record at an offset in `from..to`
-/// was decided, and those in `repeats` (ascending) repeat.
+/// was decided, and those in `repeats` (ascending) repeat. With them, the events the decider
+/// decoded, so that the loop does not decode them again.
 #[derive(Debug, Default)]
 pub(crate) struct Decisions {
     from: i64,
     to: i64,
     repeats: Vec<i64>,
+    /// The events decoded, by ascending offset from `base`, and where the loop's next lookup
+    /// starts.
+    events: Vec<Read>,
+    base: i64,
+    next: Cell<usize>,
+    /// Where `events` goes back once read.
+    spare: Option<Arc<Spare>>,
+}
+
+/// An event as the decider decoded and checked it, in 32 bytes: its offset, its strings as
+/// ranges of its message's bytes, and its numbers. Its event id is left out: it is decided.
+#[derive(Debug, Clone, Copy)]
+struct Read {
+    /// Its offset after the decisions' `base`.
+    at: u32,
+    counter: u32,
+    actor: u32,
+    counter_len: u16,
+    /// [`NO_ACTOR`] for none.
+    actor_len: u16,
+    /// 0 for a reset (no other event has a delta of 0).
+    delta: i64,
+    ts_ms: i64,
+}
+
+const _: () = assert!(std::mem::size_of::<Read>() == 32);
+
+/// [`Read::actor_len`] of an event without an actor (actor ids are at most 256 bytes).
+const NO_ACTOR: u16 = u16::MAX;
+
+/// Where `s`, borrowed from `payload`, lies in it: its start and length.
+fn range_in(payload: &[u8], s: &str) -> Option<(u32, u16)> {
+    let start = (s.as_ptr() as usize).checked_sub(payload.as_ptr() as usize)?;
+    start
+        .checked_add(s.len())
+        .filter(|&end| end <= payload.len())?;
+    Some((u32::try_from(start).ok()?, u16::try_from(s.len()).ok()?))
+}
+
+impl Read {
+    /// `event`, decoded from `payload` at `at` past the base, if each of its strings is a
+    /// slice of it (a JSON string with escapes is not).
+    fn of(event: &EventRef<'_>, payload: &[u8], at: u32) -> Option<Self> {
+        let borrowed = |s: &Cow<'_, str>| match s {
+            Cow::Borrowed(s) => range_in(payload, s),
+            Cow::Owned(_) => None,
+        };
+        let (counter, counter_len) = borrowed(&event.counter)?;
+        let (actor, actor_len) = match &event.actor {
+            Some(actor) => borrowed(actor).filter(|a| a.1 != NO_ACTOR)?,
+            None => (0, NO_ACTOR),
+        };
+        debug_assert_eq!(
+            event.reset,
+            event.delta == 0,
+            "a reset's delta is 0, no other's"
+        );
+        Some(Self {
+            at,
+            counter,
+            actor,
+            counter_len,
+            actor_len,
+            delta: event.delta,
+            ts_ms: event.ts_ms,
+        })
+    }
+
+    /// The event again, from the same `payload`, without its event id; `None` if the ranges
+    /// do not hold text of `payload`.
+    fn event<'a>(&self, payload: &'a [u8]) -> Option<EventRef<'a>> {
+        let text = |start: u32, len: u16| {
+            let start = start as usize;
+            let bytes = payload.get(start..start + usize::from(len))?;
+            std::str::from_utf8(bytes).ok().map(Cow::Borrowed)
+        };
+        Some(EventRef {
+            counter: text(self.counter, self.counter_len)?,
+            delta: self.delta,
+            actor: match self.actor_len {
+                NO_ACTOR => None,
+                len => Some(text(self.actor, len)?),
+            },
+            ts_ms: self.ts_ms,
+            event_id: None,
+            reset: self.delta == 0,
+        })
+    }
+}
+
+/// Buffers of decoded events the loop is done with, for the decider to fill again: a chunk's
+/// are larger than the allocator's threshold for mapping memory apart, and one mapped anew
+/// for each chunk cost the decider its page faults.
+#[derive(Debug, Default)]
+pub(crate) struct Spare(Mutex<Vec<Vec<Read>>>);
+
+/// Most buffers kept spare.
+const SPARE: usize = 4;
+
+impl Spare {
+    fn take(&self) -> Vec<Read> {
+        (self.0.lock().unwrap_or_else(PoisonError::into_inner))
+            .pop()
+            .unwrap_or_default()
+    }
+}
+
+impl Drop for Decisions {
+    fn drop(&mut self) {
+        if let Some(spare) = &self.spare {
+            let mut events = std::mem::take(&mut self.events);
+            events.clear();
+            let mut kept = spare.0.lock().unwrap_or_else(PoisonError::into_inner);
+            if kept.len() < SPARE {
+                kept.push(events);
+            }
+        }
+    }
 }
 
 impl Decisions {
@@ -141,6 +263,20 @@ impl Decisions {
         (self.from..self.to)
             .contains(&offset)
             .then(|| self.repeats.binary_search(&offset).is_ok())
+    }
+
+    /// The event at `offset`, whose message is `payload`, if the decider decoded it: as
+    /// [`codec::decode`] returns it, but without its event id. Found at once when asked in
+    /// ascending offsets, as the loop reads.
+    pub(crate) fn event<'a>(&self, offset: i64, payload: &'a [u8]) -> Option<EventRef<'a>> {
+        let at = u32::try_from(offset.checked_sub(self.base)?).ok()?;
+        let next = self.next.get();
+        let i = match self.events.get(next) {
+            Some(read) if read.at == at => next,
+            _ => self.events.binary_search_by_key(&at, |r| r.at).ok()?,
+        };
+        self.next.set(i + 1);
+        self.events[i].event(payload)
     }
 }
 
@@ -160,6 +296,7 @@ pub(crate) struct Decider {
     max_message_bytes: usize,
     /// The records with an id of the chunk being decided (kept between chunks).
     pending: Vec<Pending>,
+    spare: Arc<Spare>,
 }
 
 impl Decider {
@@ -168,6 +305,7 @@ impl Decider {
             namespaces,
             max_message_bytes,
             pending: Vec::new(),
+            spare: Arc::default(),
         }
     }
 
@@ -230,10 +368,22 @@ impl Decider {
         let from = deciding.next;
         let mut to = from;
         self.pending.clear();
+        let mut events = self.spare.take();
+        let mut base = None;
         for (offset, kafka_ms, value) in records.filter(|r| r.0 >= from) {
             to = to.max(offset + 1);
-            if let Some((key, window)) = self.id_of(value) {
+            let payload = value.unwrap_or_default();
+            let Ok(record) = codec::decode_record(payload, self.max_message_bytes) else {
+                continue;
+            };
+            if let Some((key, window)) = idempotency::record_id(&self.namespaces, &record) {
                 self.pending.push((offset, kafka_ms.max(0), key, window));
+            }
+            if let Record::Event(event) = &record
+                && let Ok(at) = u32::try_from(offset - *base.get_or_insert(offset))
+                && let Some(read) = Read::of(event, payload, at)
+            {
+                events.push(read);
             }
         }
         let mut repeats = Vec::new();
@@ -246,14 +396,15 @@ impl Decider {
             }
         }
         deciding.next = deciding.next.max(to);
-        Decisions { from, to, repeats }
-    }
-
-    /// The id key and window of a record's value, if it is an event with an id in a namespace
-    /// that keeps a window.
-    fn id_of(&self, value: Option<&[u8]>) -> Option<(u64, i64)> {
-        let record = codec::decode_record(value.unwrap_or_default(), self.max_message_bytes);
-        idempotency::record_id(&self.namespaces, &record.ok()?)
+        Decisions {
+            from,
+            to,
+            repeats,
+            events,
+            base: base.unwrap_or(0),
+            next: Cell::new(0),
+            spare: Some(Arc::clone(&self.spare)),
+        }
     }
 }
 
@@ -300,15 +451,59 @@ mod tests {
 
     /// What deciding each record in turn, as the loop did, gives: the repeats' offsets.
     fn one_by_one(log: &[(i64, i64, Vec<u8>)]) -> Vec<i64> {
-        let decider = Decider::new(namespaces(), 1 << 20);
+        let namespaces = namespaces();
         let mut ids = RecentIds::new(10 * MIN);
         log.iter()
-            .filter(|(offset, ms, value)| match decider.id_of(Some(value)) {
-                Some((key, window)) => ids.is_repeat(key, *offset, *ms, window),
-                None => false,
+            .filter(|(offset, ms, value)| {
+                let record = codec::decode_record(value, 1 << 20).ok();
+                match record.and_then(|r| idempotency::record_id(&namespaces, &r)) {
+                    Some((key, window)) => ids.is_repeat(key, *offset, *ms, window),
+                    None => false,
+                }
             })
             .map(|r| r.0)
             .collect()
+    }
+
+    #[test]
+    fn the_events_decided_are_handed_on_as_decoded_without_their_ids() {
+        let actor = CounterEvent::new("views:c1", 3)
+            .and_then(|e| e.with_actor("u7"))
+            .and_then(|e| e.with_event_id("e1"))
+            .expect("event");
+        let payloads: Vec<Vec<u8>> = vec![
+            event(1, 1),
+            encode(&actor),
+            encode(&CounterEvent::reset("views:c2").expect("reset")),
+            br#"{"counter":"views:c3","delta":2,"actor":"u1","event_id":"e9","ts_ms":5}"#.to_vec(),
+            // Escaped: its counter is not a slice of the message, and the loop decodes it.
+            br#"{"counter":"views:c\u0034","event_id":"e9"}"#.to_vec(),
+            codec::encode_expiry("views:c1", 10),
+            b"not an event".to_vec(),
+        ];
+        let ids = Ids::new(RecentIds::new(10 * MIN));
+        ids.positioned(Resume::Beginning, || ((), 1));
+        let mut decider = Decider::new(namespaces(), 1 << 20);
+        let records = (payloads.iter().enumerate()).map(|(i, p)| (i as i64, 0, Some(&p[..])));
+        let decisions = decider.decide(&mut ids.lock(), records);
+        fn expected(payload: &[u8]) -> Option<EventRef<'_>> {
+            let mut event = codec::decode(payload, 1 << 20).ok()?;
+            event.event_id = None;
+            Some(event)
+        }
+        let kept = [true, true, true, true, false, false, false];
+        // In order, then out of order (the lookup then searches).
+        for offset in (0..payloads.len()).chain([5, 0, 3, 3, 1]) {
+            let payload = &payloads[offset][..];
+            let event = decisions.event(offset as i64, payload);
+            assert_eq!(event.is_some(), kept[offset], "offset {offset}");
+            if kept[offset] {
+                assert_eq!(event, expected(payload), "offset {offset}");
+            }
+        }
+        assert_eq!(decisions.event(9, &payloads[0]), None, "no record there");
+        // Another message than the one decided: the ranges are checked, never trusted.
+        assert_eq!(decisions.event(1, b"x"), None);
     }
 
     #[test]

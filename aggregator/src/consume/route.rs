@@ -342,7 +342,15 @@ impl<S: Sink> Shared<S> {
             return;
         }
         let decided = decisions.and_then(|d| d.repeat(message.offset));
-        let decoded = self.decode(message.payload, slot.ids.is_some() && decided.is_none());
+        let payload = message.payload.unwrap_or_default();
+        // An event the decider decoded is not decoded again.
+        let decoded = match decisions.and_then(|d| d.event(message.offset, payload)) {
+            Some(event) => Decoded {
+                decoded: Ok(Record::Event(event)),
+                id: None,
+            },
+            None => self.decode(message.payload, slot.ids.is_some() && decided.is_none()),
+        };
         self.route(slot, placer, consumer, message, decoded, decided);
     }
 
