@@ -21,6 +21,7 @@ use tally_common::{Keyspace, Namespaces, RedisConn};
 
 use crate::store::cells::{FieldWrite, MAX_STALE_READS, Rereads, StripeWrite};
 use crate::store::script_call::ScriptCall;
+use crate::tasks::{MAX_WALKS, walk_until_settled};
 
 /// Fields read per `HSCAN` call, and keys per `SCAN` call.
 const BATCH: usize = 1_000;
@@ -41,6 +42,13 @@ pub enum UpkeepError {
     /// The deployment's record of its cells stripes is unreadable.
     #[error(transparent)]
     Layout(#[from] tally_common::layout::LayoutError),
+    /// Old bucket keys kept appearing walk after walk over a cluster's nodes: a writer of the
+    /// old layout is still running (or slots kept migrating). What was found is folded.
+    #[error(
+        "old bucket keys were still found after {MAX_WALKS} walks over the cluster's nodes: \
+         stop every writer of the old layout and run the command again (what was found is folded)"
+    )]
+    Unsettled,
 }
 
 /// What a sweep did.
@@ -227,18 +235,19 @@ pub async fn migrate(conn: &RedisConn, keyspace: &Keyspace) -> Result<MigrateRep
     let nodes = conn
         .one_per_node((0..keyspace.groups()).map(|group| keyspace.fence_key(group)))
         .await?;
-    // A cluster's nodes are walked again until a walk folds nothing (a slot migrated during a
-    // walk may have been walked on neither node); what was left is counted by the last walk.
-    loop {
+    // What was left is counted by the last walk.
+    let walk = async || {
         let folded = report.keys;
         report.corrupt = 0;
         for slot_key in &nodes {
             fold_walked(conn, keyspace, &script, slot_key, &pattern, &mut report).await?;
         }
-        if !conn.is_cluster() || report.keys == folded {
-            return Ok(report);
-        }
+        Ok::<_, UpkeepError>((report.keys - folded) as usize)
+    };
+    if !walk_until_settled(conn.is_cluster(), walk).await? {
+        return Err(UpkeepError::Unsettled);
     }
+    Ok(report)
 }
 
 /// Walks the old bucket keys at `slot_key`'s node and folds them into the cells.

@@ -31,10 +31,10 @@ use tally_common::keyspace::GroupingRule;
 use tally_common::layout::LIKES_FIELD;
 use tally_common::{Keyspace, Namespaces, RedisConn};
 
+use crate::tasks::{MAX_WALKS, walk_until_settled};
+
 /// Keys per `SCAN` call.
 const BATCH: usize = 1000;
-/// Passes over a cluster's nodes before the move gives up on sets that keep appearing.
-const MAX_PASSES: u32 = 8;
 
 /// Why the move did not finish.
 #[derive(Debug, thiserror::Error)]
@@ -42,7 +42,7 @@ pub enum MoveError {
     /// Member sets to move kept appearing pass after pass (writers left running, or slots
     /// migrating all along).
     #[error(
-        "member sets to move were still found after {MAX_PASSES} passes over the cluster's nodes: \
+        "member sets to move were still found after {MAX_WALKS} passes over the cluster's nodes: \
          stop every writer of likes and run the command again"
     )]
     Unsettled,
@@ -235,19 +235,11 @@ async fn run(
         ..Moved::default()
     };
     let mover = Mover::new(conn, mode).await?;
-    let mut passes = 0;
-    loop {
-        passes += 1;
-        let found = walk(conn, keyspace, namespaces, width, &mover, &mut report).await?;
-        // A standalone server's SCAN returns every key there all along; a cluster's nodes are
-        // walked again until a pass finds nothing to move (a dry run, which moves nothing,
-        // walks once).
-        if mode == Mode::Dry || !conn.is_cluster() || found == 0 {
-            break;
-        }
-        if passes == MAX_PASSES {
-            return Err(MoveError::Unsettled);
-        }
+    // A dry run, which moves nothing, walks once.
+    let again = conn.is_cluster() && mode == Mode::Move;
+    let pass = async || walk(conn, keyspace, namespaces, width, &mover, &mut report).await;
+    if !walk_until_settled(again, pass).await? {
+        return Err(MoveError::Unsettled);
     }
     if mode == Mode::Move {
         let _: () = redis::cmd("HSET")
