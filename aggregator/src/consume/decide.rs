@@ -507,6 +507,18 @@ mod tests {
         assert_eq!(decisions.event(9, &payloads[0]), None, "no record there");
         // Another message than the one decided: the ranges are checked, never trusted.
         assert_eq!(decisions.event(1, b"x"), None);
+        // Read, its buffer goes back to the decider, which fills it again for the next chunk
+        // with that chunk's events alone.
+        drop(decisions);
+        let next: Vec<Vec<u8>> = vec![encode(&actor), event(2, 2)];
+        let records = (next.iter().enumerate()).map(|(i, p)| (10 + i as i64, 0, Some(&p[..])));
+        let decisions = decider.decide(&mut ids.lock(), records);
+        assert_eq!(decisions.events.len(), 2, "the buffer was emptied");
+        for (i, payload) in next.iter().enumerate() {
+            let event = decisions.event(10 + i as i64, payload);
+            assert_eq!(event, expected(payload), "offset {}", 10 + i);
+        }
+        assert_eq!(decisions.event(0, &payloads[0]), None, "the last chunk's");
     }
 
     #[test]
