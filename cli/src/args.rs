@@ -68,6 +68,23 @@ pub(crate) enum Command {
     /// Prints each step and waits for every partition's owner to move; exit 1 if some did not
     /// within --wait (run it again: it picks up where it stopped).
     Regroup(RegroupArgs),
+    /// Pack the counters' shares into small hashes, a field per counter (about a third of
+    /// Redis's memory per counter, for some more CPU per write), without a restart: readers
+    /// sum the fields first, then each group's writers pack, then the keys already written are
+    /// moved into their fields. Every reader and writer must be of this version. Set once; run
+    /// it again to pack keys written since by writers that keep to keys, or groups grown into.
+    Pack(PackArgs),
+}
+
+#[derive(Debug, clap::Args)]
+pub(crate) struct PackArgs {
+    /// Packed hashes per shard group, a power of two: about the counters a group will hold
+    /// over 8-32 (Redis keeps a hash of up to `hash-max-listpack-entries`, 128 by default,
+    /// compact, and scans it on every write).
+    #[arg(long)]
+    pub(crate) buckets: u32,
+    #[command(flatten)]
+    pub(crate) redis: RedisArgs,
 }
 
 #[derive(Debug, clap::Args)]

@@ -24,8 +24,8 @@ mod args;
 
 use args::{
     AuditArgs, Cli, Command, CompactArgs, CounterArgs, DeadLetterArgs, DeadLettersCommand, GetArgs,
-    LikeArgs, LikedArgs, LikesToSetsArgs, LoadArgs, RedisArgs, RegroupArgs, ReplayArgs, ResetArgs,
-    TopArgs, VerifyArgs, WindowsCommand,
+    LikeArgs, LikedArgs, LikesToSetsArgs, LoadArgs, PackArgs, RedisArgs, RegroupArgs, ReplayArgs,
+    ResetArgs, TopArgs, VerifyArgs, WindowsCommand,
 };
 
 #[tokio::main]
@@ -48,6 +48,7 @@ async fn main() -> anyhow::Result<ExitCode> {
         Command::Windows(WindowsCommand::Migrate(args)) => migrate_windows(args).await,
         Command::LikesToSets(args) => likes_to_sets(args).await,
         Command::Regroup(args) => regroup(args).await,
+        Command::Pack(args) => pack(args).await,
     };
     // Output piped into a reader that stops early (`tally load | head`): what was asked for is
     // done, so end quietly, as the reader intended, instead of reporting an error.
@@ -364,6 +365,16 @@ async fn regroup(args: RegroupArgs) -> anyhow::Result<ExitCode> {
         }
         Err(error) => Err(error.into()),
     }
+}
+
+async fn pack(args: PackArgs) -> anyhow::Result<ExitCode> {
+    let reader = args.redis.reader().await?;
+    let say = |step: &str| {
+        let _ = writeln!(out(), "{step}");
+    };
+    let (conn, keyspace) = (reader.conn(), reader.keyspace());
+    tally_aggregator::tasks::pack::pack(conn, keyspace, args.buckets, say).await?;
+    Ok(ExitCode::SUCCESS)
 }
 
 async fn top(args: TopArgs) -> anyhow::Result<ExitCode> {

@@ -201,6 +201,12 @@ pub const LIKES_FIELD: &str = "likes";
 /// shares to count sets: no writer starts then.
 pub const MOVING: &str = "moving";
 
+/// The field of a group's fence hash that marks the group's counters' shares as packed, holding
+/// the deployment's buckets per group (`crate::regroup::GroupPlan::buckets`): every exactly-once
+/// write there checks it, and adds its deltas to the fields of `Keyspace::packed_key` hashes
+/// instead of the counters' keys (`tally pack`).
+pub const PACKED_FIELD: &str = "~packed";
+
 /// The field of a group's fence hash that marks the group's likes as moved to count sets: a
 /// writer that counts likes grouped by counter in the shares may not take a partition there
 /// (`scripts/stamp.lua`), nor write a like directly. A partition's field is `<topic>/<n>`, and

@@ -14,12 +14,14 @@
 use crate::connection::{RedisConn, query_each};
 use crate::event::validate_counter;
 use crate::keyspace::{Keyspace, Watermark, partition_field};
-use crate::regroup::{FOLD_READ_BOUND, PlanLease};
+use crate::regroup::{FOLD_READ_BOUND, GroupPlan, PlanLease};
 
 mod error;
+mod packed;
 mod sets;
 mod windows;
 pub use error::ReadError;
+use packed::PackedReads;
 
 /// Trending counters are reported into buckets of this many seconds...
 pub const TOP_BUCKET_S: u64 = 10;
@@ -189,17 +191,42 @@ impl Reader {
         if let Some(store) = &self.store {
             return store.shares(counter, ks.groups()).await;
         }
-        let gets = (0..self.groups().await?)
+        let plan = self.plan.current(&self.conn, ks).await?;
+        let mut gets: Vec<redis::Cmd> = (0..plan.read)
             .map(|group| {
                 let mut get = redis::cmd("GET");
                 get.arg(ks.counter_key(group, counter));
                 get
             })
             .collect();
+        // And, where shares are packed, its field in each group's hash of its bucket.
+        if plan.buckets > 0 {
+            let bucket = Keyspace::bucket_of(counter, plan.buckets);
+            gets.extend((0..plan.read).map(|group| {
+                let mut hget = redis::cmd("HGET");
+                hget.arg(ks.packed_key(group, bucket)).arg(counter);
+                hget
+            }));
+        }
         let values: Vec<Option<String>> = query_each(&self.conn, gets).await?;
-        let mut shares: Vec<Option<i64>> = (values.iter())
+        let (keys, fields) = values.split_at(values.len().min(plan.read as usize));
+        let mut shares: Vec<Option<i64>> = (keys.iter())
             .map(|v| v.as_deref().map(|v| parse_integer(counter, v)).transpose())
             .collect::<Result<_, _>>()?;
+        for (share, field) in shares.iter_mut().zip(fields) {
+            if let Some(value) = field {
+                let packed = parse_integer(counter, value)?;
+                let overflow = || ReadError::Overflow {
+                    counter: counter.to_owned(),
+                };
+                *share = Some(
+                    share
+                        .unwrap_or(0)
+                        .checked_add(packed)
+                        .ok_or_else(overflow)?,
+                );
+            }
+        }
         // Likes counted by their set: its size is part of the counter's group's share.
         let group = ks.group_for_counter(counter);
         if !self.count_sets().await? {
@@ -297,7 +324,7 @@ impl Reader {
             // A shrink's fold may move amounts between groups under a read: see `read_spread`.
             for _ in 0..SLOW_READ_ATTEMPTS {
                 let asked = std::time::Instant::now();
-                let totals = self.read_spread(counters, plan.read, sets).await?;
+                let totals = self.read_spread(counters, &plan, sets).await?;
                 if asked.elapsed() < FOLD_READ_BOUND {
                     return Ok(totals);
                 }
@@ -316,14 +343,14 @@ impl Reader {
             });
         }
         if !self.snapshots_allowed().await? {
-            return self.read_spread(counters, groups, sets).await;
+            return self.read_spread(counters, &plan, sets).await;
         }
         // The markers read with the shares: `(counter index, source group)`, sorted.
         let mut markers: Vec<(usize, u32)> = Vec::new();
         let mut attempt = 0;
         loop {
             let Snapshot { totals, journals } =
-                self.read_snapshot(counters, groups, &markers, sets).await?;
+                self.read_snapshot(counters, &plan, &markers, sets).await?;
             let missing: Vec<(usize, u32)> = (journals.iter())
                 .map(|j| (j.counter, j.from))
                 .filter(|k| markers.binary_search(k).is_err())
@@ -384,11 +411,13 @@ impl Reader {
     async fn read_snapshot<S: AsRef<str>>(
         &self,
         counters: &[S],
-        groups: u32,
+        plan: &GroupPlan,
         markers: &[(usize, u32)],
         sets: bool,
     ) -> Result<Snapshot, ReadError> {
         let ks = &self.keyspace;
+        let groups = plan.read;
+        let packed = PackedReads::new(ks, counters, groups, plan.buckets);
         let mut pipe = redis::pipe();
         pipe.atomic();
         for group in 0..groups {
@@ -398,6 +427,9 @@ impl Reader {
             for scard in self.set_sizes(counters) {
                 pipe.add_command(scard);
             }
+        }
+        for hmget in &packed.commands {
+            pipe.add_command(hmget.clone());
         }
         if !markers.is_empty() {
             let mut mget = redis::cmd("MGET");
@@ -412,7 +444,9 @@ impl Reader {
             true => Vec::new(),
             false => value_as(replies.pop().unwrap_or(redis::Value::Nil))?,
         };
+        let fields = replies.split_off(replies.len().saturating_sub(packed.len()));
         let (_, mut snapshot) = self.sum_replies(counters, groups, replies)?;
+        packed.add(counters, fields, &mut snapshot)?;
         let journals = std::mem::take(&mut snapshot.journals);
         for journal in &journals {
             let Ok(at) = markers.binary_search(&(journal.counter, journal.from)) else {
@@ -441,17 +475,22 @@ impl Reader {
     async fn read_spread<S: AsRef<str>>(
         &self,
         counters: &[S],
-        groups: u32,
+        plan: &GroupPlan,
         sets: bool,
     ) -> Result<Vec<i64>, ReadError> {
         let ks = &self.keyspace;
+        let groups = plan.read;
+        let packed = PackedReads::new(ks, counters, groups, plan.buckets);
         let mut reads: Vec<redis::Cmd> =
             (0..groups).map(|g| self.group_mget(counters, g)).collect();
         if sets {
             reads.extend(self.set_sizes(counters));
         }
-        let replies: Vec<redis::Value> = query_each(&self.conn, reads).await?;
+        reads.extend(packed.commands.iter().cloned());
+        let mut replies: Vec<redis::Value> = query_each(&self.conn, reads).await?;
+        let fields = replies.split_off(replies.len().saturating_sub(packed.len()));
         let (rows, mut snapshot) = self.sum_replies(counters, groups, replies)?;
+        packed.add(counters, fields, &mut snapshot)?;
         let mut journals = std::mem::take(&mut snapshot.journals);
         if journals.is_empty() {
             return Ok(snapshot.totals);

@@ -58,6 +58,10 @@ pub struct GroupPlan {
     /// groups still hold window buckets, which are not folded back but left to expire
     /// (`tally_aggregator::tasks::regroup`).
     pub cells: u32,
+    /// How many packed hashes per group readers read counters' shares from, beside their keys
+    /// (0: none; `crate::keyspace::Keyspace::packed_key`). Set once, by `tally pack`, before any
+    /// group's writers write a share there; never changed after.
+    pub buckets: u32,
 }
 
 impl GroupPlan {
@@ -69,12 +73,14 @@ impl GroupPlan {
             write: groups,
             read: groups,
             cells: groups,
+            buckets: 0,
         }
     }
 
     /// Its stored form: `v=<version>;origin=<n>;write=<n>;read=<n>`, then `;cells=<n>` when
-    /// windowed reads sum more groups than `read` (a process that predates it refuses such a
-    /// plan as unreadable rather than miss those buckets).
+    /// windowed reads sum more groups than `read`, then `;buckets=<n>` when counters' shares
+    /// may be packed (a process that predates either refuses such a plan as unreadable rather
+    /// than miss those buckets or those shares).
     pub fn encode(&self) -> String {
         let mut text = format!(
             "v={};origin={};write={};read={}",
@@ -83,13 +89,16 @@ impl GroupPlan {
         if self.cells > self.read {
             text.push_str(&format!(";cells={}", self.cells));
         }
+        if self.buckets > 0 {
+            text.push_str(&format!(";buckets={}", self.buckets));
+        }
         text
     }
 
     /// Parses the stored form; `None` if it is not one, or its counts are out of range or read
     /// fewer groups than are written.
     pub fn parse(text: &str) -> Option<Self> {
-        const NAMES: [&str; 5] = ["v", "origin", "write", "read", "cells"];
+        const NAMES: [&str; 4] = ["v", "origin", "write", "read"];
         let fields: Vec<(&str, &str)> = (text.split(';'))
             .map(|f| f.split_once('='))
             .collect::<Option<_>>()?;
@@ -97,25 +106,40 @@ impl GroupPlan {
             .iter()
             .zip(NAMES)
             .all(|((name, _), want)| *name == want);
-        if !(4..=NAMES.len()).contains(&fields.len()) || !named {
+        if fields.len() < NAMES.len() || !named {
             return None;
         }
         let count =
-            |i: usize| (fields[i].1.parse::<u32>().ok()).filter(|n| (1..=MAX_GROUPS).contains(n));
-        let read = count(3)?;
-        let plan = Self {
+            |text: &str| (text.parse::<u32>().ok()).filter(|n| (1..=MAX_GROUPS).contains(n));
+        let read = count(fields[3].1)?;
+        let mut plan = Self {
             version: fields[0].1.parse().ok()?,
-            origin: count(1)?,
-            write: count(2)?,
+            origin: count(fields[1].1)?,
+            write: count(fields[2].1)?,
             read,
-            cells: if fields.len() == NAMES.len() {
-                count(4)?
-            } else {
-                read
-            },
+            cells: read,
+            buckets: 0,
         };
-        (plan.read >= plan.write && plan.cells >= plan.read).then_some(plan)
+        // Then `cells` and `buckets`, each at most once and in that order.
+        let mut optional = fields[NAMES.len()..].iter().peekable();
+        if let Some((_, text)) = optional.next_if(|(name, _)| *name == "cells") {
+            plan.cells = count(text)?;
+        }
+        if let Some((_, text)) = optional.next_if(|(name, _)| *name == "buckets") {
+            plan.buckets = (text.parse::<u32>().ok()).filter(|&n| valid_buckets(n))?;
+        }
+        let valid = optional.next().is_none() && plan.read >= plan.write && plan.cells >= plan.read;
+        valid.then_some(plan)
     }
+}
+
+/// The most packed hashes per group `tally pack` keeps: 2^24.
+pub const MAX_BUCKETS: u32 = 1 << 24;
+
+/// Whether `n` is a count of packed hashes per group tally keeps: a power of two from 1 to
+/// [`MAX_BUCKETS`].
+pub fn valid_buckets(n: u32) -> bool {
+    n.is_power_of_two() && n <= MAX_BUCKETS
 }
 
 /// Why the plan could not be used.
@@ -379,6 +403,7 @@ mod tests {
             write: 16,
             read: 64,
             cells: 64,
+            buckets: 0,
         };
         assert_eq!(plan.encode(), "v=3;origin=16;write=16;read=64");
         assert_eq!(GroupPlan::parse(&plan.encode()), Some(plan));
@@ -389,7 +414,22 @@ mod tests {
         };
         assert_eq!(windows.encode(), "v=3;origin=16;write=16;read=16;cells=32");
         assert_eq!(GroupPlan::parse(&windows.encode()), Some(windows));
+        let packed = GroupPlan {
+            buckets: 4096,
+            ..windows
+        };
+        let text = "v=3;origin=16;write=16;read=16;cells=32;buckets=4096";
+        assert_eq!(packed.encode(), text);
+        assert_eq!(GroupPlan::parse(text), Some(packed));
+        let packed = GroupPlan { buckets: 8, ..plan };
+        assert_eq!(packed.encode(), "v=3;origin=16;write=16;read=64;buckets=8");
+        assert_eq!(GroupPlan::parse(&packed.encode()), Some(packed));
         let bad = [
+            "v=1;origin=16;write=16;read=16;buckets=8;cells=32",
+            "v=1;origin=16;write=16;read=16;buckets=0",
+            "v=1;origin=16;write=16;read=16;buckets=12",
+            "v=1;origin=16;write=16;read=16;buckets=8;buckets=8",
+            "v=1;origin=16;write=16;read=16;cells=32;cells=32",
             "v=1;origin=16;write=16;read=32;cells=16",
             "v=1;origin=16;write=16;read=16;cells=32;x=1",
             "v=1;origin=16;write=16;read=16;cells=",

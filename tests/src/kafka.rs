@@ -75,6 +75,48 @@ impl PacedSender {
     }
 }
 
+/// Sends a storm of `events` in order from one task, at 10,000 a second: increments over
+/// `counters` counters (`views:video:<n>`, a fifth of them -2, the rest 1 to 5, each with an
+/// actor), 1% of them resets. Returns each counter's total since its last reset, and the
+/// resets sent.
+pub async fn send_with_resets(
+    topic: String,
+    events: u64,
+    counters: u32,
+    seed: u64,
+    stop: Arc<AtomicBool>,
+) -> (HashMap<String, i64>, u64) {
+    use rand::{Rng, SeedableRng};
+    let mut sender = PacedSender::new(&topic, 10_000);
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let mut truth: HashMap<String, i64> = HashMap::new();
+    let mut resets = 0;
+    for _ in 0..events {
+        if stop.load(Ordering::Relaxed) {
+            break;
+        }
+        let counter = format!("views:video:{}", rng.random_range(0..counters));
+        let event = if rng.random_bool(0.01) {
+            resets += 1;
+            truth.insert(counter.clone(), 0);
+            CounterEvent::reset(counter).expect("valid")
+        } else {
+            let delta = if rng.random_bool(0.2) {
+                -2
+            } else {
+                rng.random_range(1..=5)
+            };
+            *truth.entry(counter.clone()).or_default() += delta;
+            CounterEvent::new(counter, delta)
+                .and_then(|e| e.with_actor(format!("u{}", rng.random_range(0..5_000))))
+                .expect("valid")
+        };
+        sender.send(&event).await;
+    }
+    sender.finish().await;
+    (truth, resets)
+}
+
 /// Sends random events (`post:0` .. `post:<counters - 1>`, deltas of ±1 to ±5) to `topic` at
 /// `rate` a second until `sending` is cleared, and returns what it sent, summed per counter: a
 /// stream that outlasts whatever a test does to the pipeline meanwhile.

@@ -8,59 +8,16 @@
 //! PostgreSQL as the store of record, over 4 shard groups, where each group's transaction clears
 //! only the members whose likes its share holds.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use rand::{Rng, SeedableRng};
-use tally_common::CounterEvent;
 use tally_producer::{Producer, ProducerConfig};
 use tally_tests::postgres::PgServer;
 use tally_tests::scenarios::Store;
 use tally_tests::{
-    NamespacedSetup, PacedSender, brokers, end_offsets, kill_repeatedly, seed, wait_for_totals,
+    NamespacedSetup, brokers, end_offsets, kill_repeatedly, seed, send_with_resets, wait_for_totals,
 };
-
-const RATE: u64 = 10_000;
-
-/// Sends the storm of `events` in order from one task; returns each counter's total since its
-/// last reset.
-async fn send(
-    topic: String,
-    events: u64,
-    seed: u64,
-    stop: Arc<AtomicBool>,
-) -> (HashMap<String, i64>, u64) {
-    let mut sender = PacedSender::new(&topic, RATE);
-    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-    let mut truth: HashMap<String, i64> = HashMap::new();
-    let mut resets = 0;
-    for _ in 0..events {
-        if stop.load(Ordering::Relaxed) {
-            break;
-        }
-        let counter = format!("views:video:{}", rng.random_range(0..200));
-        let event = if rng.random_bool(0.01) {
-            resets += 1;
-            truth.insert(counter.clone(), 0);
-            CounterEvent::reset(counter).expect("valid")
-        } else {
-            let delta = if rng.random_bool(0.2) {
-                -2
-            } else {
-                rng.random_range(1..=5)
-            };
-            *truth.entry(counter.clone()).or_default() += delta;
-            CounterEvent::new(counter, delta)
-                .and_then(|e| e.with_actor(format!("u{}", rng.random_range(0..5_000))))
-                .expect("valid")
-        };
-        sender.send(&event).await;
-    }
-    sender.finish().await;
-    (truth, resets)
-}
 
 async fn resets_clear_what_came_before(name: &str, grouping: &str, postgres: Option<&str>) {
     let seed = seed();
@@ -80,7 +37,8 @@ async fn resets_clear_what_came_before(name: &str, grouping: &str, postgres: Opt
     let flags = run.flags(&extra);
     let first = setup.spawn(dir.path(), &flags);
     let stop = Arc::new(AtomicBool::new(false));
-    let load = tokio::spawn(send(setup.topic.clone(), events, seed, stop.clone()));
+    let topic = setup.topic.clone();
+    let load = tokio::spawn(send_with_resets(topic, events, 200, seed, stop.clone()));
     let mut last = kill_repeatedly(setup, dir.path(), &flags, first, 5, seed, &load).await;
     stop.store(true, Ordering::Relaxed);
     let (mut truth, resets) = load.await.expect("load task");

@@ -10,6 +10,7 @@
 //! - [`script_call`]: one `EVALSHA`, its keys and arguments each in one buffer.
 //! - [`cells`]: window deltas as rewrites of the counters' cells hashes, planned from a read.
 //! - [`recall`]: what a writer remembers of the cells fields, so that a write can skip its read.
+//! - [`packing`]: which groups pack their counters' shares into hashes, as a writer knows.
 //! - [`fence`]: owning a partition in exactly-once mode (epochs, fences, ledgers, watermark).
 //!
 //! What a write is and what the stores decide before writing are the core's
@@ -19,6 +20,7 @@ pub mod cells;
 pub mod fence;
 #[cfg(test)]
 pub(crate) mod memory_sink;
+pub mod packing;
 pub mod pg_sink;
 pub mod recall;
 pub mod redis_sink;

@@ -7,12 +7,14 @@
 //! - [`compact`]: collapsing cold counters' shares into one key, crash-safe (`tally compact`).
 //! - [`likes_move`]: moving a deployment's likes from the shares to count sets
 //!   (`tally likes-to-sets`).
+//! - [`pack`]: packing a live deployment's counters' shares into small hashes (`tally pack`).
 //! - [`regroup`]: growing and shrinking a live deployment's shard groups (`tally regroup`).
 
 pub mod cells;
 pub mod compact;
 pub mod expiry;
 pub mod likes_move;
+pub mod pack;
 pub mod regroup;
 pub mod shard_monitor;
 pub mod trending;

@@ -76,6 +76,13 @@ pub enum RegroupFailure {
         /// The original count.
         origin: u32,
     },
+    /// The deployment packs its shares: a shrink's fold moves keys only, and would leave the
+    /// retired groups' packed fields unread.
+    #[error(
+        "this deployment packs its counters' shares into hashes (`tally pack`), which a shrink \
+         does not fold yet: shrinking would leave the retired groups' fields unread"
+    )]
+    Packed,
     /// Some partitions did not move within the wait.
     #[error(
         "{} partition(s) did not move within the wait: {}; run the command again once their owners run (writers place new offsets in {write} groups, readers still sum {read})",
@@ -187,6 +194,9 @@ async fn shrink(
     wait: Duration,
     mut say: impl FnMut(&str),
 ) -> Result<GroupPlan, RegroupFailure> {
+    if plan.buckets > 0 {
+        return Err(RegroupFailure::Packed);
+    }
     if to < plan.origin {
         return Err(RegroupFailure::BelowOrigin {
             to,

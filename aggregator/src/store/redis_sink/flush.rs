@@ -5,7 +5,7 @@
 use std::sync::atomic::Ordering;
 
 use redis::{ErrorKind, FromRedisValue, ServerErrorKind, Value};
-use tally_common::DeadLetterReason;
+use tally_common::{DeadLetterReason, Keyspace};
 
 use super::{RedisSink, cells_io::stale_cells, parse_number, unexpected};
 use crate::machine::likes::LikeRun;
@@ -53,9 +53,23 @@ impl RedisSink {
         // Runs counted by their sets are written before the script where they can be (see the
         // script's top); if one of their sets holds another type, the script alone tries the
         // write again, and finds every refusal as it would have.
-        let mut tried = self.script_flush_once(write, plan, true).await?;
-        if matches!(tried, Tried::ScriptAlone) {
-            tried = self.script_flush_once(write, plan, false).await?;
+        let mut sets_first = true;
+        let mut tried = self.script_flush_once(write, plan, sets_first).await?;
+        // A group packed otherwise than this writer knew: it learns and writes again (a group's
+        // mark is set once, so the second try agrees).
+        for _ in 0..2 {
+            match &tried {
+                Tried::ScriptAlone if sets_first => sets_first = false,
+                Tried::Replied(reply) if reply.first().is_some_and(|s| s == "layout") => {
+                    let buckets: u32 = parse_number(reply, 1)?;
+                    if buckets == self.packing.buckets(write.group) {
+                        return Err(unexpected(reply));
+                    }
+                    self.packing.learn(write.group, buckets);
+                }
+                _ => break,
+            }
+            tried = self.script_flush_once(write, plan, sets_first).await?;
         }
         match tried {
             Tried::Stopped(stopped) => Ok(Some(stopped)),
@@ -94,6 +108,12 @@ impl RedisSink {
             })
             .collect();
         let counted = by_set.bytes().filter(|&b| b == b'0').count();
+        // Packed: the deltas go to their buckets' hashes, as the group's mark says.
+        let buckets = self.packing.buckets(write.group);
+        let deltas = match buckets {
+            0 => write.deltas.len().to_string(),
+            _ => format!("{}/{buckets}", write.deltas.len()),
+        };
         let fields: usize = plan.writes.iter().map(|s| s.fields.len()).sum();
         // Members of the runs the script writes (none of those written before it).
         let members: usize = (likes.each_run().zip(by_set.bytes()))
@@ -123,7 +143,7 @@ impl RedisSink {
             .arg(write.expected_ledger)
             .arg(write.next_offset)
             .arg(write.watermark.unwrap_or(""))
-            .arg(write.deltas.len())
+            .arg(&deltas)
             .arg(plan.writes.len())
             .arg(write.resets.len())
             .arg(write.windows.len())
@@ -132,7 +152,13 @@ impl RedisSink {
         // KEYS and ARGV are two lists: each part adds its keys and its arguments in turn.
         let mut key = String::new();
         for (counter, delta) in write.deltas {
-            ks.write_counter_key(&mut key, write.group, counter);
+            match buckets {
+                0 => ks.write_counter_key(&mut key, write.group, counter),
+                _ => {
+                    let bucket = Keyspace::bucket_of(counter, buckets);
+                    ks.write_packed_key(&mut key, write.group, bucket);
+                }
+            }
             invocation.key(&key).arg(*delta);
         }
         for stripe in &plan.writes {
@@ -143,6 +169,12 @@ impl RedisSink {
                 .key(ks.counter_key(write.group, counter))
                 .key(ks.likes_key(write.group, counter))
                 .key(ks.journal_key(write.group, counter));
+        }
+        if buckets > 0 {
+            for counter in write.resets {
+                let bucket = Keyspace::bucket_of(counter, buckets);
+                invocation.key(ks.packed_key(write.group, bucket));
+            }
         }
         for rejection in &refused {
             if let Refused::Window(i) = rejection.refused {
@@ -170,6 +202,15 @@ impl RedisSink {
             invocation.arg(run.likes.len()).arg(run.unlikes.len());
             for m in run.members() {
                 invocation.arg(likes.actor(m));
+            }
+        }
+        // Packed: the fields, last.
+        if buckets > 0 {
+            for (counter, _) in write.deltas {
+                invocation.arg(counter);
+            }
+            for counter in write.resets {
+                invocation.arg(counter);
             }
         }
         match before {

@@ -22,6 +22,7 @@ use tally_common::{DeadLetterReason, Keyspace, RedisConn, RedisTarget};
 use crate::machine::batch::WindowDelta;
 use crate::machine::pace::{MEMBERSHIPS_PER_ENTRY, MEMBERSHIPS_PER_ENTRY_BEFORE_SCRIPT};
 use crate::operator::config::Atomicity;
+use crate::store::packing::Packing;
 use crate::store::recall::{self, Recall, RecallCounts};
 use crate::store::script_call::ScriptCall;
 use crate::store::sink::{
@@ -93,6 +94,8 @@ pub struct RedisSink {
     /// flush script, in one `MULTI`/`EXEC` with it (with transactions only; off for good once
     /// the server refuses one of those commands).
     sets_first: Arc<AtomicBool>,
+    /// Which groups pack their counters' shares, as far as this writer knows.
+    packing: Arc<Packing>,
 }
 
 impl RedisSink {
@@ -118,6 +121,7 @@ impl RedisSink {
             fall_back: atomicity == Atomicity::Auto,
             recall: Arc::new(Recall::new(recall::DEFAULT_FIELDS)),
             sets_first: Arc::new(AtomicBool::new(true)),
+            packing: Arc::default(),
         })
     }
 
@@ -132,6 +136,7 @@ impl RedisSink {
             fall_back: false,
             recall: Arc::new(Recall::new(recall::DEFAULT_FIELDS)),
             sets_first: Arc::new(AtomicBool::new(false)),
+            packing: Arc::default(),
         }
     }
 
@@ -396,15 +401,16 @@ impl Sink for RedisSink {
     }
 
     async fn forget_cached(&self, counters: &[String]) -> Result<(), SinkError> {
-        // One DEL per key: the cache keys carry no hash tag, so on a cluster they live anywhere.
-        let mut pipe = redis::pipe();
-        for counter in counters {
-            pipe.cmd("DEL")
-                .arg(self.keyspace.cache_key(counter))
-                .ignore();
-        }
-        let mut conn = self.conn.clone();
-        pipe.query_async::<()>(&mut conn).await?;
+        // One DEL per key: the cache keys carry no hash tag, so on a cluster they live anywhere
+        // (one request each there: redis-rs refuses a cluster pipeline that spans slots).
+        let deletes = (counters.iter())
+            .map(|counter| {
+                let mut del = redis::cmd("DEL");
+                del.arg(self.keyspace.cache_key(counter));
+                del
+            })
+            .collect();
+        tally_common::connection::query_each::<redis::Value>(&self.conn, deletes).await?;
         Ok(())
     }
 
@@ -539,15 +545,34 @@ impl RedisSink {
         // One MULTI/EXEC, each command's reply kept: Redis refuses a transaction it cannot run
         // (out of memory, read-only, no permission) whole, before running any of it, but runs
         // the rest when one command fails on its data, so those are told apart here.
+        let ks = &self.keyspace;
+        // A reset clears the counter's field too where the group packs shares (its deltas here
+        // go to its keys, which readers sum with the fields).
+        let buckets: Option<u32> = match resets.is_empty() {
+            true => None,
+            false => {
+                redis::cmd("HGET")
+                    .arg(ks.fence_key(group))
+                    .arg(tally_common::layout::PACKED_FIELD)
+                    .query_async(&mut self.conn.clone())
+                    .await?
+            }
+        };
         let mut pipe = redis::pipe();
         pipe.atomic().ignore_errors();
-        let ks = &self.keyspace;
         for counter in resets {
             pipe.cmd("DEL")
                 .arg(ks.counter_key(group, counter))
                 .arg(ks.likes_key(group, counter))
                 .arg(ks.journal_key(group, counter))
                 .ignore();
+            if let Some(buckets) = buckets {
+                let bucket = Keyspace::bucket_of(counter, buckets);
+                pipe.cmd("HDEL")
+                    .arg(ks.packed_key(group, bucket))
+                    .arg(counter)
+                    .ignore();
+            }
         }
         let mut key = String::new();
         for (counter, delta) in deltas {

@@ -17,17 +17,20 @@
 -- which write nothing, and the SINTERSTORE, which leaves the check key).
 --
 -- KEYS[1] fence hash    KEYS[2] ledger hash    KEYS[3] watermark hash
--- KEYS[4 .. 3+n] counter keys of the n deltas
+-- KEYS[4 .. 3+n] counter keys of the n deltas (packed: the hashes of their buckets)
 -- KEYS[4+n .. 3+n+s] the s cells hashes (window buckets) this write rewrites fields of
 -- KEYS[4+n+s .. 3+n+s+3r] per reset: the counter's key, its set (count or member set) and its
---   compaction journal
--- KEYS[4+n+s+3r ..] the sets of the runs of likes written here, then the counter keys of those
+--   compaction journal; then, packed, per reset the hash of the counter's bucket
+-- KEYS[4+n+s+3r(+r) ..] the sets of the runs of likes written here, then the counter keys of those
 --   not counted by their sets, in the same order; then, if runs were written before this
 --   script, the check key
 -- ARGV[1] partition field ("<topic>/<partition>")    ARGV[2] the writer's epoch
 -- ARGV[3] the ledger entry the writer last saw here    ARGV[4] next offset (the entry after this write)
 -- ARGV[5] watermark value to store, or '' to leave the watermark alone
--- ARGV[6] n, the number of deltas    ARGV[7] s, the number of cells hashes
+-- ARGV[6] n, the number of deltas, then '/' and the buckets per group if the writer packs the
+--   deltas (the group's fence field '~packed' must hold the same: packed groups take deltas as
+--   fields of their buckets' hashes, the counter id being the field)
+-- ARGV[7] s, the number of cells hashes
 -- ARGV[8] r, the number of resets (their keys are deleted before anything is added)
 -- ARGV[9] w, the number of window deltas (memberships are numbered after them in a refusal)
 -- ARGV[10] x, the number of window deltas the writer found refused
@@ -39,6 +42,7 @@
 -- then x times: a refused window delta's index (n + its place among the window deltas) and why
 -- then per run written here: l, u, then the l actors who like the counter and the u who unlike
 -- it
+-- then, packed, the n deltas' counters and the r resets' counters (their hashes' fields)
 --
 -- The writer reads the cells fields and computes their new values (tally_common::window::cells);
 -- if any field no longer holds what it read, the script writes nothing and returns {'stale'}, and
@@ -46,6 +50,8 @@
 --
 -- Returns {'ok'}, {'fenced', current epoch or '0'}, {'duplicate', ledger entry},
 -- {'rolled_back', ledger entry} (the group lost writes the writer had seen land), {'stale'},
+-- {'layout', the group's buckets or '0'} (the writer packs where the group does not, or the
+-- other way round: it writes again as the group says),
 -- {'sets_refused'} (a set of a run written before holds another type: the writer tries the
 -- write again with this script alone, which finds which),
 -- {'rejected', index, reason, index, reason, ...} with 1-based indexes: deltas first, then
@@ -76,13 +82,24 @@ end
 if sets_refused then
   return {'sets_refused'}
 end
-local n = tonumber(ARGV[6])
+local n, packing = string.match(ARGV[6], '^(%d+)/?(%d*)$')
+n = tonumber(n)
+do
+  local packed = redis.call('HGET', KEYS[1], '~packed') or ''
+  if packed ~= packing then
+    return {'layout', packed == '' and '0' or packed}
+  end
+end
+local packed = packing ~= ''
 local s = tonumber(ARGV[7])
 local r = tonumber(ARGV[8])
 local w = tonumber(ARGV[9])
 local x = tonumber(ARGV[10])
 local m = #ARGV[11]
 local mk = 3 + n + s + 3 * r
+if packed then
+  mk = mk + r
+end
 
 -- The cells rewrites: per hash, its expiry and where its {field, read, new} triples are.
 local stripes, arg = cells_args(4 + n, s, 12 + n)
@@ -99,6 +116,8 @@ local ma = arg - 1
 local at, likes, unlikes, set_at, counter_at = {}, {}, {}, {}, {}
 local counted = {}
 local here = 0
+-- Packed: the n deltas' fields are ARGV[tail .. tail+n-1], the r resets' the r after them.
+local tail
 do
   for k = 1, m do
     if string.byte(ARGV[11], k) ~= 50 then
@@ -120,6 +139,7 @@ do
       likes[k], unlikes[k], at[k] = 0, 0, a
     end
   end
+  tail = a
 end
 
 -- A 64-bit integer as Redis reads one (string2ll: no sign but '-', no leading zero, no '-0'),
@@ -226,6 +246,23 @@ local function values(first, last)
   return out
 end
 
+-- The values of the first `count` deltas' fields (packed): an HGET each, `true` for a hash of
+-- another type.
+local function field_values(count)
+  local out = {}
+  for i = 1, count do
+    local got = redis.pcall('HGET', KEYS[3 + i], ARGV[tail + i - 1])
+    if type(got) == 'table' then
+      if string.sub(got['err'] or '', 1, 10) ~= 'WRONGTYPE ' then
+        return error(got['err'] or 'unknown error')
+      end
+      got = true
+    end
+    out[i] = got
+  end
+  return out
+end
+
 local rejected = {'rejected'}
 local function refuse(list, index, reason)
   list[#list + 1] = tostring(index)
@@ -236,7 +273,12 @@ local function check(first, count, arg, base)
   if count == 0 then
     return
   end
-  local current = values(first, first + count - 1)
+  local current
+  if packed then
+    current = field_values(count)
+  else
+    current = values(first, first + count - 1)
+  end
   for i = 1, count do
     local reason
     if current[i] == true then
@@ -252,7 +294,10 @@ end
 
 do
   local denied = forbidden({
-    {'incrby', n > 0 and KEYS[4] or nil, '1'},
+    {'incrby', n > 0 and not packed and KEYS[4] or nil, '1'},
+    {'hincrby', n > 0 and packed and KEYS[4] or nil, 'x', '1'},
+    {'hdel', n > 0 and packed and KEYS[4] or nil, 'x'},
+    {'hdel', r > 0 and packed and KEYS[4 + n + s + 3 * r] or nil, 'x'},
     {'hset', s > 0 and KEYS[4 + n] or nil, 'x', '1'},
     {'hdel', s > 0 and KEYS[4 + n] or nil, 'x'},
     {'pexpireat', s > 0 and KEYS[4 + n] or nil, '0'},
@@ -342,6 +387,11 @@ if r > 0 or x > 0 or #refused_members > 0 then
   for i = 1, 3 * r do
     redis.call('DEL', KEYS[3 + n + s + i])
   end
+  if packed then
+    for i = 1, r do
+      redis.call('HDEL', KEYS[3 + n + s + 3 * r + i], ARGV[tail + n + i - 1])
+    end
+  end
 end
 -- The runs of likes, before the deltas: a run that Redis refuses writes nothing, and one that
 -- landed needs no undo (see the top). Members go in slices of 1,000 (Lua's unpack has a limit).
@@ -399,7 +449,12 @@ do
   local failure = nil
   local done = 0
   local function add(key, delta, index)
-    local sum = redis.pcall('INCRBY', key, delta)
+    local sum
+    if packed then
+      sum = redis.pcall('HINCRBY', key, ARGV[tail + index - 1], delta)
+    else
+      sum = redis.pcall('INCRBY', key, delta)
+    end
     if type(sum) == 'table' then
       local err = sum['err'] or 'unknown error'
       local reason = nil
@@ -407,7 +462,12 @@ do
         reason = 'wrong_type'
       elseif err == 'ERR increment or decrement would overflow' then
         reason = 'overflow'
-      elseif err == 'ERR value is not an integer or out of range' then
+      elseif packed and err == 'ERR hash value is not an integer' then
+        local value = redis.pcall('HGET', key, ARGV[tail + index - 1])
+        if type(value) == 'string' and not int64(value) then
+          reason = 'not_an_integer'
+        end
+      elseif not packed and err == 'ERR value is not an integer or out of range' then
         local value = redis.pcall('GET', key)
         if type(value) == 'string' and not int64(value) then
           reason = 'not_an_integer'
@@ -437,27 +497,39 @@ do
   if failure or #rejected > 1 then
     -- Redis's arithmetic restores each value exactly. A key left at 0 is deleted: it counts the
     -- same as no key.
-    -- The negated delta is built as text: Lua's numbers are doubles. It is an INCRBY, so the
-    -- undo needs no other permission; -2^63 has no negation in 64 bits and is undone in two.
-    local function undo(key, delta)
+    -- The negated delta is built as text: Lua's numbers are doubles. It is an INCRBY (or, of a
+    -- field, an HINCRBY), so the undo needs no other permission; -2^63 has no negation in 64
+    -- bits and is undone in two. A field left at 0 is deleted likewise.
+    local function undo(i)
+      local key, delta = KEYS[3 + i], ARGV[11 + i]
+      local function by(amount)
+        if packed then
+          return redis.call('HINCRBY', key, ARGV[tail + i - 1], amount)
+        end
+        return redis.call('INCRBY', key, amount)
+      end
       local left
       if delta == '-9223372036854775808' then
-        redis.call('INCRBY', key, '9223372036854775807')
-        left = redis.call('INCRBY', key, 1)
+        by('9223372036854775807')
+        left = by(1)
       elseif delta == '0' then
-        left = redis.call('INCRBY', key, 0)
+        left = by(0)
       elseif string.sub(delta, 1, 1) == '-' then
-        left = redis.call('INCRBY', key, string.sub(delta, 2))
+        left = by(string.sub(delta, 2))
       else
-        left = redis.call('INCRBY', key, '-' .. delta)
+        left = by('-' .. delta)
       end
       if left == 0 then
-        redis.call('DEL', key)
+        if packed then
+          redis.call('HDEL', key, ARGV[tail + i - 1])
+        else
+          redis.call('DEL', key)
+        end
       end
     end
     for i = 1, math.min(n, done) do
       if not refused[i] then
-        undo(KEYS[3 + i], ARGV[11 + i])
+        undo(i)
       end
     end
     if failure then

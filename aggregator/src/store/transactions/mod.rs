@@ -23,12 +23,15 @@ use redis::{AsyncConnectionConfig, ErrorKind, Pipeline, ServerErrorKind, Value};
 use tally_common::connection::{DEFAULT_CONNECT_TIMEOUT, DEFAULT_RESPONSE_TIMEOUT};
 use tally_common::{Keyspace, RedisTarget};
 
+mod flush;
+
 use crate::machine::batch::WindowDelta;
 use crate::machine::verdict::{
     Current, MemberState, flush_verdict, next_epoch_after, stamp_refusal, watermark_refusal,
     window_rejections,
 };
 use crate::store::cells;
+use crate::store::packing::Packing;
 use crate::store::sink::{
     Applied, GroupWrite, IdleWrite, Marked, Rejection, SinkError, SinkErrorKind, Stamp,
 };
@@ -49,6 +52,8 @@ pub struct Transactions {
     idle: Mutex<Vec<MultiplexedConnection>>,
     /// Which keys the operations touch.
     keyspace: Keyspace,
+    /// Which groups pack their counters' shares, as far as these transactions know.
+    packing: Packing,
 }
 
 /// What an operation decided after reading under `WATCH`.
@@ -160,6 +165,7 @@ impl Transactions {
             client: redis::Client::open(target.url())?,
             idle: Mutex::new(Vec::new()),
             keyspace,
+            packing: Packing::default(),
         })
     }
 
@@ -269,161 +275,6 @@ impl Transactions {
             (None, Value::Array(replies)) => Ok(Ok(replies)),
             (None, other) => Err(protocol_error("not the replies of EXEC", &other)),
         }
-    }
-
-    /// The transactional `scripts/flush.lua`.
-    pub async fn apply_fenced(&self, write: GroupWrite<'_>) -> Result<Applied, SinkError> {
-        let ks = &self.keyspace;
-        let (fence_key, ledger_key) = (ks.fence_key(write.group), ks.ledger_key(write.group));
-        let counter_keys: Vec<String> = write
-            .deltas
-            .iter()
-            .map(|(counter, _)| ks.counter_key(write.group, counter))
-            .collect();
-        let cells_reads = cells::Reads::new(ks, write.group, write.windows);
-        // Each membership's set and, unless its likes are counted by their set, its counter.
-        let member_keys: Vec<(String, Option<String>)> = write
-            .members
-            .iter()
-            .map(|m| {
-                (
-                    ks.likes_key(write.group, m.counter),
-                    (!ks.likes_by_set(m.counter)).then(|| ks.counter_key(write.group, m.counter)),
-                )
-            })
-            .collect();
-        let mut watch = vec![fence_key.clone(), ledger_key.clone()];
-        watch.extend(counter_keys.iter().cloned());
-        watch.extend(cells_reads.stripes.iter().map(|(key, _)| key.clone()));
-        for (set, counter) in &member_keys {
-            watch.push(set.clone());
-            watch.extend(counter.iter().cloned());
-        }
-        let mut reads = redis::pipe();
-        reads.ignore_errors();
-        reads
-            .hget(&fence_key, write.field)
-            .hget(&ledger_key, write.field);
-        for key in &counter_keys {
-            reads.get(key);
-        }
-        cells_reads.add_to(&mut reads);
-        for ((set, counter), m) in member_keys.iter().zip(write.members.iter()) {
-            reads.sismember(set, m.actor);
-            if let Some(counter) = counter {
-                reads.get(counter);
-            }
-        }
-        let n = counter_keys.len();
-        let w = cells_reads.stripes.len();
-        self.optimistic(&watch, &reads, |replies| {
-            let [fence, ledger, rest @ ..] = replies else {
-                return Err(protocol_error(
-                    "short reply",
-                    &Value::Array(replies.to_vec()),
-                ));
-            };
-            let counted = member_keys.iter().filter(|(_, c)| c.is_some()).count();
-            if rest.len() != n + w + write.members.len() + counted {
-                return Err(protocol_error(
-                    "short reply",
-                    &Value::Array(replies.to_vec()),
-                ));
-            }
-            let currents = rest[..n]
-                .iter()
-                .map(current)
-                .collect::<Result<Vec<_>, _>>()?;
-            let got = rest[n..n + w]
-                .iter()
-                .cloned()
-                .map(cells::Read::from_reply)
-                .collect::<Result<Vec<_>, _>>()?;
-            let cells = cells::plan(
-                &cells_reads,
-                got,
-                write.windows,
-                tally_common::event::now_ms(),
-            );
-            // Per membership, its SISMEMBER and, unless counted by its set, its counter's GET.
-            let mut replies = rest[n + w..].iter();
-            let states = member_keys
-                .iter()
-                .map(|(_, counter)| {
-                    let short = || protocol_error("short reply", &Value::Nil);
-                    Ok(MemberState {
-                        member: match replies.next().ok_or_else(short)? {
-                            Value::Int(n) => Some(*n == 1),
-                            Value::ServerError(e) if e.code() == "WRONGTYPE" => None,
-                            v => return Err(protocol_error("SISMEMBER reply", v)),
-                        },
-                        // Counted by its set: no counter to take the change.
-                        counter: match counter {
-                            Some(_) => current(replies.next().ok_or_else(short)?)?,
-                            None => Current::Missing,
-                        },
-                    })
-                })
-                .collect::<Result<Vec<_>, SinkError>>()?;
-            // A counter reset here first starts with no members and no share.
-            let mut states = states;
-            for (state, m) in states.iter_mut().zip(write.members.iter()) {
-                if write.resets.iter().any(|c| c == m.counter) {
-                    state.member = Some(false);
-                    state.counter = Current::Missing;
-                }
-            }
-            let (fence, ledger) = (number(fence)?, number(ledger)?);
-            if let Some(verdict) =
-                flush_verdict(fence, ledger, &currents, &cells.currents, &states, &write)
-            {
-                return Ok(Plan::Done(verdict));
-            }
-            let mut writes = redis::pipe();
-            for counter in write.resets {
-                writes
-                    .del(&[
-                        ks.counter_key(write.group, counter),
-                        ks.likes_key(write.group, counter),
-                        ks.journal_key(write.group, counter),
-                    ])
-                    .ignore();
-            }
-            for (key, (_, delta)) in counter_keys.iter().zip(write.deltas) {
-                writes.incr(key, *delta).ignore();
-            }
-            rewrite_cells(&mut writes, &cells.writes);
-            // Reads saw each set before any of this batch's changes; one actor appears once per
-            // counter in a batch, so each change is decided on what the set holds now.
-            for (((set, counter), m), state) in
-                member_keys.iter().zip(write.members.iter()).zip(&states)
-            {
-                let step = match (m.like, state.member) {
-                    (true, Some(false)) => {
-                        writes.sadd(set, m.actor).ignore();
-                        1
-                    }
-                    (false, Some(true)) => {
-                        writes.srem(set, m.actor).ignore();
-                        -1
-                    }
-                    _ => continue,
-                };
-                if let Some(counter) = counter {
-                    writes.incr(counter, step).ignore();
-                }
-            }
-            writes
-                .hset(&ledger_key, write.field, write.next_offset)
-                .ignore();
-            if let Some(watermark) = write.watermark {
-                writes
-                    .hset(ks.watermark_key(write.group), write.field, watermark)
-                    .ignore();
-            }
-            Ok(Plan::Write(writes, Applied::Written))
-        })
-        .await
     }
 
     /// The transactional `scripts/cells.lua`: an at-least-once write's window deltas, with the

@@ -1,0 +1,46 @@
+//! What a writer knows of each group's packing: whether the group's counters' shares are
+//! fields of its packed hashes (`tally_common::layout::PACKED_FIELD` in its fence hash, set by
+//! `tally pack`), learned from the flush script's answers. Every exactly-once write checks the
+//! group's mark itself, so a writer that guessed wrong is told, learns, and writes again: it
+//! never lands a write in the other layout.
+
+use std::collections::HashMap;
+use std::sync::{Mutex, PoisonError};
+
+/// Each group's buckets as last answered (absent: not packed, until a group says otherwise).
+#[derive(Debug, Default)]
+pub struct Packing {
+    groups: Mutex<HashMap<u32, u32>>,
+}
+
+impl Packing {
+    /// `group`'s packed hashes per group as this writer knows them (0: the counters' keys).
+    pub fn buckets(&self, group: u32) -> u32 {
+        let groups = self.groups.lock().unwrap_or_else(PoisonError::into_inner);
+        groups.get(&group).copied().unwrap_or(0)
+    }
+
+    /// `group` answered that it packs into `buckets` hashes (0: it does not).
+    pub fn learn(&self, group: u32, buckets: u32) {
+        let mut groups = self.groups.lock().unwrap_or_else(PoisonError::into_inner);
+        match buckets {
+            0 => groups.remove(&group),
+            _ => groups.insert(group, buckets),
+        };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_group_packs_once_it_says_so() {
+        let packing = Packing::default();
+        assert_eq!(packing.buckets(3), 0);
+        packing.learn(3, 4096);
+        assert_eq!((packing.buckets(3), packing.buckets(4)), (4096, 0));
+        packing.learn(3, 0);
+        assert_eq!(packing.buckets(3), 0);
+    }
+}
