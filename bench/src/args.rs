@@ -67,6 +67,10 @@ pub struct Args {
     /// Distinct counters of the cardinality scenario (one event each).
     #[arg(long, default_value_t = 1_000_000)]
     pub distinct: u64,
+    /// Packed hashes per group of the cardinality scenario's packed catch-up (`tally pack
+    /// --buckets`): about 16 counters each at the default 1,000,000 counters over 16 groups.
+    #[arg(long, default_value_t = 4_096)]
+    pub packed_buckets: u32,
     /// Operations per read measurement.
     #[arg(long, default_value_t = 2_000)]
     pub reads: usize,

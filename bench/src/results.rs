@@ -363,6 +363,16 @@ pub struct Results {
     pub cardinality_floor: Option<RedisFloor>,
     /// Each cardinality round's redis-server CPU per counter write over its script floor's.
     pub cardinality_floor_ratios: Vec<f64>,
+    /// The same catch-up with the counters' shares packed into hashes (`tally pack` before
+    /// launch), from the same median round.
+    #[serde(default)]
+    pub cardinality_packed: Option<CatchUp>,
+    /// Redis memory the packed catch-up added per counter.
+    #[serde(default)]
+    pub cardinality_packed_bytes_per_counter: Option<f64>,
+    /// Its packed hashes per group.
+    #[serde(default)]
+    pub cardinality_packed_buckets: u32,
     /// Reads.
     pub reads: Vec<ReadLatency>,
     /// The catch-up into the PostgreSQL store.

@@ -37,6 +37,22 @@ pub(super) fn section(out: &mut String, r: &Results) {
             .map_or_else(|| "-".to_owned(), |b| format!("{b:.1}")),
         floor.bytes_per_key,
     );
+    if let (Some(p), Some(bytes)) = (
+        &r.cardinality_packed,
+        r.cardinality_packed_bytes_per_counter,
+    ) {
+        let _ = writeln!(
+            out,
+            "\nThe same catch-up with the counters' shares packed into {} hashes per group \
+             (`tally pack` before launch): {:.0} events/s from launch ({:.2} x the keys'), \
+             redis-server **{:.2} CPU-us** per counter write, **{bytes:.1} B** per counter at \
+             rest.",
+            r.cardinality_packed_buckets,
+            p.events_per_second_from_launch,
+            p.events_per_second_from_launch / c.events_per_second_from_launch.max(1e-9),
+            p.redis_cpu_us_per_write(),
+        );
+    }
     if let Some(eo) = r.exactly_once() {
         let zipf = eo.events_per_second_from_launch.max(1e-9);
         let _ = writeln!(

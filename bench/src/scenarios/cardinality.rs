@@ -8,6 +8,10 @@
 //! `INCRBY`s without a script (what a write costs Redis when nothing is atomic). Its keys are
 //! shaped like tally's (a prefix, a group tag, `c:`, a counter id), so that the two differ only
 //! in what tally's script does around each write.
+//!
+//! Each round also catches the topic up with the counters' shares packed into hashes (`tally
+//! pack` on the empty deployment before launch), for its Redis CPU per write and its memory per
+//! counter at rest against the keys'.
 
 use anyhow::Context;
 
@@ -32,15 +36,21 @@ pub(crate) struct Cardinality {
     /// redis-server's CPU per counter write in tally's catch-up over the script floor's, per
     /// round.
     pub(crate) ratios: Vec<f64>,
+    /// The packed catch-up of the same round.
+    pub(crate) packed: CatchUp,
+    /// Redis memory the packed catch-up added per counter.
+    pub(crate) packed_bytes_per_counter: f64,
 }
 
 /// `rounds` alternated rounds, each a catch-up of `topic` (`distinct` events, one per
-/// counter) and the floor's `distinct` writes.
+/// counter), the floor's `distinct` writes, and the catch-up packed into `buckets` hashes per
+/// group.
 pub(crate) async fn cardinality(
     env: &mut Env<'_>,
     topic: &str,
     distinct: u64,
     rounds: u32,
+    buckets: u32,
 ) -> anyhow::Result<Cardinality> {
     let mut runs = Vec::new();
     for round in 1..=rounds {
@@ -62,17 +72,60 @@ pub(crate) async fn cardinality(
             floor.script_cpu_us_per_write,
             floor.pipelined_cpu_us_per_write,
         );
-        runs.push((run, bytes, floor, ratio));
+        let (packed, packed_bytes) = packed_catch_up(env, topic, distinct, buckets).await?;
+        println!(
+            "  packed into {buckets} hashes per group: {:.0} events/s from launch; redis-server \
+             {:.2} CPU-us per counter write; {packed_bytes:.1} B per counter against {bytes:.1}",
+            packed.events_per_second_from_launch,
+            packed.redis_cpu_us_per_write(),
+        );
+        runs.push((run, bytes, floor, ratio, packed, packed_bytes));
     }
     let ratios: Vec<f64> = runs.iter().map(|r| r.3).collect();
     let median = median_round(&ratios, "cardinality, redis-server CPU per write / floor");
-    let (run, bytes_per_counter, floor, _) = runs.swap_remove(median);
+    let (run, bytes_per_counter, floor, _, packed, packed_bytes_per_counter) =
+        runs.swap_remove(median);
     Ok(Cardinality {
         run,
         bytes_per_counter,
         floor,
         ratios,
+        packed,
+        packed_bytes_per_counter,
     })
+}
+
+/// A catch-up of `topic` into a deployment packed into `buckets` hashes per group from launch
+/// (`tally pack` on its empty keyspace first), and the Redis memory it added per counter.
+async fn packed_catch_up(
+    env: &mut Env<'_>,
+    topic: &str,
+    distinct: u64,
+    buckets: u32,
+) -> anyhow::Result<(CatchUp, f64)> {
+    let id = env.catch_up_id();
+    let packed = std::process::Command::new(env.bin("tally"))
+        .args([
+            "pack",
+            "--buckets",
+            &buckets.to_string(),
+            "--key-prefix",
+            &id,
+        ])
+        .args(["--redis-url", &env.args.redis_url])
+        .output()
+        .context("tally pack (build the release binaries: deploy/local/bench.sh)")?;
+    anyhow::ensure!(
+        packed.status.success(),
+        "tally pack failed: {}",
+        String::from_utf8_lossy(&packed.stderr)
+    );
+    let before = used_memory(&mut env.redis).await?;
+    let mut run = env.catch_up_as(&id, topic, distinct, &[]).await?;
+    run.distinct_counters = distinct;
+    let bytes = (used_memory(&mut env.redis).await? - before) / distinct as f64;
+    delete_matching(&mut env.redis, &format!("{id}*")).await;
+    Ok((run, bytes))
 }
 
 /// The floor: `writes` new keys written by the bare script, `per_request` per call, then as many

@@ -279,9 +279,13 @@ pub async fn run_all(args: &Args) -> anyhow::Result<Results> {
             &["--distinct", "--actors", "0"],
         )
         .await?;
-        let c = cardinality(&mut env, &topic, args.distinct, args.rounds).await?;
+        let buckets = args.packed_buckets;
+        let c = cardinality(&mut env, &topic, args.distinct, args.rounds, buckets).await?;
         results.cardinality = Some(c.run);
         results.cardinality_bytes_per_counter = Some(c.bytes_per_counter);
+        results.cardinality_packed = Some(c.packed);
+        results.cardinality_packed_bytes_per_counter = Some(c.packed_bytes_per_counter);
+        results.cardinality_packed_buckets = buckets;
         results.cardinality_floor = Some(c.floor);
         results.cardinality_floor_ratios = c.ratios;
     }
