@@ -402,6 +402,11 @@ impl Keyspace {
         key
     }
 
+    /// A pattern matching every packed hash of `group`, for `SCAN ... MATCH`.
+    pub fn packed_pattern(&self, group: u32) -> String {
+        format!("{}:{{g{group}}}:p:*", self.prefix)
+    }
+
     /// Writes [`Keyspace::packed_key`] into `out` (cleared first).
     pub fn write_packed_key(&self, out: &mut String, group: u32, bucket: u32) {
         self.write_group_key(out, group, "p", itoa::Buffer::new().format(bucket));
@@ -899,6 +904,7 @@ mod tests {
     fn the_counters_of_one_group_fill_every_bucket_of_it() {
         let ks = Keyspace::new("t", 16).expect("valid");
         assert_eq!(ks.packed_key(7, 1023), "t:{g7}:p:1023");
+        assert_eq!(ks.packed_pattern(7), "t:{g7}:p:*");
         let mut used = std::collections::BTreeMap::<u32, usize>::new();
         for i in 0..64_000 {
             let counter = format!("views:item:{i}");

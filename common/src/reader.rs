@@ -481,14 +481,20 @@ impl Reader {
         let ks = &self.keyspace;
         let groups = plan.read;
         let packed = PackedReads::new(ks, counters, groups, plan.buckets);
-        let mut reads: Vec<redis::Cmd> =
-            (0..groups).map(|g| self.group_mget(counters, g)).collect();
-        if sets {
-            reads.extend(self.set_sizes(counters));
-        }
-        reads.extend(packed.commands.iter().cloned());
-        let mut replies: Vec<redis::Value> = query_each(&self.conn, reads).await?;
-        let fields = replies.split_off(replies.len().saturating_sub(packed.len()));
+        let (replies, fields) = if packed.is_empty() || !self.conn.is_cluster() {
+            let mut reads: Vec<redis::Cmd> =
+                (0..groups).map(|g| self.group_mget(counters, g)).collect();
+            if sets {
+                reads.extend(self.set_sizes(counters));
+            }
+            reads.extend(packed.commands.iter().cloned());
+            let mut replies: Vec<redis::Value> = query_each(&self.conn, reads).await?;
+            let fields = replies.split_off(replies.len().saturating_sub(packed.len()));
+            (replies, fields)
+        } else {
+            self.read_groups_whole(counters, groups, &packed, sets)
+                .await?
+        };
         let (rows, mut snapshot) = self.sum_replies(counters, groups, replies)?;
         packed.add(counters, fields, &mut snapshot)?;
         let mut journals = std::mem::take(&mut snapshot.journals);

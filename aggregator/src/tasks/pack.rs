@@ -65,6 +65,19 @@ pub enum PackError {
     /// Redis failed; running it again picks up.
     #[error("redis: {0}")]
     Redis(#[from] redis::RedisError),
+    /// Fields of a retired group could not go back to their keys (a key of another type, not
+    /// an integer, or a sum past 64 bits), or kept changing.
+    #[error(
+        "{left} field(s) of {hash} could not be moved back into their counters' keys (a key of \
+         another type or not an integer, a sum past 64 bits, or fields that kept changing): \
+         repair them and run the command again"
+    )]
+    Unpacked {
+        /// The hash.
+        hash: String,
+        /// Its fields left.
+        left: u64,
+    },
 }
 
 /// What a run did.
@@ -181,6 +194,81 @@ pub async fn pack(
     Ok(report)
 }
 
+/// Moves every packed field of `groups` back into its counter's key, deleting the field in the
+/// same step, so that a shrink's fold (which moves keys) finds every share of the groups it
+/// retires; nothing writes those groups any more by then. Returns the fields moved.
+pub async fn unpack(
+    conn: &RedisConn,
+    keyspace: &Keyspace,
+    groups: &[u32],
+) -> Result<u64, PackError> {
+    let script = redis::Script::new(UNPACK);
+    let mut moved = 0;
+    for &group in groups {
+        let (slot_key, pattern) = (keyspace.fence_key(group), keyspace.packed_pattern(group));
+        let mut cursor = 0;
+        loop {
+            let (next, hashes) = conn
+                .scan_page_at(&slot_key, cursor, &pattern, BATCH)
+                .await?;
+            for hash in hashes {
+                moved += unpack_hash(conn, keyspace, &script, group, &hash).await?;
+            }
+            cursor = next;
+            if cursor == 0 {
+                break;
+            }
+        }
+    }
+    Ok(moved)
+}
+
+/// Moves the fields of `hash` (in `group`) into their counters' keys, until none is left.
+async fn unpack_hash(
+    conn: &RedisConn,
+    keyspace: &Keyspace,
+    script: &redis::Script,
+    group: u32,
+    hash: &str,
+) -> Result<u64, PackError> {
+    let mut moved = 0;
+    for _ in 0..MAX_TRIES {
+        let fields: Vec<(String, String)> = redis::cmd("HGETALL")
+            .arg(hash)
+            .query_async(&mut conn.clone())
+            .await?;
+        if fields.is_empty() {
+            return Ok(moved);
+        }
+        let mut left = 0;
+        for chunk in fields.chunks(BATCH) {
+            let mut invocation = script.key(hash);
+            for (field, value) in chunk {
+                invocation
+                    .key(keyspace.counter_key(group, field))
+                    .arg(field)
+                    .arg(value);
+            }
+            let (done, refused): (u64, u64) = invocation.invoke_async(&mut conn.clone()).await?;
+            moved += done;
+            left += refused;
+        }
+        if left > 0 {
+            return Err(PackError::Unpacked {
+                hash: hash.to_owned(),
+                left,
+            });
+        }
+    }
+    Err(PackError::Unpacked {
+        hash: hash.to_owned(),
+        left: 0,
+    })
+}
+
+/// Reads of a hash [`unpack_hash`] takes before giving up on fields that keep changing.
+const MAX_TRIES: usize = 8;
+
 /// Moves `shares` (one group's: group, counter, key) into their fields with one script.
 async fn move_keys(
     conn: &RedisConn,
@@ -204,6 +292,32 @@ async fn move_keys(
     let (moved, left): (u64, u64) = invocation.invoke_async(&mut conn.clone()).await?;
     Ok((moved, left))
 }
+
+/// Moves fields back into their counters' keys: each field still holding the value read is
+/// added to its key and deleted (one that changed is left for the next read).
+///
+/// KEYS[1] the hash; then per field its counter's key
+/// ARGV per field: the field, the value read
+/// Returns {moved, refused}: refused, a key that would not take its field's value.
+const UNPACK: &str = r"
+local moved, refused = 0, 0
+for i = 1, #KEYS - 1 do
+  local field, value = ARGV[2 * i - 1], ARGV[2 * i]
+  if redis.call('HGET', KEYS[1], field) == value then
+    local sum = redis.pcall('INCRBY', KEYS[1 + i], value)
+    if type(sum) == 'number' then
+      redis.call('HDEL', KEYS[1], field)
+      if sum == 0 then
+        redis.call('DEL', KEYS[1 + i])
+      end
+      moved = moved + 1
+    else
+      refused = refused + 1
+    end
+  end
+end
+return {moved, refused}
+";
 
 /// Moves counter keys into their fields, in a group marked packed into ARGV[1] hashes.
 ///

@@ -47,6 +47,7 @@ use tally_common::regroup::{self, GroupPlan, PlanError, Progress, RegroupError};
 use tally_common::{Keyspace, Namespaces, RedisConn};
 
 use crate::tasks::compact::{CompactError, Compactor};
+use crate::tasks::pack::PackError;
 
 /// Why a re-grouping stopped.
 #[derive(Debug, thiserror::Error)]
@@ -76,13 +77,9 @@ pub enum RegroupFailure {
         /// The original count.
         origin: u32,
     },
-    /// The deployment packs its shares: a shrink's fold moves keys only, and would leave the
-    /// retired groups' packed fields unread.
-    #[error(
-        "this deployment packs its counters' shares into hashes (`tally pack`), which a shrink \
-         does not fold yet: shrinking would leave the retired groups' fields unread"
-    )]
-    Packed,
+    /// The retired groups' packed fields could not go back into keys for the fold.
+    #[error("unpacking the retired groups: {0}")]
+    Unpack(#[from] PackError),
     /// Some partitions did not move within the wait.
     #[error(
         "{} partition(s) did not move within the wait: {}; run the command again once their owners run (writers place new offsets in {write} groups, readers still sum {read})",
@@ -194,9 +191,6 @@ async fn shrink(
     wait: Duration,
     mut say: impl FnMut(&str),
 ) -> Result<GroupPlan, RegroupFailure> {
-    if plan.buckets > 0 {
-        return Err(RegroupFailure::Packed);
-    }
     if to < plan.origin {
         return Err(RegroupFailure::BelowOrigin {
             to,
@@ -223,6 +217,15 @@ async fn shrink(
     tokio::time::sleep(regroup::PHASE_WAIT).await;
     moved(conn, keyspace, &plan, wait, &mut say).await?;
     let retired: Vec<u32> = (to..plan.read).collect();
+    if plan.buckets > 0 {
+        // The fold moves keys: the retired groups' fields go back into keys first, each in one
+        // step (readers sum both forms).
+        let unpacked = crate::tasks::pack::unpack(conn, keyspace, &retired).await?;
+        say(&format!(
+            "moved {unpacked} packed share(s) of groups {to}..{} back into keys",
+            plan.read
+        ));
+    }
     let folded = fold(conn, keyspace, &retired, plan.read).await?;
     say(&format!(
         "folded {folded} share(s) of groups {to}..{} into their base groups",
