@@ -232,14 +232,13 @@ pub async fn migrate(conn: &RedisConn, keyspace: &Keyspace) -> Result<MigrateRep
     let script = script();
     let mut report = MigrateReport::default();
     let pattern = format!("{}:{{g*}}:w:*", keyspace.prefix());
-    let nodes = conn
-        .one_per_node((0..keyspace.groups()).map(|group| keyspace.fence_key(group)))
-        .await?;
-    // What was left is counted by the last walk.
+    // What was left is counted by the last walk. The nodes are asked again on every walk: a
+    // slot that migrated since the last may have left a node unwalked.
     let walk = async || {
         let folded = report.keys;
         report.corrupt = 0;
-        for slot_key in &nodes {
+        let groups = (0..keyspace.groups()).map(|group| keyspace.fence_key(group));
+        for slot_key in &conn.one_per_node(groups).await? {
             fold_walked(conn, keyspace, &script, slot_key, &pattern, &mut report).await?;
         }
         Ok::<_, UpkeepError>((report.keys - folded) as usize)
