@@ -68,8 +68,8 @@ pub struct Args {
     #[arg(long, default_value_t = 1_000_000)]
     pub distinct: u64,
     /// Packed hashes per group of the cardinality scenario's packed catch-up (`tally pack
-    /// --buckets`): about 16 counters each at the default 1,000,000 counters over 16 groups.
-    #[arg(long, default_value_t = 4_096)]
+    /// --buckets`): about 61 counters each at the default 1,000,000 counters over 16 groups.
+    #[arg(long, default_value_t = 1_024)]
     pub packed_buckets: u32,
     /// Operations per read measurement.
     #[arg(long, default_value_t = 2_000)]

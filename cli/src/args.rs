@@ -79,8 +79,8 @@ pub(crate) enum Command {
 #[derive(Debug, clap::Args)]
 pub(crate) struct PackArgs {
     /// Packed hashes per shard group, a power of two: about the counters a group will hold
-    /// over 8-32 (Redis keeps a hash of up to `hash-max-listpack-entries`, 128 by default,
-    /// compact, and scans it on every write).
+    /// over 30-60 (Redis keeps a hash of up to `hash-max-listpack-entries` compact, 512 without
+    /// a config file, and scans it on every write).
     #[arg(long)]
     pub(crate) buckets: u32,
     #[command(flatten)]
