@@ -477,12 +477,128 @@ async fn a_group_whose_likes_moved_takes_no_owner_counting_them_in_the_shares(
     assert_eq!(stamped, Stamp::Stamped { ledger: -1 }, "{atomicity:?}");
 }
 
+/// A group packed into hashes (`tally pack`) refuses the same data the keys would, leaves nothing
+/// behind, and then takes the rest as fields: a field that is not an integer, a sum past 64 bits,
+/// a bucket's hash of another type. A reset then deletes the field. The sink starts not knowing
+/// the group packs, and learns it from its first write's answer.
+async fn a_packed_group_refuses_and_undoes_as_keys_do(atomicity: Atomicity) {
+    const BUCKETS: u32 = 8;
+    let redis = RedisServer::start().await;
+    let (sink, ks, epoch) = fenced_sink(&redis, atomicity).await;
+    let mut conn = tally_tests::connect(&redis.url()).await;
+    let _: () = conn
+        .hset(
+            ks.fence_key(GROUP),
+            tally_common::layout::PACKED_FIELD,
+            BUCKETS,
+        )
+        .await
+        .expect("mark");
+    // Five counters in five buckets: the fourth's bucket holds a string.
+    let mut used = Vec::new();
+    let counters: Vec<String> = (0..)
+        .map(|i| format!("packed:{i}"))
+        .filter(|c| {
+            let bucket = Keyspace::bucket_of(c, BUCKETS);
+            let new = !used.contains(&bucket);
+            used.push(bucket);
+            new
+        })
+        .take(5)
+        .collect();
+    let hash = |c: &str| ks.packed_key(GROUP, Keyspace::bucket_of(c, BUCKETS));
+    let (ok, junk, big, typed, fresh) = (
+        &counters[0],
+        &counters[1],
+        &counters[2],
+        &counters[3],
+        &counters[4],
+    );
+    let near = (i64::MAX - 1).to_string();
+    for (counter, value) in [(ok, "10"), (junk, "abc"), (big, near.as_str())] {
+        let _: () = conn
+            .hset(hash(counter), counter, value)
+            .await
+            .expect("HSET");
+    }
+    let _: () = conn.set(hash(typed), "x").await.expect("SET");
+    let fields = async |conn: &mut redis::aio::MultiplexedConnection| -> Vec<Option<String>> {
+        let mut values = Vec::new();
+        for c in [ok, junk, big, fresh] {
+            values.push(conn.hget(hash(c), c).await.expect("HGET"));
+        }
+        values
+    };
+    let before = fields(&mut conn).await;
+
+    let deltas: Vec<(String, i64)> = [(ok, 5), (junk, 1), (big, 5), (typed, 2), (fresh, 3)]
+        .map(|(c, d)| (c.clone(), d))
+        .to_vec();
+    let none = Likes::NONE;
+    let mut refused = refusals(&sink, write(epoch, &deltas, &[], none), atomicity).await;
+    refused.sort_by_key(|r| r.0);
+    assert_eq!(
+        refused,
+        vec![
+            (Refused::Delta(1), DeadLetterReason::NotAnInteger),
+            (Refused::Delta(2), DeadLetterReason::Overflow),
+            (Refused::Delta(3), DeadLetterReason::WrongType),
+        ],
+        "{atomicity:?}"
+    );
+    assert_eq!(
+        fields(&mut conn).await,
+        before,
+        "{atomicity:?}: nothing left behind"
+    );
+    let ledger: Option<String> = conn.hget(ks.ledger_key(GROUP), FIELD).await.expect("HGET");
+    assert_eq!(ledger, None, "{atomicity:?}: the ledger did not move");
+
+    let rest = [deltas[0].clone(), deltas[4].clone()];
+    let landed = sink.apply_fenced(write(epoch, &rest, &[], none)).await;
+    assert_eq!(landed.expect("write"), Applied::Written, "{atomicity:?}");
+    let after = fields(&mut conn).await;
+    assert_eq!(after[0].as_deref(), Some("15"), "{atomicity:?}");
+    assert_eq!(after[3].as_deref(), Some("3"), "{atomicity:?}");
+    let keys: usize = conn
+        .exists(&[ks.counter_key(GROUP, ok), ks.counter_key(GROUP, fresh)])
+        .await
+        .expect("EXISTS");
+    assert_eq!(keys, 0, "{atomicity:?}: fields, not keys");
+
+    // A reset of `ok` (with a key of its own beside its field) clears both, then counts 1.
+    let _: () = conn.set(ks.counter_key(GROUP, ok), 7).await.expect("SET");
+    let reset = [ok.clone()];
+    let again = [(ok.clone(), 1)];
+    let write = GroupWrite {
+        expected_ledger: 10,
+        next_offset: 20,
+        resets: &reset,
+        ..write(epoch, &again, &[], none)
+    };
+    assert_eq!(
+        sink.apply_fenced(write).await.expect("write"),
+        Applied::Written
+    );
+    // Readers sum the fields as the plan says (`tally pack` records it before any mark).
+    let plan = format!("v=1;origin=1;write=1;read=1;buckets={BUCKETS}");
+    let _: () = conn.set(ks.plan_key(), plan).await.expect("SET");
+    let total = redis.reader(ks.clone()).await.get(ok).await.expect("read");
+    let key: Option<String> = conn.get(ks.counter_key(GROUP, ok)).await.expect("GET");
+    assert_eq!(key, None, "{atomicity:?}: the reset deleted the key");
+    assert_eq!(
+        total, 1,
+        "{atomicity:?}: the reset cleared the key and the field"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_flush_script_undoes_a_refused_write() {
     refused_write_leaves_nothing_behind(Atomicity::Scripts).await;
     refused_membership_is_listed_after_the_deltas(Atomicity::Scripts).await;
     runs_counted_by_sets_and_in_shares_share_a_write(Atomicity::Scripts).await;
     a_group_whose_likes_moved_takes_no_owner_counting_them_in_the_shares(Atomicity::Scripts).await;
+    a_packed_group_refuses_and_undoes_as_keys_do(Atomicity::Scripts).await;
 }
 
 /// The default on a standalone server: runs counted by their sets go before the script, in one
@@ -503,6 +619,7 @@ async fn transactions_refuse_the_same_writes() {
     runs_counted_by_sets_and_in_shares_share_a_write(Atomicity::Transactions).await;
     a_group_whose_likes_moved_takes_no_owner_counting_them_in_the_shares(Atomicity::Transactions)
         .await;
+    a_packed_group_refuses_and_undoes_as_keys_do(Atomicity::Transactions).await;
 }
 
 /// At-least-once: one `MULTI`/`EXEC` per group, in which Redis runs every command it can. The
