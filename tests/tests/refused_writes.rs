@@ -477,6 +477,21 @@ async fn a_group_whose_likes_moved_takes_no_owner_counting_them_in_the_shares(
     assert_eq!(stamped, Stamp::Stamped { ledger: -1 }, "{atomicity:?}");
 }
 
+/// `n` counters, each in a bucket of its own among `buckets`.
+fn in_distinct_buckets(n: usize, buckets: u32) -> Vec<String> {
+    let mut used = Vec::new();
+    (0..)
+        .map(|i| format!("packed:{i}"))
+        .filter(|c| {
+            let bucket = Keyspace::bucket_of(c, buckets);
+            let new = !used.contains(&bucket);
+            used.push(bucket);
+            new
+        })
+        .take(n)
+        .collect()
+}
+
 /// A group packed into hashes (`tally pack`) refuses the same data the keys would, leaves nothing
 /// behind, and then takes the rest as fields: a field that is not an integer, a sum past 64 bits,
 /// a bucket's hash of another type. A reset then deletes the field. The sink starts not knowing
@@ -495,17 +510,7 @@ async fn a_packed_group_refuses_and_undoes_as_keys_do(atomicity: Atomicity) {
         .await
         .expect("mark");
     // Five counters in five buckets: the fourth's bucket holds a string.
-    let mut used = Vec::new();
-    let counters: Vec<String> = (0..)
-        .map(|i| format!("packed:{i}"))
-        .filter(|c| {
-            let bucket = Keyspace::bucket_of(c, BUCKETS);
-            let new = !used.contains(&bucket);
-            used.push(bucket);
-            new
-        })
-        .take(5)
-        .collect();
+    let counters = in_distinct_buckets(5, BUCKETS);
     let hash = |c: &str| ks.packed_key(GROUP, Keyspace::bucket_of(c, BUCKETS));
     let (ok, junk, big, typed, fresh) = (
         &counters[0],
@@ -620,6 +625,61 @@ async fn transactions_refuse_the_same_writes() {
     a_group_whose_likes_moved_takes_no_owner_counting_them_in_the_shares(Atomicity::Transactions)
         .await;
     a_packed_group_refuses_and_undoes_as_keys_do(Atomicity::Transactions).await;
+}
+
+/// At-least-once in a group marked packed: the deltas go to fields, refused for the same data
+/// as keys (a field that is not an integer, a bucket's hash of another type), with every other
+/// delta landed once and no key written; a reset clears the counter's key and its field.
+#[tokio::test]
+async fn at_least_once_packs_where_the_group_is_marked() {
+    const BUCKETS: u32 = 8;
+    let redis = RedisServer::start().await;
+    let url = redis.url();
+    let ks = Keyspace::new(unique("alo-packed"), 1).expect("keyspace");
+    let sink = sink(&url, &ks, Atomicity::Auto).await;
+    let mut conn = tally_tests::connect(&url).await;
+    let plan = format!("v=1;origin=1;write=1;read=1;buckets={BUCKETS}");
+    let _: () = conn.set(ks.plan_key(), plan).await.expect("SET");
+    let mark = tally_common::layout::PACKED_FIELD;
+    let _: () = conn
+        .hset(ks.fence_key(GROUP), mark, BUCKETS)
+        .await
+        .expect("HSET");
+    let counters = in_distinct_buckets(4, BUCKETS);
+    let (ok, junk, typed, fresh) = (&counters[0], &counters[1], &counters[2], &counters[3]);
+    let hash = |c: &str| ks.packed_key(GROUP, Keyspace::bucket_of(c, BUCKETS));
+    let _: () = conn.hset(hash(ok), ok, 7).await.expect("HSET");
+    let _: () = conn.hset(hash(junk), junk, "abc").await.expect("HSET");
+    let _: () = conn.set(hash(typed), "x").await.expect("SET");
+    let deltas: Vec<(String, i64)> = [(ok, 3), (junk, 1), (typed, 1), (fresh, 5)]
+        .map(|(c, d)| (c.clone(), d))
+        .to_vec();
+
+    let rejected = sink.apply(GROUP, &deltas, &[], &[]).await.expect("apply");
+    assert_eq!(
+        sorted(rejected),
+        vec![
+            (Refused::Delta(1), "not_an_integer".to_owned()),
+            (Refused::Delta(2), "wrong_type".to_owned()),
+        ]
+    );
+    for (counter, want) in [(ok, "10"), (junk, "abc"), (fresh, "5")] {
+        let got: Option<String> = conn.hget(hash(counter), counter).await.expect("HGET");
+        assert_eq!(got.as_deref(), Some(want), "{counter}");
+    }
+    let keys: usize = (conn.exists(&[ks.counter_key(GROUP, ok), ks.counter_key(GROUP, fresh)]))
+        .await
+        .expect("EXISTS");
+    assert_eq!(keys, 0, "fields, not keys");
+
+    let _: () = conn.set(ks.counter_key(GROUP, ok), 4).await.expect("SET");
+    let again = [(ok.clone(), 2)];
+    let rejected = sink
+        .apply(GROUP, &again, &[], std::slice::from_ref(ok))
+        .await;
+    assert!(rejected.expect("apply").is_empty());
+    let total = redis.reader(ks.clone()).await.get(ok).await.expect("read");
+    assert_eq!(total, 2, "the reset cleared the key and the field");
 }
 
 /// At-least-once: one `MULTI`/`EXEC` per group, in which Redis runs every command it can. The

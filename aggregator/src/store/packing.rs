@@ -6,11 +6,18 @@
 
 use std::collections::HashMap;
 use std::sync::{Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+/// How long a group read unmarked is taken as unmarked by writes that do not check the mark
+/// themselves (at-least-once deltas): a mark is never removed, so only "not packed" goes stale.
+pub const UNMARKED_FOR: Duration = Duration::from_secs(1);
 
 /// Each group's buckets as last answered (absent: not packed, until a group says otherwise).
 #[derive(Debug, Default)]
 pub struct Packing {
     groups: Mutex<HashMap<u32, u32>>,
+    /// When each group was last read unmarked.
+    unmarked: Mutex<HashMap<u32, Instant>>,
 }
 
 impl Packing {
@@ -18,6 +25,31 @@ impl Packing {
     pub fn buckets(&self, group: u32) -> u32 {
         let groups = self.groups.lock().unwrap_or_else(PoisonError::into_inner);
         groups.get(&group).copied().unwrap_or(0)
+    }
+
+    /// `group`'s buckets if known: packed, or read unmarked less than [`UNMARKED_FOR`] ago (0);
+    /// `None` when it is to be read again.
+    pub fn known(&self, group: u32) -> Option<u32> {
+        match self.buckets(group) {
+            0 => {
+                let unmarked = self.unmarked.lock().unwrap_or_else(PoisonError::into_inner);
+                let fresh = unmarked
+                    .get(&group)
+                    .is_some_and(|t| t.elapsed() < UNMARKED_FOR);
+                fresh.then_some(0)
+            }
+            buckets => Some(buckets),
+        }
+    }
+
+    /// `group`'s mark was read now: `buckets` (0: none).
+    pub fn read(&self, group: u32, buckets: u32) {
+        self.learn(group, buckets);
+        let mut unmarked = self.unmarked.lock().unwrap_or_else(PoisonError::into_inner);
+        match buckets {
+            0 => unmarked.insert(group, Instant::now()),
+            _ => unmarked.remove(&group),
+        };
     }
 
     /// `group` answered that it packs into `buckets` hashes (0: it does not).
@@ -42,5 +74,10 @@ mod tests {
         assert_eq!((packing.buckets(3), packing.buckets(4)), (4096, 0));
         packing.learn(3, 0);
         assert_eq!(packing.buckets(3), 0);
+        assert_eq!(packing.known(3), None, "never read");
+        packing.read(3, 0);
+        assert_eq!(packing.known(3), Some(0), "read unmarked just now");
+        packing.read(3, 64);
+        assert_eq!(packing.known(3), Some(64));
     }
 }

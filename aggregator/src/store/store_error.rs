@@ -65,6 +65,10 @@ const REDIS_CODES: &[(&str, ErrorClass)] = &[
 /// matched, word for word, in `scripts/flush.lua`).
 pub const ERR_NOT_AN_INTEGER: &str = "value is not an integer or out of range";
 
+/// The text of Redis's `ERR` for an `HINCRBY` of a field it does not read as an integer (also
+/// in `scripts/flush.lua`).
+pub const ERR_FIELD_NOT_AN_INTEGER: &str = "hash value is not an integer";
+
 /// The text of Redis's `ERR` for an `INCRBY` whose sum would pass 64 bits (also in
 /// `scripts/flush.lua`).
 pub const ERR_OVERFLOW: &str = "increment or decrement would overflow";
@@ -79,6 +83,7 @@ const REDIS_ERR_TEXTS: &[(&str, ErrorClass)] = &[
         ErrorClass::Permission,
     ),
     (ERR_NOT_AN_INTEGER, ErrorClass::Data),
+    (ERR_FIELD_NOT_AN_INTEGER, ErrorClass::Data),
     (ERR_OVERFLOW, ErrorClass::Data),
 ];
 

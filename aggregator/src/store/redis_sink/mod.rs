@@ -29,7 +29,7 @@ use crate::store::sink::{
     Applied, GroupWrite, IdleWrite, Marked, Refused, Rejection, Sink, SinkError, SinkErrorKind,
     Stamp,
 };
-use crate::store::store_error::{ERR_NOT_AN_INTEGER, ERR_OVERFLOW};
+use crate::store::store_error::{ERR_FIELD_NOT_AN_INTEGER, ERR_NOT_AN_INTEGER, ERR_OVERFLOW};
 use crate::store::transactions::{Transactions, redis_integer};
 
 mod cells_io;
@@ -195,15 +195,28 @@ fn refuses_scripts(e: &redis::RedisError) -> bool {
 /// overflow error, or "not an integer" once `GET` shows a string that is not a 64-bit integer.
 async fn data_refusal(
     conn: &mut RedisConn,
-    key: &str,
+    (key, field): (&str, Option<&str>),
     error: &redis::RedisError,
 ) -> Result<Option<DeadLetterReason>, SinkError> {
     let detail = error.detail().unwrap_or("");
+    let not_an_integer = match field {
+        None => ERR_NOT_AN_INTEGER,
+        Some(_) => ERR_FIELD_NOT_AN_INTEGER,
+    };
     Ok(match error.code() {
         Some("WRONGTYPE") => Some(DeadLetterReason::WrongType),
         Some("ERR") if detail.contains(ERR_OVERFLOW) => Some(DeadLetterReason::Overflow),
-        Some("ERR") if detail.contains(ERR_NOT_AN_INTEGER) => {
-            let value: Option<Vec<u8>> = redis::cmd("GET").arg(key).query_async(conn).await?;
+        Some("ERR") if detail.contains(not_an_integer) => {
+            let value: Option<Vec<u8>> = match field {
+                None => redis::cmd("GET").arg(key).query_async(conn).await?,
+                Some(field) => {
+                    redis::cmd("HGET")
+                        .arg(key)
+                        .arg(field)
+                        .query_async(conn)
+                        .await?
+                }
+            };
             (value.is_some_and(|v| redis_integer(&v).is_none()))
                 .then_some(DeadLetterReason::NotAnInteger)
         }
@@ -535,29 +548,32 @@ impl Sink for RedisSink {
 }
 
 impl RedisSink {
-    /// An at-least-once write's resets and deltas, with the deltas refused.
+    /// An at-least-once write's resets and deltas, with the deltas refused: the deltas as
+    /// fields where the group is marked packed (read at most once per `UNMARKED_FOR` while it is
+    /// not), and the resets clearing the fields wherever it is marked now.
     async fn apply_totals(
         &self,
         group: u32,
         deltas: &[(String, i64)],
         resets: &[String],
     ) -> Result<Vec<Rejection>, SinkError> {
-        // One MULTI/EXEC, each command's reply kept: Redis refuses a transaction it cannot run
-        // (out of memory, read-only, no permission) whole, before running any of it, but runs
-        // the rest when one command fails on its data, so those are told apart here.
         let ks = &self.keyspace;
-        // A reset clears the counter's field too where the group packs shares (its deltas here
-        // go to its keys, which readers sum with the fields).
-        let buckets: Option<u32> = match resets.is_empty() {
-            true => None,
-            false => {
-                redis::cmd("HGET")
+        // A reset reads the mark itself: a field moved there in the last moment must go too.
+        let buckets = match self.packing.known(group) {
+            Some(buckets) if resets.is_empty() => buckets,
+            _ => {
+                let mark: Option<u32> = redis::cmd("HGET")
                     .arg(ks.fence_key(group))
                     .arg(tally_common::layout::PACKED_FIELD)
                     .query_async(&mut self.conn.clone())
-                    .await?
+                    .await?;
+                self.packing.read(group, mark.unwrap_or(0));
+                mark.unwrap_or(0)
             }
         };
+        // One MULTI/EXEC, each command's reply kept: Redis refuses a transaction it cannot run
+        // (out of memory, read-only, no permission) whole, before running any of it, but runs
+        // the rest when one command fails on its data, so those are told apart here.
         let mut pipe = redis::pipe();
         pipe.atomic().ignore_errors();
         for counter in resets {
@@ -566,7 +582,7 @@ impl RedisSink {
                 .arg(ks.likes_key(group, counter))
                 .arg(ks.journal_key(group, counter))
                 .ignore();
-            if let Some(buckets) = buckets {
+            if buckets > 0 {
                 let bucket = Keyspace::bucket_of(counter, buckets);
                 pipe.cmd("HDEL")
                     .arg(ks.packed_key(group, bucket))
@@ -576,19 +592,34 @@ impl RedisSink {
         }
         let mut key = String::new();
         for (counter, delta) in deltas {
-            ks.write_counter_key(&mut key, group, counter);
-            pipe.cmd("INCRBY").arg(&key).arg(*delta);
+            if buckets > 0 {
+                ks.write_packed_key(&mut key, group, Keyspace::bucket_of(counter, buckets));
+                pipe.cmd("HINCRBY").arg(&key).arg(counter).arg(*delta);
+            } else {
+                ks.write_counter_key(&mut key, group, counter);
+                pipe.cmd("INCRBY").arg(&key).arg(*delta);
+            }
         }
         let mut conn = self.conn.clone();
         let replies: Vec<redis::RedisResult<redis::Value>> = pipe.query_async(&mut conn).await?;
-        // One reply per INCRBY (the DELs are ignored).
+        // One reply per INCRBY or HINCRBY (the DELs and HDELs are ignored).
         let mut rejected = Vec::new();
         for (i, reply) in replies.into_iter().enumerate() {
             let Err(error) = reply else { continue };
             // Rare: a key is built again only for a refused command.
-            let (refused, key) = (Refused::Delta(i), ks.counter_key(group, &deltas[i].0));
-            match data_refusal(&mut conn, &key, &error).await? {
-                Some(reason) => rejected.push(Rejection { refused, reason }),
+            let counter = &deltas[i].0;
+            let place = match buckets {
+                0 => (ks.counter_key(group, counter), None),
+                _ => {
+                    let bucket = Keyspace::bucket_of(counter, buckets);
+                    (ks.packed_key(group, bucket), Some(counter.as_str()))
+                }
+            };
+            match data_refusal(&mut conn, (&place.0, place.1), &error).await? {
+                Some(reason) => rejected.push(Rejection {
+                    refused: Refused::Delta(i),
+                    reason,
+                }),
                 // Not about the data: fail the flush (the rest of the transaction ran; the
                 // retry adds it again, a duplicate that at-least-once allows).
                 None => return Err(SinkError::from(error)),
