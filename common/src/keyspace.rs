@@ -617,7 +617,7 @@ impl Keyspace {
 
     /// The counter id inside a counter key of this keyspace, or `None` for any other key.
     pub fn counter_of_key<'k>(&self, key: &'k str) -> Option<&'k str> {
-        self.split_group_key(key)?.1.strip_prefix("c:")
+        Some(self.share_of_key(key)?.1)
     }
 
     /// The group and counter of a counter key of this keyspace ([`Keyspace::counter_key`]), or

@@ -12,53 +12,36 @@ use std::time::{Duration, Instant};
 /// themselves (at-least-once deltas): a mark is never removed, so only "not packed" goes stale.
 pub const UNMARKED_FOR: Duration = Duration::from_secs(1);
 
-/// Each group's buckets as last answered (absent: not packed, until a group says otherwise).
+/// Each group's buckets as last answered or read (absent: not packed, as far as known), and
+/// when.
 #[derive(Debug, Default)]
 pub struct Packing {
-    groups: Mutex<HashMap<u32, u32>>,
-    /// When each group was last read unmarked.
-    unmarked: Mutex<HashMap<u32, Instant>>,
+    groups: Mutex<HashMap<u32, (u32, Instant)>>,
 }
 
 impl Packing {
     /// `group`'s packed hashes per group as this writer knows them (0: the counters' keys).
     pub fn buckets(&self, group: u32) -> u32 {
-        let groups = self.groups.lock().unwrap_or_else(PoisonError::into_inner);
-        groups.get(&group).copied().unwrap_or(0)
+        self.known_at(group).map_or(0, |(buckets, _)| buckets)
     }
 
-    /// `group`'s buckets if known: packed, or read unmarked less than [`UNMARKED_FOR`] ago (0);
-    /// `None` when it is to be read again.
+    /// `group`'s buckets if known: packed, or answered or read unmarked less than
+    /// [`UNMARKED_FOR`] ago (0); `None` when it is to be read again.
     pub fn known(&self, group: u32) -> Option<u32> {
-        match self.buckets(group) {
-            0 => {
-                let unmarked = self.unmarked.lock().unwrap_or_else(PoisonError::into_inner);
-                let fresh = unmarked
-                    .get(&group)
-                    .is_some_and(|t| t.elapsed() < UNMARKED_FOR);
-                fresh.then_some(0)
-            }
-            buckets => Some(buckets),
-        }
+        let (buckets, at) = self.known_at(group)?;
+        (buckets > 0 || at.elapsed() < UNMARKED_FOR).then_some(buckets)
     }
 
-    /// `group`'s mark was read now: `buckets` (0: none).
-    pub fn read(&self, group: u32, buckets: u32) {
-        self.learn(group, buckets);
-        let mut unmarked = self.unmarked.lock().unwrap_or_else(PoisonError::into_inner);
-        match buckets {
-            0 => unmarked.insert(group, Instant::now()),
-            _ => unmarked.remove(&group),
-        };
-    }
-
-    /// `group` answered that it packs into `buckets` hashes (0: it does not).
+    /// `group` answered, or its mark was read, now: it packs into `buckets` hashes (0: it does
+    /// not).
     pub fn learn(&self, group: u32, buckets: u32) {
         let mut groups = self.groups.lock().unwrap_or_else(PoisonError::into_inner);
-        match buckets {
-            0 => groups.remove(&group),
-            _ => groups.insert(group, buckets),
-        };
+        groups.insert(group, (buckets, Instant::now()));
+    }
+
+    fn known_at(&self, group: u32) -> Option<(u32, Instant)> {
+        let groups = self.groups.lock().unwrap_or_else(PoisonError::into_inner);
+        groups.get(&group).copied()
     }
 }
 
@@ -69,15 +52,16 @@ mod tests {
     #[test]
     fn a_group_packs_once_it_says_so() {
         let packing = Packing::default();
-        assert_eq!(packing.buckets(3), 0);
+        assert_eq!(
+            (packing.buckets(3), packing.known(3)),
+            (0, None),
+            "never read"
+        );
         packing.learn(3, 4096);
         assert_eq!((packing.buckets(3), packing.buckets(4)), (4096, 0));
+        assert_eq!(packing.known(3), Some(4096));
         packing.learn(3, 0);
         assert_eq!(packing.buckets(3), 0);
-        assert_eq!(packing.known(3), None, "never read");
-        packing.read(3, 0);
         assert_eq!(packing.known(3), Some(0), "read unmarked just now");
-        packing.read(3, 64);
-        assert_eq!(packing.known(3), Some(64));
     }
 }

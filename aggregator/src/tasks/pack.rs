@@ -17,10 +17,10 @@
 //! 3. **Then the keys.** Each group's counter keys are moved into their fields, a batch per
 //!    script: each key's value added to its field and the key deleted in one step.
 //!
-//! Keys written after the walk by writers that keep to keys (at-least-once aggregators, direct
-//! writes, likes counted in the shares, compaction) stay keys and are read as such; running it
-//! again packs them. It runs again from any point, and picks up: the plan and the marks are set
-//! once, and a moved key is gone.
+//! Keys written after the walk by writers that keep to keys (direct writes, likes counted in the
+//! shares, compaction, an at-least-once aggregator before it reads the mark) stay keys and are
+//! read as such; running it again packs them. It runs again from any point, and picks up: the
+//! plan and the marks are set once, and a moved key is gone.
 
 use tally_common::layout::PACKED_FIELD;
 use tally_common::regroup::{self, GroupPlan, PHASE_WAIT, PlanError, RegroupError};
@@ -165,9 +165,7 @@ pub async fn pack(
         .await?;
     let script = redis::Script::new(MOVE);
     for slot_key in &nodes {
-        let mut cursor = 0;
-        loop {
-            let (next, keys) = conn.scan_page_at(slot_key, cursor, &pattern, BATCH).await?;
+        each_page(conn, slot_key, &pattern, async |keys| {
             let mut shares: Vec<(u32, &str, &str)> = (keys.iter())
                 .filter_map(|key| {
                     let (group, counter) = keyspace.share_of_key(key)?;
@@ -180,11 +178,9 @@ pub async fn pack(
                 report.moved += moved;
                 report.left += left;
             }
-            cursor = next;
-            if cursor == 0 {
-                break;
-            }
-        }
+            Ok(())
+        })
+        .await?;
     }
     say(&format!(
         "moved {} key(s) into their fields; left {} (not integers, another type, or past 64 \
@@ -206,21 +202,34 @@ pub async fn unpack(
     let mut moved = 0;
     for &group in groups {
         let (slot_key, pattern) = (keyspace.fence_key(group), keyspace.packed_pattern(group));
-        let mut cursor = 0;
-        loop {
-            let (next, hashes) = conn
-                .scan_page_at(&slot_key, cursor, &pattern, BATCH)
-                .await?;
+        each_page(conn, &slot_key, &pattern, async |hashes| {
             for hash in hashes {
                 moved += unpack_hash(conn, keyspace, &script, group, &hash).await?;
             }
-            cursor = next;
-            if cursor == 0 {
-                break;
-            }
-        }
+            Ok(())
+        })
+        .await?;
     }
     Ok(moved)
+}
+
+/// Hands `page` each page of the keys matching `pattern` on `slot_key`'s node, to the walk's
+/// end.
+async fn each_page(
+    conn: &RedisConn,
+    slot_key: &str,
+    pattern: &str,
+    mut page: impl AsyncFnMut(Vec<String>) -> Result<(), PackError>,
+) -> Result<(), PackError> {
+    let mut cursor = 0;
+    loop {
+        let (next, keys) = conn.scan_page_at(slot_key, cursor, pattern, BATCH).await?;
+        page(keys).await?;
+        cursor = next;
+        if cursor == 0 {
+            return Ok(());
+        }
+    }
 }
 
 /// Moves the fields of `hash` (in `group`) into their counters' keys, until none is left.

@@ -567,7 +567,7 @@ impl RedisSink {
                     .arg(tally_common::layout::PACKED_FIELD)
                     .query_async(&mut self.conn.clone())
                     .await?;
-                self.packing.read(group, mark.unwrap_or(0));
+                self.packing.learn(group, mark.unwrap_or(0));
                 mark.unwrap_or(0)
             }
         };

@@ -474,7 +474,6 @@ impl Transactions {
         .await
     }
 
-    /// The transactional `scripts/watermark.lua`.
     /// `scripts/rewind.lua`, as a transaction.
     pub async fn rewind_ledger(
         &self,
@@ -503,6 +502,7 @@ impl Transactions {
         .await
     }
 
+    /// The transactional `scripts/watermark.lua`.
     pub async fn write_watermark(
         &self,
         home: u32,
