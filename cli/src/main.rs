@@ -246,61 +246,72 @@ async fn compact(args: CompactArgs) -> anyhow::Result<ExitCode> {
     };
     let mut backoff = fresh();
     let mut compactor: Option<Compactor> = None;
-    loop {
-        // Taking the compactor's epoch first, then a pass each round.
-        let attempt = if let Some(running) = &compactor {
-            running.pass().await.map(Some)
-        } else {
-            let started = Compactor::start(
-                reader.conn().clone(),
-                reader.keyspace().clone(),
-                namespaces.clone(),
-                Duration::from_millis(args.cold_after_ms),
-            )
-            .await;
-            started.map(|started| {
-                compactor = Some(started);
-                None
-            })
-        };
-        let r = match attempt {
-            Ok(Some(r)) => r,
-            Ok(None) => continue,
-            // A store that refuses or fails (out of memory, read-only, unreachable: anything but
-            // a newer compactor or a cluster) is retried in a loop: each pass starts by finishing
-            // the moves an interrupted one journaled.
-            Err(error)
-                if args.repeat
-                    && !matches!(error, CompactError::Fenced | CompactError::Cluster) =>
-            {
-                eprintln!("compaction failed, retrying: {error}");
-                tokio::select! {
-                    () = cancel.cancelled() => return Ok(ExitCode::SUCCESS),
-                    () = tokio::time::sleep(backoff.next_delay()) => continue,
+    let outcome = async {
+        loop {
+            // Taking the compactor's epoch first, then a pass each round.
+            let attempt = if let Some(running) = &compactor {
+                running.pass().await.map(Some)
+            } else {
+                let started = Compactor::start(
+                    reader.conn().clone(),
+                    reader.keyspace().clone(),
+                    namespaces.clone(),
+                    Duration::from_millis(args.cold_after_ms),
+                )
+                .await;
+                started.map(|started| {
+                    compactor = Some(started);
+                    None
+                })
+            };
+            let r = match attempt {
+                Ok(Some(r)) => r,
+                Ok(None) => continue,
+                // A store that refuses or fails (out of memory, read-only, unreachable: anything but
+                // a newer compactor or a cluster) is retried in a loop: each pass starts by finishing
+                // the moves an interrupted one journaled.
+                Err(error)
+                    if args.repeat
+                        && !matches!(error, CompactError::Fenced | CompactError::Cluster) =>
+                {
+                    eprintln!("compaction failed, retrying: {error}");
+                    tokio::select! {
+                        () = cancel.cancelled() => return Ok(ExitCode::SUCCESS),
+                        () = tokio::time::sleep(backoff.next_delay()) => continue,
+                    }
                 }
+                Err(error) => return Err(error.into()),
+            };
+            backoff = fresh();
+            if !args.repeat || r.compacted + r.recovered + r.markers_dropped > 0 {
+                writeln!(
+                    out(),
+                    "{} candidates: {} compacted in {} moves, {} interrupted moves finished, {} markers dropped, {} moves dropped (their counters were reset meanwhile)",
+                    r.candidates,
+                    r.compacted,
+                    r.moves,
+                    r.recovered,
+                    r.markers_dropped,
+                    r.dropped
+                )?;
             }
-            Err(error) => return Err(error.into()),
-        };
-        backoff = fresh();
-        if !args.repeat || r.compacted + r.recovered + r.markers_dropped > 0 {
-            writeln!(
-                out(),
-                "{} candidates: {} compacted in {} moves, {} interrupted moves finished, {} markers dropped",
-                r.candidates,
-                r.compacted,
-                r.moves,
-                r.recovered,
-                r.markers_dropped
-            )?;
-        }
-        if !args.repeat {
-            return Ok(ExitCode::SUCCESS);
-        }
-        tokio::select! {
-            () = cancel.cancelled() => return Ok(ExitCode::SUCCESS),
-            () = tokio::time::sleep(Duration::from_millis(args.interval_ms)) => {}
+            if !args.repeat {
+                return Ok(ExitCode::SUCCESS);
+            }
+            tokio::select! {
+                () = cancel.cancelled() => return Ok(ExitCode::SUCCESS),
+                () = tokio::time::sleep(Duration::from_millis(args.interval_ms)) => {}
+            }
         }
     }
+    .await;
+    // The compactor's moving marks and what they recorded go with it.
+    if let Some(compactor) = &compactor
+        && let Err(error) = compactor.close().await
+    {
+        eprintln!("leaving the compactor's marks in place: {error}");
+    }
+    outcome
 }
 
 async fn shards(args: CounterArgs) -> anyhow::Result<ExitCode> {

@@ -356,6 +356,13 @@ impl Keyspace {
         format!("{}:{{g{group}}}:fence", self.prefix)
     }
 
+    /// The hash of the resets `group` applied while a compactor moves shares
+    /// (`crate::layout::MOVING_FIELD`): per counter (the field is its share key in the group),
+    /// `"<partition field> <offset>"` of its last reset there.
+    pub fn resets_key(&self, group: u32) -> String {
+        format!("{}:{{g{group}}}:resets", self.prefix)
+    }
+
     /// The key a flush that writes runs of likes before its script leaves if one of their sets
     /// holds another type (`SET`, then `SINTERSTORE` into it of [`Keyspace::none_key`] and the
     /// sets, which deletes it unless Redis refuses one of them); the script deletes it. Never

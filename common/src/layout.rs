@@ -207,6 +207,12 @@ pub const MOVING: &str = "moving";
 /// instead of the counters' keys (`tally pack`).
 pub const PACKED_FIELD: &str = "~packed";
 
+/// The field of a group's fence hash that, while a compactor moves shares out of or into the
+/// group (compaction, a shrink's fold), holds its epoch: each reset applied there then records
+/// where it was in the log in the group's `Keyspace::resets_key` hash (a hash apart, so that
+/// these writes do not abort the transactions that watch the fence).
+pub const MOVING_FIELD: &str = "~moving";
+
 /// The field of a group's fence hash that marks the group's likes as moved to count sets: a
 /// writer that counts likes grouped by counter in the shares may not take a partition there
 /// (`scripts/stamp.lua`), nor write a like directly. A partition's field is `<topic>/<n>`, and

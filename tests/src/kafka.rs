@@ -76,13 +76,13 @@ impl PacedSender {
 }
 
 /// Sends a storm of `events` in order from one task, at 10,000 a second: increments over
-/// `counters` counters (`views:video:<n>`, a fifth of them -2, the rest 1 to 5, each with an
+/// `counters` counters (`<prefix><n>`, a fifth of them -2, the rest 1 to 5, each with an
 /// actor), 1% of them resets. Returns each counter's total since its last reset, and the
 /// resets sent.
 pub async fn send_with_resets(
     topic: String,
     events: u64,
-    counters: u32,
+    (prefix, counters): (&'static str, u32),
     seed: u64,
     stop: Arc<AtomicBool>,
 ) -> (HashMap<String, i64>, u64) {
@@ -95,7 +95,7 @@ pub async fn send_with_resets(
         if stop.load(Ordering::Relaxed) {
             break;
         }
-        let counter = format!("views:video:{}", rng.random_range(0..counters));
+        let counter = format!("{prefix}{}", rng.random_range(0..counters));
         let event = if rng.random_bool(0.01) {
             resets += 1;
             truth.insert(counter.clone(), 0);

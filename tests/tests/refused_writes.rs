@@ -61,6 +61,7 @@ fn write<'a>(
         deltas,
         windows,
         resets: &[],
+        reset_offsets: &[],
         members,
         watermark: None,
     }
@@ -579,6 +580,7 @@ async fn a_packed_group_refuses_and_undoes_as_keys_do(atomicity: Atomicity) {
         expected_ledger: 10,
         next_offset: 20,
         resets: &reset,
+        reset_offsets: &[15],
         ..write(epoch, &again, &[], none)
     };
     assert_eq!(
@@ -850,6 +852,7 @@ async fn racing_flushes_of_one_counters_buckets_lose_nothing() {
                         deltas: &deltas,
                         windows: &windows,
                         resets: &[],
+                        reset_offsets: &[],
                         members: Likes::NONE,
                         watermark: None,
                     };

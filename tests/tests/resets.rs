@@ -38,7 +38,13 @@ async fn resets_clear_what_came_before(name: &str, grouping: &str, postgres: Opt
     let first = setup.spawn(dir.path(), &flags);
     let stop = Arc::new(AtomicBool::new(false));
     let topic = setup.topic.clone();
-    let load = tokio::spawn(send_with_resets(topic, events, 200, seed, stop.clone()));
+    let load = tokio::spawn(send_with_resets(
+        topic,
+        events,
+        ("views:video:", 200),
+        seed,
+        stop.clone(),
+    ));
     let mut last = kill_repeatedly(setup, dir.path(), &flags, first, 5, seed, &load).await;
     stop.store(true, Ordering::Relaxed);
     let (mut truth, resets) = load.await.expect("load task");

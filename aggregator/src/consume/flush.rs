@@ -169,6 +169,7 @@ impl<S: Sink> Flusher<S> {
                     deltas: &g.deltas,
                     windows: &g.windows,
                     resets: &g.resets,
+                    reset_offsets: &g.reset_offsets,
                     members: &g.members,
                     watermark: watermark.as_deref(),
                 };

@@ -129,8 +129,8 @@ struct GroupBuffer {
     /// The last action per counter and actor: only the last one matters, since membership is
     /// a state, not a sum.
     members: LikeTable,
-    /// Counters to clear before this batch's writes (resets).
-    resets: Vec<String>,
+    /// Counters to clear before this batch's writes (resets), each with its last reset's offset.
+    resets: Vec<(String, i64)>,
 }
 
 /// One shard group's part of a sealed batch.
@@ -145,6 +145,8 @@ pub struct GroupBatch {
     /// Counters whose share (and member set, and compaction journal) here is cleared before
     /// the deltas and memberships are applied.
     pub resets: Vec<String>,
+    /// Per reset, the offset of the counter's last reset (or expiry) in the batch.
+    pub reset_offsets: Vec<i64>,
     /// Likes and unlikes, one per (counter, actor), in a run per counter.
     pub members: Likes,
 }
@@ -236,7 +238,9 @@ impl SealedBatch {
             carry.clear();
             members.clear();
             for &group in &expiry.groups {
-                (group_batch(&mut self.groups, group).resets).push(expiry.counter.clone());
+                let g = group_batch(&mut self.groups, group);
+                g.resets.push(expiry.counter.clone());
+                g.reset_offsets.push(expiry.offset);
             }
         }
         for (counter, carry) in carried {
@@ -265,9 +269,14 @@ impl SealedBatch {
         }
         for g in &mut self.groups {
             g.deltas.retain(|(_, d)| *d != 0);
-            // A counter expired twice in the batch, or reset too, is cleared once.
-            g.resets.sort_unstable();
-            g.resets.dedup();
+            // A counter expired twice in the batch, or reset too, is cleared once, at its last.
+            let mut resets: Vec<(String, i64)> = std::mem::take(&mut g.resets)
+                .into_iter()
+                .zip(std::mem::take(&mut g.reset_offsets))
+                .collect();
+            resets.sort_unstable_by(|a, b| a.0.cmp(&b.0).then(b.1.cmp(&a.1)));
+            resets.dedup_by(|later, first| later.0 == first.0);
+            (g.resets, g.reset_offsets) = resets.into_iter().unzip();
         }
         self.groups.retain(|g| g.writes() > 0);
         count
@@ -467,9 +476,12 @@ impl Batch {
         }
         for group in groups {
             let resets = &mut self.group(group).resets;
-            if !resets.iter().any(|c| c == counter) {
-                resets.push(counter.to_owned());
-                self.entries += 1;
+            match resets.iter_mut().find(|(c, _)| c == counter) {
+                Some((_, at)) => *at = offset,
+                None => {
+                    resets.push((counter.to_owned(), offset));
+                    self.entries += 1;
+                }
             }
         }
         self.advance(offset);
@@ -568,15 +580,19 @@ impl Batch {
             groups: taken
                 .groups
                 .into_iter()
-                .map(|(group, buffer)| GroupBatch {
-                    group,
-                    windows: window_deltas(&taken.placements, &buffer.deltas),
-                    deltas: (buffer.deltas.into_iter())
-                        .filter(|(_, sums)| sums.total != 0)
-                        .map(|(counter, sums)| (counter, sums.total))
-                        .collect(),
-                    resets: buffer.resets,
-                    members: buffer.members.seal(),
+                .map(|(group, buffer)| {
+                    let (resets, reset_offsets) = buffer.resets.into_iter().unzip();
+                    GroupBatch {
+                        group,
+                        windows: window_deltas(&taken.placements, &buffer.deltas),
+                        deltas: (buffer.deltas.into_iter())
+                            .filter(|(_, sums)| sums.total != 0)
+                            .map(|(counter, sums)| (counter, sums.total))
+                            .collect(),
+                        resets,
+                        reset_offsets,
+                        members: buffer.members.seal(),
+                    }
                 })
                 .filter(|g| g.writes() > 0)
                 .collect(),
@@ -602,6 +618,7 @@ mod tests {
             deltas: deltas.iter().map(|(c, d)| ((*c).to_owned(), *d)).collect(),
             windows: Vec::new(),
             resets: Vec::new(),
+            reset_offsets: Vec::new(),
             members: Likes::default(),
         }
     }
@@ -718,7 +735,34 @@ mod tests {
                 Some(usize::from(expired > 0)),
                 "cleared once at most"
             );
+            // At the last expiry that expired (records at offsets 1 and 3).
+            let last = decisions.iter().rposition(|&d| d).map(|i| 1 + 2 * i as i64);
+            let offsets = (sealed.groups.iter().find(|g| g.group == 0))
+                .map(|g| g.reset_offsets.clone())
+                .unwrap_or_default();
+            assert_eq!(offsets, Vec::from_iter(last), "{decisions:?}");
         }
+    }
+
+    #[test]
+    fn a_counter_reset_twice_is_cleared_once_at_its_last_reset() {
+        let mut b = Batch::default();
+        b.reset("v:1", 0..2, 3);
+        b.add(0, "v:2", 1, 4);
+        b.reset("v:1", 0..2, 5);
+        b.reset("v:2", 1..2, 6);
+        let sealed = b.seal().expect("sealed");
+        let mut cleared: Vec<(u32, Vec<String>, Vec<i64>)> = (sealed.groups.iter())
+            .map(|g| (g.group, g.resets.clone(), g.reset_offsets.clone()))
+            .collect();
+        cleared.sort();
+        assert_eq!(
+            cleared,
+            [
+                (0, vec!["v:1".to_owned()], vec![5]),
+                (1, vec!["v:1".to_owned(), "v:2".to_owned()], vec![5, 6]),
+            ]
+        );
     }
 
     #[test]

@@ -158,6 +158,7 @@ mod tests {
             deltas,
             windows: &[],
             resets: &[],
+            reset_offsets: &[],
             members: Likes::NONE,
             watermark: None,
         }

@@ -8,7 +8,9 @@
 //! 1. **take** (source slot): the whole share becomes a journal `"<move id>:<amount>"` and the
 //!    share key is deleted. Writes landing afterwards recreate the share; they are not lost.
 //! 2. **give** (base slot): the amount is added to the base share, and a marker records the
-//!    move id, unless the marker already holds it (a retried step).
+//!    move id, unless the marker already holds it (a retried step). A reset of the counter
+//!    that reached the two groups on either side of the take has the amount dropped instead,
+//!    or the give wait for the base group to apply it (`compact/moving.rs`).
 //! 3. **done** (source slot, then base slot): the journal, then the marker, are deleted.
 //!
 //! Readers count a journal unless the base group's marker holds its id (see
@@ -19,6 +21,8 @@
 //! Every step checks the compactor's **fence** (field `compactor` of each group's fence hash):
 //! a compactor takes a new epoch at start and stamps it into every group, so a stale one (paused,
 //! then resumed) has all its steps refused instead of replaying a move whose marker is gone.
+//! It then marks every group moving and waits for the partitions' watermarks (`compact/moving.rs`);
+//! [`Compactor::close`] removes the marks.
 //!
 //! A counter is **cold** when its shares have not changed for `cold_after`: each pass records a
 //! fingerprint of them (`<prefix>:compact:seen`), and compacts counters whose fingerprint is as
@@ -31,6 +35,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use redis::{AsyncCommands as _, ScanOptions};
 use tally_common::keyspace::CompactionKey;
 use tally_common::{Keyspace, Namespaces, RedisConn};
+
+mod moving;
 
 use crate::store::fence::take_epoch;
 use crate::store::redis_sink::RedisSink;
@@ -61,6 +67,26 @@ pub enum CompactError {
     /// A script answered something it never answers.
     #[error("unexpected reply from a compaction step: {0}")]
     Protocol(String),
+    /// Partitions whose writes some groups have not applied yet, a minute after the groups were
+    /// marked moving (`moving::SETTLE_LIMIT`): their owner stopped mid-flush.
+    #[error(
+        "partitions {0} have writes some groups have not applied yet (an aggregator stopped \
+         mid-flush?): start their aggregators, then compact again"
+    )]
+    Unsettled(String),
+    /// A move's base group did not apply, within `moving::BEHIND_LIMIT`, a reset of the counter
+    /// that the source group had applied when the amount was taken; the move stays journaled
+    /// (and counted) for the next pass.
+    #[error(
+        "group {group} has not applied a reset of {counter} that another group has: its \
+         partition's aggregator is behind; the move is finished by the next pass"
+    )]
+    Behind {
+        /// The counter.
+        counter: String,
+        /// The base group.
+        group: u32,
+    },
 }
 
 /// What one pass did.
@@ -76,6 +102,9 @@ pub struct PassReport {
     pub moves: usize,
     /// Applied-move markers deleted after their move was complete.
     pub markers_dropped: usize,
+    /// Moves (made or finished) whose amount was dropped: a reset of their counter had cleared
+    /// it (`compact/moving.rs`).
+    pub dropped: u64,
 }
 
 /// What the keyspace holds for one counter, as far as compaction cares.
@@ -112,11 +141,14 @@ pub struct Compactor {
     take: redis::Script,
     give: redis::Script,
     done: redis::Script,
+    moving: redis::Script,
     /// Test-only failpoint: abort the process right after this many shares were taken into
     /// journals, before their moves finish (`TALLY_FAILPOINT_COMPACT_ABORT_AFTER_TAKES`).
     abort_after_takes: Option<u64>,
     /// Shares taken so far (for the failpoint).
     takes: std::sync::atomic::AtomicU64,
+    /// Moves dropped because a reset of their counter cleared their amount.
+    cancelled: std::sync::atomic::AtomicU64,
 }
 
 fn now_ms() -> u64 {
@@ -155,7 +187,7 @@ impl Compactor {
     ) -> Result<Self, CompactError> {
         let sink = RedisSink::scripts_only(conn.clone(), keyspace.clone());
         let (epoch, _) = take_epoch(&sink, groups, 0, FIELD).await?;
-        Ok(Self {
+        let compactor = Self {
             conn,
             keyspace,
             namespaces,
@@ -165,11 +197,19 @@ impl Compactor {
             take: redis::Script::new(include_str!("../store/scripts/compact_take.lua")),
             give: redis::Script::new(include_str!("../store/scripts/compact_give.lua")),
             done: redis::Script::new(include_str!("../store/scripts/compact_done.lua")),
+            moving: redis::Script::new(include_str!("../store/scripts/compact_moving.lua")),
             abort_after_takes: std::env::var("TALLY_FAILPOINT_COMPACT_ABORT_AFTER_TAKES")
                 .ok()
                 .and_then(|v| v.parse().ok()),
             takes: std::sync::atomic::AtomicU64::new(0),
-        })
+            cancelled: std::sync::atomic::AtomicU64::new(0),
+        };
+        if let Err(error) = compactor.mark_moving().await {
+            // Best effort: a later compactor marks and clears again.
+            let _ = compactor.close().await;
+            return Err(error);
+        }
+        Ok(compactor)
     }
 
     /// This compactor's epoch.
@@ -183,6 +223,7 @@ impl Compactor {
             return Err(CompactError::Cluster);
         }
         let found = self.scan().await?;
+        let cancelled_before = self.cancelled();
         let mut report = PassReport {
             candidates: found.len(),
             ..PassReport::default()
@@ -238,6 +279,8 @@ impl Compactor {
                 .await?;
             report.compacted += 1;
         }
+        self.forget_resets(false).await?;
+        report.dropped = self.cancelled() - cancelled_before;
         Ok(report)
     }
 
@@ -363,6 +406,7 @@ impl Compactor {
             .key(self.keyspace.fence_key(from))
             .key(self.keyspace.counter_key(from, counter))
             .key(self.keyspace.journal_key(from, counter))
+            .key(self.keyspace.resets_key(from))
             .arg(self.epoch)
             .arg(&id)
             .invoke_async(&mut conn)
@@ -377,7 +421,8 @@ impl Compactor {
                     }
                 }
                 let amount = reply.get(1).map_or("", String::as_str);
-                Ok(Some(self.move_of(counter, from, &id, amount)))
+                let id = reply.get(2).map_or(id.as_str(), String::as_str);
+                Ok(Some(self.move_of(counter, from, id, amount)))
             }
             Some("pending") => {
                 let journal = reply.get(1).map_or("", String::as_str);
@@ -491,7 +536,8 @@ impl Compactor {
         self.drop_marker(under_way).await
     }
 
-    /// Step 2: the amount joins the base share, and the marker records the move.
+    /// Step 2: the amount joins the base share, and the marker records the move; or it is
+    /// dropped, if the base group applied a reset the amount predates (see [`moving`]).
     async fn give(&self, under_way: &Move) -> Result<(), CompactError> {
         let Move {
             counter,
@@ -500,21 +546,42 @@ impl Compactor {
             id,
             amount,
         } = under_way;
-        let given: String = self
-            .give
-            .key(self.keyspace.fence_key(*base))
-            .key(self.keyspace.counter_key(*base, counter))
-            .key(self.keyspace.moved_key(*base, counter, *from))
-            .arg(self.epoch)
-            .arg(id)
-            .arg(amount)
-            .invoke_async(&mut self.conn.clone())
-            .await?;
-        match given.as_str() {
-            "given" | "already" => Ok(()),
-            "fenced" => Err(CompactError::Fenced),
-            other => Err(CompactError::Protocol(other.to_owned())),
+        let since = std::time::Instant::now();
+        loop {
+            let verdict = self.verdict(under_way).await?;
+            let given: String = self
+                .give
+                .key(self.keyspace.fence_key(*base))
+                .key(self.keyspace.counter_key(*base, counter))
+                .key(self.keyspace.moved_key(*base, counter, *from))
+                .key(self.keyspace.ledger_key(*base))
+                .key(self.keyspace.resets_key(*base))
+                .arg(self.epoch)
+                .arg(id)
+                .arg(amount)
+                .arg(&verdict.expected)
+                .arg(if verdict.cancel { "cancel" } else { "give" })
+                .invoke_async(&mut self.conn.clone())
+                .await?;
+            match given.as_str() {
+                "given" | "already" => return Ok(()),
+                "cancelled" => {
+                    self.cancelled
+                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    return Ok(());
+                }
+                // A reset landed in the base group since the verdict was read.
+                "changed" => {}
+                "behind" => self.still_behind(under_way, since).await?,
+                "fenced" => return Err(CompactError::Fenced),
+                other => return Err(CompactError::Protocol(other.to_owned())),
+            }
         }
+    }
+
+    /// Moves dropped so far because their amount predated a reset of their counter.
+    pub fn cancelled(&self) -> u64 {
+        self.cancelled.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Step 3, first half: the journal in the source group is deleted.

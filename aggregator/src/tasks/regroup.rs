@@ -117,10 +117,11 @@ pub async fn regroup(
         if !conn.is_cluster() {
             let stray = strays(conn, keyspace, to).await?;
             if let Some(&last) = stray.shares.last() {
-                let folded = fold(conn, keyspace, &stray.shares, last + 1).await?;
+                let (folded, dropped) = fold(conn, keyspace, &stray.shares, last + 1).await?;
                 say(&format!(
-                    "folded {folded} stray share(s) of groups {:?} into their base groups",
-                    stray.shares
+                    "folded {folded} stray share(s) of groups {:?} into their base groups{}",
+                    stray.shares,
+                    dropped_by_resets(dropped)
                 ));
             }
             if let Some(&last) = stray.cells.last() {
@@ -226,10 +227,11 @@ async fn shrink(
             plan.read
         ));
     }
-    let folded = fold(conn, keyspace, &retired, plan.read).await?;
+    let (folded, dropped) = fold(conn, keyspace, &retired, plan.read).await?;
     say(&format!(
-        "folded {folded} share(s) of groups {to}..{} into their base groups",
-        plan.read
+        "folded {folded} share(s) of groups {to}..{} into their base groups{}",
+        plan.read,
+        dropped_by_resets(dropped)
     ));
     let cells = groups_with_buckets(conn, keyspace, to, plan.cells.max(plan.read)).await?;
     let readers = GroupPlan {
@@ -246,14 +248,23 @@ async fn shrink(
     Ok(readers)
 }
 
+/// What a fold says of the moves it dropped.
+fn dropped_by_resets(dropped: u64) -> String {
+    match dropped {
+        0 => String::new(),
+        n => format!(" ({n} of them dropped: their counters were reset meanwhile)"),
+    }
+}
+
 /// Folds every share of `groups` into its base share until a pass finds none, with a compactor
-/// stamped in `stamped` groups; returns the moves made.
+/// stamped in `stamped` groups; returns the moves made, and how many of them were dropped
+/// because a reset of their counter had cleared their amount.
 async fn fold(
     conn: &RedisConn,
     keyspace: &Keyspace,
     groups: &[u32],
     stamped: u32,
-) -> Result<usize, RegroupFailure> {
+) -> Result<(usize, u64), RegroupFailure> {
     let compactor = Compactor::start_over(
         conn.clone(),
         keyspace.clone(),
@@ -262,24 +273,32 @@ async fn fold(
         stamped.max(keyspace.groups()),
     )
     .await?;
-    let mut folded = 0;
-    loop {
-        let moves = if conn.is_cluster() {
-            compactor
-                .fold_spaced(groups, regroup::FOLD_STEP_GAP)
-                .await?
-        } else {
-            let mut moves = 0;
-            for &group in groups {
-                moves += compactor.fold(group..group + 1).await?;
+    let folding = async {
+        let mut folded = 0;
+        loop {
+            let moves = if conn.is_cluster() {
+                compactor
+                    .fold_spaced(groups, regroup::FOLD_STEP_GAP)
+                    .await?
+            } else {
+                let mut moves = 0;
+                for &group in groups {
+                    moves += compactor.fold(group..group + 1).await?;
+                }
+                moves
+            };
+            if moves == 0 {
+                return Ok::<_, CompactError>(folded);
             }
-            moves
-        };
-        if moves == 0 {
-            return Ok(folded);
+            folded += moves;
         }
-        folded += moves;
-    }
+    };
+    // The groups' moving marks go with the compactor, whether the fold finished or not.
+    let folded = folding.await;
+    let closed = compactor.close().await;
+    let folded = folded?;
+    closed?;
+    Ok((folded, compactor.cancelled()))
 }
 
 /// The groups at or past `from` that hold shares or journals, and those that hold window

@@ -124,7 +124,8 @@ impl RedisSink {
             &self.scripts.flush,
             3 + write.deltas.len()
                 + plan.writes.len()
-                + 3 * write.resets.len()
+                + 4 * write.resets.len()
+                + 1
                 + likes.runs()
                 + counted,
             11 + write.deltas.len()
@@ -132,7 +133,8 @@ impl RedisSink {
                 + 3 * fields
                 + 2 * refused.len()
                 + 2 * likes.runs()
-                + members,
+                + members
+                + write.resets.len(),
         );
         invocation
             .key(ks.fence_key(write.group))
@@ -176,6 +178,9 @@ impl RedisSink {
                 invocation.key(ks.packed_key(write.group, bucket));
             }
         }
+        if !write.resets.is_empty() {
+            invocation.key(ks.resets_key(write.group));
+        }
         for rejection in &refused {
             if let Refused::Window(i) = rejection.refused {
                 invocation
@@ -204,7 +209,7 @@ impl RedisSink {
                 invocation.arg(likes.actor(m));
             }
         }
-        // Packed: the fields, last.
+        // Packed: the fields; then the resets' offsets, last.
         if buckets > 0 {
             for (counter, _) in write.deltas {
                 invocation.arg(counter);
@@ -212,6 +217,9 @@ impl RedisSink {
             for counter in write.resets {
                 invocation.arg(counter);
             }
+        }
+        for offset in write.reset_offsets() {
+            invocation.arg(offset);
         }
         match before {
             Some(transactions) if by_set.as_bytes().contains(&RUN_BEFORE) => {

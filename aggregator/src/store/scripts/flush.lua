@@ -20,10 +20,11 @@
 -- KEYS[4 .. 3+n] counter keys of the n deltas (packed: the hashes of their buckets)
 -- KEYS[4+n .. 3+n+s] the s cells hashes (window buckets) this write rewrites fields of
 -- KEYS[4+n+s .. 3+n+s+3r] per reset: the counter's key, its set (count or member set) and its
---   compaction journal; then, packed, per reset the hash of the counter's bucket
--- KEYS[4+n+s+3r(+r) ..] the sets of the runs of likes written here, then the counter keys of those
---   not counted by their sets, in the same order; then, if runs were written before this
---   script, the check key
+--   compaction journal; then, packed, per reset the hash of the counter's bucket; then, if there
+--   are resets, the group's resets hash (recorded in while a compactor moves shares)
+-- KEYS[4+n+s+3r(+r)(+1) ..] the sets of the runs of likes written here, then the counter keys
+--   of those not counted by their sets, in the same order; then, if runs were written before
+--   this script, the check key
 -- ARGV[1] partition field ("<topic>/<partition>")    ARGV[2] the writer's epoch
 -- ARGV[3] the ledger entry the writer last saw here    ARGV[4] next offset (the entry after this write)
 -- ARGV[5] watermark value to store, or '' to leave the watermark alone
@@ -43,6 +44,7 @@
 -- then per run written here: l, u, then the l actors who like the counter and the u who unlike
 -- it
 -- then, packed, the n deltas' counters and the r resets' counters (their hashes' fields)
+-- then the r resets' offsets (the last reset of each counter in the write)
 --
 -- The writer reads the cells fields and computes their new values (tally_common::window::cells);
 -- if any field no longer holds what it read, the script writes nothing and returns {'stale'}, and
@@ -99,6 +101,10 @@ local m = #ARGV[11]
 local mk = 3 + n + s + 3 * r
 if packed then
   mk = mk + r
+end
+if r > 0 then
+  -- The resets hash, KEYS[mk].
+  mk = mk + 1
 end
 
 -- The cells rewrites: per hash, its expiry and where its {field, read, new} triples are.
@@ -302,6 +308,7 @@ do
     {'hdel', s > 0 and KEYS[4 + n] or nil, 'x'},
     {'pexpireat', s > 0 and KEYS[4 + n] or nil, '0'},
     {'del', r > 0 and KEYS[4 + n + s] or nil},
+    {'hset', r > 0 and KEYS[3 + n + s + 3 * r + (packed and r or 0) + 1] or nil, 'x', '1'},
     {'sadd', here > 0 and KEYS[mk + 1] or nil, 'x'},
     {'srem', here > 0 and KEYS[mk + 1] or nil, 'x'},
     -- Runs written before: the check key stands for their sets (same kind of key, same user).
@@ -390,6 +397,16 @@ if r > 0 or x > 0 or #refused_members > 0 then
   if packed then
     for i = 1, r do
       redis.call('HDEL', KEYS[3 + n + s + 3 * r + i], ARGV[tail + n + i - 1])
+    end
+  end
+  -- While a compactor moves shares (the fence's '~moving'), each reset leaves where it was
+  -- in the log, which a move's give compares with the source group's ledger
+  -- (compact_give.lua): the resets hash's field of the counter's key holds
+  -- '<partition> <offset>'.
+  if r > 0 and redis.call('HGET', KEYS[1], '~moving') then
+    local resets = KEYS[3 + n + s + 3 * r + (packed and r or 0) + 1]
+    for i = 1, r do
+      redis.call('HSET', resets, KEYS[3 + n + s + 3 * i - 2], field .. ' ' .. ARGV[#ARGV - r + i])
     end
   end
 end

@@ -3,7 +3,7 @@
 
 use redis::Value;
 use tally_common::Keyspace;
-use tally_common::layout::PACKED_FIELD;
+use tally_common::layout::{MOVING_FIELD, PACKED_FIELD};
 
 use super::{
     MemberState, Plan, Transactions, current, flush_verdict, number, protocol_error, rewrite_cells,
@@ -72,7 +72,8 @@ impl Transactions {
         reads
             .hget(&fence_key, write.field)
             .hget(&ledger_key, write.field)
-            .hget(&fence_key, PACKED_FIELD);
+            .hget(&fence_key, PACKED_FIELD)
+            .hget(&fence_key, MOVING_FIELD);
         for (key, (counter, _)) in counter_keys.iter().zip(write.deltas) {
             match buckets {
                 0 => reads.get(key),
@@ -89,7 +90,7 @@ impl Transactions {
         let n = counter_keys.len();
         let w = cells_reads.stripes.len();
         self.optimistic(&watch, &reads, |replies| {
-            let [fence, ledger, packed, rest @ ..] = replies else {
+            let [fence, ledger, packed, moving, rest @ ..] = replies else {
                 return Err(protocol_error(
                     "short reply",
                     &Value::Array(replies.to_vec()),
@@ -156,10 +157,17 @@ impl Transactions {
                 return Ok(Plan::Done(Ok(verdict)));
             }
             let mut writes = redis::pipe();
-            for counter in write.resets {
+            // While a compactor moves shares, each reset is recorded (`scripts/flush.lua`).
+            let moving = *moving != Value::Nil;
+            for (counter, offset) in write.resets.iter().zip(write.reset_offsets()) {
+                let share = ks.counter_key(write.group, counter);
+                if moving {
+                    let at = format!("{} {offset}", write.field);
+                    writes.hset(ks.resets_key(write.group), &share, at).ignore();
+                }
                 writes
                     .del(&[
-                        ks.counter_key(write.group, counter),
+                        share,
                         ks.likes_key(write.group, counter),
                         ks.journal_key(write.group, counter),
                     ])
