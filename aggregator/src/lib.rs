@@ -289,6 +289,7 @@ pub async fn run(
                 config.keyspace.clone(),
                 config.redis_atomicity,
             )?;
+            sink.probe_scripts().await;
             consume(&config, &kafka, sink, parts, shutdown).await
         }
         Some((pool, schema)) => {
@@ -379,7 +380,9 @@ async fn consume<S: Sink>(
     let settings = LoopSettings {
         topic: config.topic.clone(),
         // Batches weigh likes by what they cost this sink's flush.
-        limits: (config.limits).with_memberships_per_entry(flusher.sink.memberships_per_entry()),
+        limits: (config.limits)
+            .with_memberships_per_entry(flusher.sink.memberships_per_entry())
+            .with_group_entries(flusher.sink.max_group_entries()),
         keyspace: config.keyspace.clone(),
         partition_spread: config.partition_spread,
         namespaces: config.namespaces.clone(),

@@ -12,6 +12,7 @@ use tally_aggregator::machine::likes::Likes;
 use tally_aggregator::machine::pace::{MEMBERSHIPS_PER_ENTRY, MEMBERSHIPS_PER_ENTRY_BEFORE_SCRIPT};
 use tally_aggregator::operator::config::Atomicity;
 use tally_aggregator::store::sink::{Applied, GroupWrite, Refused, Rejection, Sink, Stamp};
+use tally_aggregator::store::transactions::TRANSACTION_GROUP_ENTRIES;
 use tally_common::{DeadLetterReason, Keyspace, RedisConn, RedisTarget};
 use tally_tests::{RedisServer, unique};
 
@@ -1174,4 +1175,30 @@ async fn sets_written_before_the_script_land_once_and_only_for_the_owner() {
     let landed: bool = conn.exists(set("post:3")).await.expect("EXISTS");
     assert!(!landed, "a fenced writer's like landed");
     assert_eq!(ledger().await, Some(15));
+}
+
+/// In auto mode the sink asks the server at start whether it runs scripts (before any write):
+/// one that refuses them gets transactions, whose batches are cut per group for `WATCH`'s sake;
+/// one that runs them keeps scripts and uncut batches. Forced modes need no asking.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn auto_mode_asks_at_start_and_cuts_batches_only_for_transactions() {
+    let redis = RedisServer::start().await;
+    let keyspace = Keyspace::new(unique("probe"), 4).expect("keyspace");
+    let without_scripts = redis.user_without_scripts().await;
+
+    let scripts = sink(&redis.url(), &keyspace, Atomicity::Auto).await;
+    scripts.probe_scripts().await;
+    assert_eq!(scripts.max_group_entries(), usize::MAX, "scripts run here");
+
+    let refused = sink(&without_scripts, &keyspace, Atomicity::Auto).await;
+    assert_eq!(refused.max_group_entries(), usize::MAX, "not asked yet");
+    refused.probe_scripts().await;
+    assert_eq!(refused.max_group_entries(), TRANSACTION_GROUP_ENTRIES);
+
+    let forced = sink(&redis.url(), &keyspace, Atomicity::Transactions).await;
+    assert_eq!(forced.max_group_entries(), TRANSACTION_GROUP_ENTRIES);
+    // Scripts only: refused scripts are an error, never a switch.
+    let scripts_only = sink(&without_scripts, &keyspace, Atomicity::Scripts).await;
+    scripts_only.probe_scripts().await;
+    assert_eq!(scripts_only.max_group_entries(), usize::MAX);
 }

@@ -497,6 +497,7 @@ mod tests {
             max_events: 3,
             max_counters: 100,
             memberships_per_entry: MEMBERSHIPS_PER_ENTRY,
+            max_group_entries: usize::MAX,
         };
         Limits {
             flush_interval: Duration::from_secs(1),

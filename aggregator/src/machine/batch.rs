@@ -131,6 +131,8 @@ struct GroupBuffer {
     members: LikeTable,
     /// Counters to clear before this batch's writes (resets), each with its last reset's offset.
     resets: Vec<(String, i64)>,
+    /// Its entries: counters with deltas, runs of likes and resets.
+    entries: usize,
 }
 
 /// One shard group's part of a sealed batch.
@@ -173,6 +175,9 @@ pub struct Batch {
     /// The most (counter, actor) pairs any one group's likes hold (`LikeTable::held`): a
     /// group's write is one transaction, bounded by [`GROUP_MEMBERSHIPS_SHARE`].
     largest_group: usize,
+    /// The most entries any one group holds: a group's write is one transaction, bounded by
+    /// [`Size::max_group_entries`].
+    largest_group_entries: usize,
     /// Malformed messages waiting to be copied to the dead-letter topic.
     dead_letters: Vec<DeadLetter>,
     /// In namespaces that expire counters: the latest idle deadline per counter written since
@@ -347,13 +352,15 @@ impl Batch {
     /// Runs `f` on the sums of `counter` in `group`, made (and counted as an entry) if new.
     fn with_sums(&mut self, group: u32, counter: &str, f: impl FnOnce(&mut Sums)) {
         let i = self.group_index(group);
-        let deltas = &mut self.groups[i].1.deltas;
+        let buffer = &mut self.groups[i].1;
         // Look up by &str first: the common case (a counter already in the batch) allocates nothing.
-        let sums = match deltas.get_mut(counter) {
+        let sums = match buffer.deltas.get_mut(counter) {
             Some(sums) => sums,
             None => {
                 self.entries += 1;
-                deltas.entry(counter.to_owned()).or_default()
+                buffer.entries += 1;
+                self.largest_group_entries = self.largest_group_entries.max(buffer.entries);
+                buffer.deltas.entry(counter.to_owned()).or_default()
             }
         };
         f(sums);
@@ -475,12 +482,15 @@ impl Batch {
             }
         }
         for group in groups {
-            let resets = &mut self.group(group).resets;
-            match resets.iter_mut().find(|(c, _)| c == counter) {
+            let i = self.group_index(group);
+            let buffer = &mut self.groups[i].1;
+            match buffer.resets.iter_mut().find(|(c, _)| c == counter) {
                 Some((_, at)) => *at = offset,
                 None => {
-                    resets.push((counter.to_owned(), offset));
+                    buffer.resets.push((counter.to_owned(), offset));
                     self.entries += 1;
+                    buffer.entries += 1;
+                    self.largest_group_entries = self.largest_group_entries.max(buffer.entries);
                 }
             }
         }
@@ -490,20 +500,19 @@ impl Batch {
     /// Adds a like (or unlike) of `counter` by `actor` at `offset`, bound for `group` (the
     /// actor's). A later action of the same actor on the same counter replaces it.
     pub fn add_member(&mut self, group: u32, counter: &str, actor: &str, like: bool, offset: i64) {
-        let members = &mut self.group(group).members;
-        let added = members.set(counter, actor, like);
-        let held = members.held();
+        let i = self.group_index(group);
+        let buffer = &mut self.groups[i].1;
+        let added = buffer.members.set(counter, actor, like);
         if added.membership {
-            self.largest_group = self.largest_group.max(held);
+            self.largest_group = self.largest_group.max(buffer.members.held());
         }
-        self.entries += usize::from(added.run);
+        if added.run {
+            self.entries += 1;
+            buffer.entries += 1;
+            self.largest_group_entries = self.largest_group_entries.max(buffer.entries);
+        }
         self.memberships += usize::from(added.membership);
         self.advance(offset);
-    }
-
-    fn group(&mut self, group: u32) -> &mut GroupBuffer {
-        let i = self.group_index(group);
-        &mut self.groups[i].1
     }
 
     /// Where `group`'s buffer is in `groups`, made if new.
@@ -548,12 +557,14 @@ impl Batch {
     /// Whether the batch hit a size limit and must be flushed now.
     pub fn is_full(&self, size: &Size) -> bool {
         // entries + memberships / per_entry >= max_counters, and one group's memberships >=
-        // max_counters * per_entry / GROUP_MEMBERSHIPS_SHARE, without a division per event.
+        // max_counters * per_entry / GROUP_MEMBERSHIPS_SHARE, without a division per event; or
+        // one group's entries >= max_group_entries.
         let per_entry = size.memberships_per_entry.max(1);
         let weight = size.max_counters.saturating_mul(per_entry);
         self.events >= size.max_events
             || self.entries * per_entry + self.memberships >= weight
             || self.largest_group.saturating_mul(GROUP_MEMBERSHIPS_SHARE) >= weight
+            || self.largest_group_entries >= size.max_group_entries
     }
 
     /// Whether the batch must be flushed at `now`. Live: full, or its partition's flush time
@@ -851,11 +862,13 @@ mod tests {
                 max_events: 5,
                 max_counters: 3,
                 memberships_per_entry: MEMBERSHIPS_PER_ENTRY,
+                max_group_entries: usize::MAX,
             },
             catch_up: Size {
                 max_events: 50,
                 max_counters: 30,
                 memberships_per_entry: MEMBERSHIPS_PER_ENTRY,
+                max_group_entries: usize::MAX,
             },
             catch_up_interval: Duration::from_secs(7200),
         }
@@ -915,6 +928,42 @@ mod tests {
         assert!(b.is_full(&limits().live));
     }
 
+    #[test]
+    fn full_when_one_group_holds_its_most_entries_however_many_the_others_hold() {
+        let size = Size {
+            max_events: 1_000,
+            max_counters: 1_000,
+            memberships_per_entry: MEMBERSHIPS_PER_ENTRY,
+            max_group_entries: 3,
+        };
+        let mut b = Batch::default();
+        // Two entries in each of groups 0, 2 and 3: a delta, a run of likes, a reset.
+        b.add(0, "a", 1, 0);
+        b.add_member(0, "b", "u1", true, 1);
+        b.add_member(0, "b", "u2", true, 2);
+        b.add(2, "a", 1, 3);
+        b.reset("c", [2, 3].into_iter(), 4);
+        b.add(3, "d", 1, 5);
+        // Again into one it holds: no new entry.
+        b.add(0, "a", 1, 6);
+        b.add_member(0, "b", "u3", false, 7);
+        b.reset("c", [2, 3].into_iter(), 8);
+        assert!(!b.is_full(&size), "six entries, two a group");
+        // A third in group 3, whatever kind.
+        b.add_member(3, "e", "u1", true, 9);
+        assert!(b.is_full(&size));
+        let sealed = b.seal().expect("not empty");
+        let group = |g: u32| sealed.groups.iter().find(|batch| batch.group == g);
+        assert_eq!(
+            group(3).map(GroupBatch::writes),
+            Some(3),
+            "d, e's like, c's reset"
+        );
+        // Sealing starts the count again.
+        b.add(3, "f", 1, 10);
+        assert!(!b.is_full(&size));
+    }
+
     /// Adds counters `c<i>` for `i` in `range`, a delta each, to group 1 at offset 100 + i.
     fn add_counters(b: &mut Batch, range: std::ops::Range<i64>) {
         for i in range {
@@ -929,6 +978,7 @@ mod tests {
             max_events: 1_000,
             max_counters: 26,
             memberships_per_entry: MEMBERSHIPS_PER_ENTRY,
+            max_group_entries: usize::MAX,
         };
         let mut b = Batch::default();
         // One counter with 7 likers and an unlike: 1 + 8 / 8 = 2 entries.
@@ -958,6 +1008,7 @@ mod tests {
             max_events: 1_000,
             max_counters: 3,
             memberships_per_entry: 32,
+            max_group_entries: usize::MAX,
         };
         let mut b = Batch::default();
         for actor in 0..3 {
@@ -982,6 +1033,7 @@ mod tests {
             max_events: 1_000,
             max_counters: 50,
             memberships_per_entry,
+            max_group_entries: usize::MAX,
         };
         let mut b = Batch::default();
         // One counter with 16 likers: 1 + 16 / 8 = 3 entries, or 1 + 16 / 16 = 2.

@@ -22,6 +22,11 @@ pub struct Size {
     /// How many memberships count as one more entry: what costs the store's flush about what a
     /// counter's delta does ([`MEMBERSHIPS_PER_ENTRY`], or the sink's own).
     pub memberships_per_entry: usize,
+    /// Flush once one shard group's part holds this many entries (counters with deltas, runs of
+    /// likes, resets): a group's write is one write to the store, and where its cost grows
+    /// faster than its size (a transaction's `WATCH`, the sink's
+    /// [`crate::store::sink::Sink::max_group_entries`]) this bounds it; `usize::MAX` elsewhere.
+    pub max_group_entries: usize,
 }
 
 /// How many memberships count as one entry toward [`Size::max_counters`], whose point is to
@@ -84,6 +89,14 @@ impl Limits {
     pub fn with_memberships_per_entry(mut self, per_entry: usize) -> Self {
         self.live.memberships_per_entry = per_entry;
         self.catch_up.memberships_per_entry = per_entry;
+        self
+    }
+
+    /// These limits with at most `most` entries in one group's write, live and catching up
+    /// alike (what a sink's writes can take, `crate::store::sink::Sink`).
+    pub fn with_group_entries(mut self, most: usize) -> Self {
+        self.live.max_group_entries = most;
+        self.catch_up.max_group_entries = most;
         self
     }
 

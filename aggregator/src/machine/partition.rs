@@ -691,11 +691,13 @@ mod tests {
                 max_events: 4,
                 max_counters: 100,
                 memberships_per_entry: MEMBERSHIPS_PER_ENTRY,
+                max_group_entries: usize::MAX,
             },
             catch_up: Size {
                 max_events: 8,
                 max_counters: 100,
                 memberships_per_entry: MEMBERSHIPS_PER_ENTRY,
+                max_group_entries: usize::MAX,
             },
             catch_up_interval: Duration::from_secs(10),
         }

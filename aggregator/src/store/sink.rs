@@ -272,4 +272,11 @@ pub trait Sink: Clone + Send + Sync + 'static {
     fn memberships_per_entry(&self) -> usize {
         crate::machine::pace::MEMBERSHIPS_PER_ENTRY
     }
+
+    /// The most entries one shard group's write should hold
+    /// ([`crate::machine::pace::Size::max_group_entries`]), as this store writes from its start:
+    /// unbounded unless a write's cost grows faster than its size.
+    fn max_group_entries(&self) -> usize {
+        usize::MAX
+    }
 }

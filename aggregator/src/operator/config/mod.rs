@@ -258,6 +258,7 @@ fn limits(v: &Values) -> Result<Limits, ConfigError> {
             max_counters: positive(counters_name, counters)?,
             // The flush script's weight; a sink that writes likes otherwise says its own.
             memberships_per_entry: MEMBERSHIPS_PER_ENTRY,
+            max_group_entries: usize::MAX,
         })
     };
     Ok(Limits {

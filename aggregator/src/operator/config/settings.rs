@@ -35,7 +35,7 @@ tally_ops::settings! {
         flush_interval_ms: u64 = 1_000, "TALLY_FLUSH_INTERVAL_MS", [];
         /// Flush a partition's buffer once it holds this many events
         max_batch_events: usize = 200_000, "TALLY_MAX_BATCH_EVENTS", [];
-        /// Flush a partition's buffer once it holds this many distinct (group, counter) pairs (a counter's likes are one, and every 8 of its memberships one more, every 32 where the Redis sink writes every deduplicating namespace's sets before its flush script; and a flush is cut sooner if one group's memberships reach this many times that weight over 24, one viral counter's likes being one transaction); bounds how long one flush script blocks Redis: a flush holds at most twice this, as the buffer keeps filling while the previous flush lands
+        /// Flush a partition's buffer once it holds this many distinct (group, counter) pairs (a counter's likes are one, and every 8 of its memberships one more, every 32 where the Redis sink writes every deduplicating namespace's sets before its flush script; and a flush is cut sooner if one group's memberships reach this many times that weight over 24, one viral counter's likes being one transaction; with WATCH/MULTI/EXEC transactions, also once one group holds 512 entries); bounds how long one flush script blocks Redis: a flush holds at most twice this, as the buffer keeps filling while the previous flush lands
         max_batch_counters: usize = 5_000, "TALLY_MAX_BATCH_COUNTERS", [];
         /// While a partition catches up (its log holds at least 1,000 events more than it has read), flush its buffer once it holds this many events, not by the clock
         catch_up_max_batch_events: usize = 1_000_000, "TALLY_CATCH_UP_MAX_BATCH_EVENTS", [];

@@ -30,7 +30,7 @@ use crate::store::sink::{
     Stamp,
 };
 use crate::store::store_error::{ERR_FIELD_NOT_AN_INTEGER, ERR_NOT_AN_INTEGER, ERR_OVERFLOW};
-use crate::store::transactions::{Transactions, redis_integer};
+use crate::store::transactions::{TRANSACTION_GROUP_ENTRIES, Transactions, redis_integer};
 
 mod cells_io;
 mod flush;
@@ -156,12 +156,7 @@ impl RedisSink {
                     if !self.fall_back {
                         return Err(e);
                     }
-                    if self.use_scripts.swap(false, Ordering::Relaxed) {
-                        tracing::warn!(
-                            error = %e.source,
-                            "Redis refuses scripts: exactly-once writes switch to WATCH/MULTI/EXEC transactions"
-                        );
-                    }
+                    self.switch_to_transactions(&e.source);
                 }
                 other => return other,
             }
@@ -175,6 +170,39 @@ impl RedisSink {
                     "Redis refuses scripts, and transactions are not supported on Redis Cluster",
                 ))),
             }),
+        }
+    }
+}
+
+impl RedisSink {
+    /// In auto mode, finds out before the first write whether the server runs scripts, so that
+    /// one that refuses them gets transactions from the first batch on, batched for them
+    /// ([`Sink::max_group_entries`]): an `EVALSHA` of a script no server holds is refused (no
+    /// permission, or no such command) or answered `NOSCRIPT`. Any other answer (Redis down at
+    /// start included) leaves it to the first write, as before.
+    pub async fn probe_scripts(&self) {
+        if !self.fall_back || self.transactions.is_none() {
+            return;
+        }
+        let reply: redis::RedisResult<redis::Value> = redis::cmd("EVALSHA")
+            .arg("0".repeat(40))
+            .arg(0)
+            .query_async(&mut self.conn.clone())
+            .await;
+        if let Err(e) = reply
+            && refuses_scripts(&e)
+        {
+            self.switch_to_transactions(&e);
+        }
+    }
+
+    /// Runs the exactly-once operations as transactions from now on.
+    fn switch_to_transactions(&self, error: &dyn std::fmt::Display) {
+        if self.use_scripts.swap(false, Ordering::Relaxed) {
+            tracing::warn!(
+                error = %error,
+                "Redis refuses scripts: exactly-once writes switch to WATCH/MULTI/EXEC transactions"
+            );
         }
     }
 }
@@ -410,6 +438,14 @@ impl Sink for RedisSink {
             MEMBERSHIPS_PER_ENTRY_BEFORE_SCRIPT
         } else {
             MEMBERSHIPS_PER_ENTRY
+        }
+    }
+
+    fn max_group_entries(&self) -> usize {
+        if self.use_scripts.load(Ordering::Relaxed) {
+            usize::MAX
+        } else {
+            TRANSACTION_GROUP_ENTRIES
         }
     }
 

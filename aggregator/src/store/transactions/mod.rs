@@ -40,6 +40,16 @@ use crate::store::sink::{
 /// retryable error (the flush's own retry then backs off).
 const MAX_CONFLICTS: usize = 32;
 
+/// The most entries (counters with deltas, runs of likes, resets) a batch gives one group's
+/// transaction ([`crate::machine::pace::Size::max_group_entries`]). `WATCH` checks each key
+/// against every key its connection already watches (Redis 7.0.15 here; Valkey made the check a
+/// lookup in 2026, valkey-io/valkey#3360), so a transaction watching n keys costs Redis about
+/// n² comparisons, all in one command: 0.3 ms for 250 keys, 3.5 ms for 1,000, 13 ms for 2,000
+/// and 53 ms for 4,000 (one `WATCH` each, `INFO commandstats`). A catch-up batch of 15,000
+/// counters watched ~3,750 keys per group, 23 ms a `WATCH` and 14 CPU-us of Redis per counter
+/// written on a long tail; at 512 a group that is 2.7-3.9 us (`docs/capacity.md`).
+pub const TRANSACTION_GROUP_ENTRIES: usize = 512;
+
 /// How many idle connections are kept for reuse.
 const MAX_IDLE: usize = 16;
 
