@@ -73,6 +73,9 @@ impl Scripts {
     }
 }
 
+/// Longest [`RedisSink::probe_scripts`] waits for its answer.
+const PROBE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// The Redis sink.
 #[derive(Debug, Clone)]
 pub struct RedisSink {
@@ -172,24 +175,21 @@ impl RedisSink {
             }),
         }
     }
-}
 
-impl RedisSink {
     /// In auto mode, finds out before the first write whether the server runs scripts, so that
     /// one that refuses them gets transactions from the first batch on, batched for them
     /// ([`Sink::max_group_entries`]): an `EVALSHA` of a script no server holds is refused (no
-    /// permission, or no such command) or answered `NOSCRIPT`. Any other answer (Redis down at
-    /// start included) leaves it to the first write, as before.
+    /// permission, or no such command) or answered `NOSCRIPT`. Any other answer, or none within
+    /// [`PROBE_TIMEOUT`] (Redis down or unreachable at start), leaves it to the first write, as
+    /// before, without holding up the start.
     pub async fn probe_scripts(&self) {
         if !self.fall_back || self.transactions.is_none() {
             return;
         }
-        let reply: redis::RedisResult<redis::Value> = redis::cmd("EVALSHA")
-            .arg("0".repeat(40))
-            .arg(0)
-            .query_async(&mut self.conn.clone())
-            .await;
-        if let Err(e) = reply
+        let (mut conn, mut probe) = (self.conn.clone(), redis::cmd("EVALSHA"));
+        probe.arg("0".repeat(40)).arg(0);
+        let reply = probe.query_async::<redis::Value>(&mut conn);
+        if let Ok(Err(e)) = tokio::time::timeout(PROBE_TIMEOUT, reply).await
             && refuses_scripts(&e)
         {
             self.switch_to_transactions(&e);
