@@ -356,30 +356,42 @@ pub async fn grow(
     Ok(writers)
 }
 
+/// The watermarks stored in groups `0..homes` (a partition's is in its home group): each
+/// partition's field with its watermark, `None` where the value is not one this release reads.
+pub async fn watermarks(
+    conn: &RedisConn,
+    keyspace: &Keyspace,
+    homes: u32,
+) -> redis::RedisResult<Vec<(String, Option<Watermark>)>> {
+    let mut all = Vec::new();
+    for home in 0..homes {
+        let stored: Vec<(String, String)> = redis::cmd("HGETALL")
+            .arg(keyspace.watermark_key(home))
+            .query_async(&mut conn.clone())
+            .await?;
+        all.extend((stored.into_iter()).map(|(field, text)| (field, Watermark::parse(&text))));
+    }
+    Ok(all)
+}
+
 /// Where each partition stands against the stored plan: its watermark's fan from here on
 /// (home groups are `0..origin`).
 pub async fn progress(conn: &RedisConn, keyspace: &Keyspace) -> Result<Progress, PlanError> {
     let plan = read_plan(conn, keyspace).await?;
     let (mut moved, mut pending) = (Vec::new(), Vec::new());
-    for home in 0..keyspace.groups() {
-        let watermarks: Vec<(String, String)> = redis::cmd("HGETALL")
-            .arg(keyspace.watermark_key(home))
-            .query_async(&mut conn.clone())
-            .await?;
-        let original = keyspace.groups();
-        for (field, text) in watermarks {
-            let Some(watermark) = Watermark::parse(&text) else {
-                pending.push((field, original));
-                continue;
-            };
-            let groups = watermark.spread.current_fan().groups_of(original);
-            let past = (watermark.spread.within_from(plan.write, original))
-                .is_some_and(|from| from == 0 || watermark.next_offset >= from);
-            if groups == plan.write && past {
-                moved.push(field);
-            } else {
-                pending.push((field, groups));
-            }
+    let original = keyspace.groups();
+    for (field, watermark) in watermarks(conn, keyspace, original).await? {
+        let Some(watermark) = watermark else {
+            pending.push((field, original));
+            continue;
+        };
+        let groups = watermark.spread.current_fan().groups_of(original);
+        let past = (watermark.spread.within_from(plan.write, original))
+            .is_some_and(|from| from == 0 || watermark.next_offset >= from);
+        if groups == plan.write && past {
+            moved.push(field);
+        } else {
+            pending.push((field, groups));
         }
     }
     moved.sort();

@@ -23,7 +23,7 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use tally_common::keyspace::Watermark;
+use tally_common::regroup::watermarks;
 
 use super::{CompactError, Compactor, Move};
 
@@ -97,19 +97,10 @@ impl Compactor {
 
     /// Every partition's watermark: where everything before is applied in every group.
     async fn watermarks(&self) -> Result<HashMap<String, i64>, CompactError> {
-        let mut watermarks = HashMap::new();
-        for home in 0..self.groups {
-            let stored: Vec<(String, String)> = redis::cmd("HGETALL")
-                .arg(self.keyspace.watermark_key(home))
-                .query_async(&mut self.conn.clone())
-                .await?;
-            for (partition, text) in stored {
-                if let Some(watermark) = Watermark::parse(&text) {
-                    watermarks.insert(partition, watermark.next_offset);
-                }
-            }
-        }
-        Ok(watermarks)
+        let stored = watermarks(&self.conn, &self.keyspace, self.groups).await?;
+        Ok((stored.into_iter())
+            .filter_map(|(partition, watermark)| Some((partition, watermark?.next_offset)))
+            .collect())
     }
 
     /// Deletes the records of resets every group has applied (all of them with `all`), and
