@@ -222,9 +222,13 @@ impl Partition {
         (partition, exactly_once.then_some(Action::Acquire))
     }
 
-    /// Whether the partition batches by clock or by size.
+    /// Whether the partition batches by clock or by size. A partition paused with its buffer
+    /// full reads nothing because it was paused, not because nothing came: behind the end of
+    /// its log, it is still catching up. (Taken as live, a catch-up paused less than
+    /// [`CATCH_UP_MIN_LAG`](super::pace::CATCH_UP_MIN_LAG) events from its end flushed at the live pace, and its last events
+    /// then waited for the flush clock: up to a second at the end of a catch-up.)
     pub(crate) fn pace(&self) -> Pace {
-        Pace::of(self.read_to, self.log_end, self.reading)
+        Pace::of(self.read_to, self.log_end, self.reading || self.paused)
     }
 
     /// Whether messages are read in this position: the loop decodes only those.
@@ -871,6 +875,41 @@ mod tests {
         assert!(
             early.is_none(),
             "a live batch after a drained catch-up waits for its flush time"
+        );
+    }
+
+    #[test]
+    fn a_catch_up_paused_near_its_end_still_flushes_its_rest_at_once() {
+        let now = Instant::now();
+        let limits = limits();
+        let mut p = unfenced(now);
+        // Nineteen events behind, far fewer than CATCH_UP_MIN_LAG: catching up while they come.
+        p.on_log_end(19);
+        assert_eq!(flushed_offset(&feed(&mut p, 0..8)), Some(8));
+        // The next buffer fills to the catch-up pause size while that flush is in flight.
+        assert!(matches!(feed(&mut p, 8..16).as_slice(), [Action::Hold]));
+        // Ticks while paused: nothing is read, yet the partition is behind, not live.
+        for _ in 0..2 {
+            let (pace, _) = p.on_tick(&limits, Duration::MAX, now);
+            assert_eq!(pace, Pace::CatchingUp);
+        }
+        let durable = FlushOutcome::Durable {
+            next_offset: 8,
+            owner: None,
+        };
+        let actions = p.on_flushed(durable, &limits, now);
+        assert_eq!(flushed_offset(&actions), Some(16));
+        // The last three events (fewer than a live batch) are the rest of the catch-up: flushed as soon as the flush
+        // before them lands, not at the partition's flush time.
+        assert!(feed(&mut p, 16..19).is_empty());
+        assert_eq!(p.pace(), Pace::Live);
+        let durable = FlushOutcome::Durable {
+            next_offset: 16,
+            owner: None,
+        };
+        assert_eq!(
+            flushed_offset(&p.on_flushed(durable, &limits, now)),
+            Some(19)
         );
     }
 
