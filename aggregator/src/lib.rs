@@ -379,10 +379,8 @@ async fn consume<S: Sink>(
     };
     let settings = LoopSettings {
         topic: config.topic.clone(),
-        // Batches weigh likes by what they cost this sink's flush.
-        limits: (config.limits)
-            .with_memberships_per_entry(flusher.sink.memberships_per_entry())
-            .with_group_entries(flusher.sink.max_group_entries()),
+        // Weighed for the sink as it writes at each tick (`Shared::limits`).
+        limits: config.limits,
         keyspace: config.keyspace.clone(),
         partition_spread: config.partition_spread,
         namespaces: config.namespaces.clone(),

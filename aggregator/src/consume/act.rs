@@ -28,7 +28,9 @@ impl<S: Sink> Shared<S> {
         let (mut ids_held, mut id_bytes) = (0, 0);
         let (version, write, _) = self.plan.get();
         let original = self.settings.keyspace.groups();
+        let limits = self.limits();
         for (&partition, slot) in parts.map.iter_mut() {
+            slot.limits = limits;
             for action in slot.machine.on_regrouped(write, version, original) {
                 tracing::info!(
                     partition,
@@ -37,11 +39,8 @@ impl<S: Sink> Shared<S> {
                 );
                 self.execute(consumer, partition, slot, action);
             }
-            let (pace, action) = (slot.machine).on_tick(
-                &self.settings.limits,
-                self.settings.check_idle_interval,
-                now,
-            );
+            let (pace, action) =
+                (slot.machine).on_tick(&limits, self.settings.check_idle_interval, now);
             if let Some(action) = action {
                 self.execute(consumer, partition, slot, action);
             }
@@ -78,15 +77,15 @@ impl<S: Sink> Shared<S> {
             // A report from an earlier ownership, already handled by the revoke.
             return;
         }
-        let (limits, now) = (&self.settings.limits, Instant::now());
+        let (limits, now) = (slot.limits, Instant::now());
         let actions = match done {
             Done::Flushed(outcome) => {
                 slot.task = None;
-                slot.machine.on_flushed(outcome, limits, now)
+                slot.machine.on_flushed(outcome, &limits, now)
             }
             Done::Checked(standing) => {
                 slot.task = None;
-                slot.machine.on_checked(standing, limits, now)
+                slot.machine.on_checked(standing, &limits, now)
             }
             Done::Acquired {
                 owner,

@@ -31,6 +31,7 @@ impl<S: Sink> Shared<S> {
         let mut epochs =
             (self.source).assigned(consumer, &self.settings.topic, assigned, exactly_once);
         let mut parts = lock(&self.partitions);
+        let limits = self.limits();
         for element in assigned.elements_for_topic(&self.settings.topic) {
             let partition = element.partition();
             let generation = parts.next_generation;
@@ -51,6 +52,7 @@ impl<S: Sink> Shared<S> {
                 epoch: epochs.remove(&partition).unwrap_or(0),
                 truncated_to: None,
                 held: None,
+                limits,
             };
             if let Some(action) = action {
                 self.execute(consumer, partition, &mut slot, action);

@@ -78,7 +78,8 @@ mod source;
 pub struct LoopSettings {
     /// The topic to consume.
     pub topic: String,
-    /// Flush triggers.
+    /// Flush triggers as configured; each partition's are weighed for the sink at each tick
+    /// (`Shared::limits`).
     pub limits: Limits,
     /// Where each partition's deltas go.
     pub keyspace: Keyspace,
@@ -174,6 +175,10 @@ pub(crate) struct Slot {
     /// for it and not read yet (the first one perhaps in part), read in order once it resumes
     /// rather than dropped and fetched again. They stay within the fetcher's byte budget.
     held: Option<VecDeque<(Chunk, Option<Decisions>)>>,
+    /// Its batches' limits: the configured ones weighed for the sink as it writes now
+    /// (`Shared::limits`). refreshed at each tick, so that a Redis that starts refusing
+    /// scripts has the next batches cut for its transactions, not only after a restart.
+    limits: Limits,
 }
 
 /// A flush or a check, running as its own task.
@@ -389,6 +394,16 @@ impl<S: Sink> Shared<S> {
             settings,
         });
         (shared, done_rx)
+    }
+
+    /// The batch limits for the sink as it writes now: likes weighed by what they cost its
+    /// flush, and each group's entries at most what one of its writes may hold (both change
+    /// when Redis starts refusing scripts, or `SINTERSTORE`).
+    pub(crate) fn limits(&self) -> Limits {
+        let sink = &self.flusher.sink;
+        (self.settings.limits)
+            .with_memberships_per_entry(sink.memberships_per_entry())
+            .with_group_entries(sink.max_group_entries())
     }
 
     /// The partitions this aggregator owns now (exactly-once).

@@ -511,9 +511,7 @@ impl<S: Sink> Shared<S> {
         offset: i64,
         entry: Entry<'_>,
     ) {
-        let (handled, action) = slot
-            .machine
-            .on_message(offset, entry, &self.settings.limits);
+        let (handled, action) = slot.machine.on_message(offset, entry, &slot.limits);
         if handled == Handled::Skipped {
             self.metrics.skipped();
         }

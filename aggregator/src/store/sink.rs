@@ -267,15 +267,16 @@ pub trait Sink: Clone + Send + Sync + 'static {
     }
 
     /// How many memberships cost this store's flush about what a counter's delta does
-    /// ([`crate::machine::pace::Size::memberships_per_entry`]), as it writes them from its
-    /// start.
+    /// ([`crate::machine::pace::Size::memberships_per_entry`]), as it writes them now (asked
+    /// at every tick of the consume loop).
     fn memberships_per_entry(&self) -> usize {
         crate::machine::pace::MEMBERSHIPS_PER_ENTRY
     }
 
     /// The most entries one shard group's write should hold
-    /// ([`crate::machine::pace::Size::max_group_entries`]), as this store writes from its start:
-    /// unbounded unless a write's cost grows faster than its size.
+    /// ([`crate::machine::pace::Size::max_group_entries`]), as this store writes now (asked at
+    /// every tick of the consume loop): unbounded unless a write's cost grows faster than its
+    /// size.
     fn max_group_entries(&self) -> usize {
         usize::MAX
     }

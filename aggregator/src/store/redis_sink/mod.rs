@@ -180,7 +180,7 @@ impl RedisSink {
     /// one that refuses them gets transactions from the first batch on, batched for them
     /// ([`Sink::max_group_entries`]): an `EVALSHA` of a script no server holds is refused (no
     /// permission, or no such command) or answered `NOSCRIPT`. Any other answer, or none within
-    /// [`PROBE_TIMEOUT`] (Redis down or unreachable at start), leaves it to the first write, as
+    /// `PROBE_TIMEOUT` (Redis down or unreachable at start), leaves it to the first write, as
     /// before, without holding up the start.
     pub async fn probe_scripts(&self) {
         if !self.fall_back || self.transactions.is_none() {
