@@ -208,7 +208,7 @@ pub async fn run_all(args: &Args) -> anyhow::Result<Results> {
         };
         let rate = args.steady_rate.unwrap_or(together / 2.0);
         println!("steady state at {rate:.0} events/s, with latency probes");
-        results.steady = Some(steady(&mut env, rate, None, false).await?);
+        results.steady = Some(steady(&mut env, "steady", rate, None, false).await?);
     }
     if args.runs("steady-windows") {
         // Issue 31's live target: three windows at 50,000 events/s, p99 within the flush
@@ -217,7 +217,8 @@ pub async fn run_all(args: &Args) -> anyhow::Result<Results> {
         println!("steady state with 3 windows at {rate:.0} events/s, with latency probes");
         let windows = "windows = [\"1m\", \"1h\", \"1d\"]\n";
         let namespaces = format!("[namespaces.likes]\n{windows}[namespaces.probe]\n{windows}");
-        results.steady_windows = Some(steady(&mut env, rate, Some(&namespaces), false).await?);
+        results.steady_windows =
+            Some(steady(&mut env, "steady-windows", rate, Some(&namespaces), false).await?);
     }
     if args.runs("steady-likes") {
         // Issue 42's live target: likes counted once per user at 50,000 events/s, p99 within
@@ -225,7 +226,8 @@ pub async fn run_all(args: &Args) -> anyhow::Result<Results> {
         let rate = args.steady_rate.unwrap_or(50_000.0);
         println!("steady state of likes (dedup) at {rate:.0} events/s, with latency probes");
         let namespaces = "[namespaces.likes]\ndedup = true\n[namespaces.probe]\ndedup = true\n";
-        results.steady_likes = Some(steady(&mut env, rate, Some(namespaces), true).await?);
+        results.steady_likes =
+            Some(steady(&mut env, "steady-likes", rate, Some(namespaces), true).await?);
     }
     if args.runs("hot") {
         let topic = env.name("hot");

@@ -11,18 +11,20 @@ use crate::env::{Env, free_port, run_capturing, stop};
 use crate::probe;
 use crate::results::Steady;
 
-/// The steady state at `rate` events/s; `namespaces`, a namespace file's text, configures the
+/// The steady state at `rate` events/s, its topic and aggregator named after `scenario` (each
+/// steady scenario of a run has its own); `namespaces`, a namespace file's text, configures the
 /// aggregator's namespaces (the load's counters are `likes:*`, the probes `probe:*`). With
 /// `likes`, the load is likes and unlikes (15%) of 50,000 users, and each probe a like.
 pub(crate) async fn steady(
     env: &mut Env<'_>,
+    scenario: &str,
     rate: f64,
     namespaces: Option<&str>,
     likes: bool,
 ) -> anyhow::Result<Steady> {
-    let topic = env.name("steady");
+    let topic = env.name(scenario);
     env.create_topic(&topic, env.args.partitions).await?;
-    let id = env.name("steady-agg");
+    let id = env.name(&format!("{scenario}-agg"));
     let dlq = format!("{id}.dlq");
     env.create_topic(&dlq, 1).await?;
     let port = free_port()?;
