@@ -280,7 +280,6 @@ async fn apply(sink: &impl Sink, field: &str, case: &Case) -> Applied {
         deltas: &deltas,
         windows: &[],
         resets: &[],
-        reset_offsets: &[],
         members: Likes::NONE,
         watermark: None,
     };

@@ -7,7 +7,7 @@
 
 use redis::AsyncCommands;
 use tally_aggregator::RedisSink;
-use tally_aggregator::machine::batch::WindowDelta;
+use tally_aggregator::machine::batch::{Reset, WindowDelta};
 use tally_aggregator::machine::likes::Likes;
 use tally_aggregator::machine::pace::{MEMBERSHIPS_PER_ENTRY, MEMBERSHIPS_PER_ENTRY_BEFORE_SCRIPT};
 use tally_aggregator::operator::config::Atomicity;
@@ -62,7 +62,6 @@ fn write<'a>(
         deltas,
         windows,
         resets: &[],
-        reset_offsets: &[],
         members,
         watermark: None,
     }
@@ -575,13 +574,12 @@ async fn a_packed_group_refuses_and_undoes_as_keys_do(atomicity: Atomicity) {
 
     // A reset of `ok` (with a key of its own beside its field) clears both, then counts 1.
     let _: () = conn.set(ks.counter_key(GROUP, ok), 7).await.expect("SET");
-    let reset = [ok.clone()];
+    let reset = [Reset::new(ok.clone(), 15)];
     let again = [(ok.clone(), 1)];
     let write = GroupWrite {
         expected_ledger: 10,
         next_offset: 20,
         resets: &reset,
-        reset_offsets: &[15],
         ..write(epoch, &again, &[], none)
     };
     assert_eq!(
@@ -678,7 +676,7 @@ async fn at_least_once_packs_where_the_group_is_marked() {
     let _: () = conn.set(ks.counter_key(GROUP, ok), 4).await.expect("SET");
     let again = [(ok.clone(), 2)];
     let rejected = sink
-        .apply(GROUP, &again, &[], std::slice::from_ref(ok))
+        .apply(GROUP, &again, &[], &[Reset::new(ok.clone(), 0)])
         .await;
     assert!(rejected.expect("apply").is_empty());
     let total = redis.reader(ks.clone()).await.get(ok).await.expect("read");
@@ -853,7 +851,6 @@ async fn racing_flushes_of_one_counters_buckets_lose_nothing() {
                         deltas: &deltas,
                         windows: &windows,
                         resets: &[],
-                        reset_offsets: &[],
                         members: Likes::NONE,
                         watermark: None,
                     };

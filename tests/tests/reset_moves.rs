@@ -18,6 +18,7 @@ use std::time::Duration;
 
 use redis::AsyncCommands;
 use tally_aggregator::RedisSink;
+use tally_aggregator::machine::batch::Reset;
 use tally_aggregator::machine::likes::Likes;
 use tally_aggregator::operator::config::Atomicity;
 use tally_aggregator::store::sink::{Applied, GroupWrite, Sink, Stamp};
@@ -64,8 +65,7 @@ impl Writer {
         deltas: &[(&str, i64)],
     ) {
         let deltas: Vec<(String, i64)> = deltas.iter().map(|(c, d)| ((*c).into(), *d)).collect();
-        let counters: Vec<String> = resets.iter().map(|(c, _)| (*c).into()).collect();
-        let offsets: Vec<i64> = resets.iter().map(|(_, o)| *o).collect();
+        let resets: Vec<Reset> = resets.iter().map(|&(c, o)| Reset::new(c, o)).collect();
         let ledger = self.ledgers.get(&group).copied().unwrap_or(-1);
         let write = GroupWrite {
             group,
@@ -75,8 +75,7 @@ impl Writer {
             next_offset: next,
             deltas: &deltas,
             windows: &[],
-            resets: &counters,
-            reset_offsets: &offsets,
+            resets: &resets,
             members: Likes::NONE,
             watermark: None,
         };

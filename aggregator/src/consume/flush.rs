@@ -169,7 +169,6 @@ impl<S: Sink> Flusher<S> {
                     deltas: &g.deltas,
                     windows: &g.windows,
                     resets: &g.resets,
-                    reset_offsets: &g.reset_offsets,
                     members: &g.members,
                     watermark: watermark.as_deref(),
                 };
@@ -241,7 +240,7 @@ impl<S: Sink> Flusher<S> {
     /// within their namespace's TTL anyway).
     async fn forget_cached(&self, batch: &SealedBatch) {
         let mut reset: Vec<String> = (batch.groups.iter())
-            .flat_map(|g| g.resets.iter().cloned())
+            .flat_map(|g| g.resets.iter().map(|r| r.counter.clone()))
             .collect();
         if reset.is_empty() {
             return;

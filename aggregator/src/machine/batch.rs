@@ -129,10 +129,31 @@ struct GroupBuffer {
     /// The last action per counter and actor: only the last one matters, since membership is
     /// a state, not a sum.
     members: LikeTable,
-    /// Counters to clear before this batch's writes (resets), each with its last reset's offset.
-    resets: Vec<(String, i64)>,
+    /// Counters to clear before this batch's writes, each at its last reset's offset.
+    resets: Vec<Reset>,
     /// Its entries: counters with deltas, runs of likes and resets.
     entries: usize,
+}
+
+/// A counter cleared in a group's write (a reset, or an expiry), and the offset of its last
+/// reset or expiry in the batch: while a compactor moves shares, the group records it
+/// (`crate::tasks::compact`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reset {
+    /// The counter.
+    pub counter: String,
+    /// Where its last reset (or expiry record) in the batch is in the log.
+    pub offset: i64,
+}
+
+impl Reset {
+    /// `counter`, reset at `offset`.
+    pub fn new(counter: impl Into<String>, offset: i64) -> Self {
+        Self {
+            counter: counter.into(),
+            offset,
+        }
+    }
 }
 
 /// One shard group's part of a sealed batch.
@@ -145,10 +166,8 @@ pub struct GroupBatch {
     /// Non-zero summed deltas per counter and time bucket.
     pub windows: Vec<WindowDelta>,
     /// Counters whose share (and member set, and compaction journal) here is cleared before
-    /// the deltas and memberships are applied.
-    pub resets: Vec<String>,
-    /// Per reset, the offset of the counter's last reset (or expiry) in the batch.
-    pub reset_offsets: Vec<i64>,
+    /// the deltas and memberships are applied, one per counter.
+    pub resets: Vec<Reset>,
     /// Likes and unlikes, one per (counter, actor), in a run per counter.
     pub members: Likes,
 }
@@ -244,8 +263,8 @@ impl SealedBatch {
             members.clear();
             for &group in &expiry.groups {
                 let g = group_batch(&mut self.groups, group);
-                g.resets.push(expiry.counter.clone());
-                g.reset_offsets.push(expiry.offset);
+                g.resets
+                    .push(Reset::new(expiry.counter.clone(), expiry.offset));
             }
         }
         for (counter, carry) in carried {
@@ -275,13 +294,9 @@ impl SealedBatch {
         for g in &mut self.groups {
             g.deltas.retain(|(_, d)| *d != 0);
             // A counter expired twice in the batch, or reset too, is cleared once, at its last.
-            let mut resets: Vec<(String, i64)> = std::mem::take(&mut g.resets)
-                .into_iter()
-                .zip(std::mem::take(&mut g.reset_offsets))
-                .collect();
-            resets.sort_unstable_by(|a, b| a.0.cmp(&b.0).then(b.1.cmp(&a.1)));
-            resets.dedup_by(|later, first| later.0 == first.0);
-            (g.resets, g.reset_offsets) = resets.into_iter().unzip();
+            (g.resets)
+                .sort_unstable_by(|a, b| a.counter.cmp(&b.counter).then(b.offset.cmp(&a.offset)));
+            (g.resets).dedup_by(|later, first| later.counter == first.counter);
         }
         self.groups.retain(|g| g.writes() > 0);
         count
@@ -484,10 +499,10 @@ impl Batch {
         for group in groups {
             let i = self.group_index(group);
             let buffer = &mut self.groups[i].1;
-            match buffer.resets.iter_mut().find(|(c, _)| c == counter) {
-                Some((_, at)) => *at = offset,
+            match buffer.resets.iter_mut().find(|r| r.counter == counter) {
+                Some(reset) => reset.offset = offset,
                 None => {
-                    buffer.resets.push((counter.to_owned(), offset));
+                    buffer.resets.push(Reset::new(counter, offset));
                     self.entries += 1;
                     buffer.entries += 1;
                     self.largest_group_entries = self.largest_group_entries.max(buffer.entries);
@@ -591,19 +606,15 @@ impl Batch {
             groups: taken
                 .groups
                 .into_iter()
-                .map(|(group, buffer)| {
-                    let (resets, reset_offsets) = buffer.resets.into_iter().unzip();
-                    GroupBatch {
-                        group,
-                        windows: window_deltas(&taken.placements, &buffer.deltas),
-                        deltas: (buffer.deltas.into_iter())
-                            .filter(|(_, sums)| sums.total != 0)
-                            .map(|(counter, sums)| (counter, sums.total))
-                            .collect(),
-                        resets,
-                        reset_offsets,
-                        members: buffer.members.seal(),
-                    }
+                .map(|(group, buffer)| GroupBatch {
+                    group,
+                    windows: window_deltas(&taken.placements, &buffer.deltas),
+                    deltas: (buffer.deltas.into_iter())
+                        .filter(|(_, sums)| sums.total != 0)
+                        .map(|(counter, sums)| (counter, sums.total))
+                        .collect(),
+                    resets: buffer.resets,
+                    members: buffer.members.seal(),
                 })
                 .filter(|g| g.writes() > 0)
                 .collect(),
@@ -629,7 +640,6 @@ mod tests {
             deltas: deltas.iter().map(|(c, d)| ((*c).to_owned(), *d)).collect(),
             windows: Vec::new(),
             resets: Vec::new(),
-            reset_offsets: Vec::new(),
             members: Likes::default(),
         }
     }
@@ -670,7 +680,7 @@ mod tests {
                 sorted_deltas(&sealed, 1),
                 [("c:1".to_owned(), c1), ("c:2".to_owned(), 2)]
             );
-            let resets: Vec<(u32, Vec<String>)> = (sealed.groups.iter())
+            let resets: Vec<(u32, Vec<Reset>)> = (sealed.groups.iter())
                 .filter(|g| !g.resets.is_empty())
                 .map(|g| (g.group, g.resets.clone()))
                 .collect();
@@ -748,8 +758,8 @@ mod tests {
             );
             // At the last expiry that expired (records at offsets 1 and 3).
             let last = decisions.iter().rposition(|&d| d).map(|i| 1 + 2 * i as i64);
-            let offsets = (sealed.groups.iter().find(|g| g.group == 0))
-                .map(|g| g.reset_offsets.clone())
+            let offsets: Vec<i64> = (sealed.groups.iter().find(|g| g.group == 0))
+                .map(|g| g.resets.iter().map(|r| r.offset).collect())
                 .unwrap_or_default();
             assert_eq!(offsets, Vec::from_iter(last), "{decisions:?}");
         }
@@ -763,15 +773,15 @@ mod tests {
         b.reset("v:1", 0..2, 5);
         b.reset("v:2", 1..2, 6);
         let sealed = b.seal().expect("sealed");
-        let mut cleared: Vec<(u32, Vec<String>, Vec<i64>)> = (sealed.groups.iter())
-            .map(|g| (g.group, g.resets.clone(), g.reset_offsets.clone()))
+        let mut cleared: Vec<(u32, Vec<Reset>)> = (sealed.groups.iter())
+            .map(|g| (g.group, g.resets.clone()))
             .collect();
-        cleared.sort();
+        cleared.sort_by_key(|(group, _)| *group);
         assert_eq!(
             cleared,
             [
-                (0, vec!["v:1".to_owned()], vec![5]),
-                (1, vec!["v:1".to_owned(), "v:2".to_owned()], vec![5, 6]),
+                (0, vec![Reset::new("v:1", 5)]),
+                (1, vec![Reset::new("v:1", 5), Reset::new("v:2", 6)]),
             ]
         );
     }
@@ -787,7 +797,7 @@ mod tests {
         let sealed = b.seal().expect("sealed");
         assert_eq!(sealed.groups.len(), 4, "every group clears it");
         for g in &sealed.groups {
-            assert_eq!(g.resets, ["v:1".to_owned()]);
+            assert_eq!(g.resets, [Reset::new("v:1", 3)]);
             assert!(g.members.is_empty(), "the like before the reset is dropped");
         }
         let group1 = sealed

@@ -158,7 +158,6 @@ mod tests {
             deltas,
             windows: &[],
             resets: &[],
-            reset_offsets: &[],
             members: Likes::NONE,
             watermark: None,
         }

@@ -4,7 +4,7 @@
 
 use tally_common::DeadLetterReason;
 
-use super::batch::{PendingExpiry, WindowDelta};
+use super::batch::{PendingExpiry, Reset, WindowDelta};
 use super::likes::Likes;
 
 /// One exactly-once write into one shard group.
@@ -25,29 +25,16 @@ pub struct GroupWrite<'a> {
     pub deltas: &'a [(String, i64)],
     /// Deltas to add to time buckets of windowed namespaces (rewritten in the counters' cells).
     pub windows: &'a [WindowDelta],
-    /// Counters to clear here first (resets): their share, member set and compaction journal.
-    pub resets: &'a [String],
-    /// Per reset, the offset of the counter's last reset in the write: while a compactor moves
-    /// shares, the group records it (`crate::tasks::compact`).
-    pub reset_offsets: &'a [i64],
+    /// Counters to clear here first (resets and expiries): their share, member set and
+    /// compaction journal; each with its offset, which the group records while a compactor
+    /// moves shares (`crate::tasks::compact`).
+    pub resets: &'a [Reset],
     /// Likes and unlikes: membership changes, each counting only if it changes the membership,
     /// in a run per counter (one `SADD` of its likers, one `SREM` of its unlikers and one
     /// `INCRBY` by what they changed in `scripts/flush.lua`).
     pub members: &'a Likes,
     /// The watermark to store in this group in the same operation, if it is the home group.
     pub watermark: Option<&'a str>,
-}
-
-impl GroupWrite<'_> {
-    /// Per reset, its offset: the one given, or for a write that gave none the last offset
-    /// before its end (as late as the write allows).
-    pub fn reset_offsets(&self) -> impl Iterator<Item = i64> + '_ {
-        debug_assert!(
-            self.reset_offsets.is_empty() || self.reset_offsets.len() == self.resets.len()
-        );
-        (0..self.resets.len())
-            .map(|i| (self.reset_offsets.get(i).copied()).unwrap_or(self.next_offset - 1))
-    }
 }
 
 /// The expiry work of one flush, for the partition's home group (`crate::tasks::expiry`).
@@ -188,7 +175,6 @@ mod tests {
             deltas: &deltas,
             windows: &windows,
             resets: &[],
-            reset_offsets: &[],
             members: &members,
             watermark: None,
         };
@@ -250,7 +236,7 @@ mod tests {
             let mut apply = |batch: &mut Batch, rng: &mut rand::rngs::StdRng| {
                 let Some(sealed) = batch.seal() else { return };
                 let group = &sealed.groups[0];
-                for counter in &group.resets {
+                for counter in group.resets.iter().map(|r| &r.counter) {
                     sets.remove(counter);
                     counts.remove(counter);
                 }

@@ -9,7 +9,7 @@ use std::collections::HashMap;
 use std::future::Future;
 use std::sync::{Arc, Mutex, PoisonError};
 
-use crate::machine::batch::WindowDelta;
+use crate::machine::batch::{Reset, WindowDelta};
 use crate::machine::verdict::{
     Current, MemberState, flush_verdict, next_epoch_after, stamp_refusal, watermark_refusal,
 };
@@ -95,7 +95,7 @@ impl MemorySink {
         group: u32,
         deltas: &[(String, i64)],
         windows: &[WindowDelta],
-        resets: &[String],
+        resets: &[Reset],
     ) -> Result<Vec<Rejection>, SinkError> {
         assert!(
             windows.is_empty() && resets.is_empty(),
@@ -181,7 +181,7 @@ impl Sink for MemorySink {
         group: u32,
         deltas: &[(String, i64)],
         windows: &[WindowDelta],
-        resets: &[String],
+        resets: &[Reset],
     ) -> impl Future<Output = Result<Vec<Rejection>, SinkError>> + Send {
         std::future::ready(self.apply_now(group, deltas, windows, resets))
     }

@@ -28,7 +28,7 @@ use std::future::Future;
 
 use deadpool_postgres::{Pool, PoolError};
 
-use crate::machine::batch::WindowDelta;
+use crate::machine::batch::{Reset, WindowDelta};
 use crate::machine::verdict::{
     Current, MemberState, flush_verdict, next_epoch_after, rejections, stamp_refusal,
     watermark_refusal,
@@ -140,7 +140,7 @@ impl PgSink {
         &self,
         group: u32,
         deltas: &[(String, i64)],
-        resets: &[String],
+        resets: &[Reset],
     ) -> Result<Vec<Rejection>, SinkError> {
         let sql = &self.schema.sql;
         let shard = group as i32;
@@ -148,6 +148,7 @@ impl PgSink {
         let tx = client.transaction().await?;
         if !resets.is_empty() {
             // At least once there are no member sets: a reset is the counter's rows here.
+            let resets = counters(resets);
             tx.execute(&sql.reset_shares, &[&shard, &resets]).await?;
         }
         let (touched, _) = sorted_columns(deltas);
@@ -201,7 +202,7 @@ impl PgSink {
         let mut locked: Vec<&str> = touched
             .iter()
             .copied()
-            .chain(write.resets.iter().map(String::as_str))
+            .chain(write.resets.iter().map(|r| r.counter.as_str()))
             .collect();
         locked.sort_unstable();
         locked.dedup();
@@ -211,7 +212,7 @@ impl PgSink {
         // A reset counter's share is cleared before the write: what the batch adds to it
         // starts from nothing.
         let current = |counter: &str| match held.get(counter) {
-            Some(v) if !write.resets.iter().any(|r| r == counter) => Current::Integer(*v),
+            Some(v) if !write.resets.iter().any(|r| r.counter == counter) => Current::Integer(*v),
             _ => Current::Missing,
         };
         let currents: Vec<Current> = write.deltas.iter().map(|(c, _)| current(c)).collect();
@@ -228,10 +229,9 @@ impl PgSink {
         }
         if !write.resets.is_empty() {
             // This group's part of each reset: its share, and the members whose likes it holds.
-            tx.execute(&sql.reset_shares, &[&shard, &write.resets])
-                .await?;
-            tx.execute(&sql.reset_members, &[&shard, &write.resets])
-                .await?;
+            let resets = counters(write.resets);
+            tx.execute(&sql.reset_shares, &[&shard, &resets]).await?;
+            tx.execute(&sql.reset_members, &[&shard, &resets]).await?;
         }
         // Every touched share row exists after this, created in counter order (a counter only
         // liked gets a 0 first), so the likes below take no new locks out of order.
@@ -382,13 +382,18 @@ impl PgSink {
     }
 }
 
+/// The counters of `resets`, as a query's text array.
+fn counters(resets: &[Reset]) -> Vec<&str> {
+    resets.iter().map(|r| r.counter.as_str()).collect()
+}
+
 impl Sink for PgSink {
     fn apply(
         &self,
         group: u32,
         deltas: &[(String, i64)],
         windows: &[WindowDelta],
-        resets: &[String],
+        resets: &[Reset],
     ) -> impl Future<Output = Result<Vec<Rejection>, SinkError>> + Send {
         let refused = no_windows(windows);
         async move {

@@ -19,7 +19,7 @@
 
 use std::future::Future;
 
-use crate::machine::batch::WindowDelta;
+use crate::machine::batch::{Reset, WindowDelta};
 pub use crate::machine::write::{
     Applied, GroupWrite, IdleWrite, Marked, Refused, Rejection, Stamp,
 };
@@ -151,7 +151,7 @@ pub trait Sink: Clone + Send + Sync + 'static {
         group: u32,
         deltas: &[(String, i64)],
         windows: &[WindowDelta],
-        resets: &[String],
+        resets: &[Reset],
     ) -> impl Future<Output = Result<Vec<Rejection>, SinkError>> + Send;
 
     /// Exactly-once: one fenced, deduplicated, validated write into one group.

@@ -166,14 +166,14 @@ impl RedisSink {
         for stripe in &plan.writes {
             stripe.add_to(&mut invocation);
         }
-        for counter in write.resets {
+        for counter in write.resets.iter().map(|r| &r.counter) {
             invocation
                 .key(ks.counter_key(write.group, counter))
                 .key(ks.likes_key(write.group, counter))
                 .key(ks.journal_key(write.group, counter));
         }
         if buckets > 0 {
-            for counter in write.resets {
+            for counter in write.resets.iter().map(|r| &r.counter) {
                 let bucket = Keyspace::bucket_of(counter, buckets);
                 invocation.key(ks.packed_key(write.group, bucket));
             }
@@ -214,12 +214,12 @@ impl RedisSink {
             for (counter, _) in write.deltas {
                 invocation.arg(counter);
             }
-            for counter in write.resets {
-                invocation.arg(counter);
+            for reset in write.resets {
+                invocation.arg(&reset.counter);
             }
         }
-        for offset in write.reset_offsets() {
-            invocation.arg(offset);
+        for reset in write.resets {
+            invocation.arg(reset.offset);
         }
         match before {
             Some(transactions) if by_set.as_bytes().contains(&RUN_BEFORE) => {

@@ -19,7 +19,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use redis::ErrorKind;
 use tally_common::{DeadLetterReason, Keyspace, RedisConn, RedisTarget};
 
-use crate::machine::batch::WindowDelta;
+use crate::machine::batch::{Reset, WindowDelta};
 use crate::machine::pace::{MEMBERSHIPS_PER_ENTRY, MEMBERSHIPS_PER_ENTRY_BEFORE_SCRIPT};
 use crate::operator::config::Atomicity;
 use crate::store::packing::Packing;
@@ -401,7 +401,7 @@ impl Sink for RedisSink {
         group: u32,
         deltas: &[(String, i64)],
         windows: &[WindowDelta],
-        resets: &[String],
+        resets: &[Reset],
     ) -> Result<Vec<Rejection>, SinkError> {
         let mut rejected = Vec::new();
         if !deltas.is_empty() || !resets.is_empty() {
@@ -591,7 +591,7 @@ impl RedisSink {
         &self,
         group: u32,
         deltas: &[(String, i64)],
-        resets: &[String],
+        resets: &[Reset],
     ) -> Result<Vec<Rejection>, SinkError> {
         let ks = &self.keyspace;
         // A reset reads the mark itself: a field moved there in the last moment must go too.
@@ -612,7 +612,7 @@ impl RedisSink {
         // the rest when one command fails on its data, so those are told apart here.
         let mut pipe = redis::pipe();
         pipe.atomic().ignore_errors();
-        for counter in resets {
+        for counter in resets.iter().map(|r| &r.counter) {
             pipe.cmd("DEL")
                 .arg(ks.counter_key(group, counter))
                 .arg(ks.likes_key(group, counter))

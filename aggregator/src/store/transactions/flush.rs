@@ -145,7 +145,7 @@ impl Transactions {
             // A counter reset here first starts with no members and no share.
             let mut states = states;
             for (state, m) in states.iter_mut().zip(write.members.iter()) {
-                if write.resets.iter().any(|c| c == m.counter) {
+                if write.resets.iter().any(|r| r.counter == m.counter) {
                     state.member = Some(false);
                     state.counter = Current::Missing;
                 }
@@ -159,10 +159,11 @@ impl Transactions {
             let mut writes = redis::pipe();
             // While a compactor moves shares, each reset is recorded (`scripts/flush.lua`).
             let moving = *moving != Value::Nil;
-            for (counter, offset) in write.resets.iter().zip(write.reset_offsets()) {
+            for reset in write.resets {
+                let counter = &reset.counter;
                 let share = ks.counter_key(write.group, counter);
                 if moving {
-                    let at = format!("{} {offset}", write.field);
+                    let at = format!("{} {}", write.field, reset.offset);
                     writes.hset(ks.resets_key(write.group), &share, at).ignore();
                 }
                 writes
