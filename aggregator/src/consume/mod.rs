@@ -176,7 +176,7 @@ pub(crate) struct Slot {
     /// rather than dropped and fetched again. They stay within the fetcher's byte budget.
     held: Option<VecDeque<(Chunk, Option<Decisions>)>>,
     /// Its batches' limits: the configured ones weighed for the sink as it writes now
-    /// (`Shared::limits`). refreshed at each tick, so that a Redis that starts refusing
+    /// (`Shared::limits`), refreshed at each tick, so that a Redis that starts refusing
     /// scripts has the next batches cut for its transactions, not only after a restart.
     limits: Limits,
 }

@@ -367,15 +367,14 @@ impl Batch {
     /// Runs `f` on the sums of `counter` in `group`, made (and counted as an entry) if new.
     fn with_sums(&mut self, group: u32, counter: &str, f: impl FnOnce(&mut Sums)) {
         let i = self.group_index(group);
-        let buffer = &mut self.groups[i].1;
         // Look up by &str first: the common case (a counter already in the batch) allocates nothing.
-        let sums = match buffer.deltas.get_mut(counter) {
+        let sums = match self.groups[i].1.deltas.get_mut(counter) {
             Some(sums) => sums,
             None => {
-                self.entries += 1;
-                buffer.entries += 1;
-                self.largest_group_entries = self.largest_group_entries.max(buffer.entries);
-                buffer.deltas.entry(counter.to_owned()).or_default()
+                self.count_entry(i);
+                (self.groups[i].1.deltas)
+                    .entry(counter.to_owned())
+                    .or_default()
             }
         };
         f(sums);
@@ -498,14 +497,12 @@ impl Batch {
         }
         for group in groups {
             let i = self.group_index(group);
-            let buffer = &mut self.groups[i].1;
-            match buffer.resets.iter_mut().find(|r| r.counter == counter) {
+            let resets = &mut self.groups[i].1.resets;
+            match resets.iter_mut().find(|r| r.counter == counter) {
                 Some(reset) => reset.offset = offset,
                 None => {
-                    buffer.resets.push(Reset::new(counter, offset));
-                    self.entries += 1;
-                    buffer.entries += 1;
-                    self.largest_group_entries = self.largest_group_entries.max(buffer.entries);
+                    resets.push(Reset::new(counter, offset));
+                    self.count_entry(i);
                 }
             }
         }
@@ -522,12 +519,19 @@ impl Batch {
             self.largest_group = self.largest_group.max(buffer.members.held());
         }
         if added.run {
-            self.entries += 1;
-            buffer.entries += 1;
-            self.largest_group_entries = self.largest_group_entries.max(buffer.entries);
+            self.count_entry(i);
         }
         self.memberships += usize::from(added.membership);
         self.advance(offset);
+    }
+
+    /// Counts a new entry (a counter with deltas, a run of likes, a reset) in the group at `i`
+    /// of `groups`.
+    fn count_entry(&mut self, i: usize) {
+        let buffer = &mut self.groups[i].1;
+        buffer.entries += 1;
+        self.entries += 1;
+        self.largest_group_entries = self.largest_group_entries.max(buffer.entries);
     }
 
     /// Where `group`'s buffer is in `groups`, made if new.

@@ -225,8 +225,9 @@ impl Partition {
     /// Whether the partition batches by clock or by size. A partition paused with its buffer
     /// full reads nothing because it was paused, not because nothing came: behind the end of
     /// its log, it is still catching up. (Taken as live, a catch-up paused less than
-    /// [`CATCH_UP_MIN_LAG`](super::pace::CATCH_UP_MIN_LAG) events from its end flushed at the live pace, and its last events
-    /// then waited for the flush clock: up to a second at the end of a catch-up.)
+    /// [`CATCH_UP_MIN_LAG`](super::pace::CATCH_UP_MIN_LAG) events from its end flushed at the
+    /// live pace, and its last events then waited for the flush clock: up to a second at the
+    /// end of a catch-up.)
     pub(crate) fn pace(&self) -> Pace {
         Pace::of(self.read_to, self.log_end, self.reading || self.paused)
     }
@@ -751,6 +752,14 @@ mod tests {
             .collect()
     }
 
+    /// A flush durable up to `next_offset`, its owner unchanged.
+    fn durable(next_offset: i64) -> FlushOutcome {
+        FlushOutcome::Durable {
+            next_offset,
+            owner: None,
+        }
+    }
+
     fn flushed_offset(actions: &[Action]) -> Option<i64> {
         actions.iter().find_map(|a| match a {
             Action::Flush { batch, .. } => Some(batch.next_offset),
@@ -787,11 +796,7 @@ mod tests {
         // A durable flush commits exactly its own offset, not the buffer behind it.
         let mut p = unfenced(now);
         feed(&mut p, 0..6);
-        let durable = FlushOutcome::Durable {
-            next_offset: 4,
-            owner: None,
-        };
-        let actions = p.on_flushed(durable, &limits, now);
+        let actions = p.on_flushed(durable(4), &limits, now);
         assert_eq!(commits(&actions), [4]);
         // The buffer behind it is not due yet (its clock has not come): it stays buffered.
         assert_eq!(flushed_offset(&actions), None);
@@ -829,11 +834,7 @@ mod tests {
         p.on_log_end(11);
         let first = feed(&mut p, 0..8);
         assert_eq!(flushed_offset(&first), Some(8));
-        let durable = FlushOutcome::Durable {
-            next_offset: 8,
-            owner: None,
-        };
-        assert_eq!(commits(&p.on_flushed(durable, &limits, now)), [8]);
+        assert_eq!(commits(&p.on_flushed(durable(8), &limits, now)), [8]);
         // The last three events reach the end of the log: live now, the buffer not full, and
         // its flush time not come; as the rest of a catch-up it goes at the next tick anyway.
         assert!(feed(&mut p, 8..11).is_empty());
@@ -845,11 +846,7 @@ mod tests {
             Some(11)
         );
         // That flush was live: what comes after it waits for the clock again.
-        let durable = FlushOutcome::Durable {
-            next_offset: 11,
-            owner: None,
-        };
-        p.on_flushed(durable, &limits, now);
+        p.on_flushed(durable(11), &limits, now);
         p.on_log_end(12);
         assert!(feed(&mut p, 11..12).is_empty());
         let (_, early) = p.on_tick(&limits, Duration::MAX, now);
@@ -861,11 +858,7 @@ mod tests {
         let mut p = unfenced(now);
         p.on_log_end(9);
         assert_eq!(flushed_offset(&feed(&mut p, 0..8)), Some(8));
-        let durable = FlushOutcome::Durable {
-            next_offset: 8,
-            owner: None,
-        };
-        p.on_flushed(durable, &limits, now);
+        p.on_flushed(durable(8), &limits, now);
         let (pace, _) = p.on_tick(&limits, Duration::MAX, now);
         assert_eq!(pace, Pace::CatchingUp, "messages came since the last tick");
         let (pace, none) = p.on_tick(&limits, Duration::MAX, now);
@@ -893,22 +886,14 @@ mod tests {
             let (pace, _) = p.on_tick(&limits, Duration::MAX, now);
             assert_eq!(pace, Pace::CatchingUp);
         }
-        let durable = FlushOutcome::Durable {
-            next_offset: 8,
-            owner: None,
-        };
-        let actions = p.on_flushed(durable, &limits, now);
+        let actions = p.on_flushed(durable(8), &limits, now);
         assert_eq!(flushed_offset(&actions), Some(16));
-        // The last three events (fewer than a live batch) are the rest of the catch-up: flushed as soon as the flush
-        // before them lands, not at the partition's flush time.
+        // The last three events (fewer than a live batch) are the rest of the catch-up: flushed
+        // as soon as the flush before them lands, not at the partition's flush time.
         assert!(feed(&mut p, 16..19).is_empty());
         assert_eq!(p.pace(), Pace::Live);
-        let durable = FlushOutcome::Durable {
-            next_offset: 16,
-            owner: None,
-        };
         assert_eq!(
-            flushed_offset(&p.on_flushed(durable, &limits, now)),
+            flushed_offset(&p.on_flushed(durable(16), &limits, now)),
             Some(19)
         );
     }
@@ -930,11 +915,7 @@ mod tests {
         // More messages already fetched are still buffered, without a second pause.
         assert!(feed(&mut p, 12..13).is_empty());
         // The flush lands: the full buffer flushes at once, and fetching resumes.
-        let durable = FlushOutcome::Durable {
-            next_offset: 4,
-            owner: None,
-        };
-        let actions = p.on_flushed(durable, &limits, now);
+        let actions = p.on_flushed(durable(4), &limits, now);
         assert_eq!(commits(&actions), [4]);
         assert_eq!(flushed_offset(&actions), Some(13));
         assert!(matches!(actions.last(), Some(Action::Resume)));
@@ -1149,13 +1130,7 @@ mod tests {
             (batch.next_offset, by.map(|o| o.ledgers)),
             (6, Some(vec![4]))
         );
-        assert_eq!(
-            d.on_flushed(FlushOutcome::Durable {
-                next_offset: 6,
-                owner: None
-            }),
-            Ok(())
-        );
+        assert_eq!(d.on_flushed(durable(6)), Ok(()));
         assert_eq!(d.commit(), Some(6));
         assert!(d.last_flush().is_none());
 

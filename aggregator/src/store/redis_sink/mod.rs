@@ -428,8 +428,9 @@ impl Sink for RedisSink {
 
     fn memberships_per_entry(&self) -> usize {
         // Where every deduplicating namespace counts likes by sets, they go before the script
-        // (an ACL that refuses it switches to the script later: its flushes may then run up to
-        // twice as long on likes, with the warning that names the grant).
+        // (an ACL that refuses it switches to the script later, with the warning that names
+        // the grant: the batch being filled then may run up to twice as long on likes, and the
+        // loop weighs the next ones by the script's cost from its next tick).
         let likes = self.keyspace.every_dedup_by_set();
         let before = self.transactions.is_some()
             && self.use_scripts.load(Ordering::Relaxed)
