@@ -213,6 +213,34 @@ pub const PACKED_FIELD: &str = "~packed";
 /// these writes do not abort the transactions that watch the fence).
 pub const MOVING_FIELD: &str = "~moving";
 
+/// A counter's record of resets in a group's `Keyspace::resets_key` hash (see [`MOVING_FIELD`]):
+/// `<partition field> <offset>` of its last reset from each partition that reset it there,
+/// joined by `;` (a partition's field has neither). One entry is the form of releases that
+/// kept only the last reset, whichever its partition.
+///
+/// The entries of `record`, each a partition's field and its reset's offset; `None` if one is
+/// not of that form.
+pub fn reset_entries(record: &str) -> Option<Vec<(&str, i64)>> {
+    (record.split(';'))
+        .map(|entry| {
+            let (partition, offset) = entry.rsplit_once(' ')?;
+            Some((partition, offset.parse().ok()?))
+        })
+        .collect()
+}
+
+/// `record` (`None`: no record yet) with `partition`'s entry set to `offset`, in the form
+/// [`reset_entries`] reads; the other partitions' entries are kept, in their order.
+pub fn reset_recorded(record: Option<&str>, partition: &str, offset: i64) -> String {
+    let prefix = format!("{partition} ");
+    let mut entries: Vec<String> = (record.unwrap_or_default().split(';'))
+        .filter(|entry| !entry.is_empty() && !entry.starts_with(&prefix))
+        .map(str::to_owned)
+        .collect();
+    entries.push(format!("{partition} {offset}"));
+    entries.join(";")
+}
+
 /// The field of a group's fence hash that marks the group's likes as moved to count sets: a
 /// writer that counts likes grouped by counter in the shares may not take a partition there
 /// (`scripts/stamp.lua`), nor write a like directly. A partition's field is `<topic>/<n>`, and
@@ -550,5 +578,18 @@ mod tests {
             Some(LikesCount::Shares)
         ));
         assert!(!in_shares("[namespaces.views]\n", Some(LikesCount::Shares)));
+    }
+
+    #[test]
+    fn a_reset_record_keeps_each_partitions_last_reset() {
+        let one = reset_recorded(None, "t/1", 12);
+        assert_eq!(one, "t/1 12");
+        let two = reset_recorded(Some(&one), "t/10", 5);
+        let three = reset_recorded(Some(&two), "t/1", 30);
+        assert_eq!(three, "t/10 5;t/1 30");
+        assert_eq!(reset_entries(&three), Some(vec![("t/10", 5), ("t/1", 30)]));
+        assert_eq!(reset_entries("t/1 12"), Some(vec![("t/1", 12)]));
+        assert_eq!(reset_entries("t/1 x"), None);
+        assert_eq!(reset_entries("t/1 12;"), None);
     }
 }

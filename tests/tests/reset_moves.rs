@@ -9,9 +9,11 @@
 //!   until the base applies it, so the increment is not cleared with the base share;
 //! - the reset everywhere before the take: the increment after it is moved as usual.
 //!
-//! Then the compactor closes, and no mark or record of resets is left in any group. And a
-//! compactor starting while a flush has reached one group and not the other waits, once it has
-//! marked every group, until the flush ends everywhere (the partition's watermark passes it).
+//! Then the compactor closes, and no mark or record of resets is left in any group. A group keeps
+//! each partition's last reset of a counter, not only its last: a reset of another partition,
+//! applied before, still drops what predates it. And a compactor starting while a flush has
+//! reached one group and not the other waits, once it has marked every group, until the flush
+//! ends everywhere (the partition's watermark passes it).
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -31,26 +33,32 @@ use tally_tests::{RedisServer, eventually, unique};
 const FIELD: &str = "moves/0";
 const GROUPS: u32 = 2;
 
-/// A sink writing `ks` by `atomicity`, holding the fence of partition [`FIELD`] in every group,
-/// and the groups' ledger entries as it last wrote them.
+/// A sink writing `ks` by `atomicity`, holding the fence of one partition (`field`, [`FIELD`]
+/// unless said) in every group, and the groups' ledger entries as it last wrote them.
 struct Writer {
     sink: RedisSink,
+    field: &'static str,
     epoch: u64,
     ledgers: HashMap<u32, i64>,
 }
 
 impl Writer {
     async fn new(url: &str, ks: &Keyspace, atomicity: Atomicity) -> Self {
+        Self::of(url, ks, atomicity, FIELD).await
+    }
+
+    async fn of(url: &str, ks: &Keyspace, atomicity: Atomicity, field: &'static str) -> Self {
         let conn = RedisConn::connect(url).await.expect("redis");
         let target = RedisTarget::parse(url).expect("target");
         let sink = RedisSink::new(conn, &target, ks.clone(), atomicity).expect("sink");
-        let epoch = sink.next_epoch(0, FIELD, 1).await.expect("epoch");
+        let epoch = sink.next_epoch(0, field, 1).await.expect("epoch");
         for group in 0..GROUPS {
-            let stamp = sink.stamp_fence(group, FIELD, epoch).await.expect("stamp");
+            let stamp = sink.stamp_fence(group, field, epoch).await.expect("stamp");
             assert_eq!(stamp, Stamp::Stamped { ledger: -1 });
         }
         Self {
             sink,
+            field,
             epoch,
             ledgers: HashMap::new(),
         }
@@ -69,7 +77,7 @@ impl Writer {
         let ledger = self.ledgers.get(&group).copied().unwrap_or(-1);
         let write = GroupWrite {
             group,
-            field: FIELD,
+            field: self.field,
             epoch: self.epoch,
             expected_ledger: ledger,
             next_offset: next,
@@ -91,7 +99,7 @@ impl Writer {
             .collect();
         let watermark = Watermark::new(next, &ledgers, Spread::uniform(GROUPS)).encode();
         let applied = (self.sink)
-            .write_watermark(0, FIELD, self.epoch, &watermark)
+            .write_watermark(0, self.field, self.epoch, &watermark)
             .await
             .expect("watermark");
         assert_eq!(applied, Applied::Written);
@@ -264,4 +272,71 @@ async fn a_compactor_waits_for_writes_some_groups_have_not_applied_yet() {
         .await
         .expect("HGET");
     assert_eq!(mark, None);
+}
+
+/// Unkeyed traffic resets a counter from several partitions, and a group may have applied one
+/// partition's reset and not another's. Here the base group applied partition 1's reset (at 12)
+/// and then partition 0's (at 22); the source applied only partition 0's, and then counted 3 of
+/// partition 1's events from before its reset. The move takes those 3: they predate a reset the
+/// base group applied, so they are dropped, and once partition 1's reset reaches the source the
+/// counter is 0, as without the move. A group that recorded only its last reset (partition
+/// 0's, which the source had applied) gave the 3 to the base group, where they stayed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reset_from_another_partition_is_not_undone_by_a_later_one() {
+    let redis = RedisServer::start().await;
+    for atomicity in [Atomicity::Scripts, Atomicity::Transactions] {
+        let ks = Keyspace::new(unique("reset-partitions"), GROUPS).expect("keyspace");
+        let mut admin = tally_tests::connect(&redis.url()).await;
+        let reader = redis.reader(ks.clone()).await;
+        let url = redis.url();
+        let mut first = Writer::of(&url, &ks, atomicity, "moves/0").await;
+        let mut second = Writer::of(&url, &ks, atomicity, "moves/1").await;
+        let (base, source) = (0, 1);
+        let counter = counter_in(&ks, "two", base);
+        first.write(base, 10, &[], &[(&counter, 5)]).await;
+        first.write(source, 10, &[], &[]).await;
+        first.watermark(10).await;
+        second.write(base, 5, &[], &[]).await;
+        second.write(source, 5, &[], &[]).await;
+        second.watermark(5).await;
+        let conn = RedisConn::connect(&url).await.expect("redis");
+        let namespaces = std::sync::Arc::new(Namespaces::default());
+        let compactor = Compactor::start(conn, ks.clone(), namespaces, Duration::ZERO)
+            .await
+            .expect("a compactor");
+
+        second.write(base, 20, &[(&counter, 12)], &[]).await;
+        first.write(base, 30, &[(&counter, 22)], &[]).await;
+        first.write(source, 30, &[(&counter, 22)], &[]).await;
+        second.write(source, 10, &[], &[(&counter, 3)]).await;
+        let record: Option<String> = admin
+            .hget(ks.resets_key(base), ks.counter_key(base, &counter))
+            .await
+            .expect("HGET");
+        assert_eq!(
+            record.as_deref(),
+            Some("moves/1 12;moves/0 22"),
+            "{atomicity:?}"
+        );
+        assert_eq!(
+            reader.get(&counter).await.expect("read"),
+            3,
+            "{atomicity:?}"
+        );
+
+        let report = compactor.pass().await.expect("a pass");
+        assert_eq!(compactor.cancelled(), 1, "{atomicity:?}: {report:?}");
+        assert_eq!(
+            reader.get(&counter).await.expect("read"),
+            0,
+            "{atomicity:?}"
+        );
+        second.write(source, 20, &[(&counter, 12)], &[]).await;
+        assert_eq!(
+            reader.get(&counter).await.expect("read"),
+            0,
+            "{atomicity:?}"
+        );
+        compactor.close().await.expect("close");
+    }
 }

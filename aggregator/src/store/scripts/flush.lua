@@ -402,11 +402,19 @@ if r > 0 or x > 0 or #refused_members > 0 then
   -- While a compactor moves shares (the fence's '~moving'), each reset leaves where it was
   -- in the log, which a move's give compares with the source group's ledger
   -- (compact_give.lua): the resets hash's field of the counter's key holds
-  -- '<partition> <offset>'.
+  -- '<partition> <offset>' of its last reset from each partition, joined by ';'.
   if r > 0 and redis.call('HGET', KEYS[1], '~moving') then
     local resets = KEYS[3 + n + s + 3 * r + (packed and r or 0) + 1]
     for i = 1, r do
-      redis.call('HSET', resets, KEYS[3 + n + s + 3 * i - 2], field .. ' ' .. ARGV[#ARGV - r + i])
+      local share = KEYS[3 + n + s + 3 * i - 2]
+      local entries = {}
+      for entry in string.gmatch(redis.call('HGET', resets, share) or '', '[^;]+') do
+        if string.sub(entry, 1, #field + 1) ~= field .. ' ' then
+          entries[#entries + 1] = entry
+        end
+      end
+      entries[#entries + 1] = field .. ' ' .. ARGV[#ARGV - r + i]
+      redis.call('HSET', resets, share, table.concat(entries, ';'))
     end
   end
 end

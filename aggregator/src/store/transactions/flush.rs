@@ -3,7 +3,7 @@
 
 use redis::Value;
 use tally_common::Keyspace;
-use tally_common::layout::{MOVING_FIELD, PACKED_FIELD};
+use tally_common::layout::{MOVING_FIELD, PACKED_FIELD, reset_recorded};
 
 use super::{
     MemberState, Plan, Transactions, current, flush_verdict, number, protocol_error, rewrite_cells,
@@ -67,6 +67,15 @@ impl Transactions {
             watch.push(set.clone());
             watch.extend(counter.iter().cloned());
         }
+        // A reset's record keeps each partition's last reset of its counter, so one partition's
+        // is written over what the others' left (`scripts/flush.lua`): read, and watched.
+        let resets_key = ks.resets_key(write.group);
+        let shares: Vec<String> = (write.resets.iter())
+            .map(|reset| ks.counter_key(write.group, &reset.counter))
+            .collect();
+        if !shares.is_empty() {
+            watch.push(resets_key.clone());
+        }
         let mut reads = redis::pipe();
         reads.ignore_errors();
         reads
@@ -87,6 +96,9 @@ impl Transactions {
                 reads.get(counter);
             }
         }
+        for share in &shares {
+            reads.hget(&resets_key, share);
+        }
         let n = counter_keys.len();
         let w = cells_reads.stripes.len();
         self.optimistic(&watch, &reads, |replies| {
@@ -101,7 +113,8 @@ impl Transactions {
                 return Ok(Plan::Done(Err(packed)));
             }
             let counted = member_keys.iter().filter(|(_, c)| c.is_some()).count();
-            if rest.len() != n + w + write.members.len() + counted {
+            let r = shares.len();
+            if rest.len() != n + w + write.members.len() + counted + r {
                 return Err(protocol_error(
                     "short reply",
                     &Value::Array(replies.to_vec()),
@@ -123,6 +136,7 @@ impl Transactions {
                 tally_common::event::now_ms(),
             );
             // Per membership, its SISMEMBER and, unless counted by its set, its counter's GET.
+            let (rest, records) = rest.split_at(rest.len() - r);
             let mut replies = rest[n + w..].iter();
             let states = member_keys
                 .iter()
@@ -159,16 +173,20 @@ impl Transactions {
             let mut writes = redis::pipe();
             // While a compactor moves shares, each reset is recorded (`scripts/flush.lua`).
             let moving = *moving != Value::Nil;
-            for reset in write.resets {
+            for ((reset, share), record) in write.resets.iter().zip(&shares).zip(records) {
                 let counter = &reset.counter;
-                let share = ks.counter_key(write.group, counter);
                 if moving {
-                    let at = format!("{} {}", write.field, reset.offset);
-                    writes.hset(ks.resets_key(write.group), &share, at).ignore();
+                    let record: Option<String> = match record {
+                        Value::Nil => None,
+                        Value::BulkString(bytes) => Some(String::from_utf8_lossy(bytes).into()),
+                        other => return Err(protocol_error("a reset's record", other)),
+                    };
+                    let at = reset_recorded(record.as_deref(), write.field, reset.offset);
+                    writes.hset(&resets_key, share, at).ignore();
                 }
                 writes
                     .del(&[
-                        share,
+                        share.clone(),
                         ks.likes_key(write.group, counter),
                         ks.journal_key(write.group, counter),
                     ])

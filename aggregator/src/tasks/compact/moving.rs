@@ -5,9 +5,12 @@
 //! share). While a compactor runs, every group it stamped is marked moving
 //! (`tally_common::layout::MOVING_FIELD`), and each reset applied there records where it was in
 //! the log (`Keyspace::resets_key`, under the counter's share key: `"<partition field>
-//! <offset>"` of its last reset in the group); a group has applied that reset once its ledger
-//! entry for the partition is past the offset. The take carries the source group's record in
-//! the move id, and the give (`scripts/compact_give.lua`):
+//! <offset>"` of its last reset from each partition in the group, joined by `;`,
+//! `tally_common::layout::reset_entries`); a group has applied a reset once its ledger entry
+//! for the partition is past the offset. A counter of unkeyed traffic is reset from several
+//! partitions, and a group may have applied one partition's reset and not an earlier one of
+//! another's, so every partition's last reset is kept, not only the group's last. The take
+//! carries the source group's record in the move id, and the give (`scripts/compact_give.lua`):
 //! - drops the amount if the base group applied a reset that the source group had not applied
 //!   when the amount was taken (read here from the source's ledger, with its journal still in
 //!   place, which no reset since the take has deleted);
@@ -23,6 +26,7 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
+use tally_common::layout::reset_entries;
 use tally_common::regroup::watermarks;
 
 use super::{CompactError, Compactor, Move};
@@ -39,17 +43,11 @@ const POLL: Duration = Duration::from_millis(100);
 /// Records a forget deletes per script call.
 const FORGET_BATCH: usize = 500;
 
-/// What a give decides from: the base group's record of the counter's last reset as read ('' for
-/// none), and whether the source group had not applied that reset when the amount was taken.
+/// What a give decides from: the base group's record of the counter's resets as read ('' for
+/// none), and whether the source group had not applied one of them when the amount was taken.
 pub(super) struct Verdict {
     pub(super) expected: String,
     pub(super) cancel: bool,
-}
-
-/// A record's partition field and offset.
-fn parse_record(record: &str) -> Option<(&str, i64)> {
-    let (partition, offset) = record.rsplit_once(' ')?;
-    Some((partition, offset.parse().ok()?))
 }
 
 impl Compactor {
@@ -125,8 +123,9 @@ impl Compactor {
                     .query_async(&mut self.conn.clone())
                     .await?;
                 for (field, record) in pairs {
-                    let everywhere = parse_record(&record)
-                        .is_some_and(|(p, o)| watermarks.get(p).is_some_and(|&w| w > o));
+                    let everywhere = reset_entries(&record).is_some_and(|entries| {
+                        (entries.iter()).all(|(p, o)| watermarks.get(*p).is_some_and(|w| w > o))
+                    });
                     if all || everywhere {
                         found.extend([field, record]);
                     }
@@ -175,8 +174,9 @@ impl Compactor {
         }
     }
 
-    /// What the give of `under_way` decides from: the base group's record of the counter's last
-    /// reset, and whether the source group had not applied it when the amount was taken.
+    /// What the give of `under_way` decides from: the base group's record of the counter's
+    /// resets, and whether the source group had not applied one of them when the amount was
+    /// taken.
     pub(super) async fn verdict(&self, under_way: &Move) -> Result<Verdict, CompactError> {
         let Move {
             counter,
@@ -191,26 +191,33 @@ impl Compactor {
             .arg(&share)
             .query_async(&mut self.conn.clone())
             .await?;
-        let Some((partition, offset)) = expected.as_deref().and_then(parse_record) else {
+        let entries = expected.as_deref().and_then(reset_entries);
+        let Some(entries) = entries.filter(|entries| !entries.is_empty()) else {
             return Ok(Verdict {
                 expected: expected.unwrap_or_default(),
                 cancel: false,
             });
         };
-        // The source's journal and ledger entry together (one slot): with the journal still
+        // The source's journal and ledger entries together (one slot): with the journal still
         // there, no reset reached the source since the take, so its ledger says what it had
         // applied then.
-        let (journal, ledger): (Option<String>, Option<i64>) = redis::pipe()
+        let partitions: Vec<&str> = entries.iter().map(|(partition, _)| *partition).collect();
+        let (journal, ledger): (Option<String>, Vec<Option<i64>>) = redis::pipe()
             .atomic()
             .get(self.keyspace.journal_key(*from, counter))
-            .hget(self.keyspace.ledger_key(*from), partition)
+            .cmd("HMGET")
+            .arg(self.keyspace.ledger_key(*from))
+            .arg(&partitions)
             .query_async(&mut self.conn.clone())
             .await?;
         let ours = journal.as_deref() == Some(format!("{id}:{amount}").as_str());
-        let applied = ledger.is_some_and(|entry| entry > offset);
+        let applied = ledger.len() == entries.len()
+            && (entries.iter().zip(&ledger))
+                .all(|((_, offset), entry)| entry.is_some_and(|entry| entry > *offset));
+        let cancel = !ours || !applied;
         Ok(Verdict {
             expected: expected.unwrap_or_default(),
-            cancel: !ours || !applied,
+            cancel,
         })
     }
 
