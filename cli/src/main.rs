@@ -275,6 +275,10 @@ async fn compact(args: CompactArgs) -> anyhow::Result<ExitCode> {
                         && !matches!(error, CompactError::Fenced | CompactError::Cluster) =>
                 {
                     eprintln!("compaction failed, retrying: {error}");
+                    if matches!(error, CompactError::Lapsed) {
+                        // Its marks lapsed: a new compactor marks and settles again.
+                        compactor = None;
+                    }
                     tokio::select! {
                         () = cancel.cancelled() => return Ok(ExitCode::SUCCESS),
                         () = tokio::time::sleep(backoff.next_delay()) => continue,

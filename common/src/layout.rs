@@ -208,9 +208,11 @@ pub const MOVING: &str = "moving";
 pub const PACKED_FIELD: &str = "~packed";
 
 /// The field of a group's fence hash that, while a compactor moves shares out of or into the
-/// group (compaction, a shrink's fold), holds its epoch: each reset applied there then records
-/// where it was in the log in the group's `Keyspace::resets_key` hash (a hash apart, so that
-/// these writes do not abort the transactions that watch the fence).
+/// group (compaction, a shrink's fold), holds its epoch and a deadline (`<epoch> <deadline>`,
+/// ms by the server's clock, moved ahead while the compactor runs): until the deadline, each
+/// reset applied there records where it was in the log in the group's `Keyspace::resets_key`
+/// hash (a hash apart, so that these writes do not abort the transactions that watch the
+/// fence). An earlier release's mark, the epoch alone, has no deadline.
 pub const MOVING_FIELD: &str = "~moving";
 
 /// A counter's record of resets in a group's `Keyspace::resets_key` hash (see [`MOVING_FIELD`]):

@@ -24,7 +24,7 @@ use tally_aggregator::machine::batch::Reset;
 use tally_aggregator::machine::likes::Likes;
 use tally_aggregator::operator::config::Atomicity;
 use tally_aggregator::store::sink::{Applied, GroupWrite, Sink, Stamp};
-use tally_aggregator::tasks::compact::Compactor;
+use tally_aggregator::tasks::compact::{CompactError, Compactor};
 use tally_common::keyspace::{Spread, Watermark};
 use tally_common::layout::MOVING_FIELD;
 use tally_common::{Keyspace, Namespaces, RedisConn, RedisTarget};
@@ -153,7 +153,12 @@ async fn races(redis: &RedisServer, atomicity: Atomicity) {
             .hget(ks.fence_key(group), MOVING_FIELD)
             .await
             .expect("HGET");
-        assert_eq!(mark.as_deref(), Some(epoch.as_str()), "{atomicity:?}");
+        // `<epoch> <deadline>`: the deadline in ms by the server's clock, a lease from now.
+        let (held_by, _deadline) = mark
+            .as_deref()
+            .and_then(|m| m.split_once(' '))
+            .expect("a mark");
+        assert_eq!(held_by, epoch, "{atomicity:?}");
     }
 
     // The base group clears `undone` (reset at 12) and the source does not yet: the move takes
@@ -338,5 +343,94 @@ async fn a_reset_from_another_partition_is_not_undone_by_a_later_one() {
             "{atomicity:?}"
         );
         compactor.close().await.expect("close");
+    }
+}
+
+/// A compactor renews its groups' moving marks while it runs; one killed leaves them, and they
+/// lapse a lease after its last renewal: resets record nothing more (before, each reset or
+/// expiry added a field per group until the next compactor ran). And a compactor whose mark
+/// lapsed while it lived (a stall past its lease, laid out here by moving the mark's deadline
+/// into the past) moves nothing in that group, since resets there may have gone unrecorded: its
+/// pass fails, and a compactor started again marks, settles and moves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn marks_lapse_when_their_compactor_stops_renewing_them() {
+    let redis = RedisServer::start().await;
+    let lease = Duration::from_millis(1_500);
+    for atomicity in [Atomicity::Scripts, Atomicity::Transactions] {
+        let ks = Keyspace::new(unique("reset-lease"), GROUPS).expect("keyspace");
+        let mut admin = tally_tests::connect(&redis.url()).await;
+        let reader = redis.reader(ks.clone()).await;
+        let mut writer = Writer::new(&redis.url(), &ks, atomicity).await;
+        let (base, source) = (0, 1);
+        let [reset, moved] = ["reset", "moved"].map(|n| counter_in(&ks, n, base));
+        writer.write(base, 10, &[], &[(&reset, 5)]).await;
+        writer.write(source, 10, &[], &[(&reset, 2)]).await;
+        writer.watermark(10).await;
+        let start = || async {
+            let conn = RedisConn::connect(&redis.url()).await.expect("redis");
+            let namespaces = std::sync::Arc::new(Namespaces::default());
+            Compactor::start_with_lease(conn, ks.clone(), namespaces, Duration::ZERO, lease)
+                .await
+                .expect("a compactor")
+        };
+        let records = admin.clone();
+        let recorded = |group: u32| {
+            let (mut admin, key, field) = (
+                records.clone(),
+                ks.resets_key(group),
+                ks.counter_key(group, &reset),
+            );
+            async move {
+                let record: Option<String> = admin.hget(key, field).await.expect("HGET");
+                record
+            }
+        };
+
+        // Renewed past two leases, the marks still hold: a reset records itself.
+        let compactor = start().await;
+        tokio::time::sleep(lease * 2).await;
+        writer.write(base, 20, &[(&reset, 12)], &[]).await;
+        assert_eq!(
+            recorded(base).await.as_deref(),
+            Some("moves/0 12"),
+            "{atomicity:?}"
+        );
+        // Dropped without closing, as if killed: its marks stay, lapse, and record nothing.
+        drop(compactor);
+        tokio::time::sleep(lease + Duration::from_millis(500)).await;
+        let mark: bool = (admin.hexists(ks.fence_key(source), MOVING_FIELD))
+            .await
+            .expect("HEXISTS");
+        assert!(mark, "{atomicity:?}: the killed compactor's mark stays");
+        writer.write(source, 20, &[(&reset, 12)], &[]).await;
+        assert_eq!(recorded(source).await, None, "{atomicity:?}");
+        assert_eq!(reader.get(&reset).await.expect("read"), 0, "{atomicity:?}");
+
+        // A live compactor whose mark on the source group lapsed takes nothing there.
+        writer.write(source, 30, &[], &[(&moved, 3)]).await;
+        writer.watermark(30).await;
+        let stalled = start().await;
+        let lapsed = format!("{} 1", stalled.epoch());
+        let () = (admin.hset(ks.fence_key(source), MOVING_FIELD, lapsed))
+            .await
+            .expect("HSET");
+        let failed = stalled.pass().await;
+        assert!(
+            matches!(failed, Err(CompactError::Lapsed)),
+            "{atomicity:?}: {failed:?}"
+        );
+        let share: Option<i64> = admin
+            .get(ks.counter_key(source, &moved))
+            .await
+            .expect("GET");
+        assert_eq!(share, Some(3), "{atomicity:?}: nothing taken");
+        drop(stalled);
+        let again = start().await;
+        let report = again.pass().await.expect("a pass");
+        assert!(report.moves >= 1, "{atomicity:?}: {report:?}");
+        let share: Option<i64> = admin.get(ks.counter_key(base, &moved)).await.expect("GET");
+        assert_eq!(share, Some(3), "{atomicity:?}: moved to the base group");
+        assert_eq!(reader.get(&moved).await.expect("read"), 3, "{atomicity:?}");
+        again.close().await.expect("close");
     }
 }

@@ -87,6 +87,14 @@ pub enum CompactError {
         /// The base group.
         group: u32,
     },
+    /// A group's moving mark passed its deadline: this compactor did not renew it in time
+    /// (stalled longer than its lease), so resets there may have gone unrecorded. Nothing was
+    /// moved in that group; a compactor started again marks and settles anew.
+    #[error(
+        "this compactor's mark on a group lapsed (it stalled longer than its lease): start it \
+         again"
+    )]
+    Lapsed,
 }
 
 /// What one pass did.
@@ -149,6 +157,16 @@ pub struct Compactor {
     takes: std::sync::atomic::AtomicU64,
     /// Moves dropped because a reset of their counter cleared their amount.
     cancelled: std::sync::atomic::AtomicU64,
+    /// How long a group's moving mark holds unless renewed (30 s but in tests).
+    lease: Duration,
+    /// The task renewing the marks, stopped when the compactor closes or is dropped.
+    renewal: std::sync::Mutex<Option<tokio::task::AbortHandle>>,
+}
+
+impl Drop for Compactor {
+    fn drop(&mut self) {
+        self.stop_renewal();
+    }
 }
 
 fn now_ms() -> u64 {
@@ -165,6 +183,18 @@ impl Compactor {
         namespaces: std::sync::Arc<Namespaces>,
         cold_after: Duration,
     ) -> Result<Self, CompactError> {
+        Self::start_with_lease(conn, keyspace, namespaces, cold_after, moving::LEASE).await
+    }
+
+    /// [`Compactor::start`] with marks that lapse `lease` after their last renewal, instead of
+    /// 30 s.
+    pub async fn start_with_lease(
+        conn: RedisConn,
+        keyspace: Keyspace,
+        namespaces: std::sync::Arc<Namespaces>,
+        cold_after: Duration,
+        lease: Duration,
+    ) -> Result<Self, CompactError> {
         if conn.is_cluster() {
             return Err(CompactError::Cluster);
         }
@@ -172,7 +202,7 @@ impl Compactor {
             .await
             .map_err(|e| CompactError::Fence(SinkError::fatal(e.to_string())))?;
         let groups = plan.read.max(keyspace.groups());
-        Self::start_over(conn, keyspace, namespaces, cold_after, groups).await
+        Self::open(conn, keyspace, namespaces, cold_after, groups, lease).await
     }
 
     /// [`Compactor::start`], stamping `groups` groups: a fold of groups past those readers sum
@@ -184,6 +214,25 @@ impl Compactor {
         namespaces: std::sync::Arc<Namespaces>,
         cold_after: Duration,
         groups: u32,
+    ) -> Result<Self, CompactError> {
+        Self::open(
+            conn,
+            keyspace,
+            namespaces,
+            cold_after,
+            groups,
+            moving::LEASE,
+        )
+        .await
+    }
+
+    async fn open(
+        conn: RedisConn,
+        keyspace: Keyspace,
+        namespaces: std::sync::Arc<Namespaces>,
+        cold_after: Duration,
+        groups: u32,
+        lease: Duration,
     ) -> Result<Self, CompactError> {
         let sink = RedisSink::scripts_only(conn.clone(), keyspace.clone());
         let (epoch, _) = take_epoch(&sink, groups, 0, FIELD).await?;
@@ -203,6 +252,8 @@ impl Compactor {
                 .and_then(|v| v.parse().ok()),
             takes: std::sync::atomic::AtomicU64::new(0),
             cancelled: std::sync::atomic::AtomicU64::new(0),
+            lease,
+            renewal: std::sync::Mutex::new(None),
         };
         if let Err(error) = compactor.mark_moving().await {
             // Best effort: a later compactor marks and clears again.
@@ -431,6 +482,7 @@ impl Compactor {
             }
             Some("empty") => Ok(None),
             Some("fenced") => Err(CompactError::Fenced),
+            Some("lapsed") => Err(CompactError::Lapsed),
             _ => Err(CompactError::Protocol(format!("{reply:?}"))),
         }
     }
@@ -574,6 +626,7 @@ impl Compactor {
                 "changed" => {}
                 "behind" => self.still_behind(under_way, since).await?,
                 "fenced" => return Err(CompactError::Fenced),
+                "lapsed" => return Err(CompactError::Lapsed),
                 other => return Err(CompactError::Protocol(other.to_owned())),
             }
         }

@@ -5,7 +5,8 @@
 -- ARGV[4] the base group's record of the counter's resets, as the compactor read it ('' for
 -- none)    ARGV[5] 'cancel' if the source group had not applied one of them when the amount was
 -- taken (the compactor read the source's ledger and journal since), 'give' otherwise
--- Returns 'fenced', 'already' (this move was applied before), 'given', 'cancelled' (the amount
+-- Returns 'fenced', 'lapsed' (the group's mark lapsed: the compactor marks and settles again),
+-- 'already' (this move was applied before), 'given', 'cancelled' (the amount
 -- predates a reset this group applied: it is dropped, the marker recording the move as
 -- applied), 'changed' (a reset landed here since the compactor read: it decides again) or
 -- 'behind' (the amount follows a reset the source group had applied and this group has not
@@ -18,6 +19,14 @@
 -- that offset. The move id carries the source group's record, after a '|'.
 if redis.call('HGET', KEYS[1], 'compactor') ~= ARGV[1] then
   return 'fenced'
+end
+-- The group's mark ('<epoch> <deadline>', compact_moving.lua) must be this compactor's and not
+-- lapsed: while it is, every reset applied here since the compactor settled is recorded.
+local mark = redis.call('HGET', KEYS[1], '~moving') or ''
+local epoch, deadline = string.match(mark, '^(%d+) (%d+)$')
+local time = redis.call('TIME')
+if epoch ~= ARGV[1] or tonumber(deadline) < tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000) then
+  return 'lapsed'
 end
 if redis.call('GET', KEYS[3]) == ARGV[2] then
   return 'already'

@@ -2,13 +2,22 @@
 -- journal, so that it is never in two places a reader would both count, nor in none.
 -- KEYS[1] fence hash    KEYS[2] counter share    KEYS[3] journal    KEYS[4] resets hash
 -- ARGV[1] the compactor's epoch    ARGV[2] a new move id
--- Returns {'fenced'}, {'pending', journal} (a move from here is already under way: finish it
+-- Returns {'fenced'}, {'lapsed'} (the group's mark lapsed: the compactor marks and settles again),
+-- {'pending', journal} (a move from here is already under way: finish it
 -- first), {'empty'} (nothing to move; a zero share is deleted) or {'taken', amount, move id}:
 -- the move id is ARGV[2], followed, if the group recorded a reset of the counter while a
 -- compactor moves shares (the resets hash's field of the share key, scripts/flush.lua), by '|'
 -- and that record, which the give checks the base group has applied (compact_give.lua).
 if redis.call('HGET', KEYS[1], 'compactor') ~= ARGV[1] then
   return {'fenced'}
+end
+-- The group's mark ('<epoch> <deadline>', compact_moving.lua) must be this compactor's and not
+-- lapsed: while it is, every reset applied here since the compactor settled is recorded.
+local mark = redis.call('HGET', KEYS[1], '~moving') or ''
+local epoch, deadline = string.match(mark, '^(%d+) (%d+)$')
+local time = redis.call('TIME')
+if epoch ~= ARGV[1] or tonumber(deadline) < tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000) then
+  return {'lapsed'}
 end
 local pending = redis.call('GET', KEYS[3])
 if pending then

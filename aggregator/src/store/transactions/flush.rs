@@ -12,6 +12,36 @@ use crate::machine::verdict::Current;
 use crate::store::cells;
 use crate::store::sink::{Applied, GroupWrite, SinkError};
 
+/// Whether `mark`, a group's moving mark (`MOVING_FIELD`), holds at `time` (the server's `TIME`
+/// reply): it does unless its deadline passed (`scripts/compact_moving.lua`); an earlier
+/// release's mark, the epoch alone, always holds.
+fn mark_live(mark: &Value, time: &Value) -> Result<bool, SinkError> {
+    let text = |v: &Value| match v {
+        Value::BulkString(bytes) => Ok(String::from_utf8_lossy(bytes).into_owned()),
+        other => Err(protocol_error("a moving mark or the time", other)),
+    };
+    let mark = text(mark)?;
+    let Some(deadline) = mark
+        .split_once(' ')
+        .and_then(|(_, d)| d.parse::<u64>().ok())
+    else {
+        return Ok(true);
+    };
+    let Value::Array(parts) = time else {
+        return Err(protocol_error("TIME reply", time));
+    };
+    let [seconds, micros] = parts.as_slice() else {
+        return Err(protocol_error("TIME reply", time));
+    };
+    let number = |v: &Value| {
+        text(v)?
+            .parse::<u64>()
+            .map_err(|_| protocol_error("TIME reply", v))
+    };
+    let now_ms = number(seconds)? * 1000 + number(micros)? / 1000;
+    Ok(deadline >= now_ms)
+}
+
 impl Transactions {
     /// The transactional `scripts/flush.lua`.
     pub async fn apply_fenced(&self, write: GroupWrite<'_>) -> Result<Applied, SinkError> {
@@ -99,6 +129,10 @@ impl Transactions {
         for share in &shares {
             reads.hget(&resets_key, share);
         }
+        if !shares.is_empty() {
+            // The server's clock, for the moving mark's deadline.
+            reads.cmd("TIME");
+        }
         let n = counter_keys.len();
         let w = cells_reads.stripes.len();
         self.optimistic(&watch, &reads, |replies| {
@@ -114,7 +148,8 @@ impl Transactions {
             }
             let counted = member_keys.iter().filter(|(_, c)| c.is_some()).count();
             let r = shares.len();
-            if rest.len() != n + w + write.members.len() + counted + r {
+            let clock = usize::from(r > 0);
+            if rest.len() != n + w + write.members.len() + counted + r + clock {
                 return Err(protocol_error(
                     "short reply",
                     &Value::Array(replies.to_vec()),
@@ -136,7 +171,8 @@ impl Transactions {
                 tally_common::event::now_ms(),
             );
             // Per membership, its SISMEMBER and, unless counted by its set, its counter's GET.
-            let (rest, records) = rest.split_at(rest.len() - r);
+            let (rest, records) = rest.split_at(rest.len() - r - clock);
+            let (records, clock) = records.split_at(r);
             let mut replies = rest[n + w..].iter();
             let states = member_keys
                 .iter()
@@ -172,7 +208,10 @@ impl Transactions {
             }
             let mut writes = redis::pipe();
             // While a compactor moves shares, each reset is recorded (`scripts/flush.lua`).
-            let moving = *moving != Value::Nil;
+            let moving = match (moving, clock.first()) {
+                (Value::Nil, _) | (_, None) => false,
+                (mark, Some(now)) => mark_live(mark, now)?,
+            };
             for ((reset, share), record) in write.resets.iter().zip(&shares).zip(records) {
                 let counter = &reset.counter;
                 if moving {
@@ -236,5 +275,26 @@ impl Transactions {
             Ok(Plan::Write(writes, Ok(Applied::Written)))
         })
         .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bulk(s: &str) -> Value {
+        Value::BulkString(s.as_bytes().to_vec())
+    }
+
+    #[test]
+    fn a_mark_holds_until_its_deadline_and_an_earlier_releases_always() {
+        // TIME: 1,000 s and 500,000 us, so 1,000,500 ms.
+        let time = Value::Array(vec![bulk("1000"), bulk("500000")]);
+        let live = |mark: &str| mark_live(&bulk(mark), &time).expect("a mark and a time");
+        assert!(live("7 1000500"));
+        assert!(live("7 2000000"));
+        assert!(!live("7 1000499"));
+        assert!(live("7"), "an earlier release's mark never lapses");
+        assert!(mark_live(&bulk("7 1"), &Value::Nil).is_err());
     }
 }

@@ -22,6 +22,12 @@
 //! reached all of them, and no move needs its record. Records are forgotten once their reset
 //! is everywhere (at the end of each pass, no move under way), and all of them when the
 //! compactor stops ([`Compactor::close`]) and removes the marks.
+//!
+//! A mark holds a deadline, which the compactor moves a lease ahead every fifth of it
+//! ([`LEASE`]). A compactor killed leaves its marks, and once they lapse resets record nothing
+//! more. A mark that lapsed under a live compactor (stalled past its lease) may have missed
+//! resets, so no take or give goes on in its group (`lapsed`, [`CompactError::Lapsed`]): a
+//! compactor started again marks and settles anew. A renewal never revives a lapsed mark.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -43,6 +49,11 @@ const POLL: Duration = Duration::from_millis(100);
 /// Records a forget deletes per script call.
 const FORGET_BATCH: usize = 500;
 
+/// How long a group's moving mark holds after it is set or renewed. A compactor renews its marks
+/// every fifth of it; one killed (or stalled longer) leaves marks that lapse, so resets stop
+/// recording in groups no compactor moves from (`scripts/compact_moving.lua`).
+pub(super) const LEASE: Duration = Duration::from_secs(30);
+
 /// What a give decides from: the base group's record of the counter's resets as read ('' for
 /// none), and whether the source group had not applied one of them when the amount was taken.
 pub(super) struct Verdict {
@@ -51,12 +62,74 @@ pub(super) struct Verdict {
 }
 
 impl Compactor {
-    /// Marks every stamped group moving, then [`Compactor::settle`]s.
+    /// Marks every stamped group moving, starts renewing the marks, then
+    /// [`Compactor::settle`]s.
     pub(super) async fn mark_moving(&self) -> Result<(), CompactError> {
+        let lease = [self.lease.as_millis().to_string()];
         for group in 0..self.groups {
-            self.moving_step(group, "set", &[]).await?;
+            self.moving_step(group, "set", &lease).await?;
         }
+        self.start_renewal();
         self.settle().await
+    }
+
+    /// Starts the task that renews every group's mark each fifth of the lease, until a renewal
+    /// finds its mark lapsed or fenced (the compactor's next take or give then fails) or the
+    /// compactor stops.
+    fn start_renewal(&self) {
+        let (conn, keyspace, script) = (
+            self.conn.clone(),
+            self.keyspace.clone(),
+            self.moving.clone(),
+        );
+        let (epoch, groups, lease) = (self.epoch, self.groups, self.lease);
+        let task = tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(lease / 5).await;
+                for group in 0..groups {
+                    let mut invocation = script.key(keyspace.fence_key(group));
+                    invocation.key(keyspace.resets_key(group));
+                    invocation
+                        .arg(epoch)
+                        .arg("renew")
+                        .arg(lease.as_millis().to_string());
+                    match invocation.invoke_async(&mut conn.clone()).await {
+                        Ok(redis::Value::Int(_)) => {}
+                        Ok(reply) => {
+                            tracing::warn!(
+                                group,
+                                ?reply,
+                                "compactor: a moving mark lapsed or was taken over; renewals stop"
+                            );
+                            return;
+                        }
+                        Err(error) => {
+                            tracing::warn!(group, %error, "compactor: renewing a moving mark failed; trying again")
+                        }
+                    }
+                }
+            }
+        });
+        let previous = self
+            .renewal
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .replace(task.abort_handle());
+        if let Some(previous) = previous {
+            previous.abort();
+        }
+    }
+
+    /// Stops renewing the marks.
+    pub(super) fn stop_renewal(&self) {
+        let task = self
+            .renewal
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take();
+        if let Some(task) = task {
+            task.abort();
+        }
     }
 
     /// Waits until every partition's watermark is at or past where its ledger entries were in
@@ -146,6 +219,7 @@ impl Compactor {
     /// compactor that stops (or is stopped) leaves nothing recorded. A later compactor marks
     /// and settles again.
     pub async fn close(&self) -> Result<(), CompactError> {
+        self.stop_renewal();
         for group in 0..self.groups {
             self.moving_step(group, "clear", &[]).await?;
         }
@@ -170,6 +244,7 @@ impl Compactor {
         match reply {
             redis::Value::Int(deleted) => Ok(usize::try_from(deleted).unwrap_or(0)),
             redis::Value::BulkString(text) if text == b"fenced" => Err(CompactError::Fenced),
+            redis::Value::BulkString(text) if text == b"lapsed" => Err(CompactError::Lapsed),
             other => Err(CompactError::Protocol(format!("{other:?}"))),
         }
     }
