@@ -170,9 +170,10 @@ impl Transactions {
                 write.windows,
                 tally_common::event::now_ms(),
             );
-            // Per membership, its SISMEMBER and, unless counted by its set, its counter's GET.
+            // After the memberships' reads, each reset's record and the server's clock.
             let (rest, records) = rest.split_at(rest.len() - r - clock);
             let (records, clock) = records.split_at(r);
+            // Per membership, its SISMEMBER and, unless counted by its set, its counter's GET.
             let mut replies = rest[n + w..].iter();
             let states = member_keys
                 .iter()
