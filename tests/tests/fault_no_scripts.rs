@@ -78,7 +78,15 @@ async fn a_zombie_is_fenced_off_without_scripts() {
 /// Keys of each `WATCH` Redis logged (`SLOWLOG`, which keeps 31 arguments of a command and
 /// counts the rest in a last "... (N more arguments)").
 async fn watched_keys(redis: &RedisServer) -> Vec<usize> {
-    let mut conn = connect(&redis.url()).await;
+    // Every command of a catch-up is logged: the reply runs to tens of MB, longer to send on a
+    // busy machine than a connection's default response timeout (it timed out once in CI).
+    let patient =
+        redis::AsyncConnectionConfig::new().set_response_timeout(Some(Duration::from_secs(120)));
+    let client = redis::Client::open(redis.url()).expect("redis url");
+    let mut conn = client
+        .get_multiplexed_async_connection_with_config(&patient)
+        .await
+        .expect("redis connection");
     let entries: Vec<redis::Value> = redis::cmd("SLOWLOG")
         .arg("GET")
         .arg(-1)
