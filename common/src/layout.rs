@@ -593,5 +593,6 @@ mod tests {
         assert_eq!(reset_entries("t/1 12"), Some(vec![("t/1", 12)]));
         assert_eq!(reset_entries("t/1 x"), None);
         assert_eq!(reset_entries("t/1 12;"), None);
+        assert_eq!(reset_entries(""), None, "never an empty list");
     }
 }

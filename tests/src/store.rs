@@ -15,6 +15,17 @@ pub async fn try_connect(url: &str) -> Option<redis::aio::MultiplexedConnection>
     client.get_multiplexed_async_connection().await.ok()
 }
 
+/// A multiplexed connection to the Redis server at `url` that waits up to `timeout` for each
+/// reply (the default is shorter than a server busy on purpose, or a reply of tens of MB).
+pub async fn connect_patient(url: &str, timeout: Duration) -> redis::aio::MultiplexedConnection {
+    let patient = redis::AsyncConnectionConfig::new().set_response_timeout(Some(timeout));
+    let client = redis::Client::open(url).expect("redis url");
+    client
+        .get_multiplexed_async_connection_with_config(&patient)
+        .await
+        .expect("redis connection")
+}
+
 /// A multiplexed connection to the Redis server at `url`; panics if it does not answer.
 pub async fn connect(url: &str) -> redis::aio::MultiplexedConnection {
     try_connect(url)

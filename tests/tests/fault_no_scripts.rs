@@ -13,8 +13,8 @@ use tally_cli::load::LoadSpec;
 use tally_producer::{Producer, ProducerConfig};
 use tally_tests::scenarios::{sigkill_storm, zombie_is_fenced_off};
 use tally_tests::{
-    AggregatorSetup, RedisServer, TempDir, brokers, connect, finish_load, reader, start_load,
-    wait_for_totals,
+    AggregatorSetup, RedisServer, TempDir, brokers, connect, connect_patient, finish_load, reader,
+    start_load, wait_for_totals,
 };
 
 /// `(calls, rejected_calls)` of `command` from `INFO commandstats`.
@@ -80,13 +80,7 @@ async fn a_zombie_is_fenced_off_without_scripts() {
 async fn watched_keys(redis: &RedisServer) -> Vec<usize> {
     // Every command of a catch-up is logged: the reply runs to tens of MB, longer to send on a
     // busy machine than a connection's default response timeout (it timed out once in CI).
-    let patient =
-        redis::AsyncConnectionConfig::new().set_response_timeout(Some(Duration::from_secs(120)));
-    let client = redis::Client::open(redis.url()).expect("redis url");
-    let mut conn = client
-        .get_multiplexed_async_connection_with_config(&patient)
-        .await
-        .expect("redis connection");
+    let mut conn = connect_patient(&redis.url(), Duration::from_secs(120)).await;
     let entries: Vec<redis::Value> = redis::cmd("SLOWLOG")
         .arg("GET")
         .arg(-1)

@@ -6,7 +6,8 @@ use std::time::Duration;
 
 use tally_cli::load::LoadSpec;
 use tally_tests::{
-    AggregatorSetup, RedisServer, TempDir, finish_load, seed, start_load, wait_for_totals,
+    AggregatorSetup, RedisServer, TempDir, connect_patient, finish_load, seed, start_load,
+    wait_for_totals,
 };
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -46,13 +47,7 @@ async fn slow_redis_causes_no_rebalance_and_loses_nothing() {
             .await;
     }
     // DEBUG SLEEP blocks the whole server, reads included, for 3 s.
-    let patient =
-        redis::AsyncConnectionConfig::new().set_response_timeout(Some(Duration::from_secs(10)));
-    let client = redis::Client::open(redis.url()).expect("redis url");
-    let mut sleeper = client
-        .get_multiplexed_async_connection_with_config(&patient)
-        .await
-        .expect("redis connection");
+    let mut sleeper = connect_patient(&redis.url(), Duration::from_secs(10)).await;
     redis::cmd("DEBUG")
         .arg("SLEEP")
         .arg(3)

@@ -355,7 +355,8 @@ async fn a_reset_from_another_partition_is_not_undone_by_a_later_one() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn marks_lapse_when_their_compactor_stops_renewing_them() {
     let redis = RedisServer::start().await;
-    let lease = Duration::from_millis(1_500);
+    let lease_ms: u64 = 1_500;
+    let lease = Duration::from_millis(lease_ms);
     for atomicity in [Atomicity::Scripts, Atomicity::Transactions] {
         let ks = Keyspace::new(unique("reset-lease"), GROUPS).expect("keyspace");
         let mut admin = tally_tests::connect(&redis.url()).await;
@@ -386,9 +387,15 @@ async fn marks_lapse_when_their_compactor_stops_renewing_them() {
             }
         };
 
-        // Renewed past two leases, the marks still hold: a reset records itself.
+        // Renewed: past where the first mark and one renewal would have lapsed, the marks still
+        // hold, and a reset records itself.
         let compactor = start().await;
-        tokio::time::sleep(lease * 2).await;
+        let first = mark_and_clock(&admin, &ks, base).await.0;
+        eventually(Duration::from_secs(30), "two leases renewed", || async {
+            let (deadline, now) = mark_and_clock(&admin, &ks, base).await;
+            (now > first + lease_ms && deadline >= now).then_some(())
+        })
+        .await;
         writer.write(base, 20, &[(&reset, 12)], &[]).await;
         assert_eq!(
             recorded(base).await.as_deref(),
@@ -397,11 +404,11 @@ async fn marks_lapse_when_their_compactor_stops_renewing_them() {
         );
         // Dropped without closing, as if killed: its marks stay, lapse, and record nothing.
         drop(compactor);
-        tokio::time::sleep(lease + Duration::from_millis(500)).await;
-        let mark: bool = (admin.hexists(ks.fence_key(source), MOVING_FIELD))
-            .await
-            .expect("HEXISTS");
-        assert!(mark, "{atomicity:?}: the killed compactor's mark stays");
+        eventually(Duration::from_secs(30), "the marks lapsed", || async {
+            let (deadline, now) = mark_and_clock(&admin, &ks, source).await;
+            (now > deadline).then_some(())
+        })
+        .await;
         writer.write(source, 20, &[(&reset, 12)], &[]).await;
         assert_eq!(recorded(source).await, None, "{atomicity:?}");
         assert_eq!(reader.get(&reset).await.expect("read"), 0, "{atomicity:?}");
@@ -433,4 +440,21 @@ async fn marks_lapse_when_their_compactor_stops_renewing_them() {
         assert_eq!(reader.get(&moved).await.expect("read"), 3, "{atomicity:?}");
         again.close().await.expect("close");
     }
+}
+
+/// The deadline of `group`'s moving mark (which must be there) and the server's clock, in ms.
+async fn mark_and_clock(
+    admin: &redis::aio::MultiplexedConnection,
+    ks: &Keyspace,
+    group: u32,
+) -> (u64, u64) {
+    let (mark, (seconds, micros)): (String, (u64, u64)) = redis::pipe()
+        .hget(ks.fence_key(group), MOVING_FIELD)
+        .cmd("TIME")
+        .query_async(&mut admin.clone())
+        .await
+        .expect("the mark and TIME");
+    let deadline = (mark.split_once(' ').and_then(|(_, d)| d.parse().ok()))
+        .unwrap_or_else(|| panic!("a mark with a deadline: {mark}"));
+    (deadline, seconds * 1000 + micros / 1000)
 }

@@ -16,8 +16,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use tally_tests::{
-    AggregatorProcess, AggregatorSetup, RedisServer, TempDir, binary, end_offsets, free_port, seed,
-    stream_until, wait_for_totals,
+    AggregatorProcess, AggregatorSetup, RedisServer, TempDir, binary, connect_patient, end_offsets,
+    free_port, seed, stream_until, wait_for_totals,
 };
 
 const PARTITIONS: i32 = 8;
@@ -111,13 +111,8 @@ async fn endure(refusal: &Refusal, redis: &RedisServer, pipelines: &[Pipeline]) 
         "busy script" => {
             // A script that spins for `lasts`: past `busy-reply-threshold` (1 s, set by the
             // test) every other client is answered BUSY until it ends.
-            let patient = redis::AsyncConnectionConfig::new()
-                .set_response_timeout(Some(refusal.lasts + Duration::from_secs(10)));
-            let client = redis::Client::open(redis.url()).expect("redis url");
-            let mut spinner = client
-                .get_multiplexed_async_connection_with_config(&patient)
-                .await
-                .expect("redis connection");
+            let mut spinner =
+                connect_patient(&redis.url(), refusal.lasts + Duration::from_secs(10)).await;
             let ms = refusal.lasts.as_millis().to_string();
             Some(tokio::spawn(async move {
                 let script = "local t0 = redis.call('TIME') \

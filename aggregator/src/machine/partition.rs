@@ -814,11 +814,7 @@ mod tests {
         // Within one interval (plus its phase) of the first message, the tick flushes it.
         let later = now + 2 * INTERVAL;
         let (_, due) = p.on_tick(&limits, Duration::MAX, later);
-        assert_eq!(
-            due.as_ref()
-                .and_then(|a| flushed_offset(std::slice::from_ref(a))),
-            Some(2)
-        );
+        assert_eq!(flushed_offset(due.as_slice()), Some(2));
         // One flush at a time: nothing more starts while it is in flight.
         feed(&mut p, 2..3);
         let (_, none) = p.on_tick(&limits, Duration::MAX, later + 2 * INTERVAL);
@@ -840,11 +836,7 @@ mod tests {
         assert!(feed(&mut p, 8..11).is_empty());
         let (pace, rest) = p.on_tick(&limits, Duration::MAX, now);
         assert_eq!(pace, Pace::Live);
-        assert_eq!(
-            rest.as_ref()
-                .and_then(|a| flushed_offset(std::slice::from_ref(a))),
-            Some(11)
-        );
+        assert_eq!(flushed_offset(rest.as_slice()), Some(11));
         // That flush was live: what comes after it waits for the clock again.
         p.on_flushed(durable(11), &limits, now);
         p.on_log_end(12);

@@ -243,10 +243,19 @@ impl Compactor {
             cold_after,
             epoch,
             groups,
-            take: redis::Script::new(include_str!("../store/scripts/compact_take.lua")),
-            give: redis::Script::new(include_str!("../store/scripts/compact_give.lua")),
+            take: redis::Script::new(concat!(
+                include_str!("../store/scripts/moving_lib.lua"),
+                include_str!("../store/scripts/compact_take.lua")
+            )),
+            give: redis::Script::new(concat!(
+                include_str!("../store/scripts/moving_lib.lua"),
+                include_str!("../store/scripts/compact_give.lua")
+            )),
             done: redis::Script::new(include_str!("../store/scripts/compact_done.lua")),
-            moving: redis::Script::new(include_str!("../store/scripts/compact_moving.lua")),
+            moving: redis::Script::new(concat!(
+                include_str!("../store/scripts/moving_lib.lua"),
+                include_str!("../store/scripts/compact_moving.lua")
+            )),
             abort_after_takes: std::env::var("TALLY_FAILPOINT_COMPACT_ABORT_AFTER_TAKES")
                 .ok()
                 .and_then(|v| v.parse().ok()),

@@ -35,9 +35,10 @@ use crate::store::transactions::{TRANSACTION_GROUP_ENTRIES, Transactions, redis_
 mod cells_io;
 mod flush;
 
-/// `scripts/flush.lua`, after the cells functions it shares with `scripts/cells.lua`.
+/// `scripts/flush.lua`, after the functions it shares: the cells', and the moving mark's.
 pub const FLUSH_SCRIPT: &str = concat!(
     include_str!("../scripts/cells_lib.lua"),
+    include_str!("../scripts/moving_lib.lua"),
     include_str!("../scripts/flush.lua")
 );
 

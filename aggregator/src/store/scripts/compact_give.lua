@@ -20,12 +20,9 @@
 if redis.call('HGET', KEYS[1], 'compactor') ~= ARGV[1] then
   return 'fenced'
 end
--- The group's mark ('<epoch> <deadline>', compact_moving.lua) must be this compactor's and not
--- lapsed: while it is, every reset applied here since the compactor settled is recorded.
-local mark = redis.call('HGET', KEYS[1], '~moving') or ''
-local epoch, deadline = string.match(mark, '^(%d+) (%d+)$')
-local time = redis.call('TIME')
-if epoch ~= ARGV[1] or tonumber(deadline) < tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000) then
+-- The group's mark must be this compactor's and not lapsed (moving_lib.lua): while it is, every
+-- reset applied here since the compactor settled is recorded.
+if not mark_held_by(redis.call('HGET', KEYS[1], '~moving'), ARGV[1]) then
   return 'lapsed'
 end
 if redis.call('GET', KEYS[3]) == ARGV[2] then

@@ -19,15 +19,10 @@ if redis.call('HGET', KEYS[1], 'compactor') ~= ARGV[1] then
 end
 local mark = redis.call('HGET', KEYS[1], '~moving')
 if ARGV[2] == 'set' or ARGV[2] == 'renew' then
-  local time = redis.call('TIME')
-  local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
-  if ARGV[2] == 'renew' then
-    local epoch, deadline = string.match(mark or '', '^(%d+) (%d+)$')
-    if epoch ~= ARGV[1] or tonumber(deadline) < now then
-      return 'lapsed'
-    end
+  if ARGV[2] == 'renew' and not mark_held_by(mark, ARGV[1]) then
+    return 'lapsed'
   end
-  redis.call('HSET', KEYS[1], '~moving', ARGV[1] .. ' ' .. string.format('%d', now + tonumber(ARGV[3])))
+  redis.call('HSET', KEYS[1], '~moving', ARGV[1] .. ' ' .. string.format('%d', now_ms() + tonumber(ARGV[3])))
   return 0
 end
 if ARGV[2] == 'clear' then

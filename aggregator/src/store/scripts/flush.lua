@@ -404,15 +404,7 @@ if r > 0 or x > 0 or #refused_members > 0 then
   -- (compact_give.lua): the resets hash's field of the counter's key holds
   -- '<partition> <offset>' of its last reset from each partition, joined by ';'. A mark whose
   -- deadline passed (compact_moving.lua) has lapsed: its compactor stopped, and records nothing.
-  local mark = r > 0 and redis.call('HGET', KEYS[1], '~moving')
-  local deadline = mark and string.match(mark, ' (%d+)$')
-  if deadline then
-    local time = redis.call('TIME')
-    if tonumber(deadline) < tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000) then
-      mark = false
-    end
-  end
-  if mark then
+  if r > 0 and mark_holds(redis.call('HGET', KEYS[1], '~moving')) then
     local resets = KEYS[3 + n + s + 3 * r + (packed and r or 0) + 1]
     for i = 1, r do
       local share = KEYS[3 + n + s + 3 * i - 2]

@@ -34,6 +34,7 @@ use std::time::{Duration, Instant};
 
 use tally_common::layout::reset_entries;
 use tally_common::regroup::watermarks;
+use tally_common::{Keyspace, RedisConn};
 
 use super::{CompactError, Compactor, Move};
 
@@ -84,27 +85,26 @@ impl Compactor {
         );
         let (epoch, groups, lease) = (self.epoch, self.groups, self.lease);
         let task = tokio::spawn(async move {
+            let lease_ms = [lease.as_millis().to_string()];
             loop {
                 tokio::time::sleep(lease / 5).await;
                 for group in 0..groups {
-                    let mut invocation = script.key(keyspace.fence_key(group));
-                    invocation.key(keyspace.resets_key(group));
-                    invocation
-                        .arg(epoch)
-                        .arg("renew")
-                        .arg(lease.as_millis().to_string());
-                    match invocation.invoke_async(&mut conn.clone()).await {
-                        Ok(redis::Value::Int(_)) => {}
-                        Ok(reply) => {
-                            tracing::warn!(
-                                group,
-                                ?reply,
-                                "compactor: a moving mark lapsed or was taken over; renewals stop"
-                            );
+                    let renewed = (MovingCall {
+                        conn: &conn,
+                        keyspace: &keyspace,
+                        script: &script,
+                        epoch,
+                    })
+                    .step(group, "renew", &lease_ms)
+                    .await;
+                    match renewed {
+                        Ok(_) => {}
+                        Err(error @ (CompactError::Lapsed | CompactError::Fenced)) => {
+                            tracing::warn!(group, %error, "compactor: renewals stop");
                             return;
                         }
                         Err(error) => {
-                            tracing::warn!(group, %error, "compactor: renewing a moving mark failed; trying again")
+                            tracing::warn!(group, %error, "compactor: renewing a moving mark failed; trying again");
                         }
                     }
                 }
@@ -232,21 +232,15 @@ impl Compactor {
         &self,
         group: u32,
         step: &str,
-        pairs: &[String],
+        args: &[String],
     ) -> Result<usize, CompactError> {
-        let mut invocation = self.moving.key(self.keyspace.fence_key(group));
-        invocation.key(self.keyspace.resets_key(group));
-        invocation.arg(self.epoch).arg(step);
-        for value in pairs {
-            invocation.arg(value);
-        }
-        let reply: redis::Value = invocation.invoke_async(&mut self.conn.clone()).await?;
-        match reply {
-            redis::Value::Int(deleted) => Ok(usize::try_from(deleted).unwrap_or(0)),
-            redis::Value::BulkString(text) if text == b"fenced" => Err(CompactError::Fenced),
-            redis::Value::BulkString(text) if text == b"lapsed" => Err(CompactError::Lapsed),
-            other => Err(CompactError::Protocol(format!("{other:?}"))),
-        }
+        let call = MovingCall {
+            conn: &self.conn,
+            keyspace: &self.keyspace,
+            script: &self.moving,
+            epoch: self.epoch,
+        };
+        call.step(group, step, args).await
     }
 
     /// What the give of `under_way` decides from: the base group's record of the counter's
@@ -266,8 +260,7 @@ impl Compactor {
             .arg(&share)
             .query_async(&mut self.conn.clone())
             .await?;
-        let entries = expected.as_deref().and_then(reset_entries);
-        let Some(entries) = entries.filter(|entries| !entries.is_empty()) else {
+        let Some(entries) = expected.as_deref().and_then(reset_entries) else {
             return Ok(Verdict {
                 expected: expected.unwrap_or_default(),
                 cancel: false,
@@ -311,5 +304,33 @@ impl Compactor {
         }
         tokio::time::sleep(POLL).await;
         Ok(())
+    }
+}
+
+/// What a call of `scripts/compact_moving.lua` needs: the compactor's, or the renewal task's
+/// copies of them.
+struct MovingCall<'a> {
+    conn: &'a RedisConn,
+    keyspace: &'a Keyspace,
+    script: &'a redis::Script,
+    epoch: u64,
+}
+
+impl MovingCall<'_> {
+    /// One call in `group`: `step` with `args`; returns the records it deleted.
+    async fn step(&self, group: u32, step: &str, args: &[String]) -> Result<usize, CompactError> {
+        let mut invocation = self.script.key(self.keyspace.fence_key(group));
+        invocation.key(self.keyspace.resets_key(group));
+        invocation.arg(self.epoch).arg(step);
+        for value in args {
+            invocation.arg(value);
+        }
+        let reply: redis::Value = invocation.invoke_async(&mut self.conn.clone()).await?;
+        match reply {
+            redis::Value::Int(deleted) => Ok(usize::try_from(deleted).unwrap_or(0)),
+            redis::Value::BulkString(text) if text == b"fenced" => Err(CompactError::Fenced),
+            redis::Value::BulkString(text) if text == b"lapsed" => Err(CompactError::Lapsed),
+            other => Err(CompactError::Protocol(format!("{other:?}"))),
+        }
     }
 }
