@@ -287,14 +287,16 @@ impl<S: Sink> Shared<S> {
                             (resume, _) => resume,
                         };
                         let ids = match &warm_up {
-                            Some(warm_up) => match warm_up_ids(warm_up, partition, resume).await {
-                                Ok(ids) => Some(ids),
-                                Err(error) => {
-                                    tracing::warn!(partition, %error, "reading the recent ids from the log failed; retrying");
-                                    tokio::time::sleep(backoff.next_delay()).await;
-                                    continue;
+                            Some(warm_up) => {
+                                match warm_up_ids(warm_up, partition, resume, watermarks).await {
+                                    Ok(ids) => Some(ids),
+                                    Err(error) => {
+                                        tracing::warn!(partition, %error, "reading the recent ids from the log failed; retrying");
+                                        tokio::time::sleep(backoff.next_delay()).await;
+                                        continue;
+                                    }
                                 }
-                            },
+                            }
                             None => None,
                         };
                         let _ = done_tx.send(Report {

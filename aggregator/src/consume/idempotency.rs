@@ -421,12 +421,37 @@ impl WarmUp {
 
     /// Reads `partition`'s log from the first offset stamped within the keep horizon of the
     /// message at `resume` (or of now, if there is none yet) up to `resume`, deciding each
-    /// message as the consume loop does. Blocking: run it off the async workers.
-    pub fn read(&self, partition: i32, resume: i64) -> Result<WarmedUp, KafkaError> {
+    /// message as the consume loop does; `watermarks`, the log's first offset and the one after
+    /// its last, if the caller has just read them. Blocking: run it off the async workers.
+    pub fn read(
+        &self,
+        partition: i32,
+        resume: i64,
+        watermarks: Option<(i64, i64)>,
+    ) -> Result<WarmedUp, KafkaError> {
         let started = Instant::now();
-        let mut ids = self.empty();
         let consumer: BaseConsumer = self.config.create()?;
-        let (low, high) = consumer.fetch_watermarks(&self.topic, partition, WARM_UP_STALL)?;
+        let read = self.read_with(&consumer, partition, resume, watermarks, started);
+        close_apart(consumer);
+        read
+    }
+
+    fn read_with(
+        &self,
+        consumer: &BaseConsumer,
+        partition: i32,
+        resume: i64,
+        watermarks: Option<(i64, i64)>,
+        started: Instant,
+    ) -> Result<WarmedUp, KafkaError> {
+        let mut ids = self.empty();
+        // The topic's leaders first: a new client's first request to a partition's leader
+        // otherwise waited, now and then, about 700 ms for librdkafka to look the leader up.
+        consumer.fetch_metadata(Some(&self.topic), WARM_UP_STALL)?;
+        let (low, high) = match watermarks {
+            Some(known) => known,
+            None => consumer.fetch_watermarks(&self.topic, partition, WARM_UP_STALL)?,
+        };
         if resume <= low {
             return Ok(WarmedUp {
                 ids,
@@ -438,17 +463,17 @@ impl WarmUp {
         let mut anchor = None;
         if resume < high {
             let first = [(partition, resume, resume + 1)];
-            read_ranges(&consumer, &self.topic, &first, WARM_UP_STALL, |m| {
+            read_ranges(consumer, &self.topic, &first, WARM_UP_STALL, |m| {
                 anchor = m.timestamp().to_millis();
             })?;
         }
         let anchor = anchor.unwrap_or_else(tally_common::event::now_ms);
         let horizon = anchor.saturating_sub(self.widest_window_ms + CLOCK_SKEW_MS);
-        let found = offsets_at_time(&consumer, &self.topic, &[partition], horizon, WARM_UP_STALL)?;
+        let found = offsets_at_time(consumer, &self.topic, &[partition], horizon, WARM_UP_STALL)?;
         let from = found[0].map_or(resume, |o| o.max(low));
         let mut messages = 0;
         let range = [(partition, from, resume)];
-        read_ranges(&consumer, &self.topic, &range, WARM_UP_STALL, |message| {
+        read_ranges(consumer, &self.topic, &range, WARM_UP_STALL, |message| {
             messages += 1;
             let payload = message.payload().unwrap_or_default();
             if let Ok(event) = codec::decode(payload, self.max_message_bytes) {
@@ -468,6 +493,16 @@ impl WarmUp {
             elapsed: started.elapsed(),
         })
     }
+}
+
+/// Drops `consumer` on a thread of its own: a consumer of the group (librdkafka assigns
+/// partitions only to one) closes when dropped, polling 100 ms at a time, and every
+/// acquisition waited for that before its partition was read at all.
+fn close_apart(consumer: BaseConsumer) {
+    // Should no thread be had, the closure, and the consumer with it, is dropped here.
+    let _ = std::thread::Builder::new()
+        .name("tally-warm-up".into())
+        .spawn(move || drop(consumer));
 }
 
 #[cfg(test)]

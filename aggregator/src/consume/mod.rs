@@ -319,17 +319,21 @@ pub(crate) async fn refresh_plan<S: Sink>(shared: Arc<Shared<S>>, shutdown: Canc
     }
 }
 
-/// A partition's recent ids as of `resume`, read from the log on a blocking thread.
+/// A partition's recent ids as of `resume`, read from the log on a blocking thread; none to
+/// read when the log starts at `resume` (by `watermarks`, its first offset and the one after its
+/// last, if known): no consumer is then created.
 async fn warm_up_ids(
     warm_up: &Arc<WarmUp>,
     partition: i32,
     resume: Resume,
+    watermarks: Option<(i64, i64)>,
 ) -> Result<RecentIds, String> {
-    let Resume::At(resume) = resume else {
-        return Ok(warm_up.empty());
+    let resume = match resume {
+        Resume::At(resume) if watermarks.is_none_or(|(low, _)| resume > low) => resume,
+        _ => return Ok(warm_up.empty()),
     };
     let reader = warm_up.clone();
-    let warmed = tokio::task::spawn_blocking(move || reader.read(partition, resume))
+    let warmed = tokio::task::spawn_blocking(move || reader.read(partition, resume, watermarks))
         .await
         .map_err(|e| e.to_string())?
         .map_err(|e| e.to_string())?;
