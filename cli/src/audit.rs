@@ -31,7 +31,9 @@ use tally_common::codec::Record;
 use tally_common::namespace::WritePath;
 use tally_common::window::format_duration;
 use tally_common::{Namespaces, Reader, codec};
-use tally_ops::topic::{PartitionLog, offsets_at_time, partition_logs, read_ranges};
+use tally_ops::topic::{
+    PartitionLog, offsets_at_time, partition_logs, range_reader_config, read_ranges,
+};
 
 /// Longest one Kafka metadata or offset request may take.
 const KAFKA_TIMEOUT: Duration = Duration::from_secs(10);
@@ -541,14 +543,10 @@ fn starts_at(
 }
 
 fn consumer(spec: &AuditSpec) -> Result<BaseConsumer, AuditError> {
-    let mut config = spec.kafka.clone();
+    let mut config = range_reader_config(&spec.kafka);
     config
         .set("group.id", &spec.group)
-        .set("enable.auto.commit", "false")
-        .set("enable.auto.offset.store", "false")
-        .set("enable.partition.eof", "true")
-        .set("isolation.level", "read_committed")
-        .set("fetch.wait.max.ms", "50");
+        .set("isolation.level", "read_committed");
     Ok(config.create()?)
 }
 

@@ -22,7 +22,7 @@ use rdkafka::message::{BorrowedMessage, Headers};
 use rdkafka::producer::{BaseProducer, BaseRecord, Producer};
 use rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
 use tally_aggregator::consume::dead_letter::headers;
-use tally_ops::topic::{partition_logs, read_ranges};
+use tally_ops::topic::{partition_logs, range_reader_config, read_ranges};
 
 const KAFKA_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -108,11 +108,9 @@ impl Letter {
 }
 
 fn consumer(kafka: &ClientConfig, group: &str) -> anyhow::Result<BaseConsumer> {
-    let mut config = kafka.clone();
+    let mut config = range_reader_config(kafka);
     config
         .set("group.id", group)
-        .set("enable.auto.commit", "false")
-        .set("enable.partition.eof", "true")
         .set("isolation.level", "read_committed");
     Ok(config.create()?)
 }

@@ -25,7 +25,7 @@ use rdkafka::error::KafkaError;
 use rdkafka::{ClientConfig, Message};
 use tally_common::{Namespaces, codec};
 
-use tally_ops::topic::{offsets_at_time, read_ranges};
+use tally_ops::topic::{offsets_at_time, range_reader_config, read_ranges};
 
 /// How far a partition's Kafka timestamps may run backwards (producers' clocks apart) while
 /// duplicates are still recognised: ids are kept this much longer than the widest window.
@@ -398,12 +398,7 @@ impl WarmUp {
         max_message_bytes: usize,
     ) -> Option<Self> {
         let widest_window_ms = namespaces.widest_idempotency_window_ms()?;
-        let mut config = base.clone();
-        config
-            .set("enable.auto.commit", "false")
-            .set("enable.auto.offset.store", "false")
-            .set("enable.partition.eof", "true")
-            .set("fetch.wait.max.ms", "50");
+        let mut config = range_reader_config(base);
         config.remove("group.instance.id");
         Some(Self {
             config,
