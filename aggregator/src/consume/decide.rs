@@ -33,12 +33,8 @@ use tally_common::codec::{self, EventRef, Record};
 use tally_kafka::{Chunk, Fetched, Item};
 use tokio::sync::mpsc;
 
-use crate::consume::idempotency::{self, RecentIds};
+use crate::consume::idempotency::{self, DECIDED_TOGETHER, RecentIds};
 use crate::machine::ownership::Resume;
-
-/// Records whose ids' home slots are read together before they are decided (the reads wait on
-/// memory at the same time instead of one after the other).
-const DECIDED_TOGETHER: usize = 16;
 
 /// A partition's idempotency state, shared by the loop and the decider.
 #[derive(Debug)]

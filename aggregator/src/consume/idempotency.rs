@@ -31,6 +31,10 @@ use tally_ops::topic::{offsets_at_time, range_reader_config, read_ranges};
 /// duplicates are still recognised: ids are kept this much longer than the widest window.
 pub const CLOCK_SKEW_MS: i64 = 60_000;
 
+/// Ids whose home slots are read together before they are decided (the reads wait on memory
+/// at the same time instead of one after the other).
+pub(crate) const DECIDED_TOGETHER: usize = 16;
+
 /// Longest the warm-up waits for the log without receiving anything.
 const WARM_UP_STALL: Duration = Duration::from_secs(30);
 
@@ -468,20 +472,29 @@ impl WarmUp {
         let from = found[0].map_or(resume, |o| o.max(low));
         let mut messages = 0;
         let range = [(partition, from, resume)];
+        // Decided in runs, their slots read together first, as the decider does.
+        let mut run = Vec::with_capacity(DECIDED_TOGETHER);
+        let decide_run = |ids: &mut RecentIds, run: &mut Vec<(u64, i64, i64, i64)>| {
+            ids.touch(run.iter().map(|r| r.0));
+            for (key, offset, kafka_ms, window) in run.drain(..) {
+                ids.is_repeat(key, offset, kafka_ms, window);
+            }
+        };
         read_ranges(consumer, &self.topic, &range, WARM_UP_STALL, |message| {
             messages += 1;
             let payload = message.payload().unwrap_or_default();
-            if let Ok(event) = codec::decode(payload, self.max_message_bytes) {
+            let Ok(event) = codec::decode(payload, self.max_message_bytes) else {
+                return;
+            };
+            if let Some((key, window)) = id_of(&self.namespaces, &event) {
                 let kafka_ms = message.timestamp().to_millis().unwrap_or(0);
-                decide(
-                    &mut ids,
-                    &self.namespaces,
-                    &event,
-                    message.offset(),
-                    kafka_ms,
-                );
+                run.push((key, message.offset(), kafka_ms, window));
+                if run.len() == DECIDED_TOGETHER {
+                    decide_run(&mut ids, &mut run);
+                }
             }
         })?;
+        decide_run(&mut ids, &mut run);
         Ok(WarmedUp {
             ids,
             messages,
