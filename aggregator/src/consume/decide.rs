@@ -33,7 +33,7 @@ use tally_common::codec::{self, EventRef, Record};
 use tally_kafka::{Chunk, Fetched, Item};
 use tokio::sync::mpsc;
 
-use crate::consume::idempotency::{self, DECIDED_TOGETHER, RecentIds};
+use crate::consume::idempotency::{self, Pending, RecentIds};
 use crate::machine::ownership::Resume;
 
 /// A partition's idempotency state, shared by the loop and the decider.
@@ -285,9 +285,6 @@ pub(crate) type Registry = Arc<Mutex<HashMap<i32, Arc<Ids>>>>;
 /// What the decider hands the loop: what the fetcher handed over, with a chunk's decisions.
 pub(crate) type Decided = (Fetched, Option<Decisions>);
 
-/// A record to decide: its offset, Kafka timestamp, and its id's key and window.
-type Pending = (i64, i64, u64, i64);
-
 /// The records of a chunk from offset `from` on, with what decides their ids.
 #[derive(Debug)]
 pub(crate) struct Decider {
@@ -386,14 +383,7 @@ impl Decider {
             }
         }
         let mut repeats = Vec::new();
-        for run in self.pending.chunks(DECIDED_TOGETHER) {
-            deciding.ids.touch(run.iter().map(|p| p.2));
-            for &(offset, kafka_ms, key, window) in run {
-                if deciding.decide(offset, kafka_ms, key, window) {
-                    repeats.push(offset);
-                }
-            }
-        }
+        (deciding.ids).decide_all(&self.pending, |offset| repeats.push(offset));
         deciding.next = deciding.next.max(to);
         Decisions {
             from,

@@ -33,7 +33,13 @@ pub const CLOCK_SKEW_MS: i64 = 60_000;
 
 /// Ids whose home slots are read together before they are decided (the reads wait on memory
 /// at the same time instead of one after the other).
-pub(crate) const DECIDED_TOGETHER: usize = 16;
+const DECIDED_TOGETHER: usize = 16;
+
+/// A record to decide: its offset, Kafka timestamp, and its id's key and window.
+pub(crate) type Pending = (i64, i64, u64, i64);
+
+/// Records a warm-up holds before deciding them.
+const PENDING_RUN: usize = 1024;
 
 /// Longest the warm-up waits for the log without receiving anything.
 const WARM_UP_STALL: Duration = Duration::from_secs(30);
@@ -259,6 +265,20 @@ impl RecentIds {
         false
     }
 
+    /// Decides `pending` in order, as [`RecentIds::is_repeat`] one after the other would,
+    /// handing `repeat` the offset of each that repeats an id counted. They are decided
+    /// [`DECIDED_TOGETHER`] at a time, their home slots read first.
+    pub(crate) fn decide_all(&mut self, pending: &[Pending], mut repeat: impl FnMut(i64)) {
+        for run in pending.chunks(DECIDED_TOGETHER) {
+            self.touch(run.iter().map(|p| p.2));
+            for &(offset, kafka_ms, key, window) in run {
+                if self.is_repeat(key, offset, kafka_ms, window) {
+                    repeat(offset);
+                }
+            }
+        }
+    }
+
     /// Reads the home slot of each of `keys`, so that looking them up next finds them in
     /// cache: a lookup of a large set waits on memory, and these independent reads wait
     /// together (the processor overlaps them) where lookups one after the other wait in turn.
@@ -430,19 +450,24 @@ impl WarmUp {
     ) -> Result<WarmedUp, KafkaError> {
         let started = Instant::now();
         let consumer: BaseConsumer = self.config.create()?;
-        let read = self.read_with(&consumer, partition, resume, watermarks, started);
+        let read = self.read_with(&consumer, partition, resume, watermarks);
         close_apart(consumer);
-        read
+        let (ids, messages) = read?;
+        Ok(WarmedUp {
+            ids,
+            messages,
+            elapsed: started.elapsed(),
+        })
     }
 
+    /// [`WarmUp::read`] with `consumer`: the ids and the messages read.
     fn read_with(
         &self,
         consumer: &BaseConsumer,
         partition: i32,
         resume: i64,
         watermarks: Option<(i64, i64)>,
-        started: Instant,
-    ) -> Result<WarmedUp, KafkaError> {
+    ) -> Result<(RecentIds, u64), KafkaError> {
         let mut ids = self.empty();
         // The topic's leaders first: a new client's first request to a partition's leader
         // otherwise waited, now and then, about 700 ms for librdkafka to look the leader up.
@@ -452,11 +477,7 @@ impl WarmUp {
             None => consumer.fetch_watermarks(&self.topic, partition, WARM_UP_STALL)?,
         };
         if resume <= low {
-            return Ok(WarmedUp {
-                ids,
-                messages: 0,
-                elapsed: started.elapsed(),
-            });
+            return Ok((ids, 0));
         }
         // The time of the first message to decide: the horizon is measured back from it.
         let mut anchor = None;
@@ -472,14 +493,8 @@ impl WarmUp {
         let from = found[0].map_or(resume, |o| o.max(low));
         let mut messages = 0;
         let range = [(partition, from, resume)];
-        // Decided in runs, their slots read together first, as the decider does.
-        let mut run = Vec::with_capacity(DECIDED_TOGETHER);
-        let decide_run = |ids: &mut RecentIds, run: &mut Vec<(u64, i64, i64, i64)>| {
-            ids.touch(run.iter().map(|r| r.0));
-            for (key, offset, kafka_ms, window) in run.drain(..) {
-                ids.is_repeat(key, offset, kafka_ms, window);
-            }
-        };
+        // Decided [`PENDING_RUN`] at a time, as the decider decides a chunk's.
+        let mut pending = Vec::with_capacity(PENDING_RUN);
         read_ranges(consumer, &self.topic, &range, WARM_UP_STALL, |message| {
             messages += 1;
             let payload = message.payload().unwrap_or_default();
@@ -488,18 +503,15 @@ impl WarmUp {
             };
             if let Some((key, window)) = id_of(&self.namespaces, &event) {
                 let kafka_ms = message.timestamp().to_millis().unwrap_or(0);
-                run.push((key, message.offset(), kafka_ms, window));
-                if run.len() == DECIDED_TOGETHER {
-                    decide_run(&mut ids, &mut run);
+                pending.push((message.offset(), kafka_ms, key, window));
+                if pending.len() == PENDING_RUN {
+                    ids.decide_all(&pending, |_| {});
+                    pending.clear();
                 }
             }
         })?;
-        decide_run(&mut ids, &mut run);
-        Ok(WarmedUp {
-            ids,
-            messages,
-            elapsed: started.elapsed(),
-        })
+        ids.decide_all(&pending, |_| {});
+        Ok((ids, messages))
     }
 }
 

@@ -86,18 +86,16 @@ impl Compactor {
         let (epoch, groups, lease) = (self.epoch, self.groups, self.lease);
         let task = tokio::spawn(async move {
             let lease_ms = [lease.as_millis().to_string()];
+            let call = MovingCall {
+                conn: &conn,
+                keyspace: &keyspace,
+                script: &script,
+                epoch,
+            };
             loop {
                 tokio::time::sleep(lease / 5).await;
                 for group in 0..groups {
-                    let renewed = (MovingCall {
-                        conn: &conn,
-                        keyspace: &keyspace,
-                        script: &script,
-                        epoch,
-                    })
-                    .step(group, "renew", &lease_ms)
-                    .await;
-                    match renewed {
+                    match call.step(group, "renew", &lease_ms).await {
                         Ok(_) => {}
                         Err(error @ (CompactError::Lapsed | CompactError::Fenced)) => {
                             tracing::warn!(group, %error, "compactor: renewals stop");
