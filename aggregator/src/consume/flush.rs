@@ -1,23 +1,27 @@
 //! A flush: making one sealed batch durable, then reporting where its partition may resume.
 //!
 //! A flush first copies the batch's malformed messages to the dead-letter topic (waiting for
-//! Kafka's acknowledgement), then applies the summed deltas group by group through the [`Sink`],
-//! retrying with capped backoff until they land or the flush is cancelled (shutdown or revoke
-//! deadline). Only a flush that returns [`FlushOutcome::Durable`] lets its partition's offset
-//! move: **an offset is never committed past work that is not durable.** A cancelled flush
-//! commits nothing, so its messages are read again by whoever owns the partition next.
+//! Kafka's acknowledgement), then applies the summed deltas through the [`Sink`], retrying with
+//! capped backoff until they land or the flush is cancelled (shutdown or revoke deadline). Only a
+//! flush that returns [`FlushOutcome::Durable`] lets its partition's offset move: **an offset is
+//! never committed past work that is not durable.** A cancelled flush commits nothing, so its
+//! messages are read again by whoever owns the partition next.
 //!
 //! In exactly-once mode (an [`Owner`] is given) each group write is fenced and deduplicated by the
-//! group's ledger (see [`crate::store::fence`]); after the last group the partition's watermark moves
-//! (in the same operation when the batch wrote only to the home group). A write refused by the
-//! fence ends the flush as [`FlushOutcome::Fenced`]: another aggregator owns the partition now.
+//! group's ledger (see [`crate::store::fence`]), and the groups' writes go out together; once
+//! all have landed the partition's watermark moves (in the same operation when the batch wrote
+//! only to the home group). A write refused by the fence ends the flush as
+//! [`FlushOutcome::Fenced`] without waiting for the other groups: another aggregator owns the
+//! partition now.
 //! Counters that Redis cannot take (the sum would overflow 64 bits, or the key holds something
 //! else) are dead-lettered with the reason and left out; the rest of the batch is applied.
 
 use std::future::Future;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+use futures_util::future::try_join_all;
 use tokio_util::sync::CancellationToken;
 
 use crate::consume::dead_letter::DeadLetterQueue;
@@ -151,70 +155,34 @@ impl<S: Sink> Flusher<S> {
         }
         // A batch that wrote only into the home group moves the watermark in the same operation.
         let home_only = batch.groups.len() == 1 && batch.groups[0].group == owner.home;
+        let watermark = home_only.then(|| {
+            let mut after = owner.ledgers.clone();
+            after[owner.home as usize] = next_offset;
+            Watermark::new(next_offset, &after, owner.spread.clone()).encode()
+        });
+        // The groups' writes go out together: each is fenced and ledgered on its own, so they
+        // may land in any order (a crash between them leaves what a crash between writes one
+        // after the other left), and a flush waits for Redis once rather than once per group
+        // behind the other partitions' writes.
         let groups = batch.groups.len();
-        for (written, g) in batch.groups.iter_mut().enumerate() {
-            let group = g.group;
-            let watermark = home_only.then(|| {
-                let mut after = owner.ledgers.clone();
-                after[group as usize] = next_offset;
-                Watermark::new(next_offset, &after, owner.spread.clone()).encode()
-            });
-            loop {
-                let write = GroupWrite {
-                    group,
-                    field: &owner.field,
-                    epoch: owner.epoch,
-                    expected_ledger: owner.ledgers[group as usize],
-                    next_offset,
-                    deltas: &g.deltas,
-                    windows: &g.windows,
-                    resets: &g.resets,
-                    members: &g.members,
-                    watermark: watermark.as_deref(),
-                };
-                let applied = self
-                    .retry(partition, group, cancel, || self.sink.apply_fenced(write))
-                    .await
-                    .ok_or(FlushOutcome::Cancelled)?;
-                match applied {
-                    Applied::Written => break,
-                    Applied::AlreadyApplied => {
-                        self.metrics.repeated_write();
-                        break;
-                    }
-                    Applied::Fenced => return Err(self.fenced(partition, group)),
-                    Applied::RolledBack => return Err(self.rolled_back(partition, group)),
-                    Applied::Rejected(rejected) => {
-                        let letters = rejected_letters(partition, g, next_offset, &rejected);
-                        if !self.send_dead_letters(partition, &letters, cancel).await {
-                            return Err(FlushOutcome::Cancelled);
-                        }
-                        // Highest index first in each list, so that a removal never moves an
-                        // entry still to be removed.
-                        let mut refused: Vec<Refused> =
-                            rejected.iter().map(|r| r.refused).collect();
-                        refused.sort_unstable_by(|a, b| b.cmp(a));
-                        refused.dedup();
-                        let mut members = Vec::new();
-                        for r in refused {
-                            match r {
-                                Refused::Delta(i) => {
-                                    g.deltas.swap_remove(i);
-                                }
-                                Refused::Window(i) => {
-                                    g.windows.swap_remove(i);
-                                }
-                                Refused::Member(i) => members.push(i),
-                            }
-                        }
-                        g.members.remove(&members);
-                    }
+        let landed = AtomicUsize::new(0);
+        let written = {
+            let owner = &owner;
+            let (watermark, landed) = (watermark.as_deref(), &landed);
+            // The first write that does not land ends the flush, and the others are dropped
+            // where they are (as a crash would leave them).
+            try_join_all((batch.groups.iter_mut()).map(|g| async move {
+                self.write_group(partition, g, owner, next_offset, watermark, cancel)
+                    .await?;
+                if landed.fetch_add(1, Ordering::SeqCst) + 1 < groups {
+                    abort_mid_flush(partition);
                 }
-            }
+                Ok(g.group)
+            }))
+            .await?
+        };
+        for group in written {
             owner.ledgers[group as usize] = next_offset;
-            if written + 1 < groups {
-                abort_mid_flush(partition);
-            }
         }
         if !home_only {
             let watermark = owner.watermark(next_offset).encode();
@@ -234,6 +202,71 @@ impl<S: Sink> Flusher<S> {
         }
         self.forget_cached(batch).await;
         Ok(owner)
+    }
+
+    /// Writes group `g`'s part of a batch ending at `next_offset`, fenced by `owner`, retrying
+    /// until it lands; its refused entries are dead-lettered and the rest written again.
+    async fn write_group(
+        &self,
+        partition: i32,
+        g: &mut GroupBatch,
+        owner: &Owner,
+        next_offset: i64,
+        watermark: Option<&str>,
+        cancel: &CancellationToken,
+    ) -> Result<(), FlushOutcome> {
+        let group = g.group;
+        loop {
+            let write = GroupWrite {
+                group,
+                field: &owner.field,
+                epoch: owner.epoch,
+                expected_ledger: owner.ledgers[group as usize],
+                next_offset,
+                deltas: &g.deltas,
+                windows: &g.windows,
+                resets: &g.resets,
+                members: &g.members,
+                watermark,
+            };
+            let applied = self
+                .retry(partition, group, cancel, || self.sink.apply_fenced(write))
+                .await
+                .ok_or(FlushOutcome::Cancelled)?;
+            match applied {
+                Applied::Written => return Ok(()),
+                Applied::AlreadyApplied => {
+                    self.metrics.repeated_write();
+                    return Ok(());
+                }
+                Applied::Fenced => return Err(self.fenced(partition, group)),
+                Applied::RolledBack => return Err(self.rolled_back(partition, group)),
+                Applied::Rejected(rejected) => {
+                    let letters = rejected_letters(partition, g, next_offset, &rejected);
+                    if !self.send_dead_letters(partition, &letters, cancel).await {
+                        return Err(FlushOutcome::Cancelled);
+                    }
+                    // Highest index first in each list, so that a removal never moves an
+                    // entry still to be removed.
+                    let mut refused: Vec<Refused> = rejected.iter().map(|r| r.refused).collect();
+                    refused.sort_unstable_by(|a, b| b.cmp(a));
+                    refused.dedup();
+                    let mut members = Vec::new();
+                    for r in refused {
+                        match r {
+                            Refused::Delta(i) => {
+                                g.deltas.swap_remove(i);
+                            }
+                            Refused::Window(i) => {
+                                g.windows.swap_remove(i);
+                            }
+                            Refused::Member(i) => members.push(i),
+                        }
+                    }
+                    g.members.remove(&members);
+                }
+            }
+        }
     }
 
     /// Drops the shared cached totals of the counters the batch reset (best effort: they expire
@@ -423,7 +456,7 @@ fn abort_after_expiry() -> bool {
 }
 
 /// Test-only failpoint (`TALLY_FAILPOINT_ABORT_MID_FLUSH=n`): abort the process right after the
-/// `n`th group write that has more groups of its flush still to write, so that a restart finds
+/// `n`th group write to land while other groups of its flush have not, so that a restart finds
 /// one flush applied in some groups and not others.
 fn abort_mid_flush(partition: i32) {
     static AFTER: std::sync::OnceLock<Option<u64>> = std::sync::OnceLock::new();
