@@ -8,11 +8,11 @@
 //! messages are read again by whoever owns the partition next.
 //!
 //! In exactly-once mode (an [`Owner`] is given) each group write is fenced and deduplicated by the
-//! group's ledger (see [`crate::store::fence`]), and the groups' writes go out together; once
-//! all have landed the partition's watermark moves (in the same operation when the batch wrote
-//! only to the home group). A write refused by the fence ends the flush as
-//! [`FlushOutcome::Fenced`] without waiting for the other groups: another aggregator owns the
-//! partition now.
+//! group's ledger (see [`crate::store::fence`]). In either mode the groups' writes go out
+//! together. In exactly-once mode, once all have landed, the partition's watermark moves (in the
+//! same operation when the batch wrote only to the home group). A write refused by the fence ends
+//! the flush as [`FlushOutcome::Fenced`] without waiting for the other groups: another aggregator
+//! owns the partition now.
 //! Counters that Redis cannot take (the sum would overflow 64 bits, or the key holds something
 //! else) are dead-lettered with the reason and left out; the rest of the batch is applied.
 
@@ -72,24 +72,29 @@ impl<S: Sink> Flusher<S> {
         }
         let owner = match owner {
             None => {
-                for g in &batch.groups {
-                    // Memberships never reach this path: dedup namespaces need exactly-once;
-                    // nor do expiries (expiring namespaces need it too).
-                    let Some(rejected) = self
+                // Memberships never reach this path: dedup namespaces need exactly-once; nor do
+                // expiries (expiring namespaces need it too). The groups' writes go out
+                // together, as in exactly-once mode.
+                let next_offset = batch.next_offset;
+                let written = try_join_all(batch.groups.iter().map(|g| async move {
+                    let rejected = self
                         .retry(partition, g.group, cancel, || {
                             self.sink.apply(g.group, &g.deltas, &g.windows, &g.resets)
                         })
                         .await
-                    else {
-                        return FlushOutcome::Cancelled;
-                    };
+                        .ok_or(FlushOutcome::Cancelled)?;
                     if !rejected.is_empty() {
                         // The refused deltas were not applied (the rest was): dead-letter them.
-                        let letters = rejected_letters(partition, g, batch.next_offset, &rejected);
+                        let letters = rejected_letters(partition, g, next_offset, &rejected);
                         if !self.send_dead_letters(partition, &letters, cancel).await {
-                            return FlushOutcome::Cancelled;
+                            return Err(FlushOutcome::Cancelled);
                         }
                     }
+                    Ok(())
+                }))
+                .await;
+                if let Err(cancelled) = written {
+                    return cancelled;
                 }
                 self.forget_cached(&batch).await;
                 None
