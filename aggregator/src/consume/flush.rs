@@ -171,7 +171,7 @@ impl<S: Sink> Flusher<S> {
         // behind the other partitions' writes.
         let groups = batch.groups.len();
         let landed = AtomicUsize::new(0);
-        let written = {
+        {
             let owner = &owner;
             let (watermark, landed) = (watermark.as_deref(), &landed);
             // The first write that does not land ends the flush, and the others are dropped
@@ -179,15 +179,15 @@ impl<S: Sink> Flusher<S> {
             try_join_all((batch.groups.iter_mut()).map(|g| async move {
                 self.write_group(partition, g, owner, next_offset, watermark, cancel)
                     .await?;
-                if landed.fetch_add(1, Ordering::SeqCst) + 1 < groups {
+                if landed.fetch_add(1, Ordering::Relaxed) + 1 < groups {
                     abort_mid_flush(partition);
                 }
-                Ok(g.group)
+                Ok(())
             }))
-            .await?
-        };
-        for group in written {
-            owner.ledgers[group as usize] = next_offset;
+            .await?;
+        }
+        for g in &batch.groups {
+            owner.ledgers[g.group as usize] = next_offset;
         }
         if !home_only {
             let watermark = owner.watermark(next_offset).encode();
