@@ -86,8 +86,9 @@ pub struct Args {
     /// steady-windows, steady-likes, hot, hot-likes, cardinality, reads, micro); all when empty.
     #[arg(long, value_delimiter = ',')]
     pub only: Vec<String>,
-    /// Run nothing: read this `results.json` and write `capacity.md` (the sizing guide) into
-    /// `--out`.
+    /// Run nothing: read this `results.json` and write its report again into `--out`
+    /// (`results.json`, `results.md`, `capacity.md`, the sizing guide, and the plots), taking
+    /// `--events`, `--counters`, `--zipf` and `--partitions` as the run's.
     #[arg(long)]
     pub capacity_from: Option<PathBuf>,
 }

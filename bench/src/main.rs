@@ -42,9 +42,12 @@ async fn main() -> anyhow::Result<()> {
     std::fs::create_dir_all(&args.out)?;
     if let Some(path) = &args.capacity_from {
         let results: results::Results = serde_json::from_slice(&std::fs::read(path)?)?;
-        let out = args.out.join("capacity.md");
-        std::fs::write(&out, capacity::markdown(&results))?;
-        println!("wrote {}", out.display());
+        report::write(&args, &results)?;
+        println!(
+            "wrote the report of {} again into {}",
+            path.display(),
+            args.out.display()
+        );
         return Ok(());
     }
     let results = scenarios::run_all(&args).await?;

@@ -47,7 +47,8 @@ const MAX_CONFLICTS: usize = 32;
 /// n² comparisons, all in one command: 0.3 ms for 250 keys, 3.5 ms for 1,000, 13 ms for 2,000
 /// and 53 ms for 4,000 (one `WATCH` each, `INFO commandstats`). A catch-up batch of 15,000
 /// counters watched ~3,750 keys per group, 23 ms a `WATCH` and 14 CPU-us of Redis per counter
-/// written on a long tail; at 512 a group that is 2.7-3.9 us (`docs/capacity.md`).
+/// written on a long tail; at 512 a group that is 2.7-3.9 us
+/// (`docs/performance/measurements.md`).
 pub const TRANSACTION_GROUP_ENTRIES: usize = 512;
 
 /// How many idle connections are kept for reuse.
