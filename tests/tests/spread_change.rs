@@ -2,9 +2,10 @@
 //! changes between owners while flushes are cut in the middle. Four aggregators in a row, at
 //! spreads 4, 2, 1 and 3, die during a load of 150,000 events on four partitions: three abort
 //! right after a group write lands while other groups of its flush have not (a test-only
-//! failpoint; the flush's watermark never moves), one is SIGKILLed. A fifth, at spread 4, finishes. Every counter ends at the ground truth and
-//! `tally audit` finds no drift. (Had a new owner spread the cut flush's messages its own way,
-//! the groups that took them before the cut would take them again.)
+//! failpoint; the flush's watermark never moves), one is SIGKILLed. A fifth, at spread 4,
+//! finishes. Every counter ends at the ground truth and `tally audit` finds no drift. (Had a new
+//! owner spread the cut flush's messages its own way, the groups that took them before the cut
+//! would take them again.)
 
 use std::time::Duration;
 
