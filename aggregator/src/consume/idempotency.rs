@@ -89,6 +89,9 @@ struct Shard {
     slots: Vec<Slot>,
     homes: usize,
     held: usize,
+    /// At most the oldest stamp held ([`u32::MAX`] when none is): while it is inside the keep
+    /// horizon nothing is forgotten, and a sweep skips its pass over the slots.
+    oldest: u32,
 }
 
 /// The shard holding `key`.
@@ -106,6 +109,7 @@ impl Shard {
             slots: vec![Slot::default(); homes + SLACK],
             homes,
             held: 0,
+            oldest: u32::MAX,
         }
     }
 
@@ -139,6 +143,7 @@ impl Shard {
         self.slots.copy_within(i..free, i + 1);
         self.slots[i] = slot;
         self.held += 1;
+        self.oldest = self.oldest.min(slot.stamp);
     }
 
     /// Rebuilt with `homes` homes, keeping only the ids `keep` keeps. The old slots are read
@@ -155,6 +160,7 @@ impl Shard {
                 self.slots[i] = slot;
             }
             self.held += 1;
+            self.oldest = self.oldest.min(slot.stamp);
             next = i + 1;
         }
     }
@@ -253,6 +259,7 @@ impl RecentIds {
             stamp: (kafka_ms - base_ms) as u32,
         };
         if slot.key == key {
+            // A later stamp than the slot's: `oldest` still bounds the shard's.
             shard.slots[i] = recorded;
         } else if (shard.held + 1) as f64 > shard.homes as f64 * MAX_LOAD {
             self.sweep(shard_of(key), true);
@@ -314,6 +321,10 @@ impl RecentIds {
         for shard in &mut self.shards {
             let homes = shard.homes;
             shard.rebuild(homes, |s| old_ms + i64::from(s.stamp) >= new_ms);
+            // Every stamp kept is at or after the new base: each moves down alike.
+            if shard.oldest != u32::MAX {
+                shard.oldest = (old_ms + i64::from(shard.oldest) - new_ms).max(0) as u32;
+            }
             for s in shard.slots.iter_mut().filter(|s| s.key != 0) {
                 s.stamp = (old_ms + i64::from(s.stamp) - new_ms) as u32;
                 if s.at != 0 {
@@ -329,9 +340,15 @@ impl RecentIds {
     fn sweep(&mut self, index: usize, grow: bool) {
         let horizon = self.newest_ms.saturating_sub(self.keep_ms);
         let base_ms = self.base_ms;
-        let keep = |s: &Slot| base_ms + i64::from(s.stamp) >= horizon;
+        let kept = |stamp: u32| base_ms + i64::from(stamp) >= horizon;
+        let keep = |s: &Slot| kept(s.stamp);
         let shard = &mut self.shards[index];
-        let live = shard.slots.iter().filter(|s| s.key != 0 && keep(s)).count();
+        // Nothing stamped before the horizon: every id held is live, no pass needed.
+        let live = if kept(shard.oldest) {
+            shard.held
+        } else {
+            shard.slots.iter().filter(|s| s.key != 0 && keep(s)).count()
+        };
         let homes = shard.homes;
         let sized = ((live + 1) as f64 / REBUILT_LOAD).ceil() as usize;
         let target = if grow && (live + 1) as f64 > homes as f64 * GROW_LOAD {
@@ -568,6 +585,29 @@ mod tests {
         }
         assert_eq!(ids.len(), SHARDS);
         assert!(!ids.is_repeat(id_key("c", "e99"), 200, 300_000, MIN));
+    }
+
+    /// A shard's bound on its oldest stamp moves with the bases, so ids are still forgotten
+    /// once the offsets have jumped past the slots' range.
+    #[test]
+    fn ids_are_forgotten_after_the_bases_move() {
+        let mut ids = RecentIds::new(MIN);
+        for i in 0..1_000 {
+            ids.is_repeat(id_key("c", &format!("e{i}")), i, i * 10, MIN);
+        }
+        // An offset past what a slot holds moves the bases (and every stamp); no shard grows
+        // after it, so none is rebuilt from its slots again.
+        let far = i64::from(u32::MAX) + 10;
+        ids.is_repeat(id_key("c", "f"), far, 20_000, MIN);
+        assert_eq!(ids.len(), 1_001);
+        // Horizon 135 - 120 = 15 s: the first thousand (stamped before 10 s) are forgotten as
+        // the shards are swept, the one stamped 20 s kept.
+        for i in 0..SHARDS as i64 {
+            ids.is_repeat(id_key("c", &format!("late{i}")), far + 1 + i, 135_000, MIN);
+        }
+        assert_eq!(ids.len(), 1 + SHARDS);
+        // Kept: a resend stamped 80 s (within the skew of the newest) repeats it.
+        assert!(ids.is_repeat(id_key("c", "f"), far + 100, 80_000, MIN));
     }
 
     /// Against a reference that never forgets, over random streams whose timestamps run back at
