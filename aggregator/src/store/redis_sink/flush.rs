@@ -249,17 +249,23 @@ impl RedisSink {
             .map(|(run, _)| run)
             .collect();
         let check = ks.set_check_key(write.group);
-        let mut writes = redis::pipe();
+        // Every command made at its size: grown an argument at a time, the buffers of a
+        // catch-up's hundreds of thousands of SADDs were reallocated several times each.
+        let mut writes = redis::Pipeline::with_capacity(2 * before.len() + 4);
         writes.atomic().ignore_errors();
-        let mut sets = redis::cmd("SINTERSTORE");
-        sets.arg(&check).arg(ks.none_key(write.group));
+        let mut sets = redis::Cmd::with_capacity(before.len() + 3, 64 * (before.len() + 2));
+        sets.arg("SINTERSTORE")
+            .arg(&check)
+            .arg(ks.none_key(write.group));
         let mut key = String::new();
         for run in &before {
             ks.write_set_key(&mut key, write.group, run.counter, true);
             for (command, members) in [("SADD", &run.likes), ("SREM", &run.unlikes)] {
                 if !members.is_empty() {
-                    let mut cmd = redis::cmd(command);
-                    cmd.arg(&key);
+                    let bytes: usize = members.clone().map(|m| likes.actor(m).len()).sum();
+                    let mut cmd =
+                        redis::Cmd::with_capacity(members.len() + 2, bytes + key.len() + 4);
+                    cmd.arg(command).arg(&key);
                     for m in members.clone() {
                         cmd.arg(likes.actor(m));
                     }
