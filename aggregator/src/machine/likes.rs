@@ -464,6 +464,12 @@ impl Likes {
         &self.text[self.members[i].range()]
     }
 
+    /// The bytes of the actors of memberships `members`, from their places alone (the text is
+    /// not read): what a command of them takes.
+    pub fn actors_len(&self, members: Range<usize>) -> usize {
+        self.members[members].iter().map(|m| m.end - m.start).sum()
+    }
+
     /// Membership `i`.
     pub fn get(&self, i: usize) -> Like<'_> {
         let k = self.runs.partition_point(|r| r.end <= i);
@@ -582,6 +588,10 @@ mod tests {
         assert_eq!(likes.run(1).members(), 4..5);
         let listed: Vec<Like> = (0..likes.len()).map(|i| likes.get(i)).collect();
         assert_eq!(listed, likes.iter().collect::<Vec<_>>());
+        // What a command of a run's actors takes, from their places: u2 and u4, then u1 and u3.
+        assert_eq!(likes.actors_len(run.likes.clone()), 4);
+        assert_eq!(likes.actors_len(run.members()), 8);
+        assert_eq!(likes.actors_len(4..5), "u9".len());
     }
 
     #[test]

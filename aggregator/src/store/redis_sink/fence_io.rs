@@ -42,9 +42,7 @@ impl RedisSink {
             _ => Err(unexpected(&reply)),
         }
     }
-}
 
-impl RedisSink {
     pub(super) async fn script_next_epoch(
         &self,
         home: u32,

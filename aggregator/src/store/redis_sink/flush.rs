@@ -262,9 +262,8 @@ impl RedisSink {
             ks.write_set_key(&mut key, write.group, run.counter, true);
             for (command, members) in [("SADD", &run.likes), ("SREM", &run.unlikes)] {
                 if !members.is_empty() {
-                    let bytes: usize = members.clone().map(|m| likes.actor(m).len()).sum();
-                    let mut cmd =
-                        redis::Cmd::with_capacity(members.len() + 2, bytes + key.len() + 4);
+                    let bytes = likes.actors_len(members.clone()) + key.len() + 4;
+                    let mut cmd = redis::Cmd::with_capacity(members.len() + 2, bytes);
                     cmd.arg(command).arg(&key);
                     for m in members.clone() {
                         cmd.arg(likes.actor(m));
